@@ -1,0 +1,1 @@
+//! Workloads, trace replay, fleet launcher, statistics and reports for kvmesh experiments.

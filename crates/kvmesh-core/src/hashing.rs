@@ -1,0 +1,242 @@
+//! Chained block hashing exactly as vLLM's `hash_block_tokens` with `sha256_cbor` / `xxhash_cbor`.
+//!
+//! A block's digest is `H(cbor([parent_digest, [token ids...], extra_keys_or_null]))`, where the
+//! first block's parent is `NONE_HASH = H(cbor(seed_string))`. The value that travels in KV events
+//! is the last 8 digest bytes read big-endian ([`BlockDigest::event_hash`]).
+
+use std::fmt;
+use std::str::FromStr;
+
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+use crate::TokenId;
+
+/// The seed vLLM uses for NONE_HASH when `PYTHONHASHSEED` is not set.
+pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
+
+/// The hash value an engine publishes for a block in KV events (last 8 digest bytes, big-endian).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct BlockHash(pub u64);
+
+impl fmt::Display for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Prefix-caching hash algorithms kvmesh can reproduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum HashAlgo {
+    /// SHA-256 over canonical CBOR (vLLM `--prefix-caching-hash-algo sha256_cbor`).
+    #[serde(rename = "sha256_cbor")]
+    Sha256Cbor,
+    /// XXH3-128 over canonical CBOR (vLLM `xxhash_cbor`).
+    #[serde(rename = "xxhash_cbor")]
+    XxhashCbor,
+}
+
+impl HashAlgo {
+    /// The name vLLM uses on its command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HashAlgo::Sha256Cbor => "sha256_cbor",
+            HashAlgo::XxhashCbor => "xxhash_cbor",
+        }
+    }
+
+    /// Digest length in bytes.
+    pub fn digest_len(self) -> usize {
+        match self {
+            HashAlgo::Sha256Cbor => 32,
+            HashAlgo::XxhashCbor => 16,
+        }
+    }
+}
+
+impl fmt::Display for HashAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a hash algorithm name was refused.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum HashAlgoError {
+    #[error(
+        "hash algorithm `{0}` hashes Python pickle output, which is not portable across processes; \
+         kvmesh supports sha256_cbor and xxhash_cbor (start vLLM with --prefix-caching-hash-algo sha256_cbor)"
+    )]
+    PickleUnsupported(String),
+    #[error("unknown hash algorithm `{0}` (supported: sha256_cbor, xxhash_cbor)")]
+    Unknown(String),
+}
+
+impl FromStr for HashAlgo {
+    type Err = HashAlgoError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sha256_cbor" => Ok(HashAlgo::Sha256Cbor),
+            "xxhash_cbor" => Ok(HashAlgo::XxhashCbor),
+            "sha256" | "xxhash" | "builtin" => Err(HashAlgoError::PickleUnsupported(s.to_owned())),
+            other => Err(HashAlgoError::Unknown(other.to_owned())),
+        }
+    }
+}
+
+/// A full block digest (32 bytes for SHA-256, 16 for XXH3-128).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockDigest {
+    bytes: [u8; 32],
+    len: u8,
+}
+
+impl BlockDigest {
+    /// Builds a digest from raw bytes (at most 32; longer input keeps the last 32 bytes).
+    pub fn from_bytes(raw: &[u8]) -> Self {
+        let tail = &raw[raw.len().saturating_sub(32)..];
+        let mut bytes = [0u8; 32];
+        bytes[..tail.len()].copy_from_slice(tail);
+        Self { bytes, len: tail.len() as u8 }
+    }
+
+    /// The digest bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    /// The value vLLM publishes in KV events: the last 8 bytes, big-endian.
+    pub fn event_hash(&self) -> BlockHash {
+        BlockHash(event_hash_from_bytes(self.as_bytes()))
+    }
+
+    /// Lower-case hex of the full digest.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.as_bytes())
+    }
+}
+
+impl fmt::Debug for BlockDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockDigest({})", self.to_hex())
+    }
+}
+
+/// Last 8 bytes of `raw` read big-endian (shorter input is left-padded with zeros), as vLLM does
+/// when `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` turns digests into integers.
+pub fn event_hash_from_bytes(raw: &[u8]) -> u64 {
+    let tail = &raw[raw.len().saturating_sub(8)..];
+    tail.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
+}
+
+/// Computes chained block digests for one algorithm, seed and block size.
+///
+/// Holds a reusable CBOR buffer so hashing a prompt allocates only the output vector.
+#[derive(Clone)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    block_size: usize,
+    none_hash: BlockDigest,
+    buf: Vec<u8>,
+}
+
+impl fmt::Debug for BlockHasher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockHasher")
+            .field("algo", &self.algo)
+            .field("block_size", &self.block_size)
+            .field("none_hash", &self.none_hash)
+            .finish()
+    }
+}
+
+impl BlockHasher {
+    /// `seed` is the `PYTHONHASHSEED` string if the engine sets one; `None` means vLLM's default
+    /// seed [`DEFAULT_NONE_HASH_SEED`].
+    pub fn new(algo: HashAlgo, seed: Option<&str>, block_size: usize) -> Self {
+        let mut buf = Vec::with_capacity(64 + block_size * 5);
+        let seed = seed.unwrap_or(DEFAULT_NONE_HASH_SEED);
+        buf.clear();
+        // A CBOR text string header followed by the utf-8 bytes; encoding a &str cannot fail
+        // on a Vec writer, so the error branch is unreachable in practice.
+        let mut enc = minicbor::Encoder::new(&mut buf);
+        let _ = enc.str(seed);
+        let none_hash = digest(algo, &buf);
+        Self { algo, block_size, none_hash, buf }
+    }
+
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// NONE_HASH: the parent digest of the first block.
+    pub fn none_hash(&self) -> BlockDigest {
+        self.none_hash
+    }
+
+    /// Digest of one block given its parent's full digest and its tokens (no extra keys).
+    pub fn hash_block(&mut self, parent: &BlockDigest, tokens: &[TokenId]) -> BlockDigest {
+        self.buf.clear();
+        let mut enc = minicbor::Encoder::new(&mut self.buf);
+        // Writing into a Vec never fails; ignore the infallible Result.
+        let _ = enc
+            .array(3)
+            .and_then(|e| e.bytes(parent.as_bytes()))
+            .and_then(|e| e.array(tokens.len() as u64));
+        for &t in tokens {
+            let _ = enc.u32(t);
+        }
+        let _ = enc.null();
+        digest(self.algo, &self.buf)
+    }
+
+    /// Digests of every full block of `tokens`, chained from NONE_HASH.
+    pub fn hash_prompt(&mut self, tokens: &[TokenId]) -> Vec<BlockDigest> {
+        self.hash_prompt_from(&self.none_hash.clone(), tokens)
+    }
+
+    /// Digests of every full block of `tokens`, chained from `parent`.
+    pub fn hash_prompt_from(&mut self, parent: &BlockDigest, tokens: &[TokenId]) -> Vec<BlockDigest> {
+        if self.block_size == 0 {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
+        let mut parent = *parent;
+        for block in tokens.chunks_exact(self.block_size) {
+            parent = self.hash_block(&parent, block);
+            out.push(parent);
+        }
+        out
+    }
+}
+
+fn digest(algo: HashAlgo, data: &[u8]) -> BlockDigest {
+    match algo {
+        HashAlgo::Sha256Cbor => BlockDigest::from_bytes(&Sha256::digest(data)),
+        HashAlgo::XxhashCbor => {
+            BlockDigest::from_bytes(&xxhash_rust::xxh3::xxh3_128(data).to_be_bytes())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pickle_algorithms_are_refused_with_a_reason() {
+        let err = "sha256".parse::<HashAlgo>().unwrap_err();
+        assert!(err.to_string().contains("pickle"));
+    }
+
+    #[test]
+    fn event_hash_is_last_eight_bytes_big_endian() {
+        let raw: Vec<u8> = (0u8..32).collect();
+        assert_eq!(event_hash_from_bytes(&raw), 0x18191a1b1c1d1e1f);
+    }
+}

@@ -1,0 +1,20 @@
+//! kvmesh-core: the vLLM-compatible foundations every other kvmesh crate builds on.
+//!
+//! Nothing here does I/O or async: block hashing exactly as vLLM computes it, the router's own
+//! chain keys, the KV-event wire codec, `kv_transfer_params`, and the peer fingerprint that P2P
+//! engines compare at connect time.
+
+pub mod chain;
+pub mod events;
+pub mod fingerprint;
+pub mod hashing;
+pub mod transfer_params;
+
+/// A token id as carried in prompts and KV events.
+pub type TokenId = u32;
+
+pub use chain::ChainKey;
+pub use events::{EventBatch, EventDecodeError, EventEncoding, KvEvent, Medium};
+pub use fingerprint::{Fingerprint, FingerprintMismatch};
+pub use hashing::{BlockDigest, BlockHash, BlockHasher, HashAlgo};
+pub use transfer_params::{KvTransferParams, RemoteKvSource};

@@ -1,0 +1,1 @@
+//! KV-event transport over ZMQ: publisher with replay, subscriber with gap detection.

@@ -1,0 +1,1 @@
+//! Real Llama-family transformer on CPU (candle) with paged KV blocks.

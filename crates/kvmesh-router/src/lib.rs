@@ -1,0 +1,1 @@
+//! kvmesh router: OpenAI gateway with KV-cache-aware scheduling and P2P source selection.

@@ -1,0 +1,1 @@
+//! kvmesh P2P KV transfer protocol: framing, producer server, consumer client.
