@@ -1,0 +1,123 @@
+//! The compute interface between the engine's scheduler/block pool and a backend that produces KV.
+//!
+//! The engine owns the paged KV memory ([`KvArena`]) and the block tables; a backend only sees,
+//! per step, which tokens to process for which sequence, which blocks hold that sequence's KV,
+//! and the arena to read and write. It never decides pool policy (allocation, caching, eviction).
+//!
+//! Contract for one [`ComputeBackend::step`]:
+//! - For each [`SeqStep`], the KV of positions `0..start_pos` is already valid in
+//!   `block_table` (computed earlier, restored from the CPU tier, or pulled from a peer).
+//! - The backend writes the KV of positions `start_pos..start_pos + tokens.len()` into the
+//!   blocks of `block_table` (position `p` lives in block `block_table[p / block_size]`, slot
+//!   `p % block_size`), using its own layout inside a block's bytes.
+//! - When `sample` is set, the backend returns the next token for that sequence.
+
+pub mod sim;
+
+use kvmesh_core::TokenId;
+use thiserror::Error;
+
+/// Index of a block in the engine's GPU-tier pool.
+pub type BlockId = u32;
+
+/// Byte layout of one KV block; peers compare it (via the fingerprint) before moving KV.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Bytes of one block's KV for all layers.
+    pub bytes_per_block: usize,
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    /// KV element type name, e.g. "f32", "bf16", or "sim".
+    pub dtype: String,
+    /// Identity of the weights (peers must match).
+    pub model_id: String,
+}
+
+/// Paged KV memory: `num_blocks` blocks of `bytes_per_block` bytes, 16-byte aligned so backends
+/// can view a block as `f32`/`bf16` slices with `bytemuck`.
+pub struct KvArena {
+    storage: Vec<u128>,
+    bytes_per_block: usize,
+    num_blocks: usize,
+}
+
+impl KvArena {
+    /// `bytes_per_block` is rounded up to a multiple of 16.
+    pub fn new(num_blocks: usize, bytes_per_block: usize) -> Self {
+        let words_per_block = bytes_per_block.div_ceil(16);
+        Self {
+            storage: vec![0u128; words_per_block * num_blocks],
+            bytes_per_block: words_per_block * 16,
+            num_blocks,
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn bytes_per_block(&self) -> usize {
+        self.bytes_per_block
+    }
+
+    /// The bytes of one block. Panics on an out-of-range id (ids come from the pool, never input).
+    pub fn block(&self, id: BlockId) -> &[u8] {
+        let words = self.bytes_per_block / 16;
+        let start = id as usize * words;
+        bytemuck::cast_slice(&self.storage[start..start + words])
+    }
+
+    /// Mutable bytes of one block.
+    pub fn block_mut(&mut self, id: BlockId) -> &mut [u8] {
+        let words = self.bytes_per_block / 16;
+        let start = id as usize * words;
+        bytemuck::cast_slice_mut(&mut self.storage[start..start + words])
+    }
+}
+
+/// Sampling controls a backend applies when it produces a token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    pub top_p: f32,
+    /// Per-request seed; `None` = engine-chosen.
+    pub seed: Option<u64>,
+}
+
+/// One sequence's share of a batch step.
+pub struct SeqStep<'a> {
+    /// Engine-internal request id (stable for the request's lifetime).
+    pub seq_id: u64,
+    /// Tokens to process now: a prefill chunk, or the last sampled token when decoding.
+    pub tokens: &'a [TokenId],
+    /// Position of `tokens[0]`; the KV of `0..start_pos` is already valid in `block_table`.
+    pub start_pos: usize,
+    /// Blocks covering at least positions `0..start_pos + tokens.len()`.
+    pub block_table: &'a [BlockId],
+    /// Produce the next token for this sequence (last prefill chunk, or a decode step).
+    pub sample: Option<&'a SamplingParams>,
+    /// Number of tokens already generated for this sequence (for deterministic sim output).
+    pub num_generated: usize,
+}
+
+/// Errors a backend can report for a step; the engine fails only the affected requests.
+#[derive(Debug, Error)]
+pub enum ComputeError {
+    #[error("backend failure: {0}")]
+    Backend(String),
+}
+
+/// A producer of KV and tokens. Runs on the engine's dedicated compute thread: `step` may block.
+pub trait ComputeBackend: Send {
+    /// Short name shown in logs and /metrics ("sim", "model").
+    fn name(&self) -> &str;
+    /// Layout of a KV block; the engine sizes its arena and CPU tier from it.
+    fn kv_layout(&self) -> KvLayout;
+    /// Runs one batch step; returns, per input sequence in order, the sampled token if asked.
+    fn step(&mut self, seqs: &[SeqStep<'_>], kv: &mut KvArena) -> Result<Vec<Option<TokenId>>, ComputeError>;
+    /// End-of-sequence token ids (generation stops on them unless `ignore_eos`).
+    fn eos_token_ids(&self) -> Vec<TokenId>;
+}

@@ -1,0 +1,1 @@
+//! sim backend (being written).

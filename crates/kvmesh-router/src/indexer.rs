@@ -1,0 +1,1 @@
+//! Feeds the prefix index from engines' KV-event streams (being written).

@@ -1,0 +1,41 @@
+//! The text side of serving: turning prompts and chat messages into token ids and back.
+//!
+//! [`Tokenizer`] is what the engine and the router need; implementations: [`ByteTokenizer`]
+//! (deterministic, dependency-free, used by the `sim` backend and tests), a HF `tokenizer.json`
+//! tokenizer and a GGUF-vocabulary tokenizer (real models). Chat templates render OpenAI
+//! messages to a prompt string.
+
+mod byte;
+
+pub use byte::ByteTokenizer;
+use kvmesh_core::TokenId;
+use serde::{Deserialize, Serialize};
+
+/// One OpenAI chat message (content flattened to text).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// Errors from tokenization or template rendering.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// Text ↔ token ids for one model, plus its chat template.
+pub trait Tokenizer: Send + Sync {
+    fn encode(&self, text: &str) -> Result<Vec<TokenId>, TextError>;
+    fn decode(&self, tokens: &[TokenId]) -> Result<String, TextError>;
+    /// The display string of one token (for `/tokenize`'s `token_strs`).
+    fn token_str(&self, token: TokenId) -> String;
+    /// Renders chat messages to the prompt text the model expects.
+    fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TextError>;
+    /// End-of-sequence token ids.
+    fn eos_token_ids(&self) -> Vec<TokenId>;
+    fn vocab_size(&self) -> usize;
+}
