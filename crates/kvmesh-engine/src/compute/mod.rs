@@ -120,4 +120,10 @@ pub trait ComputeBackend: Send {
     fn step(&mut self, seqs: &[SeqStep<'_>], kv: &mut KvArena) -> Result<Vec<Option<TokenId>>, ComputeError>;
     /// End-of-sequence token ids (generation stops on them unless `ignore_eos`).
     fn eos_token_ids(&self) -> Vec<TokenId>;
+    /// For time-modelled backends: how long pulling `tokens` of KV from a peer takes on the modelled
+    /// hardware, so a consumer can hold a pulled prefix until then. Real backends return `None`
+    /// (the real transfer time is the truth).
+    fn modelled_pull_time(&self, _tokens: usize) -> Option<std::time::Duration> {
+        None
+    }
 }
