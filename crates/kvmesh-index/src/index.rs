@@ -1,0 +1,575 @@
+//! The fast prefix index: sharded block table + per-endpoint engine-hash maps.
+//!
+//! Concurrency: block entries live in `shards` hash tables, each behind a `parking_lot::RwLock`
+//! held for one block operation at a time, so a lookup waits at most for one block write (or one
+//! eviction pass over one shard). Each endpoint's state (its engine-hash map) sits behind its own
+//! mutex, held for a whole event, which serialises that endpoint's events in arrival order while
+//! different endpoints ingest in parallel.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+use hashbrown::HashMap;
+use kvmesh_core::events::{BlockRemoved, BlockStored, KvEvent};
+use kvmesh_core::{BlockHash, ChainKey};
+use parking_lot::{Mutex, RwLock};
+
+use crate::members::Members;
+use crate::{EndpointId, EndpointMatch, IndexConfig, IndexError, IndexStats, Tier};
+
+/// One router block: who holds it, and when it was last stored or looked up (for eviction).
+#[derive(Debug)]
+struct Block {
+    members: Members,
+    last_used: AtomicU32,
+}
+
+#[derive(Debug, Default)]
+struct ShardInner {
+    blocks: HashMap<ChainKey, Block>,
+    /// Sum of `members.count()` over `blocks`.
+    memberships: u64,
+    /// Sum of `members.heap_bytes()` over `blocks`.
+    extra_bytes: u64,
+}
+
+/// Padded so neighbouring shard locks do not share a cache line.
+#[repr(align(128))]
+#[derive(Debug, Default)]
+struct Shard(RwLock<ShardInner>);
+
+/// What the index knows about one endpoint's engine hashes.
+#[derive(Debug, Default)]
+struct EndpointState {
+    /// Set (under this mutex) once the endpoint is removed; a writer that raced with the removal
+    /// sees it and re-registers instead of writing into a freed slot.
+    removed: bool,
+    /// Engine hash → key of the last router block it covers.
+    hashes: HashMap<BlockHash, ChainKey>,
+    /// Engine hash → keys of its leading router blocks, only when the engine block spans several
+    /// router blocks.
+    spans: HashMap<BlockHash, Box<[ChainKey]>>,
+}
+
+#[derive(Debug)]
+struct EndpointEntry {
+    slot: u32,
+    state: Mutex<EndpointState>,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    by_id: HashMap<EndpointId, Arc<EndpointEntry>>,
+    /// Slot → endpoint, `None` for free slots.
+    slots: Vec<Option<EndpointId>>,
+    free: Vec<u32>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    evictions: AtomicU64,
+    orphan_events: AtomicU64,
+    unresolved_blocks: AtomicU64,
+    unknown_removals: AtomicU64,
+    ignored_events: AtomicU64,
+}
+
+/// The router's prefix index. `Send + Sync`; every method takes `&self`.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    config: IndexConfig,
+    shards: Box<[Shard]>,
+    shard_bits: u32,
+    /// Blocks per shard before an eviction pass.
+    shard_cap: usize,
+    /// Random per-index value mixed into shard selection so crafted prompts cannot pile onto one
+    /// shard.
+    shard_seed: u64,
+    registry: RwLock<Registry>,
+    /// Number of 64-bit words a lookup needs per tier (highest slot ever used / 64 + 1).
+    words: AtomicUsize,
+    /// Logical clock for recency: bumped by every event and lookup.
+    clock: AtomicU32,
+    counters: Counters,
+}
+
+impl PrefixIndex {
+    pub fn new(config: IndexConfig) -> Self {
+        let n_shards = config.shards.clamp(1, 1 << 16).next_power_of_two();
+        let shard_cap = (config.max_blocks / n_shards).max(16);
+        let shards = (0..n_shards).map(|_| Shard::default()).collect();
+        let shard_seed = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = hashbrown::DefaultHashBuilder::default().build_hasher();
+            h.write_u64(0x6b76_6d65_7368);
+            h.finish() | 1
+        };
+        PrefixIndex {
+            shard_bits: n_shards.trailing_zeros(),
+            config,
+            shards,
+            shard_cap,
+            shard_seed,
+            registry: RwLock::new(Registry::default()),
+            words: AtomicUsize::new(1),
+            clock: AtomicU32::new(1),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    /// Applies one KV event published by `endpoint`. Events of one endpoint must be passed in
+    /// publication order (callers use one task per endpoint); the endpoint is registered on first
+    /// use. On `Err` the event was skipped in whole (or, for `UnresolvedHashes`, in part); the
+    /// index stays consistent.
+    pub fn apply_event(&self, endpoint: EndpointId, event: &KvEvent) -> Result<(), IndexError> {
+        loop {
+            let entry = self.endpoint_entry(endpoint)?;
+            let mut state = entry.state.lock();
+            if state.removed {
+                continue;
+            }
+            let now = self.tick();
+            return match event {
+                KvEvent::BlockStored(ev) => self.apply_stored(entry.slot, &mut state, ev, now),
+                KvEvent::BlockRemoved(ev) => {
+                    self.apply_removed(entry.slot, &mut state, ev);
+                    Ok(())
+                }
+                KvEvent::AllBlocksCleared => {
+                    self.clear_state(entry.slot, &mut state);
+                    Ok(())
+                }
+            };
+        }
+    }
+
+    /// Forgets everything `endpoint` holds (an `AllBlocksCleared`, or a publisher restart). The
+    /// endpoint stays registered.
+    pub fn clear_endpoint(&self, endpoint: EndpointId) {
+        let entry = self.registry.read().by_id.get(&endpoint).cloned();
+        if let Some(entry) = entry {
+            let mut state = entry.state.lock();
+            if !state.removed {
+                self.clear_state(entry.slot, &mut state);
+            }
+        }
+    }
+
+    /// Forgets `endpoint` entirely and frees its slot.
+    pub fn remove_endpoint(&self, endpoint: EndpointId) {
+        let entry = self.registry.read().by_id.get(&endpoint).cloned();
+        let Some(entry) = entry else { return };
+        let mut state = entry.state.lock();
+        if state.removed {
+            return;
+        }
+        self.clear_state(entry.slot, &mut state);
+        state.removed = true;
+        // Free the slot while still holding the endpoint's mutex: no writer can be mid-event on it.
+        let mut reg = self.registry.write();
+        reg.by_id.remove(&endpoint);
+        if let Some(s) = reg.slots.get_mut(entry.slot as usize) {
+            *s = None;
+        }
+        reg.free.push(entry.slot);
+    }
+
+    /// Endpoints currently registered.
+    pub fn endpoints(&self) -> Vec<EndpointId> {
+        let mut v: Vec<EndpointId> = self.registry.read().by_id.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// For each endpoint holding at least the first block, the longest consecutive prefix of
+    /// `keys` it holds in the GPU tier, in the CPU tier and in either tier. `keys` are
+    /// `kvmesh_core::chain::chain_keys(tokens, config.block_size)`. Sorted by endpoint id.
+    pub fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let words = self.words.load(Ordering::Acquire).max(1);
+        let now = self.tick();
+        // Active masks, laid out [gpu, cpu, any] × words; every bit starts active and drops out at
+        // the first block it misses, at which point its run length is recorded.
+        let mut active = vec![!0u64; 3 * words];
+        let mut lens = vec![0u32; 3 * 64 * words];
+        let mut block = vec![0u64; 2 * words];
+        let mut matched = keys.len();
+        for (i, key) in keys.iter().enumerate() {
+            {
+                let shard = self.shard(*key).0.read();
+                match shard.blocks.get(key) {
+                    Some(b) => {
+                        b.members.copy_into(&mut block);
+                        b.last_used.store(now, Ordering::Relaxed);
+                    }
+                    None => block.fill(0),
+                }
+            }
+            let mut still = 0u64;
+            for w in 0..words {
+                let (g, c) = (block[2 * w], block[2 * w + 1]);
+                for (t, holds) in [g, c, g | c].into_iter().enumerate() {
+                    let a = &mut active[t * words + w];
+                    let dropped = *a & !holds;
+                    if dropped != 0 {
+                        *a &= holds;
+                        if i > 0 {
+                            record(&mut lens[(t * words + w) * 64..][..64], dropped, i as u32);
+                        }
+                    }
+                    still |= *a;
+                }
+            }
+            if still == 0 {
+                matched = i;
+                break;
+            }
+        }
+        if matched == keys.len() {
+            for (aw, a) in active.iter().enumerate() {
+                record(&mut lens[aw * 64..][..64], *a, keys.len() as u32);
+            }
+        }
+        let reg = self.registry.read();
+        let mut out = Vec::new();
+        let any_base = 2 * words * 64;
+        for slot in 0..(words * 64).min(reg.slots.len()) {
+            let any = lens[any_base + slot];
+            if any == 0 {
+                continue;
+            }
+            let Some(endpoint) = reg.slots[slot] else {
+                continue;
+            };
+            out.push(EndpointMatch {
+                endpoint,
+                gpu_blocks: lens[slot] as usize,
+                cpu_blocks: lens[words * 64 + slot] as usize,
+                any_blocks: any as usize,
+            });
+        }
+        drop(reg);
+        out.sort_unstable_by_key(|m| m.endpoint);
+        out
+    }
+
+    /// Sizes and counters. Walks every shard (briefly read-locking each) and every endpoint map.
+    pub fn stats(&self) -> IndexStats {
+        let (mut blocks, mut memberships, mut bytes) = (0u64, 0u64, 0u64);
+        for shard in self.shards.iter() {
+            let s = shard.0.read();
+            blocks += s.blocks.len() as u64;
+            memberships += s.memberships;
+            bytes += (s.blocks.allocation_size() as u64) + s.extra_bytes;
+        }
+        let entries: Vec<Arc<EndpointEntry>> =
+            self.registry.read().by_id.values().cloned().collect();
+        for e in &entries {
+            let st = e.state.lock();
+            bytes += st.hashes.allocation_size() as u64 + st.spans.allocation_size() as u64;
+            bytes += st.spans.values().map(|s| (s.len() * 8) as u64).sum::<u64>();
+        }
+        let c = &self.counters;
+        IndexStats {
+            blocks,
+            memberships,
+            endpoints: entries.len() as u64,
+            approx_bytes: bytes,
+            bytes_per_membership: if memberships == 0 {
+                0.0
+            } else {
+                bytes as f64 / memberships as f64
+            },
+            evictions: c.evictions.load(Ordering::Relaxed),
+            orphan_events: c.orphan_events.load(Ordering::Relaxed),
+            unresolved_blocks: c.unresolved_blocks.load(Ordering::Relaxed),
+            unknown_removals: c.unknown_removals.load(Ordering::Relaxed),
+            ignored_events: c.ignored_events.load(Ordering::Relaxed),
+        }
+    }
+
+    // ---- internals ----
+
+    fn tick(&self) -> u32 {
+        self.clock.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn shard(&self, key: ChainKey) -> &Shard {
+        let h = (key.0 ^ self.shard_seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let idx = if self.shard_bits == 0 {
+            0
+        } else {
+            (h >> (64 - self.shard_bits)) as usize
+        };
+        &self.shards[idx]
+    }
+
+    fn endpoint_entry(&self, endpoint: EndpointId) -> Result<Arc<EndpointEntry>, IndexError> {
+        if let Some(e) = self.registry.read().by_id.get(&endpoint) {
+            return Ok(e.clone());
+        }
+        let mut reg = self.registry.write();
+        if let Some(e) = reg.by_id.get(&endpoint) {
+            return Ok(e.clone());
+        }
+        if reg.by_id.len() >= self.config.max_endpoints {
+            return Err(IndexError::TooManyEndpoints {
+                max: self.config.max_endpoints,
+            });
+        }
+        // Lowest free slot first keeps the lookup's word count small.
+        reg.free.sort_unstable_by(|a, b| b.cmp(a));
+        let slot = match reg.free.pop() {
+            Some(s) => s,
+            None => {
+                reg.slots.push(None);
+                (reg.slots.len() - 1) as u32
+            }
+        };
+        reg.slots[slot as usize] = Some(endpoint);
+        self.words
+            .fetch_max(slot as usize / 64 + 1, Ordering::AcqRel);
+        let entry = Arc::new(EndpointEntry {
+            slot,
+            state: Mutex::new(EndpointState::default()),
+        });
+        reg.by_id.insert(endpoint, entry.clone());
+        Ok(entry)
+    }
+
+    fn apply_stored(
+        &self,
+        slot: u32,
+        state: &mut EndpointState,
+        ev: &BlockStored,
+        now: u32,
+    ) -> Result<(), IndexError> {
+        let Some(tier) = crate::indexed_store(ev) else {
+            self.counters.ignored_events.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        };
+        let n = ev.block_hashes.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if ev.token_ids.is_empty() {
+            return self.apply_tokenless_store(slot, state, ev, tier, now);
+        }
+        let mismatch = IndexError::TokenCountMismatch {
+            tokens: ev.token_ids.len(),
+            blocks: n,
+            block_size: ev.block_size,
+        };
+        if !ev.token_ids.len().is_multiple_of(n) {
+            return Err(mismatch);
+        }
+        let engine_bs = ev.token_ids.len() / n;
+        if ev.block_size != 0 && ev.block_size as usize != engine_bs {
+            return Err(mismatch);
+        }
+        let router_bs = self.config.block_size.max(1);
+        if !engine_bs.is_multiple_of(router_bs) {
+            return Err(IndexError::BlockSizeMismatch {
+                engine: engine_bs,
+                router: router_bs,
+            });
+        }
+        let mut key = match ev.parent_block_hash {
+            None => ChainKey::ROOT,
+            Some(parent) => match state.hashes.get(&parent) {
+                Some(k) => *k,
+                None => {
+                    self.counters.orphan_events.fetch_add(1, Ordering::Relaxed);
+                    return Err(IndexError::UnknownParent { parent, blocks: n });
+                }
+            },
+        };
+        let ratio = engine_bs / router_bs;
+        for (hash, tokens) in ev
+            .block_hashes
+            .iter()
+            .zip(ev.token_ids.chunks_exact(engine_bs))
+        {
+            let mut lead = Vec::new();
+            for (j, sub) in tokens.chunks_exact(router_bs).enumerate() {
+                key = key.child(sub);
+                self.add_member(key, slot, tier, now);
+                if j + 1 < ratio {
+                    lead.push(key);
+                }
+            }
+            state.hashes.insert(*hash, key);
+            if ratio > 1 {
+                state.spans.insert(*hash, lead.into_boxed_slice());
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_tokenless_store(
+        &self,
+        slot: u32,
+        state: &mut EndpointState,
+        ev: &BlockStored,
+        tier: Tier,
+        now: u32,
+    ) -> Result<(), IndexError> {
+        let mut unresolved = 0;
+        for hash in &ev.block_hashes {
+            let Some(last) = state.hashes.get(hash).copied() else {
+                unresolved += 1;
+                continue;
+            };
+            if let Some(lead) = state.spans.get(hash) {
+                for k in lead.iter() {
+                    self.add_member(*k, slot, tier, now);
+                }
+            }
+            self.add_member(last, slot, tier, now);
+        }
+        if unresolved > 0 {
+            self.counters
+                .unresolved_blocks
+                .fetch_add(unresolved as u64, Ordering::Relaxed);
+            return Err(IndexError::UnresolvedHashes {
+                unresolved,
+                total: ev.block_hashes.len(),
+            });
+        }
+        Ok(())
+    }
+
+    fn apply_removed(&self, slot: u32, state: &mut EndpointState, ev: &BlockRemoved) {
+        let Some(tier) = crate::indexed_remove(ev) else {
+            self.counters.ignored_events.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        for hash in &ev.block_hashes {
+            let Some(last) = state.hashes.get(hash).copied() else {
+                self.counters
+                    .unknown_removals
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            if let Some(lead) = state.spans.get(hash) {
+                for k in lead.iter() {
+                    self.remove_member(*k, slot, Some(tier));
+                }
+            }
+            let still_held = self.remove_member(last, slot, Some(tier));
+            if !still_held {
+                state.hashes.remove(hash);
+                state.spans.remove(hash);
+            }
+        }
+    }
+
+    fn clear_state(&self, slot: u32, state: &mut EndpointState) {
+        for (hash, last) in state.hashes.drain() {
+            if let Some(lead) = state.spans.get(&hash) {
+                for k in lead.iter() {
+                    self.remove_member(*k, slot, None);
+                }
+            }
+            self.remove_member(last, slot, None);
+        }
+        state.spans = HashMap::new();
+        state.hashes = HashMap::new();
+    }
+
+    fn add_member(&self, key: ChainKey, slot: u32, tier: Tier, now: u32) {
+        let mut shard = self.shard(key).0.write();
+        let inner = &mut *shard;
+        let before_len = inner.blocks.len();
+        let block = inner.blocks.entry(key).or_insert_with(|| Block {
+            members: Members::default(),
+            last_used: AtomicU32::new(now),
+        });
+        *block.last_used.get_mut() = now;
+        let heap_before = block.members.heap_bytes();
+        if block.members.set(slot, tier) {
+            inner.memberships += 1;
+        }
+        inner.extra_bytes =
+            inner.extra_bytes + block.members.heap_bytes() as u64 - heap_before as u64;
+        if inner.blocks.len() > before_len && inner.blocks.len() > self.shard_cap {
+            self.evict(inner, now);
+        }
+    }
+
+    /// Removes `slot` from `key` in `tier` (both tiers if `None`). Returns whether the slot still
+    /// holds the block in some tier afterwards.
+    fn remove_member(&self, key: ChainKey, slot: u32, tier: Option<Tier>) -> bool {
+        let mut shard = self.shard(key).0.write();
+        let inner = &mut *shard;
+        let Some(block) = inner.blocks.get_mut(&key) else {
+            return false;
+        };
+        let heap_before = block.members.heap_bytes() as u64;
+        let removed = match tier {
+            Some(t) => u64::from(block.members.clear(slot, t)),
+            None => block.members.clear_slot(slot),
+        };
+        inner.memberships -= removed;
+        inner.extra_bytes = inner.extra_bytes + block.members.heap_bytes() as u64 - heap_before;
+        let still = block.members.has_any(slot);
+        if block.members.is_empty() {
+            inner.blocks.remove(&key);
+        }
+        still
+    }
+
+    /// Drops about 1/16 of the shard, oldest first. The age threshold is estimated from a sample of
+    /// entries (hash-table order is unrelated to age), then one `retain` pass removes entries at
+    /// least that old until the quota is met.
+    fn evict(&self, inner: &mut ShardInner, now: u32) {
+        let quota = (self.shard_cap / 16).max(1);
+        let len = inner.blocks.len();
+        let mut sample: Vec<u32> = inner
+            .blocks
+            .values()
+            .take(256)
+            .map(|b| now.wrapping_sub(b.last_used.load(Ordering::Relaxed)))
+            .collect();
+        sample.sort_unstable_by(|a, b| b.cmp(a));
+        let idx = (sample.len() * quota)
+            .div_ceil(len)
+            .min(sample.len().saturating_sub(1));
+        let threshold = sample.get(idx).copied().unwrap_or(0);
+        let mut removed = 0usize;
+        let (mut lost_members, mut lost_heap) = (0u64, 0u64);
+        inner.blocks.retain(|_, b| {
+            if removed >= quota || now.wrapping_sub(b.last_used.load(Ordering::Relaxed)) < threshold
+            {
+                return true;
+            }
+            removed += 1;
+            lost_members += b.members.count();
+            lost_heap += b.members.heap_bytes() as u64;
+            false
+        });
+        inner.memberships -= lost_members;
+        inner.extra_bytes -= lost_heap;
+        self.counters
+            .evictions
+            .fetch_add(removed as u64, Ordering::Relaxed);
+    }
+}
+
+/// Stores `value` for every set bit of `bits` (bit b → `lens[b]`).
+fn record(lens: &mut [u32], mut bits: u64, value: u32) {
+    while bits != 0 {
+        let b = bits.trailing_zeros() as usize;
+        lens[b] = value;
+        bits &= bits - 1;
+    }
+}
+
+#[cfg(test)]
+mod tests;
