@@ -1,1 +1,29 @@
-//! kvmesh P2P KV transfer protocol: framing, producer server, consumer client.
+//! kvmesh P2P KV transfer: an engine pulls prompt-prefix KV blocks from a peer's CPU tier instead
+//! of recomputing them (DESIGN §3).
+//!
+//! Layers, innermost first (the mini-redis shape):
+//! - [`frame`]: bytes ⇄ length-prefixed frames, two-phase parse, bounded size;
+//! - [`message`]: frames ⇄ protocol messages (`Hello`, `Lookup`, `Fetch`, block frames, `Done`…);
+//! - [`connection`]: messages over one TCP stream (zero-copy reads, vectored block writes);
+//! - [`server`] ([`ProducerServer`]) and [`client`] ([`PullClient`]): the service, talking to a
+//!   block store only through the [`BlockSource`] / [`BlockSink`] seams in [`source`].
+//!
+//! A pull never fails a request: [`PullClient::pull`] returns a [`PullReport`] whose outcome says
+//! why it stopped and how many leading blocks arrived.
+
+pub mod auth;
+pub mod client;
+pub mod connection;
+pub mod frame;
+pub mod message;
+pub mod metrics;
+pub mod report;
+pub mod server;
+pub mod source;
+
+pub use auth::Secret;
+pub use client::{AllowList, AllowListError, ClientConfig, PeerAddr, PullClient};
+pub use metrics::{Direction, TransferMetrics};
+pub use report::{PullOutcome, PullReason, PullReport};
+pub use server::{ProducerServer, ServerConfig};
+pub use source::{BlockSink, BlockSource, BlockStatus, MemorySource, SinkError, VecSink};

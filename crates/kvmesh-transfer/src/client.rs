@@ -1,0 +1,655 @@
+//! The consumer: pulls a prefix of blocks from a peer into a [`BlockSink`].
+//!
+//! `pull` never returns an error: every failure becomes a typed [`PullOutcome`] and the report says
+//! how many leading blocks reached the sink, so the caller computes the rest. The peer comes from
+//! request input and is untrusted: it must match the allow-list before anything touches the
+//! network (host names are matched as written and resolved only after they pass). Each step
+//! (connect, handshake, every reply or block frame) is bounded by `timeout`; a block the producer
+//! reported `Pending` may take `pending_deadline` longer. Handshaken connections are kept in a
+//! small per-peer pool; a pooled connection that turns out dead before its first reply is replaced
+//! once by a fresh one.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::str::FromStr;
+use std::time::Duration;
+
+use kvmesh_core::{BlockHash, Fingerprint, RemoteKvSource};
+use parking_lot::Mutex;
+use tokio::net::TcpStream;
+use tokio::time::{Instant, timeout};
+
+use crate::auth::{self, Secret};
+use crate::connection::{Connection, ConnectionError};
+use crate::frame::DEFAULT_MAX_FRAME;
+use crate::message::{
+    Auth, BlockStatus, Fetch, FetchEnd, Hello, Lookup, Message, PROTOCOL_VERSION, RefuseReason,
+};
+use crate::metrics::{Direction, TransferMetrics};
+use crate::report::{PullOutcome, PullReason, PullReport};
+use crate::source::BlockSink;
+
+/// A peer to pull from: an address, or a host name as given in `remote_host`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PeerAddr {
+    Socket(SocketAddr),
+    Host { host: String, port: u16 },
+}
+
+impl PeerAddr {
+    /// From a `remote_host`/`remote_port` pair: IP literals (with or without `[]`) become socket
+    /// addresses, anything else a lower-cased host name.
+    pub fn new(host: &str, port: u16) -> Self {
+        let bare = host.trim().trim_start_matches('[').trim_end_matches(']');
+        match bare.parse::<IpAddr>() {
+            Ok(ip) => PeerAddr::Socket(SocketAddr::new(ip, port)),
+            Err(_) => PeerAddr::Host {
+                host: bare.to_ascii_lowercase(),
+                port,
+            },
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        match self {
+            PeerAddr::Socket(s) => s.port(),
+            PeerAddr::Host { port, .. } => *port,
+        }
+    }
+}
+
+impl fmt::Display for PeerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PeerAddr::Socket(s) => write!(f, "{s}"),
+            PeerAddr::Host { host, port } => write!(f, "{host}:{port}"),
+        }
+    }
+}
+
+impl From<SocketAddr> for PeerAddr {
+    fn from(s: SocketAddr) -> Self {
+        PeerAddr::Socket(s)
+    }
+}
+
+impl From<(&str, u16)> for PeerAddr {
+    fn from((h, p): (&str, u16)) -> Self {
+        PeerAddr::new(h, p)
+    }
+}
+
+impl From<(String, u16)> for PeerAddr {
+    fn from((h, p): (String, u16)) -> Self {
+        PeerAddr::new(&h, p)
+    }
+}
+
+impl From<&RemoteKvSource> for PeerAddr {
+    fn from(r: &RemoteKvSource) -> Self {
+        PeerAddr::new(&r.remote_host, r.remote_port)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum AllowEntry {
+    Ip(IpAddr),
+    Socket(SocketAddr),
+    Host(String),
+    HostPort(String, u16),
+}
+
+/// Which peers a consumer may contact. Entries: `ip`, `ip:port`, `[v6]:port`, `host`,
+/// `host:port`, or `*` (any peer — for closed test networks only). Empty = nobody.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AllowList {
+    any: bool,
+    entries: Vec<AllowEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid allow-list entry {0:?}")]
+pub struct AllowListError(pub String);
+
+impl AllowList {
+    /// Allows no peer.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Allows every peer.
+    pub fn any() -> Self {
+        Self {
+            any: true,
+            entries: Vec::new(),
+        }
+    }
+
+    pub fn parse<I, S>(items: I) -> Result<Self, AllowListError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let mut list = Self::none();
+        for item in items {
+            list.add(item.as_ref())?;
+        }
+        Ok(list)
+    }
+
+    /// Add one entry.
+    pub fn add(&mut self, item: &str) -> Result<(), AllowListError> {
+        let item = item.trim();
+        let bad = || AllowListError(item.to_string());
+        if item.is_empty() {
+            return Err(bad());
+        }
+        if item == "*" {
+            self.any = true;
+            return Ok(());
+        }
+        let entry = if let Ok(s) = item.parse::<SocketAddr>() {
+            AllowEntry::Socket(s)
+        } else if let Ok(ip) = item
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+        {
+            AllowEntry::Ip(ip)
+        } else if let Some((host, port)) = item.rsplit_once(':') {
+            let port = port.parse::<u16>().map_err(|_| bad())?;
+            if !valid_host(host) {
+                return Err(bad());
+            }
+            AllowEntry::HostPort(host.to_ascii_lowercase(), port)
+        } else {
+            if !valid_host(item) {
+                return Err(bad());
+            }
+            AllowEntry::Host(item.to_ascii_lowercase())
+        };
+        self.entries.push(entry);
+        Ok(())
+    }
+
+    pub fn add_socket(&mut self, addr: SocketAddr) {
+        self.entries.push(AllowEntry::Socket(addr));
+    }
+
+    /// May we contact this peer? Pure: no name resolution happens here.
+    pub fn permits(&self, peer: &PeerAddr) -> bool {
+        if self.any {
+            return true;
+        }
+        self.entries.iter().any(|e| match (e, peer) {
+            (AllowEntry::Ip(ip), PeerAddr::Socket(s)) => *ip == s.ip(),
+            (AllowEntry::Socket(a), PeerAddr::Socket(s)) => a == s,
+            (AllowEntry::Host(h), PeerAddr::Host { host, .. }) => h == host,
+            (AllowEntry::HostPort(h, p), PeerAddr::Host { host, port }) => h == host && p == port,
+            _ => false,
+        })
+    }
+}
+
+fn valid_host(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= 253
+        && h.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_')
+}
+
+impl FromStr for AllowList {
+    type Err = AllowListError;
+
+    /// Comma-separated entries (the form of a `--p2p-allowed-peers` flag).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s.split(',').map(str::trim).filter(|x| !x.is_empty()))
+    }
+}
+
+/// Consumer settings.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Peers we may contact; anything else fails with `NotAllowed` without touching the network.
+    pub allowed_peers: AllowList,
+    /// Bound on each step: connect, handshake, each reply and each block frame.
+    pub timeout: Duration,
+    /// Extra time the producer may take for blocks it reported `Pending`.
+    pub pending_deadline: Duration,
+    /// When set, the producer must share it (mutual challenge–response).
+    pub secret: Option<Secret>,
+    /// Largest frame accepted or sent.
+    pub max_frame: usize,
+    /// Idle handshaken connections kept per peer.
+    pub max_idle_per_peer: usize,
+    pub metrics: TransferMetrics,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            allowed_peers: AllowList::none(),
+            timeout: Duration::from_secs(5),
+            pending_deadline: Duration::from_secs(2),
+            secret: None,
+            max_frame: DEFAULT_MAX_FRAME,
+            max_idle_per_peer: 4,
+            metrics: TransferMetrics::default(),
+        }
+    }
+}
+
+/// Why one attempt ended early, and what that means for the connection.
+#[derive(Debug)]
+struct Stop {
+    reason: PullReason,
+    /// The stream ended cleanly (`Done`), so the connection can go back to the pool.
+    reusable: bool,
+    /// Failed before any reply on a pooled connection: try once more on a fresh one.
+    stale: bool,
+}
+
+impl Stop {
+    fn broken(reason: PullReason) -> Self {
+        Self {
+            reason,
+            reusable: false,
+            stale: false,
+        }
+    }
+
+    fn clean(reason: PullReason) -> Self {
+        Self {
+            reason,
+            reusable: true,
+            stale: false,
+        }
+    }
+}
+
+fn conn_reason(e: &ConnectionError) -> PullReason {
+    match e {
+        ConnectionError::Message(_) => PullReason::Protocol,
+        e if e.is_closed() => PullReason::PeerClosed,
+        ConnectionError::Io(_) | ConnectionError::ClosedMidFrame => PullReason::PeerClosed,
+    }
+}
+
+/// Blocks and bytes delivered so far (survives an attempt being dropped on timeout).
+#[derive(Debug, Default)]
+struct Progress {
+    blocks: usize,
+    bytes: u64,
+    /// Any reply arrived on this connection during this pull.
+    replied: bool,
+}
+
+/// Pulls KV blocks from peers. One per engine; share it (`&self` methods, internal pool).
+pub struct PullClient {
+    fingerprint: Fingerprint,
+    config: ClientConfig,
+    /// Handshaken idle connections per peer address.
+    pool: Mutex<HashMap<SocketAddr, Vec<Connection>>>,
+}
+
+impl fmt::Debug for PullClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PullClient")
+            .field("fingerprint", &self.fingerprint)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl PullClient {
+    pub fn new(fingerprint: Fingerprint, config: ClientConfig) -> Self {
+        Self {
+            fingerprint,
+            config,
+            pool: Mutex::default(),
+        }
+    }
+
+    pub fn metrics(&self) -> &TransferMetrics {
+        &self.config.metrics
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
+    }
+
+    /// Idle pooled connections to `addr` (for tests and debugging).
+    pub fn idle_connections(&self, addr: SocketAddr) -> usize {
+        self.pool.lock().get(&addr).map_or(0, Vec::len)
+    }
+
+    /// Pull `hashes` (a prefix, in order) from `peer` into `sink`. Never fails: see the report.
+    pub async fn pull(
+        &self,
+        peer: impl Into<PeerAddr>,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        sink: &mut dyn BlockSink,
+    ) -> PullReport {
+        let peer = peer.into();
+        let start = Instant::now();
+        let mut progress = Progress::default();
+        let result = self
+            .pull_inner(&peer, kv_request_id, hashes, sink, &mut progress)
+            .await;
+        let outcome = match result {
+            Ok(()) => PullOutcome::Complete,
+            Err(reason) if progress.blocks > 0 => PullOutcome::Partial { reason },
+            Err(reason) => PullOutcome::Failed { reason },
+        };
+        let duration = start.elapsed();
+        self.config
+            .metrics
+            .record_pull(&outcome, duration.as_secs_f64());
+        if let Some(reason) = outcome.reason() {
+            if *reason == PullReason::Protocol {
+                self.config.metrics.record_protocol_error(Direction::In);
+            }
+            tracing::debug!(%peer, kv_request_id, %reason, blocks = progress.blocks, "p2p pull stopped early");
+        }
+        PullReport {
+            outcome,
+            blocks: progress.blocks,
+            bytes: progress.bytes,
+            duration,
+        }
+    }
+
+    async fn pull_inner(
+        &self,
+        peer: &PeerAddr,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        sink: &mut dyn BlockSink,
+        progress: &mut Progress,
+    ) -> Result<(), PullReason> {
+        if !self.config.allowed_peers.permits(peer) {
+            return Err(PullReason::NotAllowed);
+        }
+        if hashes.is_empty() {
+            return Ok(());
+        }
+        let addr = self.resolve(peer).await?;
+        let mut retried = false;
+        loop {
+            let pooled = self.checkout(addr);
+            let reused = pooled.is_some();
+            let mut conn = match pooled {
+                Some(c) => c,
+                None => self.connect(addr).await?,
+            };
+            self.config.metrics.record_connection(reused);
+            progress.replied = false;
+            match self
+                .session(&mut conn, kv_request_id, hashes, sink, progress)
+                .await
+            {
+                Ok(()) => {
+                    self.checkin(addr, conn);
+                    return Ok(());
+                }
+                Err(stop) => {
+                    if stop.reusable {
+                        self.checkin(addr, conn);
+                    }
+                    if reused && stop.stale && !progress.replied && progress.blocks == 0 && !retried
+                    {
+                        retried = true;
+                        continue;
+                    }
+                    return Err(stop.reason);
+                }
+            }
+        }
+    }
+
+    async fn resolve(&self, peer: &PeerAddr) -> Result<SocketAddr, PullReason> {
+        match peer {
+            PeerAddr::Socket(s) => Ok(*s),
+            PeerAddr::Host { host, port } => {
+                let lookup = tokio::net::lookup_host((host.as_str(), *port));
+                match timeout(self.config.timeout, lookup).await {
+                    Err(_) => Err(PullReason::Timeout),
+                    Ok(Err(_)) => Err(PullReason::Connect),
+                    Ok(Ok(mut addrs)) => addrs.next().ok_or(PullReason::Connect),
+                }
+            }
+        }
+    }
+
+    fn checkout(&self, addr: SocketAddr) -> Option<Connection> {
+        self.pool.lock().get_mut(&addr).and_then(Vec::pop)
+    }
+
+    fn checkin(&self, addr: SocketAddr, conn: Connection) {
+        let mut pool = self.pool.lock();
+        let idle = pool.entry(addr).or_default();
+        if idle.len() < self.config.max_idle_per_peer {
+            idle.push(conn);
+        }
+    }
+
+    async fn connect(&self, addr: SocketAddr) -> Result<Connection, PullReason> {
+        let stream = match timeout(self.config.timeout, TcpStream::connect(addr)).await {
+            Err(_) => return Err(PullReason::Timeout),
+            Ok(Err(_)) => return Err(PullReason::Connect),
+            Ok(Ok(s)) => s,
+        };
+        let mut conn = Connection::new(stream, self.config.max_frame);
+        match timeout(self.config.timeout, self.handshake(&mut conn)).await {
+            Err(_) => Err(PullReason::Timeout),
+            Ok(r) => r.map(|()| conn),
+        }
+    }
+
+    async fn handshake(&self, conn: &mut Connection) -> Result<(), PullReason> {
+        let ours = auth::nonce();
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            fingerprint: self.fingerprint.clone(),
+            nonce: ours,
+        };
+        conn.write_message(&Message::Hello(hello))
+            .await
+            .map_err(|e| conn_reason(&e))?;
+        let mut challenged = None;
+        loop {
+            let msg = conn.read_message().await.map_err(|e| conn_reason(&e))?;
+            match msg {
+                None => return Err(PullReason::PeerClosed),
+                Some(Message::Challenge(c)) if challenged.is_none() => {
+                    let Some(secret) = &self.config.secret else {
+                        return Err(PullReason::AuthFailed);
+                    };
+                    let proof = secret.consumer_proof(&c.nonce, &ours).to_vec();
+                    conn.write_message(&Message::Auth(Auth { proof }))
+                        .await
+                        .map_err(|e| conn_reason(&e))?;
+                    challenged = Some(c.nonce);
+                }
+                Some(Message::HelloOk(ok)) => {
+                    return match (&self.config.secret, challenged, ok.proof) {
+                        (None, None, _) => Ok(()),
+                        (Some(secret), Some(theirs), Some(proof))
+                            if auth::constant_time_eq(
+                                &proof,
+                                &secret.producer_proof(&theirs, &ours),
+                            ) =>
+                        {
+                            Ok(())
+                        }
+                        // We hold a secret but the producer did not prove it holds it too.
+                        _ => Err(PullReason::AuthFailed),
+                    };
+                }
+                Some(Message::Refused(r)) => {
+                    return Err(match r.reason {
+                        RefuseReason::Fingerprint { field, .. } => {
+                            PullReason::FingerprintMismatch { field }
+                        }
+                        RefuseReason::AuthFailed => PullReason::AuthFailed,
+                        RefuseReason::NotAllowed => PullReason::NotAllowed,
+                        RefuseReason::Version { .. } => PullReason::Protocol,
+                    });
+                }
+                Some(_) => return Err(PullReason::Protocol),
+            }
+        }
+    }
+
+    /// Read one message within `limit`, mapping every failure to a stop.
+    async fn read(conn: &mut Connection, limit: Duration, stale_ok: bool) -> Result<Message, Stop> {
+        match timeout(limit, conn.read_message()).await {
+            Err(_) => Err(Stop::broken(PullReason::Timeout)),
+            Ok(Ok(Some(m))) => Ok(m),
+            Ok(Ok(None)) => Err(Stop {
+                reason: PullReason::PeerClosed,
+                reusable: false,
+                stale: stale_ok,
+            }),
+            Ok(Err(e)) => {
+                let reason = conn_reason(&e);
+                let stale = stale_ok && reason == PullReason::PeerClosed;
+                Err(Stop {
+                    reason,
+                    reusable: false,
+                    stale,
+                })
+            }
+        }
+    }
+
+    async fn write(
+        conn: &mut Connection,
+        limit: Duration,
+        msg: &Message,
+        stale_ok: bool,
+    ) -> Result<(), Stop> {
+        match timeout(limit, conn.write_message(msg)).await {
+            Err(_) => Err(Stop::broken(PullReason::Timeout)),
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Stop {
+                reason: conn_reason(&e),
+                reusable: false,
+                stale: stale_ok,
+            }),
+        }
+    }
+
+    async fn session(
+        &self,
+        conn: &mut Connection,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        sink: &mut dyn BlockSink,
+        progress: &mut Progress,
+    ) -> Result<(), Stop> {
+        let step = self.config.timeout;
+        let lookup = Lookup {
+            kv_request_id: kv_request_id.to_string(),
+            hashes: hashes.to_vec(),
+        };
+        Self::write(conn, step, &Message::Lookup(lookup), true).await?;
+        let reply = match Self::read(conn, step, true).await? {
+            Message::LookupReply(r) if r.statuses.len() == hashes.len() => r,
+            _ => return Err(Stop::broken(PullReason::Protocol)),
+        };
+        progress.replied = true;
+        let usable = reply
+            .statuses
+            .iter()
+            .take_while(|s| **s != BlockStatus::Miss)
+            .count();
+        if usable == 0 {
+            return Err(Stop::clean(PullReason::Miss));
+        }
+        let first_pending = reply.statuses[..usable]
+            .iter()
+            .position(|s| *s == BlockStatus::Pending)
+            .unwrap_or(usable);
+        let pending_wait_ms =
+            u32::try_from(self.config.pending_deadline.as_millis()).unwrap_or(u32::MAX);
+        let fetch = Fetch {
+            hashes: hashes[..usable].to_vec(),
+            pending_wait_ms,
+        };
+        Self::write(conn, step, &Message::Fetch(fetch), false).await?;
+        // Blocks from the first pending one on may take until the producer's wait deadline.
+        let pending_limit = step + self.config.pending_deadline;
+        loop {
+            let next = progress.blocks;
+            let limit = if next >= first_pending {
+                pending_limit
+            } else {
+                step
+            };
+            match Self::read(conn, limit, false).await? {
+                Message::Block(b) => {
+                    let Some(&want) = hashes[..usable].get(next) else {
+                        return Err(Stop::broken(PullReason::Protocol));
+                    };
+                    if b.index as usize != next || b.hash != want {
+                        return Err(Stop::broken(PullReason::Protocol));
+                    }
+                    if !b.checksum_ok() {
+                        return Err(Stop::broken(PullReason::Checksum));
+                    }
+                    let len = b.payload.len();
+                    if sink.accept(next, want, b.payload).is_err() {
+                        return Err(Stop::broken(PullReason::SinkRejected));
+                    }
+                    progress.blocks += 1;
+                    progress.bytes += len as u64;
+                    self.config.metrics.record_block(Direction::In, len);
+                }
+                Message::Done(d) => {
+                    if d.blocks as usize != progress.blocks || d.bytes != progress.bytes {
+                        return Err(Stop::broken(PullReason::Protocol));
+                    }
+                    return match d.end {
+                        FetchEnd::Complete if progress.blocks == hashes.len() => Ok(()),
+                        FetchEnd::Complete if progress.blocks == usable => {
+                            Err(Stop::clean(PullReason::Miss))
+                        }
+                        FetchEnd::Complete => Err(Stop::broken(PullReason::Protocol)),
+                        FetchEnd::Miss { .. } => Err(Stop::clean(PullReason::Miss)),
+                        FetchEnd::PendingDeadline { .. } => {
+                            Err(Stop::clean(PullReason::PendingDeadline))
+                        }
+                    };
+                }
+                _ => return Err(Stop::broken(PullReason::Protocol)),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allow_list_matches_literally_without_resolving() {
+        let list: AllowList = "10.0.0.1, 10.0.0.2:7777, engine-a:7777, engine-b, [::1]:9"
+            .parse()
+            .expect("parse");
+        assert!(list.permits(&PeerAddr::new("10.0.0.1", 1)));
+        assert!(list.permits(&PeerAddr::new("10.0.0.2", 7777)));
+        assert!(!list.permits(&PeerAddr::new("10.0.0.2", 7778)));
+        assert!(list.permits(&PeerAddr::new("Engine-A", 7777)));
+        assert!(!list.permits(&PeerAddr::new("engine-a", 7778)));
+        assert!(list.permits(&PeerAddr::new("engine-b", 1)));
+        assert!(list.permits(&PeerAddr::new("[::1]", 9)));
+        assert!(!list.permits(&PeerAddr::new("evil.example", 7777)));
+        assert!(!AllowList::none().permits(&PeerAddr::new("10.0.0.1", 1)));
+        assert!(AllowList::any().permits(&PeerAddr::new("anything", 1)));
+        assert!("bad host!".parse::<AllowList>().is_err());
+        assert!("h:notaport".parse::<AllowList>().is_err());
+    }
+}

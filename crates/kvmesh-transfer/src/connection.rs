@@ -1,0 +1,118 @@
+//! Messages over a socket: the connection knows frames and messages, nothing about pulls.
+//!
+//! Reads go into one growing `BytesMut`; once a frame's length is known the buffer reserves the
+//! whole frame so a multi-megabyte block lands in a single allocation, and the payload handed up
+//! is a zero-copy slice of it. Writes of block frames are vectored (header, payload, checksum) so
+//! the payload `Bytes` is never copied into a staging buffer.
+
+use std::io;
+use std::net::SocketAddr;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::frame::{self, Check, FrameError};
+use crate::message::{Message, MessageError};
+
+/// Read-ahead beyond the current frame, so the next frame's header usually arrives in the same
+/// read call.
+const READ_AHEAD: usize = 64 << 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    #[error("peer closed the connection in the middle of a frame")]
+    ClosedMidFrame,
+    #[error(transparent)]
+    Message(#[from] MessageError),
+}
+
+impl From<FrameError> for ConnectionError {
+    fn from(e: FrameError) -> Self {
+        ConnectionError::Message(MessageError::Frame(e))
+    }
+}
+
+impl ConnectionError {
+    /// True when the peer went away (as opposed to sending something invalid).
+    pub fn is_closed(&self) -> bool {
+        match self {
+            ConnectionError::ClosedMidFrame => true,
+            ConnectionError::Io(e) => matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::UnexpectedEof
+            ),
+            ConnectionError::Message(_) => false,
+        }
+    }
+}
+
+/// One framed TCP connection.
+#[derive(Debug)]
+pub struct Connection {
+    stream: TcpStream,
+    /// Bytes read but not yet parsed into a frame.
+    buf: BytesMut,
+    /// Upper bound on one frame, enforced from the length prefix.
+    max_frame: usize,
+}
+
+impl Connection {
+    pub fn new(stream: TcpStream, max_frame: usize) -> Self {
+        // Small control messages dominate; without it a Lookup waits for delayed ACKs.
+        let _ = stream.set_nodelay(true);
+        Self {
+            stream,
+            buf: BytesMut::with_capacity(READ_AHEAD),
+            max_frame,
+        }
+    }
+
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        self.stream.peer_addr()
+    }
+
+    /// The next message, or `None` when the peer closed cleanly between frames.
+    pub async fn read_message(&mut self) -> Result<Option<Message>, ConnectionError> {
+        loop {
+            match frame::check(&self.buf, self.max_frame)? {
+                Check::Complete { .. } => {
+                    if let Some(f) = frame::parse(&mut self.buf, self.max_frame)? {
+                        return Ok(Some(Message::from_frame(f)?));
+                    }
+                }
+                Check::Incomplete { needed } => {
+                    let spare = self.buf.capacity() - self.buf.len();
+                    if spare < needed.max(4096) {
+                        self.buf.reserve(needed + READ_AHEAD);
+                    }
+                }
+            }
+            if self.stream.read_buf(&mut self.buf).await? == 0 {
+                return if self.buf.is_empty() {
+                    Ok(None)
+                } else {
+                    Err(ConnectionError::ClosedMidFrame)
+                };
+            }
+        }
+    }
+
+    /// Write one message (vectored for blocks) and flush it to the socket.
+    pub async fn write_message(&mut self, msg: &Message) -> Result<(), ConnectionError> {
+        let encoded = msg.encode(self.max_frame)?;
+        let mut buf = encoded.into_buf();
+        self.stream.write_all_buf(&mut buf).await?;
+        Ok(())
+    }
+
+    /// Half-close our side so the peer sees EOF after what we wrote.
+    pub async fn shutdown(&mut self) {
+        let _ = self.stream.shutdown().await;
+    }
+}

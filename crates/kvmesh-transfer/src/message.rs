@@ -1,0 +1,524 @@
+//! Frames → messages: what each frame means.
+//!
+//! Control messages (everything but [`BlockFrame`]) are MessagePack maps (field names on the wire,
+//! so fields can be added without breaking older peers). Block frames are fixed binary so the
+//! payload is never re-encoded: `index u32 | hash u64 | payload_len u32 | payload | crc32 u32`
+//! (all big-endian). Decoding slices the payload out of the frame body without copying;
+//! encoding returns the header, payload and checksum as three buffers for one vectored write.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use kvmesh_core::{BlockHash, Fingerprint};
+use serde::{Deserialize, Serialize};
+
+use crate::frame::{self, FrameError, HEADER_LEN, RawFrame, Tag};
+
+/// Bumped on any incompatible wire change; checked in `Hello`.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Random bytes exchanged in the handshake so authentication proofs cannot be replayed.
+pub type Nonce = [u8; 16];
+
+/// Consumer → producer, first frame on a connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    pub version: u16,
+    pub fingerprint: Fingerprint,
+    /// The consumer's challenge for the producer's proof (used only with a shared secret).
+    pub nonce: Nonce,
+}
+
+/// Producer → consumer when it has a shared secret: prove you know it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Challenge {
+    pub nonce: Nonce,
+}
+
+/// Consumer → producer: keyed digest over both nonces (see [`crate::auth`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Auth {
+    pub proof: Vec<u8>,
+}
+
+/// Producer → consumer: the connection is ready for lookups.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloOk {
+    pub version: u16,
+    /// The producer's proof that it knows the secret too (mutual authentication), if challenged.
+    pub proof: Option<Vec<u8>>,
+}
+
+/// Why a producer refused a connection. The connection closes after it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RefuseReason {
+    Version {
+        ours: u16,
+        theirs: u16,
+    },
+    Fingerprint {
+        field: String,
+        ours: String,
+        theirs: String,
+    },
+    AuthFailed,
+    NotAllowed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused {
+    pub reason: RefuseReason,
+}
+
+/// Consumer → producer: which of these blocks do you hold?
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lookup {
+    /// Correlates the pull with the request that caused it (logs only).
+    pub kv_request_id: String,
+    pub hashes: Vec<BlockHash>,
+}
+
+/// Per-block answer to a lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockStatus {
+    /// Held and (if in the leading run) pinned under a lease.
+    Hit,
+    /// Not held; nothing after it in the prefix is useful.
+    Miss,
+    /// Being computed right now; may become a hit before a deadline.
+    Pending,
+}
+
+impl BlockStatus {
+    fn code(self) -> u8 {
+        match self {
+            BlockStatus::Hit => 0,
+            BlockStatus::Miss => 1,
+            BlockStatus::Pending => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Self> {
+        match c {
+            0 => Some(BlockStatus::Hit),
+            1 => Some(BlockStatus::Miss),
+            2 => Some(BlockStatus::Pending),
+            _ => None,
+        }
+    }
+}
+
+/// Producer → consumer: statuses in lookup order; the leading `Hit` run is pinned for `lease_ms`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LookupReply {
+    pub statuses: Vec<BlockStatus>,
+    pub lease_ms: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct LookupReplyWire {
+    statuses: Vec<u8>,
+    lease_ms: u32,
+}
+
+/// Consumer → producer: stream these blocks, in order. Blocks still pending may be waited for up
+/// to `pending_wait_ms`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fetch {
+    pub hashes: Vec<BlockHash>,
+    pub pending_wait_ms: u32,
+}
+
+/// One block of a fetch. `index` is the position in the `Fetch` list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockFrame {
+    pub index: u32,
+    pub hash: BlockHash,
+    pub payload: Bytes,
+    pub crc: u32,
+}
+
+/// Fixed part of a block body before the payload.
+const BLOCK_HEAD: usize = 4 + 8 + 4;
+
+impl BlockFrame {
+    /// A frame whose checksum matches its payload.
+    pub fn new(index: u32, hash: BlockHash, payload: Bytes) -> Self {
+        let crc = crc32fast::hash(&payload);
+        Self {
+            index,
+            hash,
+            payload,
+            crc,
+        }
+    }
+
+    /// Does the payload match the checksum that travelled with it?
+    pub fn checksum_ok(&self) -> bool {
+        crc32fast::hash(&self.payload) == self.crc
+    }
+}
+
+/// How a fetch stream ended (producer's view).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FetchEnd {
+    /// Every requested block was sent.
+    Complete,
+    /// The block at `index` is no longer held (evicted or never there); the stream stops there.
+    Miss { index: u32 },
+    /// The block at `index` was still pending when the wait deadline passed.
+    PendingDeadline { index: u32 },
+}
+
+/// Producer → consumer: end of a fetch stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Done {
+    pub blocks: u32,
+    pub bytes: u64,
+    pub end: FetchEnd,
+}
+
+/// Either side: a protocol violation; the sender closes the connection after it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorMsg {
+    pub message: String,
+}
+
+/// Every message of the protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    Hello(Hello),
+    Challenge(Challenge),
+    Auth(Auth),
+    HelloOk(HelloOk),
+    Refused(Refused),
+    Lookup(Lookup),
+    LookupReply(LookupReply),
+    Fetch(Fetch),
+    Block(BlockFrame),
+    Done(Done),
+    Error(ErrorMsg),
+}
+
+/// A frame whose body does not decode as its tag says.
+#[derive(Debug, thiserror::Error)]
+pub enum MessageError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("malformed {tag:?} body: {detail}")]
+    Malformed { tag: Tag, detail: String },
+    #[error("encode {tag:?}: {detail}")]
+    Encode { tag: Tag, detail: String },
+}
+
+/// An encoded frame as up to three buffers (header, payload, trailer) for a vectored write.
+#[derive(Debug, Clone)]
+pub struct EncodedFrame {
+    pub head: Bytes,
+    pub payload: Bytes,
+    pub tail: Bytes,
+}
+
+impl EncodedFrame {
+    pub fn len(&self) -> usize {
+        self.head.len() + self.payload.len() + self.tail.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The three buffers chained as one `Buf` (chunks_vectored yields all three).
+    pub fn into_buf(self) -> impl Buf {
+        self.head.chain(self.payload).chain(self.tail)
+    }
+
+    /// Contiguous copy, for tests.
+    pub fn to_vec(&self) -> Vec<u8> {
+        [&self.head[..], &self.payload[..], &self.tail[..]].concat()
+    }
+}
+
+fn malformed(tag: Tag, detail: impl ToString) -> MessageError {
+    MessageError::Malformed {
+        tag,
+        detail: detail.to_string(),
+    }
+}
+
+fn decode_mp<T: for<'de> Deserialize<'de>>(tag: Tag, body: &[u8]) -> Result<T, MessageError> {
+    rmp_serde::from_slice(body).map_err(|e| malformed(tag, e))
+}
+
+impl Message {
+    pub fn tag(&self) -> Tag {
+        match self {
+            Message::Hello(_) => Tag::Hello,
+            Message::Challenge(_) => Tag::Challenge,
+            Message::Auth(_) => Tag::Auth,
+            Message::HelloOk(_) => Tag::HelloOk,
+            Message::Refused(_) => Tag::Refused,
+            Message::Lookup(_) => Tag::Lookup,
+            Message::LookupReply(_) => Tag::LookupReply,
+            Message::Fetch(_) => Tag::Fetch,
+            Message::Block(_) => Tag::Block,
+            Message::Done(_) => Tag::Done,
+            Message::Error(_) => Tag::Error,
+        }
+    }
+
+    /// Decode a frame. Never panics on any body.
+    pub fn from_frame(frame: RawFrame) -> Result<Message, MessageError> {
+        let tag = frame.tag;
+        let body = frame.body;
+        Ok(match tag {
+            Tag::Hello => Message::Hello(decode_mp(tag, &body)?),
+            Tag::Challenge => Message::Challenge(decode_mp(tag, &body)?),
+            Tag::Auth => Message::Auth(decode_mp(tag, &body)?),
+            Tag::HelloOk => Message::HelloOk(decode_mp(tag, &body)?),
+            Tag::Refused => Message::Refused(decode_mp(tag, &body)?),
+            Tag::Lookup => Message::Lookup(decode_mp(tag, &body)?),
+            Tag::LookupReply => {
+                let w: LookupReplyWire = decode_mp(tag, &body)?;
+                let statuses = w
+                    .statuses
+                    .iter()
+                    .map(|&c| {
+                        BlockStatus::from_code(c)
+                            .ok_or_else(|| malformed(tag, format!("status code {c}")))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Message::LookupReply(LookupReply {
+                    statuses,
+                    lease_ms: w.lease_ms,
+                })
+            }
+            Tag::Fetch => Message::Fetch(decode_mp(tag, &body)?),
+            Tag::Block => Message::Block(decode_block(body)?),
+            Tag::Done => Message::Done(decode_mp(tag, &body)?),
+            Tag::Error => Message::Error(decode_mp(tag, &body)?),
+        })
+    }
+
+    /// Encode into frame buffers, refusing frames larger than `max_frame`.
+    pub fn encode(&self, max_frame: usize) -> Result<EncodedFrame, MessageError> {
+        let tag = self.tag();
+        let enc = |e: rmp_serde::encode::Error| MessageError::Encode {
+            tag,
+            detail: e.to_string(),
+        };
+        let body = match self {
+            Message::Block(b) => return encode_block(b, max_frame),
+            Message::Hello(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::Challenge(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::Auth(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::HelloOk(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::Refused(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::Lookup(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::LookupReply(m) => rmp_serde::to_vec_named(&LookupReplyWire {
+                statuses: m.statuses.iter().map(|s| s.code()).collect(),
+                lease_ms: m.lease_ms,
+            })
+            .map_err(enc)?,
+            Message::Fetch(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::Done(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::Error(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+        };
+        Ok(EncodedFrame {
+            head: frame::encode(tag, &body, max_frame)?,
+            payload: Bytes::new(),
+            tail: Bytes::new(),
+        })
+    }
+}
+
+fn decode_block(mut body: Bytes) -> Result<BlockFrame, MessageError> {
+    let tag = Tag::Block;
+    if body.len() < BLOCK_HEAD + 4 {
+        return Err(malformed(
+            tag,
+            format!("{} bytes is shorter than the block header", body.len()),
+        ));
+    }
+    let index = body.get_u32();
+    let hash = BlockHash(body.get_u64());
+    let len = body.get_u32() as usize;
+    if body.len() != len + 4 {
+        return Err(malformed(
+            tag,
+            format!("payload_len {len} but {} bytes follow", body.len()),
+        ));
+    }
+    let payload = body.split_to(len);
+    let crc = body.get_u32();
+    Ok(BlockFrame {
+        index,
+        hash,
+        payload,
+        crc,
+    })
+}
+
+fn encode_block(b: &BlockFrame, max_frame: usize) -> Result<EncodedFrame, MessageError> {
+    let body_len = BLOCK_HEAD + b.payload.len() + 4;
+    let payload_len = u32::try_from(b.payload.len()).map_err(|_| FrameError::TooLarge {
+        len: b.payload.len(),
+        max: max_frame,
+    })?;
+    let mut head = BytesMut::with_capacity(HEADER_LEN + BLOCK_HEAD);
+    head.put_slice(&frame::header(Tag::Block, body_len, max_frame)?);
+    head.put_u32(b.index);
+    head.put_u64(b.hash.0);
+    head.put_u32(payload_len);
+    Ok(EncodedFrame {
+        head: head.freeze(),
+        payload: b.payload.clone(),
+        tail: Bytes::copy_from_slice(&b.crc.to_be_bytes()),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use kvmesh_core::HashAlgo;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn fp() -> Fingerprint {
+        Fingerprint {
+            model_id: "m".into(),
+            kv_dtype: "sim".into(),
+            block_size: 16,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            hash_algo: HashAlgo::Sha256Cbor,
+            none_hash: "00".into(),
+        }
+    }
+
+    fn round_trip(m: &Message) -> Message {
+        let wire = m.encode(1 << 20).unwrap().to_vec();
+        let mut buf = BytesMut::from(&wire[..]);
+        let f = frame::parse(&mut buf, 1 << 20).unwrap().unwrap();
+        assert!(buf.is_empty());
+        Message::from_frame(f).unwrap()
+    }
+
+    fn arb_message() -> impl Strategy<Value = Message> {
+        let hashes = proptest::collection::vec(any::<u64>().prop_map(BlockHash), 0..64);
+        prop_oneof![
+            any::<[u8; 16]>().prop_map(|nonce| Message::Hello(Hello {
+                version: 1,
+                fingerprint: fp(),
+                nonce
+            })),
+            any::<[u8; 16]>().prop_map(|nonce| Message::Challenge(Challenge { nonce })),
+            proptest::collection::vec(any::<u8>(), 0..40)
+                .prop_map(|proof| Message::Auth(Auth { proof })),
+            proptest::option::of(proptest::collection::vec(any::<u8>(), 32))
+                .prop_map(|proof| Message::HelloOk(HelloOk { version: 1, proof })),
+            Just(Message::Refused(Refused {
+                reason: RefuseReason::Fingerprint {
+                    field: "block_size".into(),
+                    ours: "16".into(),
+                    theirs: "32".into()
+                }
+            })),
+            Just(Message::Refused(Refused {
+                reason: RefuseReason::AuthFailed
+            })),
+            ("[a-z0-9-]{0,20}", hashes.clone()).prop_map(
+                |(kv_request_id, hashes)| Message::Lookup(Lookup {
+                    kv_request_id,
+                    hashes
+                })
+            ),
+            (proptest::collection::vec(0u8..3, 0..64), any::<u32>()).prop_map(
+                |(codes, lease_ms)| {
+                    Message::LookupReply(LookupReply {
+                        statuses: codes
+                            .into_iter()
+                            .filter_map(BlockStatus::from_code)
+                            .collect(),
+                        lease_ms,
+                    })
+                }
+            ),
+            (hashes, any::<u32>()).prop_map(|(hashes, pending_wait_ms)| Message::Fetch(Fetch {
+                hashes,
+                pending_wait_ms
+            })),
+            (
+                any::<u32>(),
+                any::<u64>(),
+                proptest::collection::vec(any::<u8>(), 0..4096)
+            )
+                .prop_map(|(i, h, p)| {
+                    Message::Block(BlockFrame::new(i, BlockHash(h), Bytes::from(p)))
+                }),
+            (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(|(blocks, bytes, index)| {
+                Message::Done(Done {
+                    blocks,
+                    bytes,
+                    end: FetchEnd::PendingDeadline { index },
+                })
+            }),
+            ".{0,30}".prop_map(|message| Message::Error(ErrorMsg { message })),
+        ]
+    }
+
+    #[test]
+    fn block_layout_is_fixed_binary() {
+        let b = BlockFrame::new(7, BlockHash(0x0102030405060708), Bytes::from_static(b"xyz"));
+        let wire = Message::Block(b.clone()).encode(1024).unwrap().to_vec();
+        let body_len = 16 + 3 + 4;
+        assert_eq!(&wire[..4], &((body_len + 1) as u32).to_be_bytes());
+        assert_eq!(wire[4], Tag::Block as u8);
+        assert_eq!(&wire[5..9], &7u32.to_be_bytes());
+        assert_eq!(&wire[9..17], &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(&wire[17..21], &3u32.to_be_bytes());
+        assert_eq!(&wire[21..24], b"xyz");
+        assert_eq!(&wire[24..], &crc32fast::hash(b"xyz").to_be_bytes());
+        assert!(b.checksum_ok());
+        let mut bad = b;
+        bad.crc ^= 1;
+        assert!(!bad.checksum_ok());
+    }
+
+    #[test]
+    fn block_with_inconsistent_length_is_malformed() {
+        let mut body = BytesMut::new();
+        body.put_u32(0);
+        body.put_u64(1);
+        body.put_u32(100); // claims 100 payload bytes
+        body.put_slice(b"short");
+        body.put_u32(0);
+        let err = Message::from_frame(RawFrame {
+            tag: Tag::Block,
+            body: body.freeze(),
+        })
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                MessageError::Malformed {
+                    tag: Tag::Block,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip(m in arb_message()) {
+            prop_assert_eq!(round_trip(&m), m);
+        }
+
+        #[test]
+        fn arbitrary_bodies_never_panic(tag_ix in 0usize..Tag::ALL.len(), body in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = Message::from_frame(RawFrame { tag: Tag::ALL[tag_ix], body: Bytes::from(body) });
+        }
+    }
+}

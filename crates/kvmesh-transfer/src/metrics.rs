@@ -1,0 +1,293 @@
+//! Transfer counters, shared by the producer server and the pull client of one engine.
+//!
+//! Every metric is described once here and registered with [`TransferMetrics::register`] under
+//! `kvmesh_p2p_*` names. Label values come from closed enums (never from peer input), so label
+//! cardinality is bounded.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::report::{PullOutcome, PullReason};
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    direction: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+/// Direction of moved blocks/bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Pulled from a peer (consumer).
+    In,
+    /// Served to a peer (producer).
+    Out,
+}
+
+impl Direction {
+    fn label(self) -> &'static str {
+        match self {
+            Direction::In => "in",
+            Direction::Out => "out",
+        }
+    }
+}
+
+/// All P2P counters. Cheap to clone (every metric is an `Arc` inside).
+#[derive(Debug, Clone)]
+pub struct TransferMetrics {
+    /// Pulls by outcome (complete/partial/failed) and reason (`none` when complete).
+    pulls: Family<OutcomeLabels, Counter>,
+    blocks: Family<DirectionLabels, Counter>,
+    bytes: Family<DirectionLabels, Counter>,
+    pull_duration: Histogram,
+    /// Producer: connections refused, by reason (fingerprint, auth, not allowed, version).
+    refused: Family<ReasonLabels, Counter>,
+    /// Either side: connections closed because the peer violated the protocol.
+    protocol_errors: Family<DirectionLabels, Counter>,
+    /// Consumer: connections dialled vs taken from the pool.
+    connections_opened: Counter,
+    connections_reused: Counter,
+    /// Producer: fetch streams served.
+    fetches_served: Counter,
+}
+
+impl Default for TransferMetrics {
+    fn default() -> Self {
+        Self {
+            pulls: Family::default(),
+            blocks: Family::default(),
+            bytes: Family::default(),
+            // 1 ms … ~33 s.
+            pull_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            refused: Family::default(),
+            protocol_errors: Family::default(),
+            connections_opened: Counter::default(),
+            connections_reused: Counter::default(),
+            fetches_served: Counter::default(),
+        }
+    }
+}
+
+impl TransferMetrics {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Register everything under `kvmesh_p2p_*`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "kvmesh_p2p_pulls",
+            "P2P pulls by outcome and reason",
+            self.pulls.clone(),
+        );
+        registry.register(
+            "kvmesh_p2p_blocks",
+            "KV blocks moved over P2P, by direction (in = pulled, out = served)",
+            self.blocks.clone(),
+        );
+        registry.register_with_unit(
+            "kvmesh_p2p_payload",
+            "KV payload bytes moved over P2P, by direction",
+            Unit::Bytes,
+            self.bytes.clone(),
+        );
+        registry.register_with_unit(
+            "kvmesh_p2p_pull_duration",
+            "Wall time of one pull, connect to last block",
+            Unit::Seconds,
+            self.pull_duration.clone(),
+        );
+        registry.register(
+            "kvmesh_p2p_refused_connections",
+            "Producer: peer connections refused, by reason",
+            self.refused.clone(),
+        );
+        registry.register(
+            "kvmesh_p2p_protocol_errors",
+            "Connections closed because the peer broke the protocol (in = consumer saw it, out = producer)",
+            self.protocol_errors.clone(),
+        );
+        registry.register(
+            "kvmesh_p2p_connections_opened",
+            "Consumer: new connections to producers",
+            self.connections_opened.clone(),
+        );
+        registry.register(
+            "kvmesh_p2p_connections_reused",
+            "Consumer: pulls served on a pooled connection",
+            self.connections_reused.clone(),
+        );
+        registry.register(
+            "kvmesh_p2p_fetches_served",
+            "Producer: fetch streams served",
+            self.fetches_served.clone(),
+        );
+    }
+
+    pub(crate) fn record_pull(&self, outcome: &PullOutcome, seconds: f64) {
+        let reason = outcome.reason().map_or("none", PullReason::label);
+        self.pulls
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.label(),
+                reason,
+            })
+            .inc();
+        self.pull_duration.observe(seconds);
+    }
+
+    pub(crate) fn record_block(&self, dir: Direction, bytes: usize) {
+        self.blocks
+            .get_or_create(&DirectionLabels {
+                direction: dir.label(),
+            })
+            .inc();
+        self.bytes
+            .get_or_create(&DirectionLabels {
+                direction: dir.label(),
+            })
+            .inc_by(bytes as u64);
+    }
+
+    pub(crate) fn record_refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    pub(crate) fn record_protocol_error(&self, dir: Direction) {
+        self.protocol_errors
+            .get_or_create(&DirectionLabels {
+                direction: dir.label(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn record_connection(&self, reused: bool) {
+        if reused {
+            &self.connections_reused
+        } else {
+            &self.connections_opened
+        }
+        .inc();
+    }
+
+    pub(crate) fn record_fetch_served(&self) {
+        self.fetches_served.inc();
+    }
+
+    /// Pulls recorded with this outcome kind (`"complete"`, `"partial"`, `"failed"`) and reason
+    /// label (`"none"`, `"miss"`, …).
+    pub fn pulls(&self, outcome: &'static str, reason: &'static str) -> u64 {
+        self.pulls
+            .get(&OutcomeLabels { outcome, reason })
+            .map_or(0, |c| c.get())
+    }
+
+    /// Pulls with this reason, partial or failed.
+    pub fn pulls_by_reason(&self, reason: &'static str) -> u64 {
+        self.pulls("partial", reason) + self.pulls("failed", reason)
+    }
+
+    pub fn blocks(&self, dir: Direction) -> u64 {
+        self.blocks
+            .get(&DirectionLabels {
+                direction: dir.label(),
+            })
+            .map_or(0, |c| c.get())
+    }
+
+    pub fn bytes(&self, dir: Direction) -> u64 {
+        self.bytes
+            .get(&DirectionLabels {
+                direction: dir.label(),
+            })
+            .map_or(0, |c| c.get())
+    }
+
+    pub fn refused(&self, reason: &'static str) -> u64 {
+        self.refused
+            .get(&ReasonLabels { reason })
+            .map_or(0, |c| c.get())
+    }
+
+    pub fn protocol_errors(&self, dir: Direction) -> u64 {
+        self.protocol_errors
+            .get(&DirectionLabels {
+                direction: dir.label(),
+            })
+            .map_or(0, |c| c.get())
+    }
+
+    pub fn connections_opened(&self) -> u64 {
+        self.connections_opened.get()
+    }
+
+    pub fn connections_reused(&self) -> u64 {
+        self.connections_reused.get()
+    }
+
+    pub fn fetches_served(&self) -> u64 {
+        self.fetches_served.get()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use prometheus_client::encoding::text::encode;
+
+    use super::*;
+
+    #[test]
+    fn exports_kvmesh_p2p_names() {
+        let m = TransferMetrics::new();
+        m.record_pull(
+            &PullOutcome::Partial {
+                reason: PullReason::Miss,
+            },
+            0.01,
+        );
+        m.record_pull(&PullOutcome::Complete, 0.02);
+        m.record_block(Direction::In, 100);
+        m.record_refused("fingerprint_mismatch");
+        let mut reg = Registry::default();
+        m.register(&mut reg);
+        let mut out = String::new();
+        encode(&mut out, &reg).unwrap();
+        assert!(
+            out.contains(r#"kvmesh_p2p_pulls_total{outcome="partial",reason="miss"} 1"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"kvmesh_p2p_pulls_total{outcome="complete",reason="none"} 1"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"kvmesh_p2p_payload_bytes_total{direction="in"} 100"#),
+            "{out}"
+        );
+        assert!(
+            out.contains("kvmesh_p2p_pull_duration_seconds_count 2"),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                r#"kvmesh_p2p_refused_connections_total{reason="fingerprint_mismatch"} 1"#
+            )
+        );
+        assert_eq!(m.pulls_by_reason("miss"), 1);
+        assert_eq!(m.blocks(Direction::In), 1);
+    }
+}

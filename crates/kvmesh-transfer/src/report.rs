@@ -1,0 +1,116 @@
+//! What a pull returns: a typed outcome, never an error. The caller computes whatever the report
+//! says did not arrive (`blocks` is the count of leading blocks delivered to the sink).
+
+use std::fmt;
+use std::time::Duration;
+
+/// Why a pull stopped before delivering every requested block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullReason {
+    /// The peer is not in the allow-list; it was never contacted.
+    NotAllowed,
+    /// Name resolution or TCP connect failed.
+    Connect,
+    /// The peer's fingerprint differs; `field` is the first differing field.
+    FingerprintMismatch { field: String },
+    /// Shared-secret authentication failed (either direction) or only one side has a secret.
+    AuthFailed,
+    /// The peer does not hold the next block.
+    Miss,
+    /// The next block was still being computed at the pending deadline.
+    PendingDeadline,
+    /// A step (connect, handshake, one frame) took longer than the configured timeout.
+    Timeout,
+    /// A block's payload did not match its checksum.
+    Checksum,
+    /// The peer closed the connection.
+    PeerClosed,
+    /// The peer sent something that violates the protocol.
+    Protocol,
+    /// Our sink refused a block (e.g. content verification failed).
+    SinkRejected,
+}
+
+impl PullReason {
+    /// Every reason, for metric pre-registration and tests.
+    pub const ALL: [PullReason; 11] = [
+        PullReason::NotAllowed,
+        PullReason::Connect,
+        PullReason::FingerprintMismatch {
+            field: String::new(),
+        },
+        PullReason::AuthFailed,
+        PullReason::Miss,
+        PullReason::PendingDeadline,
+        PullReason::Timeout,
+        PullReason::Checksum,
+        PullReason::PeerClosed,
+        PullReason::Protocol,
+        PullReason::SinkRejected,
+    ];
+
+    /// Stable label for metrics and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            PullReason::NotAllowed => "not_allowed",
+            PullReason::Connect => "connect",
+            PullReason::FingerprintMismatch { .. } => "fingerprint_mismatch",
+            PullReason::AuthFailed => "auth_failed",
+            PullReason::Miss => "miss",
+            PullReason::PendingDeadline => "pending_deadline",
+            PullReason::Timeout => "timeout",
+            PullReason::Checksum => "checksum",
+            PullReason::PeerClosed => "peer_closed",
+            PullReason::Protocol => "protocol",
+            PullReason::SinkRejected => "sink_rejected",
+        }
+    }
+}
+
+impl fmt::Display for PullReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PullReason::FingerprintMismatch { field } => write!(f, "fingerprint_mismatch({field})"),
+            other => f.write_str(other.label()),
+        }
+    }
+}
+
+/// Overall result of a pull.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullOutcome {
+    /// Every requested block was delivered.
+    Complete,
+    /// At least one leading block was delivered, then the pull stopped.
+    Partial { reason: PullReason },
+    /// No block was delivered.
+    Failed { reason: PullReason },
+}
+
+impl PullOutcome {
+    pub fn label(&self) -> &'static str {
+        match self {
+            PullOutcome::Complete => "complete",
+            PullOutcome::Partial { .. } => "partial",
+            PullOutcome::Failed { .. } => "failed",
+        }
+    }
+
+    pub fn reason(&self) -> Option<&PullReason> {
+        match self {
+            PullOutcome::Complete => None,
+            PullOutcome::Partial { reason } | PullOutcome::Failed { reason } => Some(reason),
+        }
+    }
+}
+
+/// What a pull did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullReport {
+    pub outcome: PullOutcome,
+    /// Leading blocks accepted by the sink (indices `0..blocks` of the requested hashes).
+    pub blocks: usize,
+    /// Payload bytes accepted by the sink.
+    pub bytes: u64,
+    pub duration: Duration,
+}

@@ -1,0 +1,313 @@
+//! The seams between the transfer service and a block store: [`BlockSource`] (producer side, the
+//! engine's CPU tier) and [`BlockSink`] (consumer side), plus [`MemorySource`], an in-memory
+//! reference implementation with pin leases used by tests, the benchmark and as a model for the
+//! engine's implementation.
+//!
+//! Contract for a `BlockSource`:
+//! - `lookup_and_pin` answers per block and pins **only the leading run of `Hit`s**; each pin holds
+//!   until `unpin` or until its lease expires, whichever comes first. A pinned block is never
+//!   evicted, so a fetch that follows a lookup cannot race eviction.
+//! - pins are counted: two lookups pin twice, each `unpin` releases one.
+//! - `read` is cheap (a `Bytes` clone); it is called on async threads and must not block.
+//! - `wait_ready` resolves `true` as soon as a pending block becomes readable, `false` at the
+//!   deadline or at once if the block is not pending.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use kvmesh_core::{BlockHash, Fingerprint};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+pub use crate::message::BlockStatus;
+
+/// Producer side: where served blocks come from.
+pub trait BlockSource: Send + Sync + 'static {
+    /// Our fingerprint; a consumer with a different one is refused.
+    fn fingerprint(&self) -> Fingerprint;
+    /// Status per block; pins the leading `Hit` run for `lease`.
+    fn lookup_and_pin(&self, hashes: &[BlockHash], lease: Duration) -> Vec<BlockStatus>;
+    /// The payload of a held block.
+    fn read(&self, hash: BlockHash) -> Option<Bytes>;
+    /// Release one pin per hash (pins already expired are ignored).
+    fn unpin(&self, hashes: &[BlockHash]);
+    /// Resolve `true` once a `Pending` block is readable, `false` at `deadline` or if not pending.
+    fn wait_ready(&self, hash: BlockHash, deadline: Instant) -> BoxFuture<'static, bool>;
+}
+
+/// Why a sink refused a block; the pull stops there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("sink rejected block {index}: {reason}")]
+pub struct SinkError {
+    pub index: usize,
+    pub reason: String,
+}
+
+/// Consumer side: where pulled blocks go, in prefix order, as they arrive.
+pub trait BlockSink: Send {
+    /// Called once per block, `index` 0, 1, 2… in order. Verify and store; an error stops the pull.
+    fn accept(&mut self, index: usize, hash: BlockHash, payload: Bytes) -> Result<(), SinkError>;
+}
+
+/// A sink that keeps every block in memory (tests, examples).
+#[derive(Debug, Default)]
+pub struct VecSink {
+    pub blocks: Vec<(BlockHash, Bytes)>,
+}
+
+impl BlockSink for VecSink {
+    fn accept(&mut self, index: usize, hash: BlockHash, payload: Bytes) -> Result<(), SinkError> {
+        if index != self.blocks.len() {
+            return Err(SinkError {
+                index,
+                reason: format!("expected index {}", self.blocks.len()),
+            });
+        }
+        self.blocks.push((hash, payload));
+        Ok(())
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    blocks: HashMap<BlockHash, Bytes>,
+    pending: HashSet<BlockHash>,
+    /// Lease expiries of live pins per block (one entry per pin).
+    pins: HashMap<BlockHash, Vec<Instant>>,
+}
+
+impl Inner {
+    fn drop_expired(&mut self, hash: BlockHash, now: Instant) -> bool {
+        if let Some(leases) = self.pins.get_mut(&hash) {
+            leases.retain(|&t| t > now);
+            if leases.is_empty() {
+                self.pins.remove(&hash);
+                return false;
+            }
+            return true;
+        }
+        false
+    }
+}
+
+/// In-memory [`BlockSource`] with leases on `tokio::time::Instant` (so paused-clock tests work).
+#[derive(Debug, Clone)]
+pub struct MemorySource {
+    fingerprint: Fingerprint,
+    inner: Arc<Mutex<Inner>>,
+    ready: Arc<Notify>,
+}
+
+impl MemorySource {
+    pub fn new(fingerprint: Fingerprint) -> Self {
+        Self {
+            fingerprint,
+            inner: Arc::default(),
+            ready: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Store a block (completing it if it was pending).
+    pub fn insert(&self, hash: BlockHash, payload: Bytes) {
+        {
+            let mut g = self.inner.lock();
+            g.pending.remove(&hash);
+            g.blocks.insert(hash, payload);
+        }
+        self.ready.notify_waiters();
+    }
+
+    /// Mark a block as being computed.
+    pub fn mark_pending(&self, hash: BlockHash) {
+        self.inner.lock().pending.insert(hash);
+    }
+
+    /// Evict a block unless it holds a live pin. Returns whether it was removed.
+    pub fn evict(&self, hash: BlockHash) -> bool {
+        let mut g = self.inner.lock();
+        if g.drop_expired(hash, Instant::now()) {
+            return false;
+        }
+        g.blocks.remove(&hash).is_some()
+    }
+
+    /// Number of blocks that currently hold at least one unexpired pin.
+    pub fn pinned_blocks(&self) -> usize {
+        let now = Instant::now();
+        let g = self.inner.lock();
+        g.pins
+            .values()
+            .filter(|leases| leases.iter().any(|&t| t > now))
+            .count()
+    }
+
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        self.inner.lock().blocks.contains_key(&hash)
+    }
+}
+
+impl BlockSource for MemorySource {
+    fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint.clone()
+    }
+
+    fn lookup_and_pin(&self, hashes: &[BlockHash], lease: Duration) -> Vec<BlockStatus> {
+        let now = Instant::now();
+        let mut g = self.inner.lock();
+        let mut leading = true;
+        hashes
+            .iter()
+            .map(|h| {
+                let status = if g.blocks.contains_key(h) {
+                    BlockStatus::Hit
+                } else if g.pending.contains(h) {
+                    BlockStatus::Pending
+                } else {
+                    BlockStatus::Miss
+                };
+                if status == BlockStatus::Hit && leading {
+                    g.pins.entry(*h).or_default().push(now + lease);
+                } else {
+                    leading = false;
+                }
+                status
+            })
+            .collect()
+    }
+
+    fn read(&self, hash: BlockHash) -> Option<Bytes> {
+        self.inner.lock().blocks.get(&hash).cloned()
+    }
+
+    fn unpin(&self, hashes: &[BlockHash]) {
+        let now = Instant::now();
+        let mut g = self.inner.lock();
+        for h in hashes {
+            if g.drop_expired(*h, now)
+                && let Some(leases) = g.pins.get_mut(h)
+            {
+                leases.pop();
+                if leases.is_empty() {
+                    g.pins.remove(h);
+                }
+            }
+        }
+    }
+
+    fn wait_ready(&self, hash: BlockHash, deadline: Instant) -> BoxFuture<'static, bool> {
+        let inner = Arc::clone(&self.inner);
+        let ready = Arc::clone(&self.ready);
+        Box::pin(async move {
+            loop {
+                let notified = ready.notified();
+                tokio::pin!(notified);
+                // Register before checking so an insert between check and await is not missed.
+                notified.as_mut().enable();
+                {
+                    let g = inner.lock();
+                    if g.blocks.contains_key(&hash) {
+                        return true;
+                    }
+                    if !g.pending.contains(&hash) {
+                        return false;
+                    }
+                }
+                tokio::select! {
+                    _ = notified => {}
+                    _ = tokio::time::sleep_until(deadline) => {
+                        return inner.lock().blocks.contains_key(&hash);
+                    }
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvmesh_core::HashAlgo;
+
+    use super::*;
+
+    fn src() -> MemorySource {
+        MemorySource::new(Fingerprint {
+            model_id: "m".into(),
+            kv_dtype: "sim".into(),
+            block_size: 16,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 1,
+            hash_algo: HashAlgo::Sha256Cbor,
+            none_hash: "00".into(),
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pins_leading_hits_only_and_leases_expire() {
+        let s = src();
+        for h in [1, 2, 4] {
+            s.insert(BlockHash(h), Bytes::from_static(b"x"));
+        }
+        s.mark_pending(BlockHash(3));
+        let st = s.lookup_and_pin(&[1, 2, 3, 4].map(BlockHash), Duration::from_secs(5));
+        assert_eq!(
+            st,
+            vec![
+                BlockStatus::Hit,
+                BlockStatus::Hit,
+                BlockStatus::Pending,
+                BlockStatus::Hit
+            ]
+        );
+        assert_eq!(s.pinned_blocks(), 2);
+        assert!(!s.evict(BlockHash(1)), "pinned block must not be evicted");
+        assert!(
+            s.evict(BlockHash(4)),
+            "block after the leading run is not pinned"
+        );
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert_eq!(s.pinned_blocks(), 0);
+        assert!(s.evict(BlockHash(1)), "lease expired");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unpin_releases_one_pin_each() {
+        let s = src();
+        s.insert(BlockHash(1), Bytes::from_static(b"x"));
+        s.lookup_and_pin(&[BlockHash(1)], Duration::from_secs(5));
+        s.lookup_and_pin(&[BlockHash(1)], Duration::from_secs(5));
+        s.unpin(&[BlockHash(1)]);
+        assert_eq!(s.pinned_blocks(), 1);
+        s.unpin(&[BlockHash(1)]);
+        assert_eq!(s.pinned_blocks(), 0);
+        s.unpin(&[BlockHash(1)]); // extra unpin is harmless
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_ready_resolves_on_insert_or_deadline() {
+        let s = src();
+        s.mark_pending(BlockHash(9));
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let w = s.wait_ready(BlockHash(9), deadline);
+        let s2 = s.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            s2.insert(BlockHash(9), Bytes::from_static(b"y"));
+        });
+        assert!(w.await);
+        s.mark_pending(BlockHash(10));
+        assert!(
+            !s.wait_ready(BlockHash(10), Instant::now() + Duration::from_millis(50))
+                .await
+        );
+        assert!(
+            !s.wait_ready(BlockHash(11), Instant::now() + Duration::from_secs(60))
+                .await,
+            "not pending"
+        );
+    }
+}
