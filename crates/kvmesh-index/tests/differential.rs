@@ -1,0 +1,414 @@
+//! Differential tests: random event streams through [`PrefixIndex`] and the naive
+//! [`ReferenceIndex`], comparing every apply result and every lookup; plus a self-test proving the
+//! harness notices a backend that drops removals. Case count: `PROPTEST_CASES` (default 256).
+
+#![allow(clippy::unwrap_used)]
+
+use kvmesh_core::chain::chain_keys;
+use kvmesh_core::events::{BlockRemoved, BlockStored, KvEvent, Medium};
+use kvmesh_core::{BlockHash, ChainKey};
+use kvmesh_index::reference::ReferenceIndex;
+use kvmesh_index::{EndpointId, EndpointMatch, IndexBackend, IndexConfig, IndexError, PrefixIndex};
+use proptest::prelude::*;
+
+const ROUTER_BS: usize = 2;
+/// Engine blocks per prompt.
+const NB: usize = 6;
+const ENDPOINTS: u8 = 4;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store {
+        ep: u8,
+        prompt: u8,
+        start: u8,
+        len: u8,
+        cpu: bool,
+        tokenless: bool,
+        bad_parent: bool,
+    },
+    Remove {
+        ep: u8,
+        prompt: u8,
+        start: u8,
+        len: u8,
+        cpu: bool,
+    },
+    Clear {
+        ep: u8,
+    },
+    ClearCall {
+        ep: u8,
+    },
+    RemoveEndpoint {
+        ep: u8,
+    },
+    BadTokens {
+        ep: u8,
+        prompt: u8,
+    },
+    Storage {
+        ep: u8,
+        prompt: u8,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let ep = 0..ENDPOINTS;
+    let prompt = 0u8..4;
+    prop_oneof![
+        8 => (ep.clone(), prompt.clone(), 0u8..NB as u8, 0u8..NB as u8, any::<bool>(), prop::bool::weighted(0.3), prop::bool::weighted(0.05))
+            .prop_map(|(ep, prompt, start, len, cpu, tokenless, bad_parent)| Op::Store { ep, prompt, start, len, cpu, tokenless, bad_parent }),
+        5 => (ep.clone(), prompt.clone(), 0u8..NB as u8, 0u8..NB as u8, any::<bool>())
+            .prop_map(|(ep, prompt, start, len, cpu)| Op::Remove { ep, prompt, start, len, cpu }),
+        1 => ep.clone().prop_map(|ep| Op::Clear { ep }),
+        1 => ep.clone().prop_map(|ep| Op::ClearCall { ep }),
+        1 => ep.clone().prop_map(|ep| Op::RemoveEndpoint { ep }),
+        1 => (ep.clone(), prompt.clone()).prop_map(|(ep, prompt)| Op::BadTokens { ep, prompt }),
+        1 => (ep, prompt).prop_map(|(ep, prompt)| Op::Storage { ep, prompt }),
+    ]
+}
+
+/// A scenario: engine block size = `ratio × ROUTER_BS`, four prompts over a 2-letter alphabet (so
+/// they share prefixes), and the ops.
+#[derive(Debug, Clone)]
+struct Scenario {
+    ratio: usize,
+    prompts: Vec<Vec<u32>>,
+    ops: Vec<Op>,
+}
+
+fn scenario() -> impl Strategy<Value = Scenario> {
+    (1usize..=2).prop_flat_map(|ratio| {
+        let len = NB * ratio * ROUTER_BS;
+        (
+            Just(ratio),
+            prop::collection::vec(prop::collection::vec(0u32..2, len), 4),
+            prop::collection::vec(op(), 1..60),
+        )
+            .prop_map(|(ratio, prompts, ops)| Scenario {
+                ratio,
+                prompts,
+                ops,
+            })
+    })
+}
+
+/// Engine-side hashes of a prompt's engine blocks: a chain with its own seed, like an engine
+/// algorithm the router does not share.
+fn engine_hashes(tokens: &[u32], engine_bs: usize) -> Vec<BlockHash> {
+    let mut k = ChainKey(0xe1e1);
+    tokens
+        .chunks_exact(engine_bs)
+        .map(|b| {
+            k = k.child(b);
+            BlockHash(k.0)
+        })
+        .collect()
+}
+
+fn medium(cpu: bool) -> Medium {
+    if cpu { Medium::Cpu } else { Medium::Gpu }
+}
+
+fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
+    let ebs = s.ratio * ROUTER_BS;
+    let range = |prompt: u8, start: u8, len: u8| {
+        let start = start as usize % NB;
+        let len = 1 + len as usize % (NB - start);
+        (prompt as usize % s.prompts.len(), start, start + len)
+    };
+    Some(match *op {
+        Op::Store {
+            ep,
+            prompt,
+            start,
+            len,
+            cpu,
+            tokenless,
+            bad_parent,
+        } => {
+            let (p, a, b) = range(prompt, start, len);
+            let hashes = engine_hashes(&s.prompts[p], ebs);
+            let parent = if bad_parent {
+                Some(BlockHash(0xbad0 + a as u64))
+            } else if a == 0 {
+                None
+            } else {
+                Some(hashes[a - 1])
+            };
+            let (token_ids, block_size) = if tokenless {
+                (Vec::new(), 0)
+            } else {
+                (s.prompts[p][a * ebs..b * ebs].to_vec(), ebs as u32)
+            };
+            (
+                EndpointId(ep.into()),
+                KvEvent::BlockStored(BlockStored {
+                    block_hashes: hashes[a..b].to_vec(),
+                    parent_block_hash: parent,
+                    token_ids,
+                    block_size,
+                    lora_id: None,
+                    medium: medium(cpu),
+                    lora_name: None,
+                    group_idx: None,
+                    kv_cache_spec_kind: None,
+                }),
+            )
+        }
+        Op::Remove {
+            ep,
+            prompt,
+            start,
+            len,
+            cpu,
+        } => {
+            let (p, a, b) = range(prompt, start, len);
+            let hashes = engine_hashes(&s.prompts[p], ebs);
+            (
+                EndpointId(ep.into()),
+                KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: hashes[a..b].to_vec(),
+                    medium: medium(cpu),
+                    group_idx: None,
+                }),
+            )
+        }
+        Op::Clear { ep } => (EndpointId(ep.into()), KvEvent::AllBlocksCleared),
+        Op::BadTokens { ep, prompt } => {
+            let p = prompt as usize % s.prompts.len();
+            let hashes = engine_hashes(&s.prompts[p], ebs);
+            (
+                EndpointId(ep.into()),
+                KvEvent::BlockStored(BlockStored {
+                    block_hashes: hashes[..2].to_vec(),
+                    parent_block_hash: None,
+                    token_ids: s.prompts[p][..ebs + 1].to_vec(),
+                    block_size: ebs as u32,
+                    lora_id: None,
+                    medium: Medium::Gpu,
+                    lora_name: None,
+                    group_idx: None,
+                    kv_cache_spec_kind: None,
+                }),
+            )
+        }
+        Op::Storage { ep, prompt } => {
+            let p = prompt as usize % s.prompts.len();
+            let hashes = engine_hashes(&s.prompts[p], ebs);
+            (
+                EndpointId(ep.into()),
+                KvEvent::BlockStored(BlockStored {
+                    block_hashes: hashes[..1].to_vec(),
+                    parent_block_hash: None,
+                    token_ids: s.prompts[p][..ebs].to_vec(),
+                    block_size: ebs as u32,
+                    lora_id: None,
+                    medium: Medium::Storage,
+                    lora_name: None,
+                    group_idx: None,
+                    kv_cache_spec_kind: None,
+                }),
+            )
+        }
+        Op::ClearCall { .. } | Op::RemoveEndpoint { .. } => return None,
+    })
+}
+
+/// Lookups compared after every op: each prompt in full and cut mid engine block.
+fn lookup_keys(s: &Scenario) -> Vec<Vec<ChainKey>> {
+    let mut out = Vec::new();
+    for p in &s.prompts {
+        out.push(chain_keys(p, ROUTER_BS));
+        out.push(chain_keys(&p[..p.len() / 2 + 1], ROUTER_BS));
+    }
+    out
+}
+
+/// How two backends may relate: identical answers, or `fast` never above `reference`.
+#[derive(Clone, Copy, PartialEq)]
+enum Expect {
+    Equal,
+    NeverAbove,
+}
+
+fn run(
+    s: &Scenario,
+    fast: &dyn IndexBackend,
+    reference: &dyn IndexBackend,
+    expect: Expect,
+) -> Result<(), String> {
+    let lookups = lookup_keys(s);
+    for (step, op) in s.ops.iter().enumerate() {
+        match (to_event(s, op), op) {
+            (Some((ep, ev)), _) => {
+                let a: Result<(), IndexError> = fast.apply_event(ep, &ev);
+                let b = reference.apply_event(ep, &ev);
+                if expect == Expect::Equal && a != b {
+                    return Err(format!(
+                        "step {step} {op:?}: apply {a:?} vs reference {b:?}"
+                    ));
+                }
+            }
+            (None, Op::ClearCall { ep }) => {
+                fast.clear_endpoint(EndpointId((*ep).into()));
+                reference.clear_endpoint(EndpointId((*ep).into()));
+            }
+            (None, Op::RemoveEndpoint { ep }) => {
+                fast.remove_endpoint(EndpointId((*ep).into()));
+                reference.remove_endpoint(EndpointId((*ep).into()));
+            }
+            (None, _) => {}
+        }
+        for keys in &lookups {
+            let a = fast.find_matches(keys);
+            let b = reference.find_matches(keys);
+            match expect {
+                Expect::Equal if a != b => {
+                    return Err(format!(
+                        "step {step} {op:?}: lookup {a:?} vs reference {b:?}"
+                    ));
+                }
+                Expect::NeverAbove => {
+                    for m in &a {
+                        let r = b
+                            .iter()
+                            .find(|x| x.endpoint == m.endpoint)
+                            .copied()
+                            .unwrap_or(EndpointMatch {
+                                endpoint: m.endpoint,
+                                gpu_blocks: 0,
+                                cpu_blocks: 0,
+                                any_blocks: 0,
+                            });
+                        if m.gpu_blocks > r.gpu_blocks
+                            || m.cpu_blocks > r.cpu_blocks
+                            || m.any_blocks > r.any_blocks
+                        {
+                            return Err(format!(
+                                "step {step}: over-estimate {m:?} vs reference {r:?}"
+                            ));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+fn big_index() -> PrefixIndex {
+    PrefixIndex::new(IndexConfig {
+        block_size: ROUTER_BS,
+        max_blocks: 1 << 20,
+        shards: 8,
+        max_endpoints: 64,
+    })
+}
+
+proptest! {
+    #[test]
+    fn index_agrees_with_reference(s in scenario()) {
+        let fast = big_index();
+        let reference = ReferenceIndex::new(ROUTER_BS);
+        if let Err(e) = run(&s, &fast, &reference, Expect::Equal) {
+            prop_assert!(false, "{}", e);
+        }
+        let stats = fast.stats();
+        prop_assert_eq!(stats.memberships as usize, reference.memberships());
+    }
+
+    #[test]
+    fn bounded_index_never_over_estimates(s in scenario()) {
+        let fast = PrefixIndex::new(IndexConfig { block_size: ROUTER_BS, max_blocks: 16, shards: 1, max_endpoints: 64 });
+        let reference = ReferenceIndex::new(ROUTER_BS);
+        if let Err(e) = run(&s, &fast, &reference, Expect::NeverAbove) {
+            prop_assert!(false, "{}", e);
+        }
+        prop_assert!(fast.stats().blocks <= 16 + 1);
+    }
+}
+
+/// A deliberately broken backend: forgets to apply removals.
+struct DropsRemovals(PrefixIndex);
+
+impl IndexBackend for DropsRemovals {
+    fn apply_event(&self, endpoint: EndpointId, event: &KvEvent) -> Result<(), IndexError> {
+        match event {
+            KvEvent::BlockRemoved(_) => Ok(()),
+            _ => self.0.apply_event(endpoint, event),
+        }
+    }
+    fn clear_endpoint(&self, endpoint: EndpointId) {
+        self.0.clear_endpoint(endpoint)
+    }
+    fn remove_endpoint(&self, endpoint: EndpointId) {
+        self.0.remove_endpoint(endpoint)
+    }
+    fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch> {
+        self.0.find_matches(keys)
+    }
+}
+
+/// A broken backend that reports CPU runs as GPU runs.
+struct ConfusesTiers(PrefixIndex);
+
+impl IndexBackend for ConfusesTiers {
+    fn apply_event(&self, endpoint: EndpointId, event: &KvEvent) -> Result<(), IndexError> {
+        self.0.apply_event(endpoint, event)
+    }
+    fn clear_endpoint(&self, endpoint: EndpointId) {
+        self.0.clear_endpoint(endpoint)
+    }
+    fn remove_endpoint(&self, endpoint: EndpointId) {
+        self.0.remove_endpoint(endpoint)
+    }
+    fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch> {
+        let mut v = self.0.find_matches(keys);
+        for m in &mut v {
+            m.gpu_blocks = m.gpu_blocks.max(m.cpu_blocks);
+        }
+        v
+    }
+}
+
+/// The harness must catch broken backends within the normal case budget.
+#[test]
+fn harness_catches_broken_backends() {
+    use proptest::test_runner::{Config, TestRunner};
+    let mut runner = TestRunner::new(Config {
+        cases: 256,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let caught = runner.run(&scenario(), |s| {
+        let r = run(
+            &s,
+            &DropsRemovals(big_index()),
+            &ReferenceIndex::new(ROUTER_BS),
+            Expect::Equal,
+        );
+        prop_assert!(r.is_ok(), "{:?}", r);
+        Ok(())
+    });
+    assert!(caught.is_err(), "dropping removals went unnoticed");
+
+    let mut runner = TestRunner::new(Config {
+        cases: 256,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let caught = runner.run(&scenario(), |s| {
+        let r = run(
+            &s,
+            &ConfusesTiers(big_index()),
+            &ReferenceIndex::new(ROUTER_BS),
+            Expect::Equal,
+        );
+        prop_assert!(r.is_ok(), "{:?}", r);
+        Ok(())
+    });
+    assert!(caught.is_err(), "tier confusion went unnoticed");
+}
