@@ -11,7 +11,9 @@
 use crate::TokenId;
 
 /// A router-side chained block key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct ChainKey(pub u64);
 
 impl ChainKey {
@@ -25,7 +27,10 @@ impl ChainKey {
             for (i, t) in tokens.iter().enumerate() {
                 buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
             }
-            ChainKey(xxhash_rust::xxh3::xxh3_64_with_seed(&buf[..tokens.len() * 4], self.0))
+            ChainKey(xxhash_rust::xxh3::xxh3_64_with_seed(
+                &buf[..tokens.len() * 4],
+                self.0,
+            ))
         } else {
             let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
             ChainKey(xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, self.0))

@@ -43,7 +43,11 @@ impl Fingerprint {
             if ours == theirs {
                 Ok(())
             } else {
-                Err(FingerprintMismatch { field, ours: ours.to_string(), theirs: theirs.to_string() })
+                Err(FingerprintMismatch {
+                    field,
+                    ours: ours.to_string(),
+                    theirs: theirs.to_string(),
+                })
             }
         }
         cmp("model_id", &self.model_id, &theirs.model_id)?;

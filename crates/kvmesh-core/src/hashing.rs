@@ -16,7 +16,9 @@ use crate::TokenId;
 pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
 
 /// The hash value an engine publishes for a block in KV events (last 8 digest bytes, big-endian).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct BlockHash(pub u64);
 
 impl fmt::Display for BlockHash {
@@ -98,7 +100,10 @@ impl BlockDigest {
         let tail = &raw[raw.len().saturating_sub(32)..];
         let mut bytes = [0u8; 32];
         bytes[..tail.len()].copy_from_slice(tail);
-        Self { bytes, len: tail.len() as u8 }
+        Self {
+            bytes,
+            len: tail.len() as u8,
+        }
     }
 
     /// The digest bytes.
@@ -163,7 +168,12 @@ impl BlockHasher {
         let mut enc = minicbor::Encoder::new(&mut buf);
         let _ = enc.str(seed);
         let none_hash = digest(algo, &buf);
-        Self { algo, block_size, none_hash, buf }
+        Self {
+            algo,
+            block_size,
+            none_hash,
+            buf,
+        }
     }
 
     pub fn algo(&self) -> HashAlgo {
@@ -201,7 +211,11 @@ impl BlockHasher {
     }
 
     /// Digests of every full block of `tokens`, chained from `parent`.
-    pub fn hash_prompt_from(&mut self, parent: &BlockDigest, tokens: &[TokenId]) -> Vec<BlockDigest> {
+    pub fn hash_prompt_from(
+        &mut self,
+        parent: &BlockDigest,
+        tokens: &[TokenId],
+    ) -> Vec<BlockDigest> {
         if self.block_size == 0 {
             return Vec::new();
         }

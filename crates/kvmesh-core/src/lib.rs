@@ -14,7 +14,10 @@ pub mod transfer_params;
 pub type TokenId = u32;
 
 pub use chain::ChainKey;
-pub use events::{EventBatch, EventDecodeError, EventEncoding, KvEvent, Medium};
+pub use events::{
+    BlockRemoved, BlockStored, EventBatch, EventDecodeError, EventEncoding, EventFrame, KvEvent,
+    Medium, decode_batch, encode_batch,
+};
 pub use fingerprint::{Fingerprint, FingerprintMismatch};
 pub use hashing::{BlockDigest, BlockHash, BlockHasher, HashAlgo};
 pub use transfer_params::{KvTransferParams, RemoteKvSource};

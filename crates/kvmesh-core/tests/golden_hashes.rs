@@ -5,8 +5,11 @@ use std::path::PathBuf;
 use kvmesh_core::{BlockHasher, HashAlgo};
 
 fn fixture(name: &str) -> serde_json::Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vllm-fixtures").join(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/vllm-fixtures")
+        .join(name);
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
 }
 
@@ -21,14 +24,31 @@ fn check_file(name: &str) -> usize {
         };
         let seed = case["seed"].as_str();
         let mut hasher = BlockHasher::new(algo, seed, block_size);
-        assert_eq!(hasher.none_hash().to_hex(), case["none_hash"].as_str().unwrap(), "{name} {algo} none_hash");
-        let tokens: Vec<u32> = case["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        assert_eq!(
+            hasher.none_hash().to_hex(),
+            case["none_hash"].as_str().unwrap(),
+            "{name} {algo} none_hash"
+        );
+        let tokens: Vec<u32> = case["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
         let digests = hasher.hash_prompt(&tokens);
         let blocks = case["blocks"].as_array().unwrap();
         assert_eq!(digests.len(), blocks.len(), "{name} {algo}: block count");
         for (i, (d, g)) in digests.iter().zip(blocks).enumerate() {
-            assert_eq!(d.to_hex(), g["hex"].as_str().unwrap(), "{name} {algo} block {i} hex");
-            assert_eq!(d.event_hash().0, g["u64"].as_u64().unwrap(), "{name} {algo} block {i} u64");
+            assert_eq!(
+                d.to_hex(),
+                g["hex"].as_str().unwrap(),
+                "{name} {algo} block {i} hex"
+            );
+            assert_eq!(
+                d.event_hash().0,
+                g["u64"].as_u64().unwrap(),
+                "{name} {algo} block {i} u64"
+            );
             checked += 1;
         }
     }

@@ -1,0 +1,339 @@
+//! The KV-event subscriber: a SUB socket in a background task that decodes, checks sequence
+//! numbers and reports what it sees as [`SubscriberItem`]s.
+//!
+//! Nothing a peer sends can stop the task: undecodable messages become `Malformed` items, a
+//! sequence that jumps forward becomes `Gap` (filled from the replay endpoint first, if one is
+//! configured), one that goes backwards becomes `Restart` (a new publisher incarnation). Sequence
+//! numbers are tracked per topic, so several publishers may connect to one bound subscriber as long
+//! as their topics differ (llm-d's `kv@<pod>@<model>` topics do).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvmesh_core::events::{EventBatch, EventFrame, decode_batch, parse_seq};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket};
+
+use crate::endpoint::{EndpointMode, resolve_endpoint};
+use crate::replay::request_replay_raw;
+
+/// What to subscribe to.
+#[derive(Debug, Clone)]
+pub struct SubscriberConfig {
+    /// The publisher's endpoint (connect), or our own (bind).
+    pub endpoint: String,
+    /// Bind instead of connect: needed when the engine was given a non-wildcard endpoint, which
+    /// it connects to. A `*` host always binds.
+    pub bind: bool,
+    /// Topic prefix to subscribe to (`""` = everything), ZMQ prefix semantics.
+    pub topic: String,
+    /// The publisher's replay endpoint; when set, gaps are filled from it before being reported.
+    pub replay_endpoint: Option<String>,
+}
+
+impl SubscriberConfig {
+    /// Connect to `endpoint`, all topics, no replay.
+    pub fn connect(endpoint: impl Into<String>) -> Self {
+        Self {
+            endpoint: endpoint.into(),
+            bind: false,
+            topic: String::new(),
+            replay_endpoint: None,
+        }
+    }
+
+    /// Bind `endpoint`, all topics, no replay.
+    pub fn bind(endpoint: impl Into<String>) -> Self {
+        Self {
+            bind: true,
+            ..Self::connect(endpoint)
+        }
+    }
+}
+
+/// One observation of the subscriber task, in arrival order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SubscriberItem {
+    /// The socket is bound/connected; `endpoint` is the resolved address (the real port when
+    /// binding port 0).
+    Listening { endpoint: String },
+    /// A decoded batch.
+    Batch {
+        topic: String,
+        seq: u64,
+        batch: EventBatch,
+    },
+    /// Batches `expected..got` were lost (not replayable); `got` follows as a `Batch`.
+    Gap {
+        topic: String,
+        expected: u64,
+        got: u64,
+    },
+    /// The sequence went backwards: the publisher restarted. Its state must be rebuilt.
+    Restart {
+        topic: String,
+        last_seq: u64,
+        new_seq: u64,
+    },
+    /// A message that could not be parsed or decoded; skipped.
+    Malformed { seq: Option<u64>, error: String },
+    /// A socket-level problem; the task keeps retrying.
+    Error { error: String },
+}
+
+/// How one sequence number relates to the previous one of the same topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqVerdict {
+    /// First message seen on this topic (earlier ones were before we subscribed).
+    First,
+    InOrder,
+    Gap {
+        expected: u64,
+        got: u64,
+    },
+    Restart {
+        last_seq: u64,
+        new_seq: u64,
+    },
+    /// The same sequence number again (e.g. overlap with a replay); drop it.
+    Duplicate,
+}
+
+/// Per-topic sequence bookkeeping (pure; unit-tested without sockets).
+#[derive(Debug, Default)]
+pub struct SeqTracker {
+    last: HashMap<String, u64>,
+}
+
+impl SeqTracker {
+    pub fn observe(&mut self, topic: &str, seq: u64) -> SeqVerdict {
+        let verdict = match self.last.get(topic) {
+            None => SeqVerdict::First,
+            Some(&last) if seq == last.wrapping_add(1) => SeqVerdict::InOrder,
+            Some(&last) if seq > last => SeqVerdict::Gap {
+                expected: last + 1,
+                got: seq,
+            },
+            Some(&last) if seq == last => SeqVerdict::Duplicate,
+            Some(&last) => SeqVerdict::Restart {
+                last_seq: last,
+                new_seq: seq,
+            },
+        };
+        if verdict != SeqVerdict::Duplicate {
+            self.last.insert(topic.to_owned(), seq);
+        }
+        verdict
+    }
+
+    /// Last sequence number seen on `topic`.
+    pub fn last(&self, topic: &str) -> Option<u64> {
+        self.last.get(topic).copied()
+    }
+}
+
+/// Starts a subscriber task; items arrive on the returned channel until `cancel` fires or the
+/// receiver is dropped. Must be called inside a tokio runtime. Never blocks: binding, connecting
+/// and reconnecting happen in the task (failures are reported as `Error` items and retried).
+pub fn subscribe(
+    config: SubscriberConfig,
+    cancel: CancellationToken,
+) -> mpsc::Receiver<SubscriberItem> {
+    let (tx, rx) = mpsc::channel(1024);
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = cancel.cancelled() => {}
+            _ = run(config, tx) => {}
+        }
+    });
+    rx
+}
+
+async fn run(config: SubscriberConfig, tx: mpsc::Sender<SubscriberItem>) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match open(&config).await {
+            Ok((socket, endpoint)) => {
+                if tx
+                    .send(SubscriberItem::Listening { endpoint })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                receive(socket, &config, &tx).await;
+                return;
+            }
+            Err(error) => {
+                if tx.send(SubscriberItem::Error { error }).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+async fn open(config: &SubscriberConfig) -> Result<(SubSocket, String), String> {
+    let (endpoint, mode) = resolve_endpoint(&config.endpoint).map_err(|e| e.to_string())?;
+    let mut options = SocketOptions::default();
+    // Wait for an absent publisher indefinitely (the caller's cancel token bounds it); the
+    // zeromq crate reconnects by itself after the first connection.
+    options.no_connect_timeout();
+    let mut socket = SubSocket::with_options(options);
+    socket
+        .subscribe(&config.topic)
+        .await
+        .map_err(|e| format!("subscribe: {e}"))?;
+    if config.bind || mode == EndpointMode::Bind {
+        let bound = socket
+            .bind(&endpoint)
+            .await
+            .map_err(|e| format!("bind {endpoint}: {e}"))?;
+        Ok((socket, bound.to_string()))
+    } else {
+        socket
+            .connect(&endpoint)
+            .await
+            .map_err(|e| format!("connect {endpoint}: {e}"))?;
+        Ok((socket, endpoint))
+    }
+}
+
+async fn receive(
+    mut socket: SubSocket,
+    config: &SubscriberConfig,
+    tx: &mpsc::Sender<SubscriberItem>,
+) {
+    let mut tracker = SeqTracker::default();
+    loop {
+        let msg = match socket.recv().await {
+            Ok(m) => m,
+            Err(e) => {
+                // A peer's broken stream or a disconnect; the socket stays usable.
+                if tx
+                    .send(SubscriberItem::Error {
+                        error: e.to_string(),
+                    })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let parts = msg.into_vec();
+        for item in handle_message(parts, config, &mut tracker).await {
+            if tx.send(item).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Turns one raw message into items, consulting the replay endpoint on a gap.
+async fn handle_message(
+    parts: Vec<Bytes>,
+    config: &SubscriberConfig,
+    tracker: &mut SeqTracker,
+) -> Vec<SubscriberItem> {
+    let seq_hint = parts.get(1).and_then(|p| parse_seq(p).ok());
+    let frame = match EventFrame::from_owned_parts(parts) {
+        Ok(f) => f,
+        Err(e) => {
+            return vec![SubscriberItem::Malformed {
+                seq: seq_hint,
+                error: e.to_string(),
+            }];
+        }
+    };
+    let mut items = Vec::with_capacity(1);
+    match tracker.observe(&frame.topic, frame.seq) {
+        SeqVerdict::First | SeqVerdict::InOrder => {}
+        SeqVerdict::Duplicate => return items,
+        SeqVerdict::Restart { last_seq, new_seq } => {
+            items.push(SubscriberItem::Restart {
+                topic: frame.topic.clone(),
+                last_seq,
+                new_seq,
+            });
+        }
+        SeqVerdict::Gap { expected, got } => {
+            let mut next = expected;
+            if let Some(ep) = &config.replay_endpoint {
+                match request_replay_raw(ep, expected).await {
+                    Ok(replayed) => {
+                        for (seq, payload) in replayed {
+                            if seq != next || seq >= got {
+                                continue;
+                            }
+                            next += 1;
+                            items.push(decode_item(&frame.topic, seq, &payload));
+                        }
+                    }
+                    Err(e) => items.push(SubscriberItem::Error {
+                        error: e.to_string(),
+                    }),
+                }
+            }
+            if next < got {
+                items.push(SubscriberItem::Gap {
+                    topic: frame.topic.clone(),
+                    expected: next,
+                    got,
+                });
+            }
+        }
+    }
+    items.push(decode_item(&frame.topic, frame.seq, &frame.payload));
+    items
+}
+
+fn decode_item(topic: &str, seq: u64, payload: &[u8]) -> SubscriberItem {
+    match decode_batch(payload) {
+        Ok(batch) => SubscriberItem::Batch {
+            topic: topic.to_owned(),
+            seq,
+            batch,
+        },
+        Err(e) => SubscriberItem::Malformed {
+            seq: Some(seq),
+            error: e.to_string(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tracker_classifies_sequences_per_topic() {
+        let mut t = SeqTracker::default();
+        assert_eq!(t.observe("a", 5), SeqVerdict::First);
+        assert_eq!(t.observe("a", 6), SeqVerdict::InOrder);
+        assert_eq!(t.observe("b", 0), SeqVerdict::First);
+        assert_eq!(
+            t.observe("a", 9),
+            SeqVerdict::Gap {
+                expected: 7,
+                got: 9
+            }
+        );
+        assert_eq!(t.observe("a", 9), SeqVerdict::Duplicate);
+        assert_eq!(
+            t.observe("a", 0),
+            SeqVerdict::Restart {
+                last_seq: 9,
+                new_seq: 0
+            }
+        );
+        assert_eq!(t.observe("a", 1), SeqVerdict::InOrder);
+        assert_eq!(t.last("b"), Some(0));
+    }
+}
