@@ -12,9 +12,10 @@
 //!   `p % block_size`), using its own layout inside a block's bytes.
 //! - When `sample` is set, the backend returns the next token for that sequence.
 
+pub mod profiles;
 pub mod sim;
 
-use kvmesh_core::TokenId;
+use kvmesh_core::{BlockHash, TokenId};
 use thiserror::Error;
 
 /// Index of a block in the engine's GPU-tier pool.
@@ -117,7 +118,11 @@ pub trait ComputeBackend: Send {
     /// Layout of a KV block; the engine sizes its arena and CPU tier from it.
     fn kv_layout(&self) -> KvLayout;
     /// Runs one batch step; returns, per input sequence in order, the sampled token if asked.
-    fn step(&mut self, seqs: &[SeqStep<'_>], kv: &mut KvArena) -> Result<Vec<Option<TokenId>>, ComputeError>;
+    fn step(
+        &mut self,
+        seqs: &[SeqStep<'_>],
+        kv: &mut KvArena,
+    ) -> Result<Vec<Option<TokenId>>, ComputeError>;
     /// End-of-sequence token ids (generation stops on them unless `ignore_eos`).
     fn eos_token_ids(&self) -> Vec<TokenId>;
     /// For time-modelled backends: how long pulling `tokens` of KV from a peer takes on the modelled
@@ -126,4 +131,8 @@ pub trait ComputeBackend: Send {
     fn modelled_pull_time(&self, _tokens: usize) -> Option<std::time::Duration> {
         None
     }
+    /// Called by the engine once block `block` is full, its KV valid and its chained hash known,
+    /// right before the block is published and offloaded. The `sim` backend writes its
+    /// hash-derived payload here; real backends keep the default (their KV is already written).
+    fn finalize_block(&mut self, _block: BlockId, _hash: BlockHash, _kv: &mut KvArena) {}
 }

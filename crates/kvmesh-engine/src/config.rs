@@ -1,0 +1,254 @@
+//! Engine configuration: what `kvmesh engine` flags map to, plus parsers for vLLM-style values
+//! (`--kv-events-config` JSON, byte sizes like `2GiB`).
+//!
+//! The struct is plain data so tests and the bench launcher can build engines without a CLI.
+
+use std::time::Duration;
+
+use kvmesh_core::HashAlgo;
+use serde::Deserialize;
+use thiserror::Error;
+
+/// Why a configuration value was refused.
+#[derive(Debug, Error, PartialEq)]
+pub enum ConfigError {
+    #[error("invalid byte size `{0}` (examples: 1048576, 512MiB, 2GiB, 1.5GB)")]
+    ByteSize(String),
+    #[error("invalid --kv-events-config: {0}")]
+    KvEvents(String),
+    #[error("invalid engine config: {0}")]
+    Invalid(String),
+}
+
+/// vLLM's `--kv-events-config` JSON (`KVEventsConfig`); unknown keys are ignored as vLLM does not
+/// know ours either.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct KvEventsConfig {
+    #[serde(default)]
+    pub enable_kv_cache_events: bool,
+    /// Only `"zmq"` publishes; `"null"` disables.
+    #[serde(default = "default_publisher")]
+    pub publisher: String,
+    /// `tcp://*:5557` binds; any other host connects (the subscriber then binds).
+    #[serde(default = "default_endpoint")]
+    pub endpoint: String,
+    /// Optional ROUTER socket answering replay requests.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// Batches kept for replay.
+    #[serde(default = "default_buffer_steps")]
+    pub buffer_steps: usize,
+    #[serde(default)]
+    pub topic: String,
+}
+
+fn default_publisher() -> String {
+    "null".to_owned()
+}
+fn default_endpoint() -> String {
+    "tcp://*:5557".to_owned()
+}
+fn default_buffer_steps() -> usize {
+    10_000
+}
+
+impl KvEventsConfig {
+    /// Parses the JSON given to `--kv-events-config`.
+    pub fn parse(json: &str) -> Result<Self, ConfigError> {
+        let cfg: KvEventsConfig =
+            serde_json::from_str(json).map_err(|e| ConfigError::KvEvents(e.to_string()))?;
+        if cfg.enabled() && !cfg.endpoint.contains("://") {
+            return Err(ConfigError::KvEvents(format!(
+                "endpoint `{}` has no transport (e.g. tcp://*:5557)",
+                cfg.endpoint
+            )));
+        }
+        Ok(cfg)
+    }
+
+    /// Events are published only with `enable_kv_cache_events` and the `zmq` publisher (vLLM's rule).
+    pub fn enabled(&self) -> bool {
+        self.enable_kv_cache_events && self.publisher == "zmq"
+    }
+}
+
+/// Parses `2GiB`, `512MiB`, `1.5GB`, `4096` (bytes) and the like.
+pub fn parse_byte_size(s: &str) -> Result<u64, ConfigError> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| ConfigError::ByteSize(s.to_owned()))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "ki" | "kib" => 1024.0,
+        "mi" | "mib" => 1024.0 * 1024.0,
+        "gi" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "ti" | "tib" => 1024.0f64.powi(4),
+        _ => return Err(ConfigError::ByteSize(s.to_owned())),
+    };
+    let bytes = value * mult;
+    if !bytes.is_finite() || bytes < 0.0 {
+        return Err(ConfigError::ByteSize(s.to_owned()));
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// Serving role for P/D disaggregation (DESIGN §4); stored for the P2P/PD work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Role {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl std::str::FromStr for Role {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "both" | "aggregated" => Ok(Role::Both),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            other => Err(ConfigError::Invalid(format!(
+                "unknown role `{other}` (both, prefill, decode)"
+            ))),
+        }
+    }
+}
+
+/// Settings reserved for the P2P transfer service and P/D roles; the engine stores them, the
+/// P2P integrator reads them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct P2pConfig {
+    /// TCP port of the P2P producer service; `None` = no producer.
+    pub port: Option<u16>,
+    /// Peers (host or host:port patterns) this engine may pull from.
+    pub allowed_peers: Vec<String>,
+    /// Budget for one pull before falling back to compute.
+    pub timeout: Duration,
+    pub role: Role,
+    pub bidirectional_kv_xfer: bool,
+    /// How long a decode engine retains a finished request's blocks (vLLM default 480 s).
+    pub decoder_kv_blocks_ttl: Duration,
+    /// Minimum reusable tokens before a remote read is worth it (vLLM default 64).
+    pub kv_recompute_threshold: usize,
+}
+
+impl Default for P2pConfig {
+    fn default() -> Self {
+        Self {
+            port: None,
+            allowed_peers: Vec::new(),
+            timeout: Duration::from_millis(5_000),
+            role: Role::Both,
+            bidirectional_kv_xfer: false,
+            decoder_kv_blocks_ttl: Duration::from_secs(480),
+            kv_recompute_threshold: 64,
+        }
+    }
+}
+
+/// Everything an engine needs besides its backend and tokenizer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    pub host: String,
+    /// 0 = pick a free port (the bound address is reported by the server).
+    pub port: u16,
+    pub served_model_name: String,
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub cpu_offload_bytes: u64,
+    pub kv_events: Option<KvEventsConfig>,
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    pub max_model_len: usize,
+    /// Requests queued (admitted, not yet running) beyond which new ones get 429.
+    pub max_waiting: usize,
+    pub hash_algo: HashAlgo,
+    /// `PYTHONHASHSEED`, as vLLM seeds NONE_HASH with it.
+    pub hash_seed: Option<String>,
+    /// The `engine` label of metrics (vLLM uses the data-parallel rank, "0").
+    pub engine_label: String,
+    pub p2p: P2pConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".to_owned(),
+            port: 8000,
+            served_model_name: "sim".to_owned(),
+            block_size: 16,
+            num_gpu_blocks: 4096,
+            cpu_offload_bytes: 1 << 30,
+            kv_events: None,
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 256,
+            max_model_len: 131_072,
+            max_waiting: 4096,
+            hash_algo: HashAlgo::Sha256Cbor,
+            hash_seed: std::env::var("PYTHONHASHSEED").ok(),
+            engine_label: "0".to_owned(),
+            p2p: P2pConfig::default(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks the values that would otherwise make the scheduler stall or divide by zero.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0 {
+            return Err(ConfigError::Invalid("--block-size must be > 0".into()));
+        }
+        if self.num_gpu_blocks < 2 {
+            return Err(ConfigError::Invalid("--num-gpu-blocks must be >= 2".into()));
+        }
+        if self.max_num_batched_tokens == 0 || self.max_num_seqs == 0 {
+            return Err(ConfigError::Invalid(
+                "--max-num-batched-tokens and --max-num-seqs must be > 0".into(),
+            ));
+        }
+        if self.max_model_len == 0 {
+            return Err(ConfigError::Invalid("--max-model-len must be > 0".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn byte_sizes_accept_binary_and_decimal_units() {
+        assert_eq!(parse_byte_size("2GiB").unwrap(), 2 * 1024 * 1024 * 1024);
+        assert_eq!(parse_byte_size("512MiB").unwrap(), 512 * 1024 * 1024);
+        assert_eq!(parse_byte_size("1.5GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_byte_size("4096").unwrap(), 4096);
+        assert!(parse_byte_size("2 parsecs").is_err());
+        assert!(parse_byte_size("").is_err());
+    }
+
+    #[test]
+    fn kv_events_config_parses_vllm_json() {
+        let c = KvEventsConfig::parse(
+            r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events","replay_endpoint":"tcp://*:5558"}"#,
+        )
+        .unwrap();
+        assert!(c.enabled());
+        assert_eq!(c.topic, "kv-events");
+        assert_eq!(c.replay_endpoint.as_deref(), Some("tcp://*:5558"));
+        assert!(KvEventsConfig::parse("{not json").is_err());
+        let off = KvEventsConfig::parse(r#"{"enable_kv_cache_events":false}"#).unwrap();
+        assert!(!off.enabled());
+    }
+}

@@ -1,0 +1,587 @@
+//! The CPU tier: a byte-capped LRU store of offloaded KV block payloads keyed by block hash.
+//!
+//! [`CpuStore`] is the pure data structure (explicit `now`, events pushed to a `Vec`).
+//! [`CpuTier`] shares it across threads (`Arc<CpuTier>`, one `parking_lot` mutex never held
+//! across `.await`) so the P2P producer can serve blocks without touching the compute loop, and
+//! adds the *pending* registry: blocks a running request is computing right now, which a peer may
+//! wait for ([`CpuTier::wait_ready`]).
+//!
+//! Invariants: `used_bytes` = sum of stored payload lengths ≤ capacity; a block whose lease is
+//! unexpired is never evicted; every store/evict publishes `BlockStored`/`BlockRemoved` with
+//! medium CPU, in order (published under the lock).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use hashbrown::{HashMap, HashSet};
+use kvmesh_core::events::{BlockRemoved, BlockStored};
+use kvmesh_core::{BlockHash, KvEvent, Medium, TokenId};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use crate::outbox::KvEventSink;
+
+/// One block to store: its hash, its parent's hash (None for the first block), its tokens and
+/// the KV payload bytes.
+#[derive(Debug, Clone)]
+pub struct OffloadBlock {
+    pub hash: BlockHash,
+    pub parent: Option<BlockHash>,
+    pub tokens: Vec<TokenId>,
+    pub payload: Bytes,
+}
+
+#[derive(Debug)]
+struct Entry {
+    payload: Bytes,
+    parent: Option<BlockHash>,
+    tokens: Arc<[TokenId]>,
+    tick: u64,
+    lease_until: Option<Instant>,
+}
+
+/// Per-block answer to a peer's lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockStatus {
+    Hit,
+    /// Being computed by a running request; may become a hit.
+    Pending,
+    Miss,
+}
+
+/// Counters of the CPU tier (exported as `kvmesh_engine_cpu_*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuTierStats {
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub blocks: u64,
+    pub stored_blocks: u64,
+    pub evicted_blocks: u64,
+    /// Inserts refused because pinned blocks filled the tier (or a payload exceeded capacity).
+    pub rejected_blocks: u64,
+    pub hits: u64,
+}
+
+/// Byte-capped LRU store of block payloads (pure data structure).
+#[derive(Debug)]
+pub struct CpuStore {
+    block_size: u32,
+    capacity: u64,
+    used: u64,
+    entries: HashMap<BlockHash, Entry>,
+    lru: BTreeMap<u64, BlockHash>,
+    tick: u64,
+    stats: CpuTierStats,
+}
+
+impl CpuStore {
+    pub fn new(capacity_bytes: u64, block_size: usize) -> Self {
+        Self {
+            block_size: block_size as u32,
+            capacity: capacity_bytes,
+            used: 0,
+            entries: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            stats: CpuTierStats {
+                capacity_bytes,
+                ..Default::default()
+            },
+        }
+    }
+
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        self.entries.contains_key(&hash)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.used
+    }
+
+    pub fn stats(&self) -> CpuTierStats {
+        CpuTierStats {
+            used_bytes: self.used,
+            blocks: self.entries.len() as u64,
+            ..self.stats
+        }
+    }
+
+    fn touch(&mut self, hash: BlockHash) {
+        if let Some(e) = self.entries.get_mut(&hash) {
+            self.lru.remove(&e.tick);
+            self.tick += 1;
+            e.tick = self.tick;
+            self.lru.insert(self.tick, hash);
+        }
+    }
+
+    /// The payload (cheap clone) and marks it recently used.
+    pub fn get(&mut self, hash: BlockHash) -> Option<Bytes> {
+        let payload = self.entries.get(&hash)?.payload.clone();
+        self.touch(hash);
+        self.stats.hits += 1;
+        Some(payload)
+    }
+
+    /// The tokens and parent of a stored block (for re-publishing or serving metadata).
+    pub fn meta(&self, hash: BlockHash) -> Option<(Option<BlockHash>, Arc<[TokenId]>)> {
+        self.entries
+            .get(&hash)
+            .map(|e| (e.parent, e.tokens.clone()))
+    }
+
+    /// Length of the leading run of `hashes` stored here.
+    pub fn lookup_prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.entries.contains_key(*h))
+            .count()
+    }
+
+    fn evict_one(&mut self, now: Instant, removed: &mut Vec<BlockHash>) -> bool {
+        let victim = self
+            .lru
+            .iter()
+            .find(|(_, h)| {
+                self.entries
+                    .get(*h)
+                    .is_some_and(|e| e.lease_until.is_none_or(|t| t <= now))
+            })
+            .map(|(&t, &h)| (t, h));
+        let Some((tick, hash)) = victim else {
+            return false;
+        };
+        self.lru.remove(&tick);
+        if let Some(e) = self.entries.remove(&hash) {
+            self.used -= e.payload.len() as u64;
+        }
+        self.stats.evicted_blocks += 1;
+        removed.push(hash);
+        true
+    }
+
+    /// Stores a run of consecutive blocks, evicting LRU unpinned blocks to make room. Pushes, in
+    /// order, `BlockRemoved` (CPU) for evictions then `BlockStored` (CPU) per contiguous run of
+    /// newly stored blocks. Returns how many blocks were newly stored.
+    pub fn insert_run(
+        &mut self,
+        blocks: &[OffloadBlock],
+        now: Instant,
+        events: &mut Vec<KvEvent>,
+    ) -> usize {
+        let mut stored = 0;
+        let mut run: Option<BlockStored> = None;
+        let mut removed = Vec::new();
+        let mut stored_events = Vec::new();
+        for b in blocks {
+            if self.entries.contains_key(&b.hash) {
+                self.touch(b.hash);
+                if let Some(r) = run.take() {
+                    stored_events.push(r);
+                }
+                continue;
+            }
+            let need = b.payload.len() as u64;
+            let mut fits = need <= self.capacity;
+            while fits && self.used + need > self.capacity {
+                fits = self.evict_one(now, &mut removed);
+            }
+            if !fits {
+                self.stats.rejected_blocks += 1;
+                if let Some(r) = run.take() {
+                    stored_events.push(r);
+                }
+                continue;
+            }
+            self.tick += 1;
+            self.lru.insert(self.tick, b.hash);
+            self.entries.insert(
+                b.hash,
+                Entry {
+                    payload: b.payload.clone(),
+                    parent: b.parent,
+                    tokens: b.tokens.as_slice().into(),
+                    tick: self.tick,
+                    lease_until: None,
+                },
+            );
+            self.used += need;
+            self.stats.stored_blocks += 1;
+            stored += 1;
+            let r = run.get_or_insert_with(|| BlockStored {
+                block_hashes: Vec::new(),
+                parent_block_hash: b.parent,
+                token_ids: Vec::new(),
+                block_size: self.block_size,
+                lora_id: None,
+                medium: Medium::Cpu,
+                lora_name: None,
+                group_idx: None,
+                kv_cache_spec_kind: None,
+            });
+            r.block_hashes.push(b.hash);
+            r.token_ids.extend_from_slice(&b.tokens);
+        }
+        if let Some(r) = run.take() {
+            stored_events.push(r);
+        }
+        if !removed.is_empty() {
+            events.push(KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: removed,
+                medium: Medium::Cpu,
+                group_idx: None,
+            }));
+        }
+        events.extend(stored_events.into_iter().map(KvEvent::BlockStored));
+        stored
+    }
+
+    /// Leases the leading run of stored `hashes` until `until` (extending, never shortening, an
+    /// existing lease). Returns the run length.
+    pub fn pin(&mut self, hashes: &[BlockHash], until: Instant) -> usize {
+        let mut n = 0;
+        for h in hashes {
+            let Some(e) = self.entries.get_mut(h) else {
+                break;
+            };
+            e.lease_until = Some(e.lease_until.map_or(until, |t| t.max(until)));
+            n += 1;
+        }
+        n
+    }
+
+    pub fn unpin(&mut self, hashes: &[BlockHash]) {
+        for h in hashes {
+            if let Some(e) = self.entries.get_mut(h) {
+                e.lease_until = None;
+            }
+        }
+    }
+
+    /// Drops everything (reset). Pushes nothing: the pool's `AllBlocksCleared` covers all tiers.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.lru.clear();
+        self.used = 0;
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    store: CpuStore,
+    pending: HashSet<BlockHash>,
+}
+
+/// The shared CPU tier (see module docs). Cheap to clone behind `Arc`.
+pub struct CpuTier {
+    inner: Mutex<Shared>,
+    sink: Arc<dyn KvEventSink>,
+    /// Woken whenever a block is stored or leaves the pending set.
+    changed: Notify,
+    external_inserts: AtomicU64,
+}
+
+impl std::fmt::Debug for CpuTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuTier")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl CpuTier {
+    pub fn new(capacity_bytes: u64, block_size: usize, sink: Arc<dyn KvEventSink>) -> Self {
+        Self {
+            inner: Mutex::new(Shared {
+                store: CpuStore::new(capacity_bytes, block_size),
+                pending: HashSet::new(),
+            }),
+            sink,
+            changed: Notify::new(),
+            external_inserts: AtomicU64::new(0),
+        }
+    }
+
+    /// The payload of a stored block (a cheap `Bytes` clone; stays valid after eviction).
+    pub fn get(&self, hash: BlockHash) -> Option<Bytes> {
+        self.inner.lock().store.get(hash)
+    }
+
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        self.inner.lock().store.contains(hash)
+    }
+
+    /// Tokens and parent of a stored block.
+    pub fn meta(&self, hash: BlockHash) -> Option<(Option<BlockHash>, Arc<[TokenId]>)> {
+        self.inner.lock().store.meta(hash)
+    }
+
+    /// Length of the leading run of `hashes` stored here.
+    pub fn lookup_prefix(&self, hashes: &[BlockHash]) -> usize {
+        self.inner.lock().store.lookup_prefix(hashes)
+    }
+
+    /// Per-block status for a peer's lookup.
+    pub fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockStatus> {
+        let g = self.inner.lock();
+        hashes
+            .iter()
+            .map(|h| {
+                if g.store.contains(*h) {
+                    BlockStatus::Hit
+                } else if g.pending.contains(h) {
+                    BlockStatus::Pending
+                } else {
+                    BlockStatus::Miss
+                }
+            })
+            .collect()
+    }
+
+    /// Leases the leading run of stored `hashes` until `lease_until`; returns its length.
+    pub fn pin(&self, hashes: &[BlockHash], lease_until: Instant) -> usize {
+        self.inner.lock().store.pin(hashes, lease_until)
+    }
+
+    pub fn unpin(&self, hashes: &[BlockHash]) {
+        self.inner.lock().store.unpin(hashes);
+    }
+
+    /// Stores computed blocks (offload from the GPU tier) and publishes their CPU events.
+    /// Stored blocks leave the pending set. Returns how many were newly stored.
+    pub fn insert_run(&self, blocks: &[OffloadBlock]) -> usize {
+        let n = {
+            let mut g = self.inner.lock();
+            let mut events = Vec::new();
+            let n = g.store.insert_run(blocks, Instant::now(), &mut events);
+            for b in blocks {
+                g.pending.remove(&b.hash);
+            }
+            // Published under the lock so concurrent inserts keep event order.
+            self.sink.publish(events);
+            n
+        };
+        self.changed.notify_waiters();
+        n
+    }
+
+    /// Stores one block pulled from a peer (publishes `BlockStored` medium CPU). Returns false if
+    /// it was already present or could not fit.
+    pub fn insert_external(
+        &self,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        tokens: Vec<TokenId>,
+        payload: Bytes,
+    ) -> bool {
+        let stored = self.insert_run(&[OffloadBlock {
+            hash,
+            parent,
+            tokens,
+            payload,
+        }]) == 1;
+        if stored {
+            self.external_inserts.fetch_add(1, Ordering::Relaxed);
+        }
+        stored
+    }
+
+    /// Marks blocks a running request is about to compute (peers see them as `Pending`).
+    pub fn mark_pending(&self, hashes: &[BlockHash]) {
+        let mut g = self.inner.lock();
+        for h in hashes {
+            if !g.store.contains(*h) {
+                g.pending.insert(*h);
+            }
+        }
+    }
+
+    /// Withdraws pending marks (the computing request was cancelled or failed); waiters wake and
+    /// see a miss.
+    pub fn clear_pending(&self, hashes: &[BlockHash]) {
+        {
+            let mut g = self.inner.lock();
+            for h in hashes {
+                g.pending.remove(h);
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
+    pub fn is_pending(&self, hash: BlockHash) -> bool {
+        self.inner.lock().pending.contains(&hash)
+    }
+
+    /// Waits until `hash` is stored (true), is no longer pending without being stored (false), or
+    /// `deadline` passes (false unless stored by then).
+    pub async fn wait_ready(&self, hash: BlockHash, deadline: tokio::time::Instant) -> bool {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let g = self.inner.lock();
+                if g.store.contains(hash) {
+                    return true;
+                }
+                if !g.pending.contains(&hash) {
+                    return false;
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.contains(hash);
+            }
+        }
+    }
+
+    /// Drops every stored block and pending mark (reset; the pool publishes `AllBlocksCleared`).
+    pub fn clear(&self) {
+        {
+            let mut g = self.inner.lock();
+            g.store.clear();
+            g.pending.clear();
+        }
+        self.changed.notify_waiters();
+    }
+
+    pub fn stats(&self) -> CpuTierStats {
+        self.inner.lock().store.stats()
+    }
+
+    /// Blocks stored via [`CpuTier::insert_external`].
+    pub fn external_inserts(&self) -> u64 {
+        self.external_inserts.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::time::Duration;
+
+    use super::*;
+    use crate::outbox::CollectingSink;
+
+    fn blk(h: u64, parent: Option<u64>, len: usize) -> OffloadBlock {
+        OffloadBlock {
+            hash: BlockHash(h),
+            parent: parent.map(BlockHash),
+            tokens: vec![h as u32; 2],
+            payload: Bytes::from(vec![h as u8; len]),
+        }
+    }
+
+    #[test]
+    fn run_insert_emits_one_cpu_stored_event_with_tokens() {
+        let mut s = CpuStore::new(1000, 2);
+        let mut ev = Vec::new();
+        let now = Instant::now();
+        assert_eq!(
+            s.insert_run(&[blk(1, None, 10), blk(2, Some(1), 10)], now, &mut ev),
+            2
+        );
+        assert_eq!(ev.len(), 1);
+        let KvEvent::BlockStored(st) = &ev[0] else {
+            panic!("expected stored")
+        };
+        assert_eq!(st.block_hashes, vec![BlockHash(1), BlockHash(2)]);
+        assert_eq!(st.parent_block_hash, None);
+        assert_eq!(st.token_ids, vec![1, 1, 2, 2]);
+        assert_eq!(st.medium, Medium::Cpu);
+        assert_eq!(s.used_bytes(), 20);
+    }
+
+    #[test]
+    fn byte_cap_evicts_lru_and_publishes_removed_before_stored() {
+        let mut s = CpuStore::new(30, 2);
+        let mut ev = Vec::new();
+        let now = Instant::now();
+        s.insert_run(
+            &[blk(1, None, 10), blk(2, Some(1), 10), blk(3, Some(2), 10)],
+            now,
+            &mut ev,
+        );
+        assert!(s.get(BlockHash(1)).is_some()); // 1 is now most recent; 2 is LRU
+        ev.clear();
+        s.insert_run(&[blk(4, None, 10)], now, &mut ev);
+        assert!(!s.contains(BlockHash(2)));
+        assert!(s.contains(BlockHash(1)) && s.contains(BlockHash(3)) && s.contains(BlockHash(4)));
+        assert!(
+            matches!(&ev[0], KvEvent::BlockRemoved(r) if r.block_hashes == vec![BlockHash(2)] && r.medium == Medium::Cpu)
+        );
+        assert!(
+            matches!(&ev[1], KvEvent::BlockStored(st) if st.block_hashes == vec![BlockHash(4)])
+        );
+        assert!(s.used_bytes() <= 30);
+        assert_eq!(s.stats().evicted_blocks, 1);
+    }
+
+    #[test]
+    fn leased_blocks_survive_pressure_until_the_lease_expires() {
+        let mut s = CpuStore::new(20, 2);
+        let mut ev = Vec::new();
+        let t0 = Instant::now();
+        s.insert_run(&[blk(1, None, 10), blk(2, Some(1), 10)], t0, &mut ev);
+        assert_eq!(
+            s.pin(
+                &[BlockHash(1), BlockHash(2), BlockHash(9)],
+                t0 + Duration::from_secs(5)
+            ),
+            2
+        );
+        assert_eq!(
+            s.insert_run(&[blk(3, None, 10)], t0, &mut ev),
+            0,
+            "all pinned: refused"
+        );
+        assert_eq!(s.stats().rejected_blocks, 1);
+        // After the lease, eviction may proceed.
+        assert_eq!(
+            s.insert_run(&[blk(3, None, 10)], t0 + Duration::from_secs(6), &mut ev),
+            1
+        );
+        s.unpin(&[BlockHash(2)]);
+        assert_eq!(s.insert_run(&[blk(4, None, 10)], t0, &mut ev), 1);
+        assert!(s.used_bytes() <= 20);
+    }
+
+    #[tokio::test]
+    async fn pending_blocks_become_ready_or_fail_for_waiters() {
+        let sink = CollectingSink::default();
+        let tier = Arc::new(CpuTier::new(1000, 2, Arc::new(sink.clone())));
+        tier.mark_pending(&[BlockHash(7), BlockHash(8)]);
+        assert_eq!(
+            tier.lookup(&[BlockHash(7), BlockHash(1)]),
+            vec![BlockStatus::Pending, BlockStatus::Miss]
+        );
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let t2 = tier.clone();
+        let waiter = tokio::spawn(async move { t2.wait_ready(BlockHash(7), deadline).await });
+        let t3 = tier.clone();
+        let waiter_fail = tokio::spawn(async move { t3.wait_ready(BlockHash(8), deadline).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        tier.insert_run(&[blk(7, None, 4)]);
+        tier.clear_pending(&[BlockHash(8)]);
+        assert!(waiter.await.unwrap());
+        assert!(!waiter_fail.await.unwrap());
+        // Deadline passes for a block that stays pending.
+        tier.mark_pending(&[BlockHash(9)]);
+        let short = tokio::time::Instant::now() + Duration::from_millis(30);
+        assert!(!tier.wait_ready(BlockHash(9), short).await);
+        assert!(tier.insert_external(BlockHash(9), None, vec![1, 2], Bytes::from_static(b"xx")));
+        assert_eq!(tier.get(BlockHash(9)).unwrap(), Bytes::from_static(b"xx"));
+        assert_eq!(tier.external_inserts(), 1);
+        assert_eq!(sink.take().len(), 2);
+    }
+}

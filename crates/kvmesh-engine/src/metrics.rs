@@ -1,0 +1,282 @@
+//! Every engine metric, described once. vLLM's names (`vllm:*`, labels `model_name`, `engine`)
+//! so routers and dashboards built for vLLM read kvmesh unchanged; kvmesh-only ones are
+//! `kvmesh_engine_*`.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+use crate::cpu_tier::CpuTierStats;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    pub source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub finished_reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabel {
+    pub reason: &'static str,
+}
+
+type GaugeF = Gauge<f64, AtomicU64>;
+
+/// The engine's metrics; shared (`Arc`) by the compute thread and the HTTP handlers.
+pub struct EngineMetrics {
+    registry: Registry,
+    pub num_requests_running: GaugeF,
+    pub num_requests_waiting: GaugeF,
+    pub kv_cache_usage_perc: GaugeF,
+    pub prefix_cache_queries: Counter,
+    pub prefix_cache_hits: Counter,
+    pub external_prefix_cache_queries: Counter,
+    pub external_prefix_cache_hits: Counter,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub prompt_tokens_by_source: Family<SourceLabel, Counter>,
+    pub num_preemptions: Counter,
+    pub request_success: Family<ReasonLabel, Counter>,
+    pub time_to_first_token: Histogram,
+    pub request_queue_time: Histogram,
+    pub e2e_request_latency: Histogram,
+    pub errors: Family<ErrorLabel, Counter>,
+    pub gpu_evicted_blocks: Counter,
+    pub cpu_capacity_bytes: GaugeF,
+    pub cpu_used_bytes: GaugeF,
+    pub cpu_blocks: GaugeF,
+    pub cpu_stored_blocks: GaugeF,
+    pub cpu_evicted_blocks: GaugeF,
+    pub cpu_rejected_blocks: GaugeF,
+    pub cpu_restored_blocks: Counter,
+    pub step_seconds: Histogram,
+}
+
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+const QUEUE_BUCKETS: &[f64] = &[
+    0.001, 0.01, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+];
+
+impl EngineMetrics {
+    pub fn new(model_name: &str, engine: &str) -> Self {
+        let mut registry = Registry::with_labels(
+            [
+                ("model_name".into(), model_name.to_owned().into()),
+                ("engine".into(), engine.to_owned().into()),
+            ]
+            .into_iter(),
+        );
+        let m = Self {
+            num_requests_running: GaugeF::default(),
+            num_requests_waiting: GaugeF::default(),
+            kv_cache_usage_perc: GaugeF::default(),
+            prefix_cache_queries: Counter::default(),
+            prefix_cache_hits: Counter::default(),
+            external_prefix_cache_queries: Counter::default(),
+            external_prefix_cache_hits: Counter::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            prompt_tokens_by_source: Family::default(),
+            num_preemptions: Counter::default(),
+            request_success: Family::default(),
+            time_to_first_token: Histogram::new(TTFT_BUCKETS.iter().copied()),
+            request_queue_time: Histogram::new(QUEUE_BUCKETS.iter().copied()),
+            e2e_request_latency: Histogram::new(TTFT_BUCKETS.iter().copied()),
+            errors: Family::default(),
+            gpu_evicted_blocks: Counter::default(),
+            cpu_capacity_bytes: GaugeF::default(),
+            cpu_used_bytes: GaugeF::default(),
+            cpu_blocks: GaugeF::default(),
+            cpu_stored_blocks: GaugeF::default(),
+            cpu_evicted_blocks: GaugeF::default(),
+            cpu_rejected_blocks: GaugeF::default(),
+            cpu_restored_blocks: Counter::default(),
+            step_seconds: Histogram::new(TTFT_BUCKETS.iter().copied()),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register(
+            "vllm:num_requests_running",
+            "Requests in the running batch",
+            m.num_requests_running.clone(),
+        );
+        r.register(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be scheduled",
+            m.num_requests_waiting.clone(),
+        );
+        r.register(
+            "vllm:kv_cache_usage_perc",
+            "GPU KV-cache usage (1 = full)",
+            m.kv_cache_usage_perc.clone(),
+        );
+        r.register(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens queried against the prefix cache",
+            m.prefix_cache_queries.clone(),
+        );
+        r.register(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the local prefix cache (GPU or CPU tier)",
+            m.prefix_cache_hits.clone(),
+        );
+        r.register(
+            "vllm:external_prefix_cache_queries",
+            "Prompt tokens queried against an external source (P2P)",
+            m.external_prefix_cache_queries.clone(),
+        );
+        r.register(
+            "vllm:external_prefix_cache_hits",
+            "Prompt tokens loaded from an external source (P2P)",
+            m.external_prefix_cache_hits.clone(),
+        );
+        r.register(
+            "vllm:prompt_tokens",
+            "Prompt tokens processed",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "vllm:generation_tokens",
+            "Generated tokens",
+            m.generation_tokens.clone(),
+        );
+        r.register(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from",
+            m.prompt_tokens_by_source.clone(),
+        );
+        r.register(
+            "vllm:num_preemptions",
+            "Preemptions (requests sent back to the queue)",
+            m.num_preemptions.clone(),
+        );
+        r.register(
+            "vllm:request_success",
+            "Finished requests by reason",
+            m.request_success.clone(),
+        );
+        r.register(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token",
+            m.time_to_first_token.clone(),
+        );
+        r.register(
+            "vllm:request_queue_time_seconds",
+            "Time from arrival to first scheduling",
+            m.request_queue_time.clone(),
+        );
+        r.register(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival to finish",
+            m.e2e_request_latency.clone(),
+        );
+        r.register(
+            "kvmesh_engine_request_errors",
+            "Rejected or failed requests by reason",
+            m.errors.clone(),
+        );
+        r.register(
+            "kvmesh_engine_gpu_evicted_blocks",
+            "GPU-tier cached blocks evicted",
+            m.gpu_evicted_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_capacity_bytes",
+            "CPU tier capacity",
+            m.cpu_capacity_bytes.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_used_bytes",
+            "CPU tier bytes held",
+            m.cpu_used_bytes.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_blocks",
+            "CPU tier blocks held",
+            m.cpu_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_stored_blocks",
+            "Blocks stored into the CPU tier (cumulative)",
+            m.cpu_stored_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_evicted_blocks",
+            "Blocks evicted from the CPU tier (cumulative)",
+            m.cpu_evicted_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_rejected_blocks",
+            "Blocks the CPU tier refused (pinned blocks filled it; cumulative)",
+            m.cpu_rejected_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_restored_blocks",
+            "Blocks restored from the CPU tier into the GPU tier",
+            m.cpu_restored_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_step_seconds",
+            "Wall time of one engine step",
+            m.step_seconds.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// Copies CPU-tier counters into their gauges (called before each scrape).
+    pub fn set_cpu_stats(&self, s: &CpuTierStats) {
+        self.cpu_capacity_bytes.set(s.capacity_bytes as f64);
+        self.cpu_used_bytes.set(s.used_bytes as f64);
+        self.cpu_blocks.set(s.blocks as f64);
+        self.cpu_stored_blocks.set(s.stored_blocks as f64);
+        self.cpu_evicted_blocks.set(s.evicted_blocks as f64);
+        self.cpu_rejected_blocks.set(s.rejected_blocks as f64);
+    }
+
+    pub fn error(&self, reason: &'static str) {
+        self.errors.get_or_create(&ErrorLabel { reason }).inc();
+    }
+
+    /// Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposes_vllm_names_with_labels() {
+        let m = EngineMetrics::new("sim-model", "0");
+        m.prefix_cache_hits.inc_by(16);
+        m.prompt_tokens_by_source
+            .get_or_create(&SourceLabel {
+                source: "local_cache_hit",
+            })
+            .inc_by(16);
+        let text = m.encode();
+        assert!(
+            text.contains("vllm:prefix_cache_hits_total{model_name=\"sim-model\",engine=\"0\"} 16"),
+            "{text}"
+        );
+        assert!(text.contains("vllm:prompt_tokens_by_source_total{model_name=\"sim-model\",engine=\"0\",source=\"local_cache_hit\"} 16"), "{text}");
+        assert!(text.contains("vllm:time_to_first_token_seconds_bucket"));
+        assert!(text.contains("vllm:num_requests_waiting{"));
+    }
+}
