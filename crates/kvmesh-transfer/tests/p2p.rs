@@ -1,0 +1,946 @@
+//! End-to-end P2P pulls over real loopback TCP: every outcome a consumer can see, pin accounting
+//! on the producer, authentication, allow-listing, and misbehaving peers (scripted fake producers
+//! speaking the real codec).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use kvmesh_core::{BlockHash, Fingerprint, HashAlgo};
+use kvmesh_transfer::connection::Connection;
+use kvmesh_transfer::message::{
+    BlockFrame, BlockStatus, Done, FetchEnd, Hello, HelloOk, Lookup, LookupReply, Message,
+    PROTOCOL_VERSION,
+};
+use kvmesh_transfer::{
+    AllowList, BlockSink, BlockSource, ClientConfig, MemorySource, ProducerServer, PullClient,
+    PullOutcome, PullReason, PullReport, Secret, ServerConfig, SinkError, TransferMetrics,
+};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+const BLOCK_BYTES: usize = 4096;
+
+fn fp() -> Fingerprint {
+    Fingerprint {
+        model_id: "sim-test".into(),
+        kv_dtype: "sim".into(),
+        block_size: 16,
+        num_layers: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        hash_algo: HashAlgo::Sha256Cbor,
+        none_hash: "abcd".into(),
+    }
+}
+
+/// Deterministic content derived from the hash, as the sim backend does.
+fn payload_for(hash: BlockHash) -> Bytes {
+    let seed = hash.0.to_le_bytes();
+    Bytes::from(
+        (0..BLOCK_BYTES)
+            .map(|i| seed[i % 8] ^ (i as u8))
+            .collect::<Vec<u8>>(),
+    )
+}
+
+fn hashes(n: u64) -> Vec<BlockHash> {
+    (0..n).map(|i| BlockHash(0x1000 + i)).collect()
+}
+
+/// A sink that verifies content against the hash and keeps the blocks.
+#[derive(Default)]
+struct VerifySink {
+    got: Vec<BlockHash>,
+}
+
+impl BlockSink for VerifySink {
+    fn accept(&mut self, index: usize, hash: BlockHash, payload: Bytes) -> Result<(), SinkError> {
+        assert_eq!(index, self.got.len(), "blocks arrive in order");
+        if payload != payload_for(hash) {
+            return Err(SinkError {
+                index,
+                reason: "content does not match hash".into(),
+            });
+        }
+        self.got.push(hash);
+        Ok(())
+    }
+}
+
+async fn bounded<F: Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(20), f)
+        .await
+        .expect("test took too long")
+}
+
+struct Producer {
+    addr: SocketAddr,
+    source: MemorySource,
+    metrics: TransferMetrics,
+    cancel: CancellationToken,
+    handle: JoinHandle<()>,
+}
+
+async fn start_producer(populate: &[BlockHash], config: ServerConfig) -> Producer {
+    let source = MemorySource::new(fp());
+    for h in populate {
+        source.insert(*h, payload_for(*h));
+    }
+    start_with_source(source.clone(), Arc::new(source), config).await
+}
+
+async fn start_with_source(
+    source: MemorySource,
+    served: Arc<dyn BlockSource>,
+    config: ServerConfig,
+) -> Producer {
+    let metrics = config.metrics.clone();
+    let cancel = CancellationToken::new();
+    let (addr, handle) = ProducerServer::bind("127.0.0.1:0", served, config, cancel.clone())
+        .await
+        .unwrap();
+    Producer {
+        addr,
+        source,
+        metrics,
+        cancel,
+        handle,
+    }
+}
+
+fn client_for(addr: SocketAddr, tweak: impl FnOnce(&mut ClientConfig)) -> PullClient {
+    let mut allowed = AllowList::none();
+    allowed.add_socket(addr);
+    let mut cfg = ClientConfig {
+        allowed_peers: allowed,
+        timeout: Duration::from_secs(2),
+        pending_deadline: Duration::from_secs(2),
+        ..ClientConfig::default()
+    };
+    tweak(&mut cfg);
+    PullClient::new(fp(), cfg)
+}
+
+async fn pull(client: &PullClient, addr: SocketAddr, hs: &[BlockHash]) -> (PullReport, VerifySink) {
+    let mut sink = VerifySink::default();
+    let report = bounded(client.pull(addr, "req-1", hs, &mut sink)).await;
+    assert_eq!(
+        report.blocks,
+        sink.got.len(),
+        "report counts exactly the blocks the sink accepted"
+    );
+    assert_eq!(&sink.got[..], &hs[..sink.got.len()], "a prefix, in order");
+    (report, sink)
+}
+
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn complete_pull_delivers_verified_blocks_and_reuses_the_connection() {
+    let hs = hashes(24);
+    let p = start_producer(&hs, ServerConfig::default()).await;
+    let client = client_for(p.addr, |_| {});
+    let (report, sink) = pull(&client, p.addr, &hs).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!((report.blocks, report.bytes), (24, 24 * BLOCK_BYTES as u64));
+    assert_eq!(sink.got, hs);
+    assert_eq!(client.metrics().pulls("complete", "none"), 1);
+    assert_eq!(client.metrics().blocks(kvmesh_transfer::Direction::In), 24);
+    eventually("producer to count sent blocks", || {
+        p.metrics.blocks(kvmesh_transfer::Direction::Out) == 24
+    })
+    .await;
+    eventually("pins released after Done", || p.source.pinned_blocks() == 0).await;
+
+    // Second pull (a shorter prefix) rides the pooled connection.
+    let (report, _) = pull(&client, p.addr, &hs[..10]).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!(
+        (
+            client.metrics().connections_opened(),
+            client.metrics().connections_reused()
+        ),
+        (1, 1)
+    );
+    assert_eq!(client.idle_connections(p.addr), 1);
+}
+
+#[tokio::test]
+async fn miss_in_the_middle_gives_the_leading_run_and_a_miss_at_start_fails() {
+    let hs = hashes(10);
+    let mut held = hs.clone();
+    held.remove(6);
+    let p = start_producer(&held, ServerConfig::default()).await;
+    let client = client_for(p.addr, |_| {});
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::Miss
+        }
+    );
+    assert_eq!(report.blocks, 6);
+
+    let (report, _) = pull(
+        &client,
+        p.addr,
+        &hashes(3)
+            .iter()
+            .map(|h| BlockHash(h.0 + 999))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::Miss
+        }
+    );
+    assert_eq!(report.blocks, 0);
+    assert_eq!(client.metrics().pulls("partial", "miss"), 1);
+    assert_eq!(client.metrics().pulls("failed", "miss"), 1);
+    eventually("pins released", || p.source.pinned_blocks() == 0).await;
+}
+
+#[tokio::test]
+async fn evicted_between_lookup_and_fetch_cannot_happen_while_pinned() {
+    let hs = hashes(4);
+    let p = start_producer(&hs, ServerConfig::default()).await;
+    // Raw consumer: Lookup pins the leading run; eviction must be refused until Done.
+    let mut conn = handshake_raw(p.addr).await;
+    conn.write_message(&Message::Lookup(Lookup {
+        kv_request_id: "r".into(),
+        hashes: hs.clone(),
+    }))
+    .await
+    .unwrap();
+    let Some(Message::LookupReply(r)) = conn.read_message().await.unwrap() else {
+        panic!("expected reply")
+    };
+    assert_eq!(r.statuses, vec![BlockStatus::Hit; 4]);
+    assert_eq!(p.source.pinned_blocks(), 4);
+    assert!(!p.source.evict(hs[0]), "pinned block survives eviction");
+    conn.write_message(&Message::Fetch(kvmesh_transfer::message::Fetch {
+        hashes: hs.clone(),
+        pending_wait_ms: 0,
+    }))
+    .await
+    .unwrap();
+    let mut n = 0;
+    loop {
+        match conn.read_message().await.unwrap() {
+            Some(Message::Block(b)) => {
+                assert!(b.checksum_ok());
+                n += 1;
+            }
+            Some(Message::Done(d)) => {
+                assert_eq!((d.blocks, d.end), (4, FetchEnd::Complete));
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(n, 4);
+    eventually("pins released after Done", || p.source.pinned_blocks() == 0).await;
+    assert!(p.source.evict(hs[0]));
+}
+
+#[tokio::test]
+async fn lease_expiry_releases_pins_of_a_consumer_that_never_fetches() {
+    let hs = hashes(5);
+    let cfg = ServerConfig {
+        pin_lease: Duration::from_millis(200),
+        ..ServerConfig::default()
+    };
+    let p = start_producer(&hs, cfg).await;
+    let mut conn = handshake_raw(p.addr).await;
+    conn.write_message(&Message::Lookup(Lookup {
+        kv_request_id: "r".into(),
+        hashes: hs.clone(),
+    }))
+    .await
+    .unwrap();
+    let Some(Message::LookupReply(r)) = conn.read_message().await.unwrap() else {
+        panic!("expected reply")
+    };
+    assert_eq!(r.lease_ms, 200);
+    assert_eq!(p.source.pinned_blocks(), 5);
+    // Connection stays open and idle: only the lease can free the blocks.
+    eventually("lease expiry", || p.source.pinned_blocks() == 0).await;
+    assert!(p.source.evict(hs[0]));
+    drop(conn);
+}
+
+#[tokio::test]
+async fn pins_are_released_when_the_consumer_disconnects_after_lookup() {
+    let hs = hashes(3);
+    let p = start_producer(&hs, ServerConfig::default()).await; // 10 s lease
+    let mut conn = handshake_raw(p.addr).await;
+    conn.write_message(&Message::Lookup(Lookup {
+        kv_request_id: "r".into(),
+        hashes: hs.clone(),
+    }))
+    .await
+    .unwrap();
+    let _ = conn.read_message().await.unwrap();
+    assert_eq!(p.source.pinned_blocks(), 3);
+    drop(conn);
+    eventually("unpin on disconnect", || p.source.pinned_blocks() == 0).await;
+}
+
+#[tokio::test]
+async fn pending_blocks_that_complete_before_the_deadline_are_streamed() {
+    let hs = hashes(6);
+    let p = start_producer(&hs[..3], ServerConfig::default()).await;
+    for h in &hs[3..] {
+        p.source.mark_pending(*h);
+    }
+    let src = p.source.clone();
+    let later = hs[3..].to_vec();
+    tokio::spawn(async move {
+        for h in later {
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            src.insert(h, payload_for(h));
+        }
+    });
+    let client = client_for(p.addr, |c| c.pending_deadline = Duration::from_secs(3));
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!(report.blocks, 6);
+    eventually("pins released", || p.source.pinned_blocks() == 0).await;
+}
+
+#[tokio::test]
+async fn pending_blocks_past_the_deadline_end_the_pull_with_what_arrived() {
+    let hs = hashes(6);
+    let p = start_producer(&hs[..3], ServerConfig::default()).await;
+    for h in &hs[3..] {
+        p.source.mark_pending(*h);
+    }
+    let client = client_for(p.addr, |c| c.pending_deadline = Duration::from_millis(150));
+    let started = Instant::now();
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::PendingDeadline
+        }
+    );
+    assert_eq!(report.blocks, 3);
+    assert!(
+        started.elapsed() >= Duration::from_millis(150),
+        "waited for the deadline"
+    );
+    assert_eq!(client.metrics().pulls("partial", "pending_deadline"), 1);
+    eventually("pins released", || p.source.pinned_blocks() == 0).await;
+    // The connection ended cleanly with Done, so it is pooled for the next pull.
+    assert_eq!(client.idle_connections(p.addr), 1);
+}
+
+/// Serves payloads that do not match their hash (a producer with a corrupted cache).
+struct CorruptingSource {
+    inner: MemorySource,
+    corrupt_from: usize,
+    served: parking_lot::Mutex<usize>,
+}
+
+impl BlockSource for CorruptingSource {
+    fn fingerprint(&self) -> Fingerprint {
+        self.inner.fingerprint()
+    }
+    fn lookup_and_pin(&self, hashes: &[BlockHash], lease: Duration) -> Vec<BlockStatus> {
+        self.inner.lookup_and_pin(hashes, lease)
+    }
+    fn read(&self, hash: BlockHash) -> Option<Bytes> {
+        let mut n = self.served.lock();
+        *n += 1;
+        let p = self.inner.read(hash)?;
+        if *n > self.corrupt_from {
+            let mut v = p.to_vec();
+            v[17] ^= 0xff;
+            return Some(Bytes::from(v));
+        }
+        Some(p)
+    }
+    fn unpin(&self, hashes: &[BlockHash]) {
+        self.inner.unpin(hashes);
+    }
+    fn wait_ready(&self, hash: BlockHash, deadline: Instant) -> BoxFuture<'static, bool> {
+        self.inner.wait_ready(hash, deadline)
+    }
+}
+
+#[tokio::test]
+async fn a_sink_that_rejects_content_stops_the_pull() {
+    let hs = hashes(8);
+    let mem = MemorySource::new(fp());
+    for h in &hs {
+        mem.insert(*h, payload_for(*h));
+    }
+    let served = Arc::new(CorruptingSource {
+        inner: mem.clone(),
+        corrupt_from: 5,
+        served: Default::default(),
+    });
+    let p = start_with_source(mem, served, ServerConfig::default()).await;
+    let client = client_for(p.addr, |_| {});
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::SinkRejected
+        }
+    );
+    assert_eq!(report.blocks, 5);
+    eventually("pins released after error", || {
+        p.source.pinned_blocks() == 0
+    })
+    .await;
+}
+
+// ---- scripted fake producers (misbehaving peers) ----
+
+#[derive(Clone, Copy)]
+enum Script {
+    /// Send `n` good blocks, then one whose checksum is wrong.
+    BadChecksumAfter(u32),
+    /// Send `n` good blocks, then drop the socket (producer killed).
+    CloseAfter(u32),
+    /// Send `n` good blocks, then go silent.
+    StallAfter(u32),
+    /// Accept, never answer Hello.
+    StallHandshake,
+    /// Answer Hello, then send a frame that is out of place.
+    Garbage,
+}
+
+async fn fake_producer(script: Script) -> (SocketAddr, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handle = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut conn = Connection::new(stream, 1 << 20);
+        let Ok(Some(Message::Hello(_))) = conn.read_message().await else {
+            return;
+        };
+        if let Script::StallHandshake = script {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            return;
+        }
+        conn.write_message(&Message::HelloOk(HelloOk {
+            version: PROTOCOL_VERSION,
+            proof: None,
+        }))
+        .await
+        .unwrap();
+        if let Script::Garbage = script {
+            // A well-formed frame that makes no sense here: Done before any request.
+            let done = Done {
+                blocks: 99,
+                bytes: 1,
+                end: FetchEnd::Complete,
+            };
+            let _ = conn.write_message(&Message::Done(done)).await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            return;
+        }
+        let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
+            return;
+        };
+        let statuses = vec![BlockStatus::Hit; l.hashes.len()];
+        conn.write_message(&Message::LookupReply(LookupReply {
+            statuses,
+            lease_ms: 1000,
+        }))
+        .await
+        .unwrap();
+        let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
+            return;
+        };
+        let n = match script {
+            Script::BadChecksumAfter(n) | Script::CloseAfter(n) | Script::StallAfter(n) => n,
+            _ => unreachable!(),
+        };
+        for (i, h) in f.hashes.iter().take(n as usize).enumerate() {
+            conn.write_message(&Message::Block(BlockFrame::new(
+                i as u32,
+                *h,
+                payload_for(*h),
+            )))
+            .await
+            .unwrap();
+        }
+        match script {
+            Script::BadChecksumAfter(n) => {
+                let h = f.hashes[n as usize];
+                let mut b = BlockFrame::new(n, h, payload_for(h));
+                b.crc ^= 0xdead_beef;
+                conn.write_message(&Message::Block(b)).await.unwrap();
+                let _ = conn
+                    .write_message(&Message::Done(Done {
+                        blocks: n + 1,
+                        bytes: 0,
+                        end: FetchEnd::Complete,
+                    }))
+                    .await;
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+            Script::CloseAfter(_) => drop(conn),
+            Script::StallAfter(_) => tokio::time::sleep(Duration::from_secs(30)).await,
+            _ => {}
+        }
+    });
+    (addr, handle)
+}
+
+#[tokio::test]
+async fn bad_checksum_stops_the_pull_with_the_blocks_before_it() {
+    let (addr, h) = fake_producer(Script::BadChecksumAfter(3)).await;
+    let client = client_for(addr, |_| {});
+    let (report, _) = pull(&client, addr, &hashes(8)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::Checksum
+        }
+    );
+    assert_eq!(report.blocks, 3);
+    assert_eq!(client.metrics().pulls("partial", "checksum"), 1);
+    assert_eq!(
+        client.idle_connections(addr),
+        0,
+        "a connection that delivered garbage is not pooled"
+    );
+    h.abort();
+}
+
+#[tokio::test]
+async fn producer_killed_mid_stream_gives_partial_with_blocks_received() {
+    let (addr, h) = fake_producer(Script::CloseAfter(5)).await;
+    let client = client_for(addr, |_| {});
+    let (report, _) = pull(&client, addr, &hashes(12)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::PeerClosed
+        }
+    );
+    assert_eq!(report.blocks, 5);
+    assert_eq!(report.bytes, 5 * BLOCK_BYTES as u64);
+    h.await.unwrap();
+}
+
+#[tokio::test]
+async fn real_producer_shut_down_mid_stream_gives_partial() {
+    // A source whose 4th block never becomes ready, so we can kill the server mid-stream.
+    struct SlowSource(MemorySource, Vec<BlockHash>);
+    impl BlockSource for SlowSource {
+        fn fingerprint(&self) -> Fingerprint {
+            self.0.fingerprint()
+        }
+        fn lookup_and_pin(&self, hashes: &[BlockHash], lease: Duration) -> Vec<BlockStatus> {
+            // The "slow" blocks are reported pending (forever), so the server waits for them.
+            let mut s = self.0.lookup_and_pin(hashes, lease);
+            for (st, h) in s.iter_mut().zip(hashes) {
+                if self.1.contains(h) {
+                    *st = BlockStatus::Pending;
+                }
+            }
+            s
+        }
+        fn read(&self, hash: BlockHash) -> Option<Bytes> {
+            self.0.read(hash)
+        }
+        fn unpin(&self, hashes: &[BlockHash]) {
+            self.0.unpin(hashes)
+        }
+        fn wait_ready(&self, _: BlockHash, _: Instant) -> BoxFuture<'static, bool> {
+            Box::pin(futures::future::pending())
+        }
+    }
+    let hs = hashes(8);
+    let mem = MemorySource::new(fp());
+    for h in &hs {
+        mem.insert(*h, payload_for(*h));
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let served: Arc<dyn BlockSource> = Arc::new(SlowSource(mem, hs[3..].to_vec()));
+    // The producer lives in its own runtime; shutting that runtime down kills every task abruptly.
+    std::thread::spawn(move || {
+        runtime.block_on(async move {
+            let (addr, _h) = ProducerServer::bind(
+                "127.0.0.1:0",
+                served,
+                ServerConfig::default(),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap();
+            tx.send(addr).unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        });
+        runtime.shutdown_timeout(Duration::from_millis(10));
+    });
+    let addr = rx.await.unwrap();
+    let client = client_for(addr, |c| c.pending_deadline = Duration::from_secs(10));
+    let (report, _) = pull(&client, addr, &hs).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::PeerClosed
+        }
+    );
+    assert_eq!(report.blocks, 3);
+}
+
+#[tokio::test]
+async fn slow_producer_times_out_with_partial_progress() {
+    let (addr, h) = fake_producer(Script::StallAfter(2)).await;
+    let client = client_for(addr, |c| {
+        c.timeout = Duration::from_millis(200);
+        c.pending_deadline = Duration::ZERO;
+    });
+    let started = Instant::now();
+    let (report, _) = pull(&client, addr, &hashes(6)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::Timeout
+        }
+    );
+    assert_eq!(report.blocks, 2);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    h.abort();
+
+    let (addr, h) = fake_producer(Script::StallHandshake).await;
+    let client = client_for(addr, |c| c.timeout = Duration::from_millis(200));
+    let (report, _) = pull(&client, addr, &hashes(6)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::Timeout
+        }
+    );
+    assert_eq!(client.metrics().pulls("failed", "timeout"), 1);
+    h.abort();
+}
+
+#[tokio::test]
+async fn unexpected_frames_from_a_producer_are_a_counted_protocol_error() {
+    let (addr, h) = fake_producer(Script::Garbage).await;
+    let client = client_for(addr, |_| {});
+    let (report, _) = pull(&client, addr, &hashes(4)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::Protocol
+        }
+    );
+    assert_eq!(
+        client
+            .metrics()
+            .protocol_errors(kvmesh_transfer::Direction::In),
+        1
+    );
+    h.abort();
+}
+
+#[tokio::test]
+async fn garbled_bytes_from_a_consumer_close_only_that_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let hs = hashes(4);
+    let p = start_producer(
+        &hs,
+        ServerConfig {
+            max_frame: 1 << 20,
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    for garbage in [
+        &[0u8, 0, 0, 2, 0xEE, 0][..],
+        &[0xff, 0xff, 0xff, 0xff, 1][..],
+        &[0, 0, 0, 3, 1, 0xc1, 0xc1][..],
+    ] {
+        let mut s = TcpStream::connect(p.addr).await.unwrap();
+        s.write_all(garbage).await.unwrap();
+        let mut rest = Vec::new();
+        // The server answers with an Error frame (or nothing) and closes.
+        bounded(s.read_to_end(&mut rest)).await.unwrap();
+    }
+    eventually("three counted protocol errors", || {
+        p.metrics.protocol_errors(kvmesh_transfer::Direction::Out) == 3
+    })
+    .await;
+    // The server still serves well-behaved consumers.
+    let client = client_for(p.addr, |_| {});
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+}
+
+#[tokio::test]
+async fn fingerprint_mismatch_is_refused_naming_the_field() {
+    let hs = hashes(2);
+    let p = start_producer(&hs, ServerConfig::default()).await;
+    let mut allowed = AllowList::none();
+    allowed.add_socket(p.addr);
+    let theirs = Fingerprint {
+        block_size: 32,
+        head_dim: 1,
+        ..fp()
+    };
+    let client = PullClient::new(
+        theirs,
+        ClientConfig {
+            allowed_peers: allowed,
+            ..ClientConfig::default()
+        },
+    );
+    let mut sink = VerifySink::default();
+    let report = bounded(client.pull(p.addr, "r", &hs, &mut sink)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::FingerprintMismatch {
+                field: "block_size".into()
+            }
+        }
+    );
+    assert_eq!(client.metrics().pulls("failed", "fingerprint_mismatch"), 1);
+    eventually("producer counts the refusal", || {
+        p.metrics.refused("fingerprint_mismatch") == 1
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_peer_outside_the_allow_list_is_never_contacted() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let client = PullClient::new(
+        fp(),
+        ClientConfig {
+            allowed_peers: "10.1.2.3:7777,engine-a".parse().unwrap(),
+            ..ClientConfig::default()
+        },
+    );
+    let mut sink = VerifySink::default();
+    let report = bounded(client.pull(addr, "r", &hashes(3), &mut sink)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::NotAllowed
+        }
+    );
+    // A host name that is not listed is refused without resolving it.
+    let report = bounded(client.pull(
+        ("evil-host.invalid", addr.port()),
+        "r",
+        &hashes(3),
+        &mut sink,
+    ))
+    .await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::NotAllowed
+        }
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), listener.accept())
+            .await
+            .is_err(),
+        "no connection may reach a non-allowed peer"
+    );
+    assert_eq!(client.metrics().pulls("failed", "not_allowed"), 2);
+    assert_eq!(client.metrics().connections_opened(), 0);
+}
+
+#[tokio::test]
+async fn producer_ip_allow_list_refuses_other_consumers() {
+    let hs = hashes(2);
+    let cfg = ServerConfig {
+        allowed_ips: Some(vec!["10.9.9.9".parse().unwrap()]),
+        ..ServerConfig::default()
+    };
+    let p = start_producer(&hs, cfg).await;
+    let client = client_for(p.addr, |_| {});
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::NotAllowed
+        }
+    );
+    eventually("refusal counted", || p.metrics.refused("not_allowed") == 1).await;
+}
+
+#[tokio::test]
+async fn shared_secret_authenticates_both_ways() {
+    let hs = hashes(3);
+    let p = start_producer(
+        &hs,
+        ServerConfig {
+            secret: Some(Secret::from("hunter2")),
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+
+    let good = client_for(p.addr, |c| c.secret = Some(Secret::from("hunter2")));
+    assert_eq!(
+        pull(&good, p.addr, &hs).await.0.outcome,
+        PullOutcome::Complete
+    );
+
+    let wrong = client_for(p.addr, |c| c.secret = Some(Secret::from("hunter3")));
+    assert_eq!(
+        pull(&wrong, p.addr, &hs).await.0.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::AuthFailed
+        }
+    );
+    eventually("producer counts the failed proof", || {
+        p.metrics.refused("auth_failed") == 1
+    })
+    .await;
+
+    let none = client_for(p.addr, |_| {});
+    assert_eq!(
+        pull(&none, p.addr, &hs).await.0.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::AuthFailed
+        }
+    );
+
+    // A consumer with a secret refuses a producer that cannot prove it.
+    let open = start_producer(&hs, ServerConfig::default()).await;
+    let strict = client_for(open.addr, |c| c.secret = Some(Secret::from("hunter2")));
+    assert_eq!(
+        pull(&strict, open.addr, &hs).await.0.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::AuthFailed
+        }
+    );
+}
+
+#[tokio::test]
+async fn connect_failure_is_typed() {
+    // Bind then drop to get a port nobody listens on.
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let client = client_for(addr, |_| {});
+    let (report, _) = pull(&client, addr, &hashes(2)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::Connect
+        }
+    );
+}
+
+#[tokio::test]
+async fn stale_pooled_connection_is_replaced_transparently() {
+    let hs = hashes(4);
+    let p = start_producer(
+        &hs,
+        ServerConfig {
+            idle_timeout: Duration::from_millis(100),
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let client = client_for(p.addr, |_| {});
+    assert_eq!(
+        pull(&client, p.addr, &hs).await.0.outcome,
+        PullOutcome::Complete
+    );
+    // The producer closes the idle pooled connection; the next pull must still succeed.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        pull(&client, p.addr, &hs).await.0.outcome,
+        PullOutcome::Complete
+    );
+    assert_eq!(client.metrics().connections_opened(), 2);
+}
+
+#[tokio::test]
+async fn shutdown_stops_accepting_and_the_server_task_completes() {
+    let hs = hashes(4);
+    let p = start_producer(&hs, ServerConfig::default()).await;
+    let client = client_for(p.addr, |_| {});
+    assert_eq!(
+        pull(&client, p.addr, &hs).await.0.outcome,
+        PullOutcome::Complete
+    );
+    p.cancel.cancel();
+    bounded(p.handle).await.unwrap();
+    // The pooled connection was closed by shutdown and new connections are refused.
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert!(
+        matches!(
+            report.outcome,
+            PullOutcome::Failed {
+                reason: PullReason::Connect
+            }
+        ),
+        "{report:?}"
+    );
+}
+
+#[tokio::test]
+async fn hello_with_another_protocol_version_is_refused() {
+    let hs = hashes(1);
+    let p = start_producer(&hs, ServerConfig::default()).await;
+    let stream = TcpStream::connect(p.addr).await.unwrap();
+    let mut conn = Connection::new(stream, 1 << 20);
+    conn.write_message(&Message::Hello(Hello {
+        version: 999,
+        fingerprint: fp(),
+        nonce: [0; 16],
+    }))
+    .await
+    .unwrap();
+    let reply = bounded(conn.read_message()).await.unwrap();
+    assert!(matches!(reply, Some(Message::Refused(_))), "{reply:?}");
+    eventually("refusal counted", || p.metrics.refused("version") == 1).await;
+}
+
+async fn handshake_raw(addr: SocketAddr) -> Connection {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let mut conn = Connection::new(stream, 1 << 20);
+    conn.write_message(&Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        fingerprint: fp(),
+        nonce: [7; 16],
+    }))
+    .await
+    .unwrap();
+    let reply = bounded(conn.read_message()).await.unwrap();
+    assert!(matches!(reply, Some(Message::HelloOk(_))), "{reply:?}");
+    conn
+}
