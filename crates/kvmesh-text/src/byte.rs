@@ -21,7 +21,10 @@ impl Tokenizer for ByteTokenizer {
     }
 
     fn decode(&self, tokens: &[TokenId]) -> Result<String, TextError> {
-        let bytes: Vec<u8> = tokens.iter().filter_map(|&t| u8::try_from(t).ok()).collect();
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .filter_map(|&t| u8::try_from(t).ok())
+            .collect();
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
@@ -33,7 +36,11 @@ impl Tokenizer for ByteTokenizer {
         }
     }
 
-    fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TextError> {
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
         let mut out = String::new();
         for m in messages {
             out.push_str("<|im_start|>");

@@ -6,10 +6,14 @@
 //! messages to a prompt string.
 
 mod byte;
+mod hf;
+mod template;
 
 pub use byte::ByteTokenizer;
+pub use hf::{GgufVocab, HfTokenizer};
 use kvmesh_core::TokenId;
 use serde::{Deserialize, Serialize};
+pub use template::ChatTemplate;
 
 /// One OpenAI chat message (content flattened to text).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -34,7 +38,11 @@ pub trait Tokenizer: Send + Sync {
     /// The display string of one token (for `/tokenize`'s `token_strs`).
     fn token_str(&self, token: TokenId) -> String;
     /// Renders chat messages to the prompt text the model expects.
-    fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TextError>;
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError>;
     /// End-of-sequence token ids.
     fn eos_token_ids(&self) -> Vec<TokenId>;
     fn vocab_size(&self) -> usize;
