@@ -167,12 +167,16 @@ pub struct SeqStream {
     rx: mpsc::UnboundedReceiver<SeqOutput>,
     tx: mpsc::UnboundedSender<Command>,
     done: bool,
+    cached_tokens: Option<usize>,
 }
 
 impl SeqStream {
     /// Next output, `None` when the loop has gone away.
     pub async fn recv(&mut self) -> Option<SeqOutput> {
         let out = self.rx.recv().await;
+        if let Some(SeqOutput::Started { cached_tokens, .. }) = &out {
+            self.cached_tokens = Some(*cached_tokens);
+        }
         if matches!(
             out,
             Some(SeqOutput::Finished(_)) | Some(SeqOutput::Error(_)) | None
@@ -180,6 +184,11 @@ impl SeqStream {
             self.done = true;
         }
         out
+    }
+
+    /// Prompt tokens served from cache, once the request has been scheduled.
+    pub fn cached_tokens(&self) -> Option<usize> {
+        self.cached_tokens
     }
 
     /// Engine-internal sequence id.
@@ -291,6 +300,7 @@ impl EngineHandle {
             rx,
             tx: self.tx.clone(),
             done: false,
+            cached_tokens: None,
         })
     }
 

@@ -20,3 +20,6 @@ pub use engine::{
     Engine, EngineHandle, EngineRequest, FinishInfo, FinishReason, SeqOutput, SeqStream,
     SubmitError, build_engine,
 };
+pub mod api;
+pub mod publish;
+pub mod server;

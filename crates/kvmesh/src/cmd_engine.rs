@@ -1,9 +1,178 @@
-//! `kvmesh` subcommand module (being written).
+//! `kvmesh engine`: a vLLM-compatible model server (flags follow `vllm serve` where they exist).
 
-#[derive(clap::Args)]
-pub struct EngineCmd {}
+use std::sync::Arc;
+use std::time::Duration;
 
-pub async fn run(_args: EngineCmd) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+use anyhow::Context;
+use kvmesh_engine::EngineConfig;
+use kvmesh_engine::compute::profiles::PROFILES;
+use kvmesh_engine::config::{KvEventsConfig, P2pConfig, Role, parse_byte_size};
+use kvmesh_engine::server::{ServerOptions, sim_backend, start_server};
+use kvmesh_text::ByteTokenizer;
+
+#[derive(clap::Args, Debug)]
+pub struct EngineCmd {
+    /// Print the built-in sim profiles (name, source) and exit.
+    #[arg(long)]
+    list_profiles: bool,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// HTTP port; 0 picks a free one (the startup line prints it).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    #[arg(long, default_value = "sim")]
+    served_model_name: String,
+    /// Compute backend: `sim` (time-modelled GPU profile) or `model` (real model on CPU).
+    #[arg(long, default_value = "sim")]
+    backend: String,
+    /// Model file or directory for `--backend model`.
+    #[arg(long)]
+    model: Option<String>,
+    /// Sim profile (see --list-profiles).
+    #[arg(long, default_value = "gpt-oss-120b-h200")]
+    profile: String,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long, default_value_t = 4096)]
+    num_gpu_blocks: usize,
+    /// CPU offload tier size, e.g. `2GiB`.
+    #[arg(long, default_value = "1GiB")]
+    cpu_offload_bytes: String,
+    /// vLLM's KV-events JSON, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events"}'.
+    #[arg(long)]
+    kv_events_config: Option<String>,
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    #[arg(long, default_value_t = 131_072)]
+    max_model_len: usize,
+    /// Requests allowed to wait; beyond it new requests get 429 with Retry-After.
+    #[arg(long, default_value_t = 4096)]
+    max_waiting: usize,
+    /// Divides every modelled duration of the sim backend (100 = 100x faster).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// KV payload bytes per token the sim backend stores and moves.
+    #[arg(long, default_value_t = 32)]
+    sim_kv_bytes_per_token: usize,
+    #[arg(long, default_value = "sha256_cbor")]
+    prefix_caching_hash_algo: String,
+    /// The `engine` label of metrics.
+    #[arg(long, default_value = "0")]
+    engine_label: String,
+    // Reserved for the P2P / P/D work: accepted and stored in the config.
+    /// TCP port of the P2P KV producer.
+    #[arg(long)]
+    p2p_port: Option<u16>,
+    /// Comma-separated hosts (or host:port) this engine may pull from.
+    #[arg(long, value_delimiter = ',')]
+    p2p_allowed_peers: Vec<String>,
+    #[arg(long, default_value_t = 5000)]
+    p2p_timeout_ms: u64,
+    /// both | prefill | decode.
+    #[arg(long, default_value = "both")]
+    role: String,
+    #[arg(long)]
+    bidirectional_kv_xfer: bool,
+    /// Seconds a decode engine retains a finished request's blocks.
+    #[arg(long, default_value_t = 480)]
+    decoder_kv_blocks_ttl: u64,
+    #[arg(long, default_value_t = 64)]
+    kv_recompute_threshold: usize,
 }
 
+impl EngineCmd {
+    /// The engine configuration these flags describe.
+    pub fn to_config(&self) -> anyhow::Result<EngineConfig> {
+        let kv_events = self
+            .kv_events_config
+            .as_deref()
+            .map(KvEventsConfig::parse)
+            .transpose()?;
+        let cfg = EngineConfig {
+            host: self.host.clone(),
+            port: self.port,
+            served_model_name: self.served_model_name.clone(),
+            block_size: self.block_size,
+            num_gpu_blocks: self.num_gpu_blocks,
+            cpu_offload_bytes: parse_byte_size(&self.cpu_offload_bytes)?,
+            kv_events,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+            max_waiting: self.max_waiting,
+            hash_algo: self.prefix_caching_hash_algo.parse()?,
+            hash_seed: std::env::var("PYTHONHASHSEED").ok(),
+            engine_label: self.engine_label.clone(),
+            p2p: P2pConfig {
+                port: self.p2p_port,
+                allowed_peers: self.p2p_allowed_peers.clone(),
+                timeout: Duration::from_millis(self.p2p_timeout_ms),
+                role: self.role.parse::<Role>()?,
+                bidirectional_kv_xfer: self.bidirectional_kv_xfer,
+                decoder_kv_blocks_ttl: Duration::from_secs(self.decoder_kv_blocks_ttl),
+                kv_recompute_threshold: self.kv_recompute_threshold,
+            },
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+fn list_profiles() {
+    println!(
+        "{:<22} {:>10} {:>12}  description / source",
+        "profile", "KV B/tok", "2K prefill"
+    );
+    for p in PROFILES {
+        println!(
+            "{:<22} {:>10} {:>10.0}ms  {}",
+            p.name,
+            p.real_kv_bytes_per_token,
+            p.prefill_total_ms(2048),
+            p.description
+        );
+        println!("{:<22} {:>10} {:>12}  source: {}", "", "", "", p.source);
+    }
+}
+
+pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
+    if args.list_profiles {
+        list_profiles();
+        return Ok(());
+    }
+    let config = args.to_config()?;
+    let (backend, tokenizer): (_, Arc<dyn kvmesh_text::Tokenizer>) = match args.backend.as_str() {
+        "sim" => (
+            sim_backend(
+                &config,
+                &args.profile,
+                args.time_scale,
+                args.sim_kv_bytes_per_token,
+            )?,
+            Arc::new(ByteTokenizer),
+        ),
+        "model" => anyhow::bail!(
+            "--backend model is provided by kvmesh-model (real Llama on CPU); it is not wired into this build yet"
+        ),
+        other => anyhow::bail!("unknown --backend `{other}` (sim, model)"),
+    };
+    let server = start_server(config, backend, tokenizer, ServerOptions::default())
+        .await
+        .context("starting engine")?;
+    // The line launchers and tests parse to learn the port.
+    println!("kvmesh engine listening on http://{}", server.addr);
+    if let Some(ep) = &server.events_endpoint {
+        println!("kvmesh engine kv events on {ep}");
+    }
+    let cancel = server.cancel_token();
+    tokio::spawn(async move {
+        let _ = tokio::signal::ctrl_c().await;
+        cancel.cancel();
+    });
+    let mut server = server;
+    server.wait().await;
+    server.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,899 @@
+//! The OpenAI-compatible HTTP API, shaped like vLLM's (see `vllm-fixtures/completion.json`,
+//! `chat_stream.txt`): `/v1/completions`, `/v1/chat/completions` (SSE or not), `/v1/models`,
+//! `/health`, `/metrics`, `/tokenize`, `/reset_prefix_cache`.
+//!
+//! Handlers validate, tokenize and submit to the compute loop; they never block. A dropped
+//! response stream (client gone) drops the [`SeqStream`], which aborts the request.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::future::BoxFuture;
+use kvmesh_core::{KvTransferParams, TokenId};
+use kvmesh_text::ChatMessage;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::compute::SamplingParams;
+use crate::engine::{EngineHandle, EngineRequest, FinishInfo, SeqOutput, SeqStream, SubmitError};
+
+/// Runs before a request is submitted (e.g. the P2P consumer pulling a prefix into the CPU tier
+/// and recording `external_hashes`). Must not fail the request: on any problem, return with the
+/// request unchanged.
+pub trait AdmissionHook: Send + Sync {
+    fn before_submit<'a>(
+        &'a self,
+        engine: &'a EngineHandle,
+        req: &'a mut EngineRequest,
+    ) -> BoxFuture<'a, ()>;
+}
+
+/// Shared state of the HTTP layer.
+#[derive(Clone)]
+pub struct ApiState {
+    pub engine: EngineHandle,
+    pub admission_hook: Option<Arc<dyn AdmissionHook>>,
+    pub created: u64,
+}
+
+impl ApiState {
+    pub fn new(engine: EngineHandle) -> Self {
+        Self {
+            engine,
+            admission_hook: None,
+            created: unix_now(),
+        }
+    }
+}
+
+/// The engine's router (all routes).
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/ping", get(|| async { StatusCode::OK }))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .with_state(state)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn system_fingerprint() -> String {
+    format!("kvmesh-{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// An OpenAI-style error response.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+    param: Option<&'static str>,
+    reason: &'static str,
+}
+
+impl ApiError {
+    fn bad_request(
+        reason: &'static str,
+        message: impl Into<String>,
+        param: Option<&'static str>,
+    ) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "BadRequestError",
+            message: message.into(),
+            param,
+            reason,
+        }
+    }
+    fn not_found_model(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError",
+            message: format!("The model `{model}` does not exist."),
+            param: Some("model"),
+            reason: "unknown_model",
+        }
+    }
+    fn overloaded(waiting: usize) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            kind: "TooManyRequestsError",
+            message: format!("engine overloaded: {waiting} requests waiting; retry later"),
+            param: None,
+            reason: "overloaded",
+        }
+    }
+    fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "ServiceUnavailableError",
+            message: message.into(),
+            param: None,
+            reason: "unavailable",
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status.as_u16()}});
+        let mut resp = (self.status, axum::Json(body)).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS
+            || self.status == StatusCode::SERVICE_UNAVAILABLE
+        {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+/// Counts the error in `/metrics` and turns it into a response.
+fn fail(state: &ApiState, e: ApiError) -> Response {
+    state.engine.metrics().error(e.reason);
+    e.into_response()
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request("malformed_json", format!("invalid request body: {e}"), None)
+    })
+}
+
+async fn models(State(s): State<ApiState>) -> Response {
+    let name = &s.engine.config().served_model_name;
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": name, "object": "model", "created": s.created, "owned_by": "kvmesh", "root": name,
+            "parent": null, "max_model_len": s.engine.config().max_model_len,
+            "permission": [],
+        }]
+    }))
+    .into_response()
+}
+
+async fn metrics(State(s): State<ApiState>) -> Response {
+    let m = s.engine.metrics();
+    m.set_cpu_stats(&s.engine.cpu_tier().stats());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        m.encode(),
+    )
+        .into_response()
+}
+
+async fn reset_prefix_cache(State(s): State<ApiState>) -> Response {
+    if s.engine.reset_prefix_cache().await {
+        StatusCode::OK.into_response()
+    } else {
+        fail(&s, ApiError::unavailable("engine stopped"))
+    }
+}
+
+/// A message `content`: a string or a list of parts (text parts are concatenated).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+    Null(()),
+}
+
+#[derive(Debug, Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type", default)]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<Content>,
+}
+
+fn flatten_messages(msgs: Vec<RawMessage>) -> Result<Vec<ChatMessage>, ApiError> {
+    msgs.into_iter()
+        .map(|m| {
+            let content = match m.content {
+                None | Some(Content::Null(())) => String::new(),
+                Some(Content::Text(t)) => t,
+                Some(Content::Parts(parts)) => {
+                    let mut s = String::new();
+                    for p in parts {
+                        if p.kind != "text" {
+                            return Err(ApiError::bad_request(
+                                "bad_param",
+                                format!("unsupported content part type `{}` (text only)", p.kind),
+                                Some("messages"),
+                            ));
+                        }
+                        s.push_str(p.text.as_deref().unwrap_or(""));
+                    }
+                    s
+                }
+            };
+            Ok(ChatMessage {
+                role: m.role,
+                content,
+            })
+        })
+        .collect()
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<RawMessage>>,
+    #[serde(default = "yes")]
+    add_generation_prompt: bool,
+    #[serde(default)]
+    return_token_strs: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+async fn tokenize(State(s): State<ApiState>, body: Bytes) -> Response {
+    let r = (|| {
+        let req: TokenizeRequest = parse_json(&body)?;
+        check_model(&s, req.model.as_deref())?;
+        let tok = s.engine.tokenizer();
+        let text = match (req.prompt, req.messages) {
+            (Some(p), _) => p,
+            (None, Some(m)) => tok
+                .apply_chat_template(&flatten_messages(m)?, req.add_generation_prompt)
+                .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?,
+            (None, None) => {
+                return Err(ApiError::bad_request(
+                    "bad_param",
+                    "`prompt` or `messages` is required",
+                    Some("prompt"),
+                ));
+            }
+        };
+        let tokens = tok
+            .encode(&text)
+            .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("prompt")))?;
+        let strs: Option<Vec<String>> = req
+            .return_token_strs
+            .then(|| tokens.iter().map(|&t| tok.token_str(t)).collect());
+        Ok(
+            json!({"count": tokens.len(), "max_model_len": s.engine.config().max_model_len, "tokens": tokens, "token_strs": strs}),
+        )
+    })();
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => fail(&s, e),
+    }
+}
+
+fn check_model(s: &ApiState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != s.engine.config().served_model_name => Err(ApiError::not_found_model(m)),
+        _ => Ok(()),
+    }
+}
+
+#[derive(Debug, Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Fields shared by both generation endpoints.
+#[derive(Debug, Deserialize)]
+struct GenParams {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    max_tokens: Option<i64>,
+    #[serde(default)]
+    max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    seed: Option<i64>,
+    #[serde(default)]
+    stop: Option<StopField>,
+    #[serde(default)]
+    stop_token_ids: Option<Vec<TokenId>>,
+    #[serde(default)]
+    ignore_eos: bool,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<i64>,
+    #[serde(default)]
+    kv_transfer_params: Option<KvTransferParams>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    prompt: Value,
+    #[serde(flatten)]
+    params: GenParams,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    messages: Vec<RawMessage>,
+    #[serde(default = "yes")]
+    add_generation_prompt: bool,
+    #[serde(flatten)]
+    params: GenParams,
+}
+
+/// A validated generation job.
+struct Job {
+    chat: bool,
+    id: String,
+    model: String,
+    prompt: Vec<TokenId>,
+    stop: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+    req: EngineRequest,
+}
+
+fn prompt_tokens(s: &ApiState, prompt: Value) -> Result<Vec<TokenId>, ApiError> {
+    let bad = |m: &str| ApiError::bad_request("bad_param", m.to_owned(), Some("prompt"));
+    let encode = |t: &str| {
+        s.engine
+            .tokenizer()
+            .encode(t)
+            .map_err(|e| bad(&e.to_string()))
+    };
+    let ids = |v: &[Value]| -> Result<Vec<TokenId>, ApiError> {
+        v.iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|n| TokenId::try_from(n).ok())
+                    .ok_or_else(|| bad("token ids must be non-negative integers"))
+            })
+            .collect()
+    };
+    match prompt {
+        Value::String(t) => encode(&t),
+        Value::Array(items) if items.is_empty() => Err(bad("prompt is empty")),
+        Value::Array(items) => match &items[0] {
+            Value::Number(_) => ids(&items),
+            Value::String(_) if items.len() == 1 => encode(items[0].as_str().unwrap_or("")),
+            Value::Array(inner) if items.len() == 1 => ids(inner),
+            _ => Err(bad(
+                "only one prompt per request is supported (batch prompts: send separate requests)",
+            )),
+        },
+        _ => Err(bad(
+            "prompt must be a string, a list of token ids, or a one-element list of either",
+        )),
+    }
+}
+
+fn build_job(
+    s: &ApiState,
+    chat: bool,
+    prompt: Vec<TokenId>,
+    p: GenParams,
+) -> Result<Job, ApiError> {
+    let cfg = s.engine.config();
+    check_model(s, p.model.as_deref())?;
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request(
+            "bad_param",
+            "prompt is empty",
+            Some("prompt"),
+        ));
+    }
+    if prompt.len() > cfg.max_model_len {
+        return Err(ApiError::bad_request(
+            "prompt_too_long",
+            format!(
+                "This model's maximum context length is {} tokens. However, your request has {} input tokens. Please reduce the length of the input messages.",
+                cfg.max_model_len,
+                prompt.len()
+            ),
+            Some("prompt"),
+        ));
+    }
+    // A prompt needing more GPU blocks than exist could never be scheduled.
+    if (prompt.len() + 1).div_ceil(cfg.block_size) > cfg.num_gpu_blocks {
+        return Err(ApiError::bad_request(
+            "prompt_too_long",
+            format!(
+                "prompt of {} tokens needs more than the {} KV blocks this engine has",
+                prompt.len(),
+                cfg.num_gpu_blocks
+            ),
+            Some("prompt"),
+        ));
+    }
+    if let Some(n) = p.n
+        && n != 1
+    {
+        return Err(ApiError::bad_request(
+            "bad_param",
+            "only n=1 is supported",
+            Some("n"),
+        ));
+    }
+    let room = cfg.max_model_len - prompt.len();
+    let max_tokens = match p.max_completion_tokens.or(p.max_tokens) {
+        Some(m) if m < 1 => {
+            return Err(ApiError::bad_request(
+                "bad_param",
+                format!("max_tokens must be at least 1, got {m}."),
+                Some("max_tokens"),
+            ));
+        }
+        Some(m) if m as u64 > room as u64 => {
+            return Err(ApiError::bad_request(
+                "prompt_too_long",
+                format!(
+                    "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum context length is {} tokens and your request has {} input tokens ({m} > {} - {}).",
+                    cfg.max_model_len,
+                    prompt.len(),
+                    cfg.max_model_len,
+                    prompt.len()
+                ),
+                Some("max_tokens"),
+            ));
+        }
+        Some(m) => m as usize,
+        None if chat => room,
+        None => 16.min(room),
+    };
+    if room == 0 {
+        return Err(ApiError::bad_request(
+            "prompt_too_long",
+            "prompt fills the model length; no room to generate",
+            Some("prompt"),
+        ));
+    }
+    let temperature = p.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) || !temperature.is_finite() {
+        return Err(ApiError::bad_request(
+            "bad_param",
+            format!("temperature must be in [0, 2], got {temperature}."),
+            Some("temperature"),
+        ));
+    }
+    let top_p = p.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad_request(
+            "bad_param",
+            format!("top_p must be in (0, 1], got {top_p}."),
+            Some("top_p"),
+        ));
+    }
+    let stop = match p.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s],
+        Some(StopField::Many(v)) => v,
+    };
+    let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+    let id = format!(
+        "{}-{}",
+        if chat { "chatcmpl" } else { "cmpl" },
+        &uuid::Uuid::new_v4().simple().to_string()[..16]
+    );
+    let include_usage = p.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let req = EngineRequest {
+        request_id: id.clone(),
+        prompt: prompt.clone(),
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            seed: p.seed.map(|s| s as u64),
+        },
+        max_tokens,
+        ignore_eos: p.ignore_eos,
+        stop_token_ids: p.stop_token_ids.unwrap_or_default(),
+        kv_transfer_params: p.kv_transfer_params,
+        arrival: std::time::Instant::now(),
+        external_hashes: Vec::new(),
+        external_query_tokens: 0,
+    };
+    Ok(Job {
+        chat,
+        id,
+        model: cfg.served_model_name.clone(),
+        prompt,
+        stop,
+        stream: p.stream,
+        include_usage,
+        req,
+    })
+}
+
+async fn completions(State(s): State<ApiState>, body: Bytes) -> Response {
+    let job = (|| {
+        let r: CompletionRequest = parse_json(&body)?;
+        let prompt = prompt_tokens(&s, r.prompt)?;
+        build_job(&s, false, prompt, r.params)
+    })();
+    match job {
+        Ok(job) => run_job(s, job).await,
+        Err(e) => fail(&s, e),
+    }
+}
+
+async fn chat_completions(State(s): State<ApiState>, body: Bytes) -> Response {
+    let job = (|| {
+        let r: ChatRequest = parse_json(&body)?;
+        if r.messages.is_empty() {
+            return Err(ApiError::bad_request(
+                "bad_param",
+                "messages must not be empty",
+                Some("messages"),
+            ));
+        }
+        let msgs = flatten_messages(r.messages)?;
+        let text = s
+            .engine
+            .tokenizer()
+            .apply_chat_template(&msgs, r.add_generation_prompt)
+            .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
+        let prompt = s
+            .engine
+            .tokenizer()
+            .encode(&text)
+            .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
+        build_job(&s, true, prompt, r.params)
+    })();
+    match job {
+        Ok(job) => run_job(s, job).await,
+        Err(e) => fail(&s, e),
+    }
+}
+
+/// Incremental detokenization with stop strings: text is released only when it can no longer
+/// become part of a stop string, and never ends in a partial UTF-8 sequence.
+struct Detok {
+    tokens: Vec<TokenId>,
+    text: String,
+    emitted: usize,
+    stop: Vec<String>,
+    holdback: usize,
+    /// The stop string that matched.
+    matched: Option<String>,
+}
+
+impl Detok {
+    fn new(stop: Vec<String>) -> Self {
+        let holdback = stop
+            .iter()
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(1)
+            .saturating_sub(1);
+        Self {
+            tokens: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            stop,
+            holdback,
+            matched: None,
+        }
+    }
+
+    /// Adds a token; returns newly releasable text.
+    fn push(&mut self, engine: &EngineHandle, token: TokenId) -> String {
+        self.tokens.push(token);
+        self.text = engine.tokenizer().decode(&self.tokens).unwrap_or_default();
+        for s in &self.stop {
+            if let Some(pos) = self.text.find(s.as_str()) {
+                self.text.truncate(pos);
+                self.matched = Some(s.clone());
+                return self.release(true);
+            }
+        }
+        self.release(false)
+    }
+
+    fn release(&mut self, all: bool) -> String {
+        let mut end = if all {
+            self.text.len()
+        } else {
+            self.text.len().saturating_sub(self.holdback)
+        };
+        if !all && self.text[..end].ends_with('\u{FFFD}') {
+            end = end.saturating_sub('\u{FFFD}'.len_utf8());
+        }
+        while end > 0 && !self.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end <= self.emitted {
+            return String::new();
+        }
+        let out = self.text[self.emitted..end].to_owned();
+        self.emitted = end;
+        out
+    }
+}
+
+fn usage_json(info: &FinishInfo, completion_tokens: usize, stream: bool) -> Value {
+    let created = (info.created_cache_tokens > 0).then_some(info.created_cache_tokens);
+    let details = if stream {
+        json!({"cached_tokens": info.cached_tokens, "created_cache_tokens": created})
+    } else {
+        json!({"cached_tokens": info.cached_tokens, "created_cache_tokens": created, "multimodal_tokens": null})
+    };
+    json!({
+        "prompt_tokens": info.prompt_tokens,
+        "total_tokens": info.prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": details,
+        "completion_tokens_details": null,
+    })
+}
+
+fn stop_reason(info: &FinishInfo, detok: &Detok) -> Value {
+    if let Some(s) = &detok.matched {
+        json!(s)
+    } else if let Some(t) = info.stop_token {
+        json!(t)
+    } else {
+        Value::Null
+    }
+}
+
+fn finish_reason_str(info: &FinishInfo, detok: &Detok) -> &'static str {
+    if detok.matched.is_some() {
+        "stop"
+    } else {
+        info.reason.as_str()
+    }
+}
+
+async fn submit(s: &ApiState, mut job: Job) -> Result<(Job, SeqStream), ApiError> {
+    if let Some(hook) = &s.admission_hook {
+        hook.before_submit(&s.engine, &mut job.req).await;
+    }
+    match s.engine.submit(job.req.clone()) {
+        Ok(stream) => Ok((job, stream)),
+        Err(SubmitError::Overloaded(n)) => Err(ApiError::overloaded(n)),
+        Err(SubmitError::Stopped) => Err(ApiError::unavailable("engine stopped")),
+    }
+}
+
+async fn run_job(s: ApiState, job: Job) -> Response {
+    let (job, stream) = match submit(&s, job).await {
+        Ok(x) => x,
+        Err(e) => return fail(&s, e),
+    };
+    if job.stream {
+        stream_response(s, job, stream)
+    } else {
+        full_response(s, job, stream).await
+    }
+}
+
+/// Drives one sequence to the end, calling `on_text` for released text. Returns the finish info
+/// (None if the engine failed) and the detokenizer.
+async fn drive(
+    engine: &EngineHandle,
+    stream: &mut SeqStream,
+    detok: &mut Detok,
+    mut on_text: impl FnMut(String),
+) -> Result<(FinishInfo, usize), String> {
+    let mut completion_tokens = 0usize;
+    loop {
+        match stream.recv().await {
+            Some(SeqOutput::Started { .. }) => {}
+            Some(SeqOutput::Token(t)) => {
+                completion_tokens += 1;
+                let text = detok.push(engine, t);
+                if !text.is_empty() {
+                    on_text(text);
+                }
+                if detok.matched.is_some() {
+                    // Stop string: end here; dropping the stream aborts the engine side.
+                    let info = FinishInfo {
+                        reason: crate::engine::FinishReason::Stop,
+                        stop_token: None,
+                        prompt_tokens: 0,
+                        completion_tokens,
+                        cached_tokens: 0,
+                        created_cache_tokens: 0,
+                        kv_transfer_params: None,
+                    };
+                    return Ok((info, completion_tokens));
+                }
+            }
+            Some(SeqOutput::Finished(info)) => {
+                let rest = detok.release(true);
+                if !rest.is_empty() {
+                    on_text(rest);
+                }
+                return Ok((info, completion_tokens));
+            }
+            Some(SeqOutput::Error(e)) => return Err(e),
+            None => return Err("engine stopped".into()),
+        }
+    }
+}
+
+async fn full_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
+    let mut detok = Detok::new(job.stop.clone());
+    let mut text = String::new();
+    let (mut info, completion_tokens) =
+        match drive(&s.engine, &mut stream, &mut detok, |t| text.push_str(&t)).await {
+            Ok(x) => x,
+            Err(e) => return fail(&s, ApiError::unavailable(e)),
+        };
+    fix_stop_info(&mut info, &job, &stream);
+    let usage = usage_json(&info, completion_tokens, false);
+    let kvp = info.kv_transfer_params.as_ref().map_or(Value::Null, |p| {
+        serde_json::to_value(p).unwrap_or(Value::Null)
+    });
+    let created = unix_now();
+    let body = if job.chat {
+        json!({
+            "id": job.id, "object": "chat.completion", "created": created, "model": job.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null, "audio": null,
+                            "function_call": null, "tool_calls": [], "reasoning": null},
+                "logprobs": null, "finish_reason": finish_reason_str(&info, &detok), "stop_reason": stop_reason(&info, &detok),
+                "token_ids": null,
+            }],
+            "service_tier": null, "system_fingerprint": system_fingerprint(), "usage": usage,
+            "prompt_logprobs": null, "prompt_token_ids": null, "kv_transfer_params": kvp,
+        })
+    } else {
+        json!({
+            "id": job.id, "object": "text_completion", "created": created, "model": job.model,
+            "choices": [{
+                "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason_str(&info, &detok),
+                "stop_reason": stop_reason(&info, &detok), "token_ids": null, "prompt_logprobs": null,
+                "prompt_token_ids": null, "routed_experts": null,
+            }],
+            "service_tier": null, "system_fingerprint": system_fingerprint(), "usage": usage,
+            "kv_transfer_params": kvp, "ec_transfer_params": null, "metrics": null,
+        })
+    };
+    axum::Json(body).into_response()
+}
+
+/// A stop-string finish is decided here, not in the engine: fill in what the engine knew.
+fn fix_stop_info(info: &mut FinishInfo, job: &Job, stream: &SeqStream) {
+    if info.prompt_tokens == 0 {
+        info.prompt_tokens = job.prompt.len();
+        info.cached_tokens = stream.cached_tokens().unwrap_or(0);
+    }
+}
+
+fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
+    let engine = s.engine.clone();
+    let events = async_stream::stream! {
+        let created = unix_now();
+        let mut detok = Detok::new(job.stop.clone());
+        let object = if job.chat { "chat.completion.chunk" } else { "text_completion" };
+        let chunk = |choice: Value| -> Value {
+            json!({"id": job.id, "object": object, "created": created, "model": job.model, "choices": [choice]})
+        };
+        if job.chat {
+            let mut first = chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}));
+            first["prompt_token_ids"] = Value::Null;
+            first["prompt_text"] = Value::Null;
+            yield Ok::<Event, std::convert::Infallible>(Event::default().data(first.to_string()));
+        }
+        let mut pending: Vec<String> = Vec::new();
+        let mut completion_tokens = 0usize;
+        let result: Result<FinishInfo, String> = loop {
+            match stream.recv().await {
+                Some(SeqOutput::Started { .. }) => {}
+                Some(SeqOutput::Token(t)) => {
+                    completion_tokens += 1;
+                    let text = detok.push(&engine, t);
+                    if detok.matched.is_some() {
+                        pending.push(text);
+                        break Ok(FinishInfo {
+                            reason: crate::engine::FinishReason::Stop, stop_token: None, prompt_tokens: job.prompt.len(),
+                            completion_tokens, cached_tokens: stream.cached_tokens().unwrap_or(0), created_cache_tokens: 0,
+                            kv_transfer_params: None,
+                        });
+                    }
+                    // Hold the text until we know whether the next output is the finish, so the
+                    // last text chunk carries `finish_reason` as vLLM's does.
+                    if let Some(prev) = pending.pop() {
+                        if !prev.is_empty() {
+                            yield Ok(Event::default().data(text_chunk(&chunk, job.chat, &prev, None).to_string()));
+                        }
+                    }
+                    pending.push(text);
+                }
+                Some(SeqOutput::Finished(info)) => {
+                    pending.push(detok.release(true));
+                    break Ok(info);
+                }
+                Some(SeqOutput::Error(e)) => break Err(e),
+                None => break Err("engine stopped".to_owned()),
+            }
+        };
+        match result {
+            Ok(info) => {
+                let text: String = pending.concat();
+                let fin = (finish_reason_str(&info, &detok), stop_reason(&info, &detok));
+                let mut last = text_chunk(&chunk, job.chat, &text, Some(fin.0));
+                last["choices"][0]["stop_reason"] = fin.1;
+                if let Some(p) = &info.kv_transfer_params {
+                    last["kv_transfer_params"] = serde_json::to_value(p).unwrap_or(Value::Null);
+                }
+                yield Ok(Event::default().data(last.to_string()));
+                if job.include_usage {
+                    let usage = json!({
+                        "id": job.id, "object": object, "created": created, "model": job.model, "choices": [],
+                        "usage": usage_json(&info, completion_tokens, true), "system_fingerprint": system_fingerprint(),
+                    });
+                    yield Ok(Event::default().data(usage.to_string()));
+                }
+            }
+            Err(e) => {
+                let err = json!({"error": {"message": e, "type": "InternalServerError", "param": null, "code": 500}});
+                yield Ok(Event::default().data(err.to_string()));
+            }
+        }
+        yield Ok(Event::default().data("[DONE]"));
+    };
+    Sse::new(events).into_response()
+}
+
+fn text_chunk(
+    chunk: &impl Fn(Value) -> Value,
+    chat: bool,
+    text: &str,
+    finish: Option<&str>,
+) -> Value {
+    if chat {
+        let mut c = json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish, "token_ids": null});
+        if finish.is_some() {
+            c["stop_reason"] = Value::Null;
+        }
+        chunk(c)
+    } else {
+        chunk(
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
+        )
+    }
+}

@@ -1,0 +1,74 @@
+//! Glue between the engine's [`KvEventSink`] and the ZMQ publisher of `kvmesh-events`: each
+//! `publish` call becomes one numbered batch `[topic, seq, msgpack]` in vLLM's format.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kvmesh_core::{EventBatch, KvEvent};
+use kvmesh_events::{Publisher, PublisherConfig, PublisherHandle};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::KvEventsConfig;
+use crate::outbox::{KvEventSink, NullSink};
+
+/// Publishes through a spawned [`Publisher`]; never blocks (a full queue drops the batch and the
+/// sequence gap tells subscribers).
+pub struct PublisherSink {
+    handle: PublisherHandle,
+}
+
+impl KvEventSink for PublisherSink {
+    fn publish(&self, events: Vec<KvEvent>) {
+        if events.is_empty() {
+            return;
+        }
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        if let Err(e) = self.handle.send(EventBatch {
+            ts,
+            events,
+            data_parallel_rank: None,
+        }) {
+            tracing::warn!(error = %e, "kv events dropped");
+        }
+    }
+}
+
+/// What [`start_event_publisher`] started.
+pub struct EventPublishing {
+    pub sink: Arc<dyn KvEventSink>,
+    /// The PUB endpoint actually bound (real port for `:0`) or connected to.
+    pub endpoint: Option<String>,
+    pub replay_endpoint: Option<String>,
+}
+
+/// Starts the ZMQ publisher described by `--kv-events-config` (or a null sink when disabled).
+/// Must run inside a tokio runtime.
+pub async fn start_event_publisher(
+    cfg: Option<&KvEventsConfig>,
+    cancel: CancellationToken,
+) -> Result<EventPublishing, kvmesh_events::EventsError> {
+    let Some(cfg) = cfg.filter(|c| c.enabled()) else {
+        return Ok(EventPublishing {
+            sink: Arc::new(NullSink),
+            endpoint: None,
+            replay_endpoint: None,
+        });
+    };
+    let mut pc = PublisherConfig::new(cfg.endpoint.clone(), cfg.topic.clone());
+    pc.replay_endpoint = cfg.replay_endpoint.clone();
+    pc.replay_buffer = cfg.buffer_steps.max(1);
+    // One batch per engine step and per CPU-tier change; leave room for bursts.
+    pc.queue_capacity = 65_536;
+    let publisher = Publisher::start(pc).await?;
+    let endpoint = Some(publisher.local_endpoint().to_owned());
+    let replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
+    let handle = publisher.spawn(cancel);
+    Ok(EventPublishing {
+        sink: Arc::new(PublisherSink { handle }),
+        endpoint,
+        replay_endpoint,
+    })
+}

@@ -1,0 +1,141 @@
+//! Starting a whole engine server: KV-event publisher, compute loop, HTTP listener. Used by the
+//! `kvmesh engine` binary, the bench launcher and in-process tests.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use kvmesh_text::Tokenizer;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{AdmissionHook, ApiState, router};
+use crate::compute::ComputeBackend;
+use crate::compute::profiles;
+use crate::compute::sim::{SimBackend, SimConfig};
+use crate::config::{ConfigError, EngineConfig};
+use crate::engine::{Engine, EngineHandle, build_engine};
+use crate::publish::start_event_publisher;
+
+/// Why a server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("kv events: {0}")]
+    Events(#[from] kvmesh_events::EventsError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("unknown sim profile `{0}` (see `kvmesh engine --list-profiles`)")]
+    UnknownProfile(String),
+}
+
+/// Extra wiring for a server (the P2P integrator plugs in here).
+#[derive(Default, Clone)]
+pub struct ServerOptions {
+    pub admission_hook: Option<Arc<dyn AdmissionHook>>,
+}
+
+/// A running engine server.
+pub struct RunningServer {
+    /// The bound HTTP address (real port when started with port 0).
+    pub addr: SocketAddr,
+    pub engine: EngineHandle,
+    /// The KV-event PUB endpoint bound (real port) or connected to, if events are on.
+    pub events_endpoint: Option<String>,
+    pub replay_endpoint: Option<String>,
+    cancel: CancellationToken,
+    http: JoinHandle<()>,
+    core: Option<Engine>,
+}
+
+impl RunningServer {
+    /// Stops accepting, ends the compute loop and the publisher.
+    pub async fn shutdown(mut self) {
+        self.cancel.cancel();
+        let _ = (&mut self.http).await;
+        if let Some(core) = self.core.take() {
+            let _ = tokio::task::spawn_blocking(move || core.shutdown()).await;
+        }
+    }
+
+    /// Resolves when the HTTP server stops (e.g. after [`RunningServer::cancel_token`] fires).
+    pub async fn wait(&mut self) {
+        let _ = (&mut self.http).await;
+    }
+
+    pub fn cancel_token(&self) -> CancellationToken {
+        self.cancel.clone()
+    }
+}
+
+/// Builds the `sim` backend for `profile`.
+pub fn sim_backend(
+    config: &EngineConfig,
+    profile: &str,
+    time_scale: f64,
+    kv_bytes_per_token: usize,
+) -> Result<Box<dyn ComputeBackend>, ServerError> {
+    let profile = profiles::profile(profile)
+        .ok_or_else(|| ServerError::UnknownProfile(profile.to_owned()))?;
+    if !(time_scale > 0.0) {
+        return Err(ConfigError::Invalid("--time-scale must be > 0".into()).into());
+    }
+    if kv_bytes_per_token == 0 {
+        return Err(ConfigError::Invalid("--sim-kv-bytes-per-token must be > 0".into()).into());
+    }
+    Ok(Box::new(SimBackend::new(SimConfig {
+        profile,
+        time_scale,
+        kv_bytes_per_token,
+        block_size: config.block_size,
+        model_id: format!("sim:{}", profile.name),
+    })))
+}
+
+/// Starts publisher, compute loop and HTTP server. Must run inside a tokio runtime.
+pub async fn start_server(
+    config: EngineConfig,
+    backend: Box<dyn ComputeBackend>,
+    tokenizer: Arc<dyn Tokenizer>,
+    options: ServerOptions,
+) -> Result<RunningServer, ServerError> {
+    config.validate()?;
+    let cancel = CancellationToken::new();
+    let addr = format!("{}:{}", config.host, config.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+    let local = listener
+        .local_addr()
+        .map_err(|source| ServerError::Bind { addr, source })?;
+    let publishing = start_event_publisher(config.kv_events.as_ref(), cancel.child_token()).await?;
+    let core = build_engine(config, backend, tokenizer, publishing.sink)?;
+    let engine = core.handle.clone();
+    let mut state = ApiState::new(engine.clone());
+    state.admission_hook = options.admission_hook;
+    let app = router(state);
+    let stop = cancel.clone();
+    let http = tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "http server failed");
+        }
+    });
+    Ok(RunningServer {
+        addr: local,
+        engine,
+        events_endpoint: publishing.endpoint,
+        replay_endpoint: publishing.replay_endpoint,
+        cancel,
+        http,
+        core: Some(core),
+    })
+}
