@@ -1,0 +1,469 @@
+//! Router configuration (YAML), in the spirit of llm-d's `EndpointPickerConfig`.
+//!
+//! ```yaml
+//! block_size: 16
+//! endpoints:
+//!   - {name: e0, url: "http://127.0.0.1:8100", p2p: "127.0.0.1:7100", role: both,
+//!      kv_events: {endpoint: "tcp://127.0.0.1:5557", topic: kv-events}}
+//! # or: endpoints_file: fleet.yaml   (watched; changes apply without restart)
+//! plugins:
+//!   - {type: prefix-cache-scorer, name: prefix}
+//! schedulingProfiles:
+//!   - {name: affinity, plugins: [{pluginRef: prefix, weight: 3}]}
+//! ```
+//! Durations are strings like `500ms`, `2s`, `1m`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::cost_model::CostModelParams;
+
+/// Why a config could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_norway::Error,
+    },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// What an endpoint does in P/D disaggregation; aggregated serving uses `both` (and, if no
+/// endpoint is `both`, every endpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+/// Where an engine publishes KV events (protocols §1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsSpec {
+    /// ZMQ endpoint, e.g. `tcp://127.0.0.1:5557`.
+    pub endpoint: String,
+    /// Whether the router binds this endpoint (when the engine was configured to *connect*, i.e.
+    /// its endpoint has no `*`). Default: connect to an engine that binds.
+    #[serde(default)]
+    pub bind: bool,
+    #[serde(default)]
+    pub topic: String,
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+}
+
+/// One engine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointSpec {
+    /// Unique name (metrics label, debug output).
+    pub name: String,
+    /// OpenAI base URL, e.g. `http://127.0.0.1:8100`.
+    pub url: String,
+    #[serde(default)]
+    pub kv_events: Option<KvEventsSpec>,
+    /// P2P producer address `host:port`; without it the endpoint is never named as a pull source.
+    #[serde(default)]
+    pub p2p: Option<String>,
+    #[serde(default)]
+    pub role: Role,
+}
+
+impl EndpointSpec {
+    /// `(host, port)` of the P2P address, if configured and well-formed.
+    pub fn p2p_host_port(&self) -> Option<(String, u16)> {
+        let s = self.p2p.as_deref()?;
+        let (host, port) = s.rsplit_once(':')?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        Some((host.to_owned(), port.parse().ok()?))
+    }
+}
+
+/// A plugin instance (`plugins:` entry).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSpec {
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Reference name; defaults to the type.
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub parameters: Option<serde_json::Value>,
+}
+
+/// A plugin used by a profile; `weight` applies to scorers (default 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginRef {
+    #[serde(rename = "pluginRef", alias = "plugin_ref")]
+    pub plugin_ref: String,
+    #[serde(default)]
+    pub weight: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileSpec {
+    pub name: String,
+    #[serde(default)]
+    pub plugins: Vec<PluginRef>,
+}
+
+/// Tokenizer used to cut prompts into blocks; must match the engines'.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerSpec {
+    /// One token per UTF-8 byte (kvmesh `sim` engines).
+    #[default]
+    Byte,
+    /// A HF `tokenizer.json`, optionally with a Jinja chat template file.
+    Hf {
+        path: PathBuf,
+        #[serde(default)]
+        chat_template: Option<PathBuf>,
+    },
+}
+
+/// Active health checks: an endpoint failing `unhealthy_threshold` checks in a row is ejected and
+/// readmitted after `healthy_threshold` passing ones.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthCheckConfig {
+    #[serde(with = "duration_str")]
+    pub interval: Duration,
+    #[serde(with = "duration_str")]
+    pub timeout: Duration,
+    pub unhealthy_threshold: u32,
+    pub healthy_threshold: u32,
+    pub path: String,
+}
+
+impl Default for HealthCheckConfig {
+    fn default() -> Self {
+        HealthCheckConfig {
+            interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(1),
+            unhealthy_threshold: 3,
+            healthy_threshold: 1,
+            path: "/health".to_owned(),
+        }
+    }
+}
+
+/// Bounds of the prefix index.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexSettings {
+    pub max_blocks: usize,
+}
+
+impl Default for IndexSettings {
+    fn default() -> Self {
+        IndexSettings {
+            max_blocks: 4_000_000,
+        }
+    }
+}
+
+fn default_block_size() -> usize {
+    16
+}
+fn default_scrape() -> Duration {
+    Duration::from_millis(500)
+}
+fn default_request_timeout() -> Duration {
+    Duration::from_secs(600)
+}
+fn default_decisions() -> usize {
+    1024
+}
+fn default_max_body() -> usize {
+    64 << 20
+}
+
+/// The whole router config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterConfig {
+    #[serde(default)]
+    pub endpoints: Vec<EndpointSpec>,
+    /// A YAML file with `endpoints: [...]` (or a bare list), watched for changes.
+    #[serde(default)]
+    pub endpoints_file: Option<PathBuf>,
+    /// Router block size in tokens (engine block sizes must be multiples of it).
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+    #[serde(default)]
+    pub tokenizer: TokenizerSpec,
+    #[serde(default)]
+    pub plugins: Vec<PluginSpec>,
+    #[serde(default, rename = "schedulingProfiles", alias = "scheduling_profiles")]
+    pub scheduling_profiles: Vec<ProfileSpec>,
+    /// Profile used unless a request names one with `x-kvmesh-profile`; default the first.
+    #[serde(default)]
+    pub default_profile: Option<String>,
+    #[serde(default = "default_scrape", with = "duration_str")]
+    pub metrics_scrape_interval: Duration,
+    #[serde(default)]
+    pub health_check: HealthCheckConfig,
+    /// Maximum wait for an engine's response headers (not the whole stream).
+    #[serde(default = "default_request_timeout", with = "duration_str")]
+    pub request_timeout: Duration,
+    /// Seed of the scheduling rng (random tie-breaks, weighted picks); random if absent.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub cost_model: CostModelParams,
+    #[serde(default)]
+    pub index: IndexSettings,
+    /// How many recent decisions `/debug/decisions` keeps.
+    #[serde(default = "default_decisions")]
+    pub decisions_capacity: usize,
+    /// Also send llm-d's `x-kv-cache-source-host-port` header (for llm-d sidecars).
+    #[serde(default)]
+    pub source_header: bool,
+    /// Largest accepted request body.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        serde_norway::from_str("{}")
+            .unwrap_or_else(|_| unreachable!("empty config has defaults for every field"))
+    }
+}
+
+impl RouterConfig {
+    /// Loads and validates a config file; a relative `endpoints_file` is resolved against the
+    /// config's directory.
+    pub fn load(path: &Path) -> Result<RouterConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let mut cfg: RouterConfig =
+            serde_norway::from_str(&text).map_err(|source| ConfigError::Parse {
+                path: path.to_owned(),
+                source,
+            })?;
+        if let Some(f) = &cfg.endpoints_file
+            && f.is_relative()
+            && let Some(dir) = path.parent()
+        {
+            cfg.endpoints_file = Some(dir.join(f));
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0 {
+            return Err(ConfigError::Invalid("block_size must be > 0".into()));
+        }
+        validate_endpoints(&self.endpoints)?;
+        if self.decisions_capacity == 0 {
+            return Err(ConfigError::Invalid(
+                "decisions_capacity must be > 0".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Names unique, URLs http(s), P2P addresses `host:port`.
+pub fn validate_endpoints(endpoints: &[EndpointSpec]) -> Result<(), ConfigError> {
+    let mut names = std::collections::HashSet::new();
+    for e in endpoints {
+        if e.name.is_empty() || !names.insert(e.name.as_str()) {
+            return Err(ConfigError::Invalid(format!(
+                "endpoint name {:?} empty or duplicated",
+                e.name
+            )));
+        }
+        let url = reqwest::Url::parse(&e.url)
+            .map_err(|err| ConfigError::Invalid(format!("endpoint {}: url: {err}", e.name)))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(ConfigError::Invalid(format!(
+                "endpoint {}: url must be http(s)",
+                e.name
+            )));
+        }
+        if e.p2p.is_some() && e.p2p_host_port().is_none() {
+            return Err(ConfigError::Invalid(format!(
+                "endpoint {}: p2p must be host:port",
+                e.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The endpoints file: `endpoints: [...]` or a bare list.
+pub fn load_endpoints_file(path: &Path) -> Result<Vec<EndpointSpec>, ConfigError> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum File {
+        List(Vec<EndpointSpec>),
+        Wrapped { endpoints: Vec<EndpointSpec> },
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let file: File = serde_norway::from_str(&text).map_err(|source| ConfigError::Parse {
+        path: path.to_owned(),
+        source,
+    })?;
+    let list = match file {
+        File::List(l) => l,
+        File::Wrapped { endpoints } => endpoints,
+    };
+    validate_endpoints(&list)?;
+    Ok(list)
+}
+
+/// The pipeline used when a config has no profiles: *affinity* (prefix 3, queue 2, kv-util 2).
+pub fn default_pipeline() -> (Vec<PluginSpec>, Vec<ProfileSpec>) {
+    let p = |kind: &str| PluginSpec {
+        kind: kind.to_owned(),
+        name: None,
+        parameters: None,
+    };
+    let r = |name: &str, weight: Option<f64>| PluginRef {
+        plugin_ref: name.to_owned(),
+        weight,
+    };
+    (
+        vec![
+            p("prefix-cache-scorer"),
+            p("queue-scorer"),
+            p("kv-cache-utilization-scorer"),
+            p("max-score-picker"),
+        ],
+        vec![ProfileSpec {
+            name: "default".to_owned(),
+            plugins: vec![
+                r("prefix-cache-scorer", Some(3.0)),
+                r("queue-scorer", Some(2.0)),
+                r("kv-cache-utilization-scorer", Some(2.0)),
+                r("max-score-picker", None),
+            ],
+        }],
+    )
+}
+
+/// Durations as humantime strings (`"500ms"`, `"2s"`) or plain numbers of seconds.
+pub mod duration_str {
+    use super::*;
+
+    pub fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Secs(f64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Secs(s) if s.is_finite() && s >= 0.0 => Ok(Duration::from_secs_f64(s)),
+            Raw::Secs(s) => Err(serde::de::Error::custom(format!("invalid duration {s}"))),
+            Raw::Text(t) => humantime::parse_duration(&t).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_full_config() {
+        let cfg: RouterConfig = serde_norway::from_str(
+            r#"
+block_size: 32
+endpoints:
+  - name: e0
+    url: http://127.0.0.1:8100
+    kv_events: {endpoint: "tcp://127.0.0.1:5557", topic: kv-events}
+    p2p: "127.0.0.1:7777"
+    role: both
+metrics_scrape_interval: 250ms
+health_check: {interval: 1s, unhealthy_threshold: 2}
+plugins:
+  - {type: queue-scorer, name: q}
+schedulingProfiles:
+  - name: a
+    plugins: [{pluginRef: q, weight: 2}]
+"#,
+        )
+        .expect("parse");
+        assert_eq!(cfg.block_size, 32);
+        assert_eq!(cfg.metrics_scrape_interval, Duration::from_millis(250));
+        assert_eq!(cfg.health_check.unhealthy_threshold, 2);
+        assert_eq!(cfg.health_check.timeout, Duration::from_secs(1));
+        assert_eq!(
+            cfg.endpoints[0].p2p_host_port(),
+            Some(("127.0.0.1".to_owned(), 7777))
+        );
+        assert_eq!(cfg.scheduling_profiles[0].plugins[0].weight, Some(2.0));
+        cfg.validate().expect("valid");
+    }
+
+    #[test]
+    fn rejects_duplicates_and_bad_addresses() {
+        let e = |name: &str, url: &str, p2p: Option<&str>| EndpointSpec {
+            name: name.into(),
+            url: url.into(),
+            kv_events: None,
+            p2p: p2p.map(Into::into),
+            role: Role::Both,
+        };
+        assert!(
+            validate_endpoints(&[e("a", "http://x:1", None), e("a", "http://y:1", None)]).is_err()
+        );
+        assert!(validate_endpoints(&[e("a", "ftp://x", None)]).is_err());
+        assert!(validate_endpoints(&[e("a", "http://x:1", Some("nohost"))]).is_err());
+        assert!(validate_endpoints(&[e("a", "http://x:1", Some("[::1]:7"))]).is_ok());
+    }
+
+    #[test]
+    fn unknown_keys_are_errors() {
+        assert!(serde_norway::from_str::<RouterConfig>("blocksize: 3").is_err());
+    }
+
+    #[test]
+    fn shipped_example_configs_parse() {
+        for f in ["router-affinity.yaml", "router-load-p2p.yaml"] {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../configs")
+                .join(f);
+            let cfg = RouterConfig::load(&path).unwrap_or_else(|e| panic!("{f}: {e}"));
+            let cm = std::sync::Arc::new(crate::cost_model::CostModel::new(cfg.cost_model.clone()));
+            crate::scheduler::Scheduler::build(
+                &cfg.plugins,
+                &cfg.scheduling_profiles,
+                cfg.default_profile.as_deref(),
+                None,
+                &cm,
+            )
+            .unwrap_or_else(|e| panic!("{f}: {e}"));
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! The P2P cost model: predicted recompute time vs predicted pull time, with rates learned online.
+//!
+//! Per endpoint a prefill rate (tokens/s) and per (source, destination) pair a pull rate
+//! (tokens/s) plus a fixed per-pull floor (connection, lookup, first frame). Rates start at the
+//! configured defaults (DESIGN §6: gpt-oss-120b on H200 recomputes ≈25K tok/s; pulls cost ≈26 ms +
+//! 235K tok/s) and follow observations with an EWMA. Observations are the engines' own reported
+//! timings as the router sees them: time to first byte of a streamed response (prefill-dominated)
+//! for requests sent to an otherwise idle endpoint, so queueing does not pollute the sample. A pull
+//! request's TTFT minus the predicted recompute of what it still computed is its pull time.
+//! Plain data structure; the gateway feeds it and `/metrics` exports the learned rates.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvmesh_index::EndpointId;
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+
+/// Defaults and learning parameters (`cost_model:` in the router config).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CostModelParams {
+    /// Prefill rate assumed for an endpoint before it has been observed.
+    pub prefill_tokens_per_second: f64,
+    /// Pull rate assumed for a pair before it has been observed.
+    pub pull_tokens_per_second: f64,
+    /// Fixed cost of any pull (ms).
+    pub pull_floor_ms: f64,
+    /// EWMA weight of a new sample.
+    pub ewma_alpha: f64,
+    /// Samples over fewer tokens are ignored (dominated by HTTP and scheduling overhead).
+    pub min_sample_tokens: u64,
+}
+
+impl Default for CostModelParams {
+    fn default() -> Self {
+        CostModelParams {
+            prefill_tokens_per_second: 25_000.0,
+            pull_tokens_per_second: 235_000.0,
+            pull_floor_ms: 26.0,
+            ewma_alpha: 0.2,
+            min_sample_tokens: 256,
+        }
+    }
+}
+
+/// A learned rate and how many samples shaped it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LearnedRate {
+    pub tokens_per_second: f64,
+    pub samples: u64,
+}
+
+/// One completed prefill as observed by the router.
+#[derive(Debug, Clone, Copy)]
+pub struct Observation {
+    pub endpoint: EndpointId,
+    /// Prompt tokens the endpoint computed itself (prompt − local prefix − pulled).
+    pub computed_tokens: u64,
+    /// The source and token count of a pull named for this request.
+    pub pulled: Option<(EndpointId, u64)>,
+    /// Time to first token.
+    pub ttft: Duration,
+}
+
+pub struct CostModel {
+    params: CostModelParams,
+    prefill: RwLock<HashMap<EndpointId, LearnedRate>>,
+    pull: RwLock<HashMap<(EndpointId, EndpointId), LearnedRate>>,
+}
+
+impl CostModel {
+    pub fn new(params: CostModelParams) -> Self {
+        CostModel {
+            params,
+            prefill: RwLock::new(HashMap::new()),
+            pull: RwLock::new(HashMap::new()),
+        }
+    }
+
+    pub fn params(&self) -> &CostModelParams {
+        &self.params
+    }
+
+    pub fn prefill_rate(&self, endpoint: EndpointId) -> f64 {
+        self.prefill
+            .read()
+            .get(&endpoint)
+            .map_or(self.params.prefill_tokens_per_second, |r| {
+                r.tokens_per_second
+            })
+    }
+
+    pub fn pull_rate(&self, source: EndpointId, dest: EndpointId) -> f64 {
+        self.pull
+            .read()
+            .get(&(source, dest))
+            .map_or(self.params.pull_tokens_per_second, |r| r.tokens_per_second)
+    }
+
+    /// Predicted time for `dest` to compute `tokens` prompt tokens (ms).
+    pub fn predict_recompute_ms(&self, dest: EndpointId, tokens: u64) -> f64 {
+        tokens as f64 / self.prefill_rate(dest).max(1e-9) * 1000.0
+    }
+
+    /// Predicted time for `dest` to pull `tokens` tokens of KV from `source` (ms).
+    pub fn predict_pull_ms(&self, source: EndpointId, dest: EndpointId, tokens: u64) -> f64 {
+        self.params.pull_floor_ms + tokens as f64 / self.pull_rate(source, dest).max(1e-9) * 1000.0
+    }
+
+    /// Learns from one observed prefill. Returns whether a rate was updated.
+    pub fn observe(&self, obs: Observation) -> bool {
+        let ttft_ms = obs.ttft.as_secs_f64() * 1000.0;
+        if ttft_ms <= 0.0 {
+            return false;
+        }
+        match obs.pulled {
+            None => {
+                if obs.computed_tokens < self.params.min_sample_tokens {
+                    return false;
+                }
+                let sample = obs.computed_tokens as f64 / (ttft_ms / 1000.0);
+                let default = self.params.prefill_tokens_per_second;
+                update(
+                    &mut self.prefill.write(),
+                    obs.endpoint,
+                    sample,
+                    default,
+                    self.params.ewma_alpha,
+                );
+                true
+            }
+            Some((source, pulled)) => {
+                if pulled < self.params.min_sample_tokens {
+                    return false;
+                }
+                let transfer_ms = ttft_ms
+                    - self.predict_recompute_ms(obs.endpoint, obs.computed_tokens)
+                    - self.params.pull_floor_ms;
+                // A pull that seemingly took no time says more about noise than about the link.
+                if transfer_ms <= 0.5 {
+                    return false;
+                }
+                let sample = pulled as f64 / (transfer_ms / 1000.0);
+                let default = self.params.pull_tokens_per_second;
+                update(
+                    &mut self.pull.write(),
+                    (source, obs.endpoint),
+                    sample,
+                    default,
+                    self.params.ewma_alpha,
+                );
+                true
+            }
+        }
+    }
+
+    /// Learned prefill rates (observed endpoints only), sorted by endpoint.
+    pub fn prefill_rates(&self) -> Vec<(EndpointId, LearnedRate)> {
+        let mut v: Vec<_> = self.prefill.read().iter().map(|(k, r)| (*k, *r)).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// Learned pull rates ((source, dest) → rate), sorted.
+    pub fn pull_rates(&self) -> Vec<((EndpointId, EndpointId), LearnedRate)> {
+        let mut v: Vec<_> = self.pull.read().iter().map(|(k, r)| (*k, *r)).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// Drops everything learned about an endpoint that left the fleet.
+    pub fn forget_endpoint(&self, endpoint: EndpointId) {
+        self.prefill.write().remove(&endpoint);
+        self.pull
+            .write()
+            .retain(|(s, d), _| *s != endpoint && *d != endpoint);
+    }
+}
+
+fn update<K: std::hash::Hash + Eq>(
+    map: &mut HashMap<K, LearnedRate>,
+    key: K,
+    sample: f64,
+    default: f64,
+    alpha: f64,
+) {
+    let entry = map.entry(key).or_insert(LearnedRate {
+        tokens_per_second: default,
+        samples: 0,
+    });
+    // One sample moves at most 10× either way: a hiccup cannot make the model absurd, yet a badly
+    // wrong default (e.g. a sim fleet with --time-scale) is corrected within a few samples.
+    let sample = sample.clamp(
+        entry.tokens_per_second / 10.0,
+        entry.tokens_per_second * 10.0,
+    );
+    entry.tokens_per_second = if entry.samples == 0 {
+        sample
+    } else {
+        alpha * sample + (1.0 - alpha) * entry.tokens_per_second
+    };
+    entry.samples += 1;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: EndpointId = EndpointId(0);
+    const B: EndpointId = EndpointId(1);
+
+    #[test]
+    fn defaults_predict_the_design_table() {
+        let m = CostModel::new(CostModelParams::default());
+        // 8192 tokens: recompute 8192/25000 s = 327.68 ms; pull 26 + 8192/235000 s = 60.86 ms.
+        assert!((m.predict_recompute_ms(A, 8192) - 327.68).abs() < 1e-9);
+        assert!((m.predict_pull_ms(B, A, 8192) - 60.859_574).abs() < 1e-4);
+    }
+
+    #[test]
+    fn prefill_rate_learns_by_ewma() {
+        let m = CostModel::new(CostModelParams::default());
+        // First sample replaces the default: 10,000 tokens in 1 s.
+        assert!(m.observe(Observation {
+            endpoint: A,
+            computed_tokens: 10_000,
+            pulled: None,
+            ttft: Duration::from_secs(1)
+        }));
+        assert!((m.prefill_rate(A) - 10_000.0).abs() < 1e-9);
+        // Second: 20,000 tok/s → 0.2·20,000 + 0.8·10,000 = 12,000.
+        m.observe(Observation {
+            endpoint: A,
+            computed_tokens: 10_000,
+            pulled: None,
+            ttft: Duration::from_millis(500),
+        });
+        assert!((m.prefill_rate(A) - 12_000.0).abs() < 1e-9);
+        assert_eq!(m.prefill_rate(B), 25_000.0);
+        // Tiny prompts are ignored.
+        assert!(!m.observe(Observation {
+            endpoint: B,
+            computed_tokens: 10,
+            pulled: None,
+            ttft: Duration::from_millis(5)
+        }));
+    }
+
+    #[test]
+    fn pull_rate_subtracts_recompute_and_floor() {
+        let m = CostModel::new(CostModelParams::default());
+        m.observe(Observation {
+            endpoint: A,
+            computed_tokens: 10_000,
+            pulled: None,
+            ttft: Duration::from_secs(1),
+        });
+        // A pulled 4096 from B and computed 1000 itself: TTFT 142 ms = 100 ms recompute + 26 floor + 16 ms.
+        let learned = m.observe(Observation {
+            endpoint: A,
+            computed_tokens: 1000,
+            pulled: Some((B, 4096)),
+            ttft: Duration::from_millis(142),
+        });
+        assert!(learned);
+        assert!(
+            (m.pull_rate(B, A) - 256_000.0).abs() < 1e-6,
+            "{}",
+            m.pull_rate(B, A)
+        );
+        assert_eq!(m.pull_rate(A, B), 235_000.0);
+        m.forget_endpoint(B);
+        assert_eq!(m.pull_rate(B, A), 235_000.0);
+    }
+
+    #[test]
+    fn one_sample_moves_at_most_tenfold() {
+        let m = CostModel::new(CostModelParams::default());
+        m.observe(Observation {
+            endpoint: A,
+            computed_tokens: 1_000_000,
+            pulled: None,
+            ttft: Duration::from_millis(1),
+        });
+        assert!((m.prefill_rate(A) - 250_000.0).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,83 @@
+//! OpenAI-style error responses, built by constructors named after the status, and the router's
+//! library error type.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error answered to the client as `{"error": {"message", "type", "param", "code"}}` (vLLM's shape).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "BadRequestError",
+            message: message.into(),
+        }
+    }
+    pub fn not_found(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError",
+            message: message.into(),
+        }
+    }
+    pub fn payload_too_large(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            kind: "BadRequestError",
+            message: message.into(),
+        }
+    }
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_GATEWAY,
+            kind: "BadGatewayError",
+            message: message.into(),
+        }
+    }
+    pub fn gateway_timeout(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::GATEWAY_TIMEOUT,
+            kind: "TimeoutError",
+            message: message.into(),
+        }
+    }
+    pub fn service_unavailable(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "ServiceUnavailableError",
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status.as_u16()}});
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+/// Errors starting or running the router.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Plugin(#[from] crate::plugins::PluginError),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("http client: {0}")]
+    Http(String),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("watching endpoints file: {0}")]
+    Watch(String),
+}

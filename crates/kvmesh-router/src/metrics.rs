@@ -1,0 +1,227 @@
+//! Every router metric, described once and recorded through this module (`kvmesh_router_*`).
+//! Label values come from config (endpoint, profile names) or fixed enums — never from clients.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+use crate::cost_model::CostModel;
+use crate::endpoints::EndpointSet;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProfileEndpoint {
+    pub profile: String,
+    pub endpoint: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Outcome {
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Reason {
+    pub reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Kind {
+    pub kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabel {
+    pub endpoint: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PairLabel {
+    pub source: String,
+    pub dest: String,
+}
+
+type FGauge = Gauge<f64, AtomicU64>;
+
+pub struct RouterMetrics {
+    pub requests: Family<ProfileEndpoint, Counter>,
+    pub decisions: Family<Outcome, Counter>,
+    pub pull_skipped: Family<Reason, Counter>,
+    pub errors: Family<Kind, Counter>,
+    pub scheduling_seconds: Histogram,
+    pub endpoint_changes: Family<Kind, Counter>,
+    in_flight_requests: Family<EndpointLabel, Gauge>,
+    in_flight_uncached: Family<EndpointLabel, Gauge>,
+    in_flight_decode: Family<EndpointLabel, Gauge>,
+    waiting: Family<EndpointLabel, FGauge>,
+    running: Family<EndpointLabel, FGauge>,
+    kv_usage: Family<EndpointLabel, FGauge>,
+    healthy: Family<EndpointLabel, Gauge>,
+    prefill_rate: Family<EndpointLabel, FGauge>,
+    pull_rate: Family<PairLabel, FGauge>,
+}
+
+impl RouterMetrics {
+    /// Creates and registers every router metric in `registry`.
+    pub fn register(registry: &mut Registry) -> RouterMetrics {
+        let m = RouterMetrics {
+            requests: Family::default(),
+            decisions: Family::default(),
+            pull_skipped: Family::default(),
+            errors: Family::default(),
+            scheduling_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
+            endpoint_changes: Family::default(),
+            in_flight_requests: Family::default(),
+            in_flight_uncached: Family::default(),
+            in_flight_decode: Family::default(),
+            waiting: Family::default(),
+            running: Family::default(),
+            kv_usage: Family::default(),
+            healthy: Family::default(),
+            prefill_rate: Family::default(),
+            pull_rate: Family::default(),
+        };
+        let r = registry;
+        r.register(
+            "kvmesh_router_requests",
+            "Requests routed, by profile and chosen endpoint",
+            m.requests.clone(),
+        );
+        r.register(
+            "kvmesh_router_decisions",
+            "Placement outcomes: local_hit (chosen endpoint holds part of the prefix, no pull), pull_named, cold",
+            m.decisions.clone(),
+        );
+        r.register(
+            "kvmesh_router_pull_skipped",
+            "P2P source not named, by reason (below_threshold, self, no_source, cost)",
+            m.pull_skipped.clone(),
+        );
+        r.register(
+            "kvmesh_router_errors",
+            "Requests the router answered with an error, by kind",
+            m.errors.clone(),
+        );
+        r.register(
+            "kvmesh_router_scheduling_duration_seconds",
+            "Tokenize + block keys + index lookup + scheduling pipeline, per request",
+            m.scheduling_seconds.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_changes",
+            "Endpoints added/removed/ejected/readmitted",
+            m.endpoint_changes.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_in_flight_requests",
+            "Requests in flight per endpoint",
+            m.in_flight_requests.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_in_flight_uncached_tokens",
+            "Prompt tokens in flight that the endpoint still computes",
+            m.in_flight_uncached.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_in_flight_decode_tokens",
+            "Decode tokens (max_tokens) of in-flight requests",
+            m.in_flight_decode.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_waiting_requests",
+            "Scraped vllm:num_requests_waiting",
+            m.waiting.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_running_requests",
+            "Scraped vllm:num_requests_running",
+            m.running.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_kv_usage_ratio",
+            "Scraped vllm:kv_cache_usage_perc",
+            m.kv_usage.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_healthy",
+            "1 if the endpoint passes health checks",
+            m.healthy.clone(),
+        );
+        r.register(
+            "kvmesh_router_prefill_rate_tokens_per_second",
+            "Cost model: learned prefill rate per endpoint",
+            m.prefill_rate.clone(),
+        );
+        r.register(
+            "kvmesh_router_pull_rate_tokens_per_second",
+            "Cost model: learned P2P pull rate per (source, dest)",
+            m.pull_rate.clone(),
+        );
+        m
+    }
+
+    pub fn error(&self, kind: &'static str) {
+        self.errors.get_or_create(&Kind { kind }).inc();
+    }
+
+    /// Refreshes the per-endpoint gauges from live state (called before each `/metrics` render), so
+    /// removed endpoints disappear and the values are exact at scrape time.
+    pub fn refresh(&self, endpoints: &EndpointSet, cost: &CostModel) {
+        let list = endpoints.list();
+        for f in [
+            &self.in_flight_requests,
+            &self.in_flight_uncached,
+            &self.in_flight_decode,
+            &self.healthy,
+        ] {
+            f.clear();
+        }
+        for f in [
+            &self.waiting,
+            &self.running,
+            &self.kv_usage,
+            &self.prefill_rate,
+        ] {
+            f.clear();
+        }
+        self.pull_rate.clear();
+        let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for e in list.iter() {
+            let l = EndpointLabel {
+                endpoint: e.name.to_string(),
+            };
+            let load = e.load.snapshot();
+            self.in_flight_requests
+                .get_or_create(&l)
+                .set(clamp(load.requests));
+            self.in_flight_uncached
+                .get_or_create(&l)
+                .set(clamp(load.uncached_tokens));
+            self.in_flight_decode
+                .get_or_create(&l)
+                .set(clamp(load.decode_tokens));
+            self.healthy
+                .get_or_create(&l)
+                .set(i64::from(e.is_healthy()));
+            if let Some(m) = e.metrics() {
+                self.waiting.get_or_create(&l).set(m.waiting);
+                self.running.get_or_create(&l).set(m.running);
+                self.kv_usage.get_or_create(&l).set(m.kv_usage);
+            }
+            self.prefill_rate
+                .get_or_create(&l)
+                .set(cost.prefill_rate(e.id));
+        }
+        let name = |id| list.iter().find(|e| e.id == id).map(|e| e.name.to_string());
+        for ((s, d), rate) in cost.pull_rates() {
+            if let (Some(source), Some(dest)) = (name(s), name(d)) {
+                self.pull_rate
+                    .get_or_create(&PairLabel { source, dest })
+                    .set(rate.tokens_per_second);
+            }
+        }
+    }
+}

@@ -1,0 +1,378 @@
+//! `p2p-source-producer`: names a peer the computing endpoint should pull the missing prefix from.
+//!
+//! Exactly llm-d's semantics (protocols §4): source tokens = CPU-tier blocks × block size (pulls are
+//! served from the CPU tier); candidates are the endpoints whose CPU-tier prefix is within one block
+//! of the best; weight `1/(1 + waiting)`; one is sampled at `fnv1a32(request_id) / 2^32 × Σw` along
+//! the cumulative weights (deterministic per request id, in endpoint-id order). The computing
+//! endpoint's cached tokens are counted tier-blind. No source when the sample is the computing
+//! endpoint itself or when `source − computing < minCachedTokenDelta` (≥ 1).
+//!
+//! `mode: cost_model` adds a price check: pull only if the predicted recompute time of the delta
+//! exceeds the predicted pull time plus `marginMs` (rates from [`CostModel`]).
+//! Endpoints without a configured P2P address are never sources.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Candidate, SchedulingContext};
+use crate::cost_model::CostModel;
+
+pub const TYPE: &str = "p2p-source-producer";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum P2pMode {
+    /// llm-d: pull whenever the delta reaches `minCachedTokenDelta`.
+    #[default]
+    Threshold,
+    /// Additionally require predicted recompute > predicted pull + margin.
+    CostModel,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct P2pParams {
+    #[serde(alias = "min_cached_token_delta", rename = "minCachedTokenDelta")]
+    pub min_cached_token_delta: u64,
+    /// Accepted for llm-d config compatibility (P/D profiles); the aggregated path computes on the
+    /// primary target.
+    #[serde(alias = "prefill_profile_name", rename = "prefillProfileName")]
+    pub prefill_profile_name: String,
+    pub mode: P2pMode,
+    #[serde(alias = "margin_ms", rename = "marginMs")]
+    pub margin_ms: f64,
+}
+
+impl Default for P2pParams {
+    fn default() -> Self {
+        P2pParams {
+            min_cached_token_delta: 1,
+            prefill_profile_name: "prefill".to_owned(),
+            mode: P2pMode::Threshold,
+            margin_ms: 0.0,
+        }
+    }
+}
+
+/// Why no source was named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SkipReason {
+    /// No endpoint holds any of the prefix in its CPU tier (or none has a P2P address).
+    NoSource,
+    /// The sampled source is the computing endpoint.
+    SelfSource,
+    /// The source leads the computing endpoint by less than `minCachedTokenDelta`.
+    BelowThreshold,
+    /// Cost model: recomputing the delta is predicted to be no slower than pulling it.
+    Cost,
+}
+
+impl SkipReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::NoSource => "no_source",
+            SkipReason::SelfSource => "self",
+            SkipReason::BelowThreshold => "below_threshold",
+            SkipReason::Cost => "cost",
+        }
+    }
+}
+
+/// Outcome of source selection, with everything `/debug/decisions` shows.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct P2pDecision {
+    /// Index (into the candidates given) of the named source.
+    #[serde(skip)]
+    pub source: Option<usize>,
+    pub source_endpoint: Option<String>,
+    pub skipped: Option<SkipReason>,
+    /// CPU-tier tokens of the sampled source (0 if none).
+    pub source_tokens: u64,
+    /// Tier-blind cached tokens of the computing endpoint.
+    pub computing_tokens: u64,
+    pub delta_tokens: i64,
+    /// Cost-model predictions (ms) when that mode ran.
+    pub predicted_recompute_ms: Option<f64>,
+    pub predicted_pull_ms: Option<f64>,
+    /// Sources considered (names), in sampling order.
+    pub band: Vec<String>,
+    pub why: String,
+}
+
+/// 32-bit FNV-1a, as llm-d hashes the request id.
+pub fn fnv1a32(bytes: &[u8]) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in bytes {
+        h ^= u32::from(*b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+pub struct P2pSourceProducer {
+    params: P2pParams,
+    cost_model: Arc<CostModel>,
+}
+
+impl P2pSourceProducer {
+    pub fn new(params: P2pParams, cost_model: Arc<CostModel>) -> Result<Self, String> {
+        if params.min_cached_token_delta < 1 {
+            return Err("minCachedTokenDelta must be >= 1".to_owned());
+        }
+        if !params.margin_ms.is_finite() {
+            return Err("marginMs must be finite".to_owned());
+        }
+        Ok(P2pSourceProducer { params, cost_model })
+    }
+
+    pub fn params(&self) -> &P2pParams {
+        &self.params
+    }
+
+    /// Chooses a source for a request placed on `candidates[computing]`. `candidates` are all
+    /// healthy endpoints (not only those the filters kept: any peer can serve a pull).
+    pub fn select(
+        &self,
+        ctx: &SchedulingContext<'_>,
+        candidates: &[&Candidate],
+        computing: usize,
+    ) -> P2pDecision {
+        let bs = ctx.block_size as u64;
+        let computing_tokens = candidates
+            .get(computing)
+            .map_or(0, |c| c.any_blocks as u64 * bs);
+        let mut d = P2pDecision {
+            source: None,
+            source_endpoint: None,
+            skipped: None,
+            source_tokens: 0,
+            computing_tokens,
+            delta_tokens: 0,
+            predicted_recompute_ms: None,
+            predicted_pull_ms: None,
+            band: Vec::new(),
+            why: String::new(),
+        };
+        let cpu_tokens = |c: &Candidate| c.cpu_blocks as u64 * bs;
+        let max_cached = candidates
+            .iter()
+            .filter(|c| c.has_p2p)
+            .map(|c| cpu_tokens(c))
+            .max()
+            .unwrap_or(0);
+        if max_cached == 0 {
+            d.skipped = Some(SkipReason::NoSource);
+            d.why = "no peer holds the prefix in its CPU tier".to_owned();
+            return d;
+        }
+        let mut band: Vec<usize> = (0..candidates.len())
+            .filter(|&i| candidates[i].has_p2p && cpu_tokens(candidates[i]) + bs >= max_cached)
+            .collect();
+        band.sort_by_key(|&i| candidates[i].endpoint);
+        d.band = band
+            .iter()
+            .map(|&i| candidates[i].name.to_string())
+            .collect();
+        let weights: Vec<f64> = band
+            .iter()
+            .map(|&i| 1.0 / (1.0 + candidates[i].waiting.unwrap_or(0.0).max(0.0)))
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let x = f64::from(fnv1a32(ctx.request_id.as_bytes())) / 4_294_967_296.0 * total;
+        let mut acc = 0.0;
+        let mut pos = band.len() - 1;
+        for (k, w) in weights.iter().enumerate() {
+            acc += w;
+            if x < acc {
+                pos = k;
+                break;
+            }
+        }
+        let src = band[pos];
+        let source = candidates[src];
+        d.source_tokens = cpu_tokens(source);
+        d.source_endpoint = Some(source.name.to_string());
+        d.delta_tokens = d.source_tokens as i64 - computing_tokens as i64;
+        if src == computing {
+            d.skipped = Some(SkipReason::SelfSource);
+            d.why = "the computing endpoint is the best holder".to_owned();
+            return d;
+        }
+        if d.delta_tokens < self.params.min_cached_token_delta as i64 {
+            d.skipped = Some(SkipReason::BelowThreshold);
+            d.why = format!(
+                "source leads by {} tokens < minCachedTokenDelta {}",
+                d.delta_tokens, self.params.min_cached_token_delta
+            );
+            return d;
+        }
+        if self.params.mode == P2pMode::CostModel {
+            let dest = candidates
+                .get(computing)
+                .map(|c| c.endpoint)
+                .unwrap_or(source.endpoint);
+            let delta = d.delta_tokens as u64;
+            let recompute = self.cost_model.predict_recompute_ms(dest, delta);
+            let pull = self
+                .cost_model
+                .predict_pull_ms(source.endpoint, dest, delta);
+            d.predicted_recompute_ms = Some(recompute);
+            d.predicted_pull_ms = Some(pull);
+            if recompute <= pull + self.params.margin_ms {
+                d.skipped = Some(SkipReason::Cost);
+                d.why = format!(
+                    "recompute {recompute:.1} ms <= pull {pull:.1} ms + margin {:.1} ms",
+                    self.params.margin_ms
+                );
+                return d;
+            }
+        }
+        d.source = Some(src);
+        d.why = format!("pull {} tokens from {}", d.delta_tokens, source.name);
+        d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost_model::CostModelParams;
+
+    fn producer(min: u64, mode: P2pMode) -> P2pSourceProducer {
+        let p = P2pParams {
+            min_cached_token_delta: min,
+            mode,
+            ..P2pParams::default()
+        };
+        P2pSourceProducer::new(p, Arc::new(CostModel::new(CostModelParams::default())))
+            .expect("valid")
+    }
+
+    fn cand(id: u32, any: usize, cpu: usize, waiting: f64) -> Candidate {
+        Candidate {
+            name: Arc::from(format!("e{id}")),
+            any_blocks: any,
+            cpu_blocks: cpu,
+            gpu_blocks: any,
+            waiting: Some(waiting),
+            ..Candidate::idle(id, "")
+        }
+    }
+
+    fn ctx(id: &str) -> SchedulingContext<'_> {
+        SchedulingContext {
+            request_id: id,
+            prompt_tokens: 4096,
+            total_blocks: 256,
+            block_size: 16,
+            max_tokens: None,
+        }
+    }
+
+    #[test]
+    fn fnv1a32_test_vectors() {
+        assert_eq!(fnv1a32(b""), 0x811c_9dc5);
+        assert_eq!(fnv1a32(b"a"), 0xe40c_292c);
+        assert_eq!(fnv1a32(b"foobar"), 0xbf9c_f968);
+    }
+
+    #[test]
+    fn samples_the_band_deterministically_by_request_id() {
+        // e1: 100 CPU blocks, waiting 0 (w 1); e2: 99 blocks (within one block), waiting 1 (w 0.5);
+        // e3: 98 blocks (out of band). Computing endpoint e0 holds nothing.
+        let c = [
+            cand(0, 0, 0, 0.0),
+            cand(1, 100, 100, 0.0),
+            cand(2, 99, 99, 1.0),
+            cand(3, 98, 98, 0.0),
+        ];
+        let refs: Vec<&Candidate> = c.iter().collect();
+        let p = producer(1, P2pMode::Threshold);
+        // "a": 0xe40c292c / 2^32 = 0.8908 × 1.5 = 1.336 → past e1's 1.0 → e2.
+        let d = p.select(&ctx("a"), &refs, 0);
+        assert_eq!(d.band, vec!["e1", "e2"]);
+        assert_eq!(d.source, Some(2));
+        assert_eq!(d.source_tokens, 99 * 16);
+        assert_eq!(d.delta_tokens, 99 * 16);
+        // "": 0x811c9dc5 / 2^32 = 0.5043 × 1.5 = 0.756 → e1.
+        assert_eq!(p.select(&ctx(""), &refs, 0).source, Some(1));
+    }
+
+    #[test]
+    fn computing_endpoint_is_counted_tier_blind_and_threshold_applies() {
+        // Computing e0 holds 90 blocks (GPU only); source e1 has 100 in CPU: delta 160 tokens.
+        let c = [cand(0, 90, 0, 0.0), cand(1, 100, 100, 0.0)];
+        let refs: Vec<&Candidate> = c.iter().collect();
+        let d = producer(160, P2pMode::Threshold).select(&ctx("x"), &refs, 0);
+        assert_eq!(
+            (d.source, d.computing_tokens, d.delta_tokens),
+            (Some(1), 1440, 160)
+        );
+        let d = producer(161, P2pMode::Threshold).select(&ctx("x"), &refs, 0);
+        assert_eq!(d.skipped, Some(SkipReason::BelowThreshold));
+        assert_eq!(d.source, None);
+    }
+
+    #[test]
+    fn self_and_no_source() {
+        let c = [cand(0, 100, 100, 0.0), cand(1, 10, 10, 0.0)];
+        let refs: Vec<&Candidate> = c.iter().collect();
+        assert_eq!(
+            producer(1, P2pMode::Threshold)
+                .select(&ctx("x"), &refs, 0)
+                .skipped,
+            Some(SkipReason::SelfSource)
+        );
+        let c = [cand(0, 5, 0, 0.0), cand(1, 50, 0, 0.0)];
+        let refs: Vec<&Candidate> = c.iter().collect();
+        assert_eq!(
+            producer(1, P2pMode::Threshold)
+                .select(&ctx("x"), &refs, 0)
+                .skipped,
+            Some(SkipReason::NoSource)
+        );
+    }
+
+    #[test]
+    fn endpoints_without_p2p_are_not_sources() {
+        let mut holder = cand(1, 100, 100, 0.0);
+        holder.has_p2p = false;
+        let c = [cand(0, 0, 0, 0.0), holder];
+        let refs: Vec<&Candidate> = c.iter().collect();
+        assert_eq!(
+            producer(1, P2pMode::Threshold)
+                .select(&ctx("x"), &refs, 0)
+                .skipped,
+            Some(SkipReason::NoSource)
+        );
+    }
+
+    #[test]
+    fn cost_model_prices_the_delta() {
+        // Defaults: recompute 25K tok/s; pull 26 ms + 235K tok/s. Break-even ≈ 737 tokens.
+        // 640 tokens: recompute 25.6 ms vs pull 28.7 ms → skip. 1600 tokens: 64 ms vs 32.8 ms → pull.
+        let p = producer(1, P2pMode::CostModel);
+        let c = [cand(0, 0, 0, 0.0), cand(1, 40, 40, 0.0)];
+        let refs: Vec<&Candidate> = c.iter().collect();
+        let d = p.select(&ctx("x"), &refs, 0);
+        assert_eq!(d.skipped, Some(SkipReason::Cost));
+        assert!((d.predicted_recompute_ms.expect("ran") - 25.6).abs() < 1e-9);
+        let c = [cand(0, 0, 0, 0.0), cand(1, 100, 100, 0.0)];
+        let refs: Vec<&Candidate> = c.iter().collect();
+        assert_eq!(p.select(&ctx("x"), &refs, 0).source, Some(1));
+    }
+
+    #[test]
+    fn zero_threshold_is_rejected() {
+        let p = P2pParams {
+            min_cached_token_delta: 0,
+            ..P2pParams::default()
+        };
+        assert!(
+            P2pSourceProducer::new(p, Arc::new(CostModel::new(CostModelParams::default())))
+                .is_err()
+        );
+    }
+}

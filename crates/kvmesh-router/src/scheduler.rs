@@ -1,0 +1,460 @@
+//! The scheduling pipeline: per profile, filters → weighted scorers → picker → P2P source.
+//!
+//! A [`Profile`] is built from config (llm-d `schedulingProfiles`); [`Profile::schedule`] is pure
+//! (candidates in, [`Decision`] out, randomness injected) so it is unit-tested without I/O. The
+//! [`Decision`] carries everything `/debug/decisions` explains: per-candidate inputs, per-plugin
+//! scores, filter notes, the chosen endpoint and the P2P outcome.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::config::{PluginSpec, ProfileSpec};
+use crate::cost_model::CostModel;
+use crate::plugins::p2p_source_producer::{P2pDecision, P2pSourceProducer};
+use crate::plugins::{
+    Candidate, Filter, Picker, Plugin, PluginError, SchedulingContext, Scorer, build_plugin,
+    max_score_picker,
+};
+
+/// A named scheduling profile.
+pub struct Profile {
+    pub name: String,
+    filters: Vec<(String, Arc<dyn Filter>)>,
+    scorers: Vec<(String, Arc<dyn Scorer>, f64)>,
+    picker: (String, Arc<dyn Picker>),
+    p2p: Option<(String, Arc<P2pSourceProducer>)>,
+}
+
+/// One candidate as `/debug/decisions` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateReport {
+    pub endpoint: String,
+    pub gpu_tokens: u64,
+    pub cpu_tokens: u64,
+    pub any_tokens: u64,
+    pub in_flight_requests: u64,
+    pub in_flight_uncached_tokens: u64,
+    pub waiting: Option<f64>,
+    pub running: Option<f64>,
+    pub kv_usage: Option<f64>,
+    /// Survived every filter.
+    pub kept: bool,
+    /// Per scorer (plugin name → unweighted score), for kept candidates.
+    pub scores: BTreeMap<String, f64>,
+    /// Σ weight × score.
+    pub total: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FilterReport {
+    pub plugin: String,
+    pub kept: usize,
+    pub note: String,
+}
+
+/// Everything about one scheduling decision.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    pub profile: String,
+    /// Index into the candidates passed to [`Profile::schedule`].
+    #[serde(skip)]
+    pub chosen: Option<usize>,
+    pub endpoint: Option<String>,
+    pub picker: String,
+    pub filters: Vec<FilterReport>,
+    pub candidates: Vec<CandidateReport>,
+    /// Present when the profile has a P2P plugin and an endpoint was chosen.
+    pub p2p: Option<P2pDecision>,
+}
+
+impl Decision {
+    /// The P2P source index, if one was named.
+    pub fn p2p_source(&self) -> Option<usize> {
+        self.p2p.as_ref().and_then(|p| p.source)
+    }
+}
+
+impl Profile {
+    /// Builds a profile from its spec and the named plugins. A profile without a picker gets a
+    /// `max-score-picker`; one with two pickers or two P2P plugins is rejected.
+    pub fn build(
+        spec: &ProfileSpec,
+        plugins: &HashMap<String, Plugin>,
+    ) -> Result<Profile, PluginError> {
+        let invalid = |message: String| PluginError::Invalid {
+            name: spec.name.clone(),
+            kind: "profile",
+            message,
+        };
+        let mut filters = Vec::new();
+        let mut scorers = Vec::new();
+        let mut picker: Option<(String, Arc<dyn Picker>)> = None;
+        let mut p2p = None;
+        for r in &spec.plugins {
+            let plugin = plugins
+                .get(&r.plugin_ref)
+                .ok_or_else(|| invalid(format!("unknown pluginRef {:?}", r.plugin_ref)))?;
+            match plugin {
+                Plugin::Filter(f) => filters.push((r.plugin_ref.clone(), Arc::clone(f))),
+                Plugin::Scorer(s) => {
+                    let w = r.weight.unwrap_or(1.0);
+                    if !w.is_finite() || w < 0.0 {
+                        return Err(invalid(format!(
+                            "weight of {:?} must be a finite number >= 0",
+                            r.plugin_ref
+                        )));
+                    }
+                    scorers.push((r.plugin_ref.clone(), Arc::clone(s), w));
+                }
+                Plugin::Picker(p) => {
+                    if picker
+                        .replace((r.plugin_ref.clone(), Arc::clone(p)))
+                        .is_some()
+                    {
+                        return Err(invalid("more than one picker".to_owned()));
+                    }
+                }
+                Plugin::P2pSource(p) => {
+                    if p2p.replace((r.plugin_ref.clone(), Arc::clone(p))).is_some() {
+                        return Err(invalid("more than one p2p-source-producer".to_owned()));
+                    }
+                }
+            }
+        }
+        let picker = picker.unwrap_or_else(|| {
+            (
+                max_score_picker::TYPE.to_owned(),
+                Arc::new(max_score_picker::MaxScorePicker) as Arc<dyn Picker>,
+            )
+        });
+        Ok(Profile {
+            name: spec.name.clone(),
+            filters,
+            scorers,
+            picker,
+            p2p,
+        })
+    }
+
+    pub fn has_p2p(&self) -> bool {
+        self.p2p.is_some()
+    }
+
+    /// Runs the pipeline over `candidates` (healthy endpoints able to serve the request).
+    pub fn schedule(
+        &self,
+        ctx: &SchedulingContext<'_>,
+        candidates: &[Candidate],
+        rng: &mut dyn rand::RngCore,
+    ) -> Decision {
+        let bs = ctx.block_size as u64;
+        let mut reports: Vec<CandidateReport> = candidates
+            .iter()
+            .map(|c| CandidateReport {
+                endpoint: c.name.to_string(),
+                gpu_tokens: c.gpu_blocks as u64 * bs,
+                cpu_tokens: c.cpu_blocks as u64 * bs,
+                any_tokens: c.any_blocks as u64 * bs,
+                in_flight_requests: c.in_flight_requests,
+                in_flight_uncached_tokens: c.in_flight_uncached_tokens,
+                waiting: c.waiting,
+                running: c.running,
+                kv_usage: c.kv_usage,
+                kept: false,
+                scores: BTreeMap::new(),
+                total: None,
+            })
+            .collect();
+        // `alive` maps positions of the filtered list back to `candidates`.
+        let mut alive: Vec<usize> = (0..candidates.len()).collect();
+        let mut filter_reports = Vec::with_capacity(self.filters.len());
+        for (name, f) in &self.filters {
+            if alive.is_empty() {
+                break;
+            }
+            let refs: Vec<&Candidate> = alive.iter().map(|&i| &candidates[i]).collect();
+            let out = f.filter(ctx, &refs, rng);
+            let mut kept: Vec<usize> = out
+                .kept
+                .iter()
+                .filter_map(|&k| alive.get(k).copied())
+                .collect();
+            kept.dedup();
+            // A filter that drops everyone is ignored: better any endpoint than a failed request.
+            if !kept.is_empty() {
+                alive = kept;
+            }
+            filter_reports.push(FilterReport {
+                plugin: name.clone(),
+                kept: alive.len(),
+                note: out.note,
+            });
+        }
+        let refs: Vec<&Candidate> = alive.iter().map(|&i| &candidates[i]).collect();
+        let mut totals = vec![0.0; refs.len()];
+        for (name, s, w) in &self.scorers {
+            let scores = s.score(ctx, &refs);
+            for (k, &i) in alive.iter().enumerate() {
+                let v = scores.get(k).copied().unwrap_or(0.0);
+                let v = if v.is_finite() { v } else { 0.0 };
+                reports[i].scores.insert(name.clone(), v);
+                totals[k] += w * v;
+            }
+        }
+        for (k, &i) in alive.iter().enumerate() {
+            reports[i].kept = true;
+            reports[i].total = Some(totals[k]);
+        }
+        let chosen = self
+            .picker
+            .1
+            .pick(ctx, &refs, &totals, rng)
+            .and_then(|k| alive.get(k).copied());
+        let p2p = match (&self.p2p, chosen) {
+            (Some((_, p)), Some(c)) => {
+                let all: Vec<&Candidate> = candidates.iter().collect();
+                Some(p.select(ctx, &all, c))
+            }
+            _ => None,
+        };
+        Decision {
+            profile: self.name.clone(),
+            chosen,
+            endpoint: chosen.map(|i| candidates[i].name.to_string()),
+            picker: self.picker.0.clone(),
+            filters: filter_reports,
+            candidates: reports,
+            p2p,
+        }
+    }
+}
+
+/// All profiles of a config, the default one, and the seeded rng every plugin draws from.
+pub struct Scheduler {
+    profiles: Vec<Arc<Profile>>,
+    default: usize,
+    rng: Mutex<ChaCha8Rng>,
+}
+
+impl Scheduler {
+    /// Builds plugins and profiles. With no profiles configured, a default *affinity-like* profile:
+    /// prefix 3, queue 2, kv-util 2, max-score picker.
+    pub fn build(
+        plugins: &[PluginSpec],
+        profiles: &[ProfileSpec],
+        default_profile: Option<&str>,
+        seed: Option<u64>,
+        cost_model: &Arc<CostModel>,
+    ) -> Result<Scheduler, PluginError> {
+        let (plugins, profiles) = if profiles.is_empty() {
+            crate::config::default_pipeline()
+        } else {
+            (plugins.to_vec(), profiles.to_vec())
+        };
+        let mut built = HashMap::new();
+        for p in &plugins {
+            let name = p.name.clone().unwrap_or_else(|| p.kind.clone());
+            let plugin = build_plugin(&p.kind, &name, &p.parameters, cost_model)?;
+            if built.insert(name.clone(), plugin).is_some() {
+                return Err(PluginError::Invalid {
+                    name,
+                    kind: "plugins",
+                    message: "duplicate plugin name".to_owned(),
+                });
+            }
+        }
+        let profiles: Vec<Arc<Profile>> = profiles
+            .iter()
+            .map(|s| Profile::build(s, &built).map(Arc::new))
+            .collect::<Result<_, _>>()?;
+        let default = match default_profile {
+            Some(name) => profiles
+                .iter()
+                .position(|p| p.name == name)
+                .ok_or_else(|| PluginError::Invalid {
+                    name: name.to_owned(),
+                    kind: "default_profile",
+                    message: "no such profile".to_owned(),
+                })?,
+            None => 0,
+        };
+        let rng = match seed {
+            Some(s) => ChaCha8Rng::seed_from_u64(s),
+            None => ChaCha8Rng::from_os_rng(),
+        };
+        Ok(Scheduler {
+            profiles,
+            default,
+            rng: Mutex::new(rng),
+        })
+    }
+
+    pub fn profile(&self, name: Option<&str>) -> Option<Arc<Profile>> {
+        match name {
+            None => self.profiles.get(self.default).cloned(),
+            Some(n) => self.profiles.iter().find(|p| p.name == n).cloned(),
+        }
+    }
+
+    pub fn profile_names(&self) -> Vec<String> {
+        self.profiles.iter().map(|p| p.name.clone()).collect()
+    }
+
+    /// Schedules with the shared rng (held only for the synchronous pipeline run).
+    pub fn schedule(
+        &self,
+        profile: &Profile,
+        ctx: &SchedulingContext<'_>,
+        candidates: &[Candidate],
+    ) -> Decision {
+        let mut rng = self.rng.lock();
+        profile.schedule(ctx, candidates, &mut *rng)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{PluginRef, RouterConfig};
+    use crate::cost_model::CostModelParams;
+    use crate::plugins::test_util::{ctx, rng};
+
+    fn scheduler(yaml: &str) -> Scheduler {
+        let cfg: RouterConfig = serde_norway::from_str(yaml).expect("yaml");
+        let cm = Arc::new(CostModel::new(CostModelParams::default()));
+        Scheduler::build(&cfg.plugins, &cfg.scheduling_profiles, None, Some(1), &cm).expect("build")
+    }
+
+    const AFFINITY: &str = r#"
+plugins:
+  - {type: prefix-cache-scorer, name: prefix}
+  - {type: queue-scorer, name: queue, parameters: {queueSource: waiting}}
+  - {type: kv-cache-utilization-scorer, name: kvu}
+  - {type: max-score-picker}
+schedulingProfiles:
+  - name: affinity
+    plugins:
+      - {pluginRef: prefix, weight: 3}
+      - {pluginRef: queue, weight: 2}
+      - {pluginRef: kvu, weight: 2}
+      - {pluginRef: max-score-picker}
+"#;
+
+    #[test]
+    fn weighted_sum_of_scores_picks_the_holder() {
+        let s = scheduler(AFFINITY);
+        let p = s.profile(None).expect("default");
+        // 10 blocks. A: holds 10, waiting 4, kv 0.5 → 3·1 + 2·0 + 2·0.5 = 4.0.
+        // B: holds 0, waiting 0, kv 0 → 0 + 2 + 2 = 4.0 − ... make B kv 0.1 → 3.8.
+        let mut a = Candidate::idle(0, "a");
+        (a.gpu_blocks, a.any_blocks, a.waiting, a.kv_usage) = (10, 10, Some(4.0), Some(0.5));
+        let mut b = Candidate::idle(1, "b");
+        (b.waiting, b.kv_usage) = (Some(0.0), Some(0.1));
+        let d = p.schedule(&ctx(160, 16), &[a, b], &mut rng(1));
+        assert_eq!(d.endpoint.as_deref(), Some("a"));
+        assert!((d.candidates[0].total.expect("kept") - 4.0).abs() < 1e-12);
+        assert!((d.candidates[1].total.expect("kept") - 3.8).abs() < 1e-12);
+        assert_eq!(d.candidates[0].scores["prefix"], 1.0);
+        assert!(d.p2p.is_none());
+    }
+
+    #[test]
+    fn load_p2p_profile_names_the_holder() {
+        let s = scheduler(
+            r#"
+plugins:
+  - {type: queue-scorer, name: queue}
+  - {type: kv-cache-utilization-scorer, name: kvu}
+  - {type: weighted-random-picker, name: picker}
+  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 64}}
+schedulingProfiles:
+  - name: load-p2p
+    plugins: [{pluginRef: queue, weight: 3}, {pluginRef: kvu, weight: 2}, {pluginRef: picker}, {pluginRef: p2p}]
+"#,
+        );
+        let p = s.profile(Some("load-p2p")).expect("profile");
+        // A holds the whole prompt in CPU and is saturated (total score 0); idle B is chosen, A named as source.
+        let mut a = Candidate::idle(0, "a");
+        (
+            a.gpu_blocks,
+            a.cpu_blocks,
+            a.any_blocks,
+            a.in_flight_requests,
+            a.kv_usage,
+        ) = (10, 10, 10, 5, Some(1.0));
+        let b = Candidate::idle(1, "b");
+        let d = p.schedule(&ctx(160, 16), &[a, b], &mut rng(1));
+        assert_eq!(d.endpoint.as_deref(), Some("b"));
+        let p2p = d.p2p.as_ref().expect("ran");
+        assert_eq!(p2p.source_endpoint.as_deref(), Some("a"));
+        assert_eq!(d.p2p_source(), Some(0));
+    }
+
+    #[test]
+    fn filter_restricts_candidates_and_is_reported() {
+        let s = scheduler(
+            r#"
+plugins:
+  - {type: prefix-cache-affinity-filter, name: sticky}
+  - {type: queue-scorer, name: queue}
+schedulingProfiles:
+  - name: p
+    plugins: [{pluginRef: sticky}, {pluginRef: queue}]
+"#,
+        );
+        let p = s.profile(None).expect("default");
+        let mut a = Candidate::idle(0, "a");
+        (a.gpu_blocks, a.any_blocks, a.in_flight_requests) = (10, 10, 3);
+        let b = Candidate::idle(1, "b");
+        let d = p.schedule(&ctx(160, 16), &[a, b], &mut rng(1));
+        assert_eq!(d.endpoint.as_deref(), Some("a"));
+        assert!(!d.candidates[1].kept);
+        assert_eq!(d.filters[0].kept, 1);
+    }
+
+    #[test]
+    fn bad_configs_are_rejected() {
+        let cm = Arc::new(CostModel::new(CostModelParams::default()));
+        let unknown = vec![PluginSpec {
+            kind: "nope".into(),
+            name: None,
+            parameters: None,
+        }];
+        let prof = vec![ProfileSpec {
+            name: "p".into(),
+            plugins: vec![],
+        }];
+        assert!(Scheduler::build(&unknown, &prof, None, Some(1), &cm).is_err());
+        let prof = vec![ProfileSpec {
+            name: "p".into(),
+            plugins: vec![PluginRef {
+                plugin_ref: "missing".into(),
+                weight: None,
+            }],
+        }];
+        assert!(Scheduler::build(&[], &prof, None, Some(1), &cm).is_err());
+        let cfg: RouterConfig = serde_norway::from_str(AFFINITY).expect("yaml");
+        assert!(
+            Scheduler::build(
+                &cfg.plugins,
+                &cfg.scheduling_profiles,
+                Some("nope"),
+                Some(1),
+                &cm
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn default_pipeline_when_no_profiles() {
+        let cm = Arc::new(CostModel::new(CostModelParams::default()));
+        let s = Scheduler::build(&[], &[], None, Some(1), &cm).expect("build");
+        assert_eq!(s.profile_names(), vec!["default".to_owned()]);
+    }
+}

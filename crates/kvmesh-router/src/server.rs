@@ -1,0 +1,277 @@
+//! Wiring: config → endpoints, index, event feed, scheduler, metrics, background loops (scrape,
+//! health, endpoints-file watcher) and the HTTP server, with shutdown by token.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh_index::{EndpointId, IndexConfig, PrefixIndex};
+use kvmesh_text::{ByteTokenizer, Tokenizer};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{EndpointSpec, KvEventsSpec, RouterConfig, TokenizerSpec, load_endpoints_file};
+use crate::cost_model::CostModel;
+use crate::decisions::DecisionLog;
+use crate::endpoints::EndpointSet;
+use crate::error::RouterError;
+use crate::gateway::{RouterState, app};
+use crate::metrics::{Kind, RouterMetrics};
+use crate::prefix::PrefixLookup;
+use crate::scheduler::Scheduler;
+use crate::scrape::{health_loop, scrape_loop};
+
+/// Subscribes the prefix index to endpoints' KV events (the indexer implements it).
+pub trait EventFeed: Send + Sync {
+    fn add_source(&self, endpoint: EndpointId, name: &str, spec: &KvEventsSpec);
+    fn remove_source(&self, endpoint: EndpointId);
+}
+
+/// A feed that subscribes to nothing (tests with a fake index).
+pub struct NoEvents;
+
+impl EventFeed for NoEvents {
+    fn add_source(&self, _: EndpointId, _: &str, _: &KvEventsSpec) {}
+    fn remove_source(&self, _: EndpointId) {}
+}
+
+/// Optional overrides, mostly for tests.
+#[derive(Default)]
+pub struct RouterOptions {
+    /// Use this prefix lookup (and no KV-event subscription) instead of an index fed by events.
+    pub prefix: Option<Arc<dyn PrefixLookup>>,
+    pub tokenizer: Option<Arc<dyn Tokenizer>>,
+}
+
+/// A running router.
+pub struct RouterHandle {
+    pub addr: SocketAddr,
+    pub state: Arc<RouterState>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+    server: JoinHandle<std::io::Result<()>>,
+}
+
+impl RouterHandle {
+    /// Stops accepting, lets in-flight responses finish, stops background loops.
+    pub async fn shutdown(self) -> std::io::Result<()> {
+        self.cancel.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+        self.server
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+    }
+
+    pub fn cancel_token(&self) -> CancellationToken {
+        self.cancel.clone()
+    }
+
+    /// Resolves when the HTTP server stops.
+    pub async fn wait(self) -> std::io::Result<()> {
+        let r = self
+            .server
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        self.cancel.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+        r
+    }
+}
+
+fn build_tokenizer(spec: &TokenizerSpec) -> Result<Arc<dyn Tokenizer>, RouterError> {
+    match spec {
+        TokenizerSpec::Byte => Ok(Arc::new(ByteTokenizer)),
+        TokenizerSpec::Hf {
+            path,
+            chat_template,
+        } => crate::tokenizer::hf(path, chat_template.as_deref()),
+    }
+}
+
+/// Starts the router on `listener`.
+pub async fn start(
+    config: RouterConfig,
+    listener: TcpListener,
+    opts: RouterOptions,
+) -> Result<RouterHandle, RouterError> {
+    config.validate()?;
+    let specs = match &config.endpoints_file {
+        Some(path) => load_endpoints_file(path)?,
+        None => config.endpoints.clone(),
+    };
+    let tokenizer = match opts.tokenizer {
+        Some(t) => t,
+        None => build_tokenizer(&config.tokenizer)?,
+    };
+    let cost_model = Arc::new(CostModel::new(config.cost_model.clone()));
+    let scheduler = Scheduler::build(
+        &config.plugins,
+        &config.scheduling_profiles,
+        config.default_profile.as_deref(),
+        config.seed,
+        &cost_model,
+    )?;
+    let mut registry = Registry::default();
+    let metrics = Arc::new(RouterMetrics::register(&mut registry));
+    let cancel = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let (prefix, feed): (Arc<dyn PrefixLookup>, Arc<dyn EventFeed>) = match opts.prefix {
+        Some(p) => (p, Arc::new(NoEvents)),
+        None => {
+            let index = Arc::new(PrefixIndex::new(IndexConfig {
+                block_size: config.block_size,
+                max_blocks: config.index.max_blocks,
+                ..IndexConfig::default()
+            }));
+            let feed = crate::feed::start(Arc::clone(&index), &mut registry, cancel.clone());
+            (index, feed)
+        }
+    };
+    let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(1024)
+        .build()
+        .map_err(|e| RouterError::Http(e.to_string()))?;
+    let endpoints = Arc::new(EndpointSet::default());
+    let state = Arc::new(RouterState {
+        decisions: DecisionLog::new(config.decisions_capacity),
+        config,
+        endpoints: Arc::clone(&endpoints),
+        prefix,
+        scheduler,
+        cost_model,
+        metrics: Arc::clone(&metrics),
+        registry,
+        client: client.clone(),
+        tokenizer,
+    });
+    apply_endpoints(&state, &*feed, specs);
+
+    tracker.spawn(scrape_loop(
+        Arc::clone(&endpoints),
+        client.clone(),
+        state.config.metrics_scrape_interval,
+        cancel.clone(),
+    ));
+    tracker.spawn(health_loop(
+        Arc::clone(&endpoints),
+        client,
+        state.config.health_check.clone(),
+        metrics,
+        cancel.clone(),
+    ));
+    if let Some(path) = state.config.endpoints_file.clone() {
+        watch_endpoints_file(path, Arc::clone(&state), feed, &tracker, cancel.clone())?;
+    }
+    let addr = listener.local_addr()?;
+    let router = app(Arc::clone(&state));
+    let shutdown = cancel.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await
+    });
+    Ok(RouterHandle {
+        addr,
+        state,
+        cancel,
+        tracker,
+        server,
+    })
+}
+
+/// Applies a new endpoint list: subscribes new endpoints' events, forgets removed ones.
+pub fn apply_endpoints(state: &RouterState, feed: &dyn EventFeed, specs: Vec<EndpointSpec>) {
+    let diff = state.endpoints.apply(specs);
+    for e in &diff.removed {
+        feed.remove_source(e.id);
+        state.prefix.remove_endpoint(e.id);
+        state.cost_model.forget_endpoint(e.id);
+        state
+            .metrics
+            .endpoint_changes
+            .get_or_create(&Kind { kind: "removed" })
+            .inc();
+        tracing::info!(endpoint = %e.name, "endpoint removed");
+    }
+    for e in &diff.added {
+        if let Some(ev) = &e.spec.kv_events {
+            feed.add_source(e.id, &e.name, ev);
+        }
+        state
+            .metrics
+            .endpoint_changes
+            .get_or_create(&Kind { kind: "added" })
+            .inc();
+        tracing::info!(endpoint = %e.name, url = %e.spec.url, "endpoint added");
+    }
+}
+
+/// Watches the endpoints file's directory (editors replace files by rename) and reloads on change.
+/// A file that fails to parse leaves the current list in place (logged and counted).
+fn watch_endpoints_file(
+    path: PathBuf,
+    state: Arc<RouterState>,
+    feed: Arc<dyn EventFeed>,
+    tracker: &TaskTracker,
+    cancel: CancellationToken,
+) -> Result<(), RouterError> {
+    use notify::Watcher;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
+    let file_name = path.file_name().map(|n| n.to_owned());
+    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        if let Ok(ev) = res
+            && ev
+                .paths
+                .iter()
+                .any(|p| p.file_name() == file_name.as_deref())
+        {
+            // Full channel = a reload is already pending; coalesce.
+            let _ = tx.try_send(());
+        }
+    })
+    .map_err(|e| RouterError::Watch(e.to_string()))?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."))
+        .to_owned();
+    watcher
+        .watch(&dir, notify::RecursiveMode::NonRecursive)
+        .map_err(|e| RouterError::Watch(e.to_string()))?;
+    tracker.spawn(async move {
+        let _watcher = watcher;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                got = rx.recv() => if got.is_none() { return },
+            }
+            // Let a burst of writes settle before reading.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            while rx.try_recv().is_ok() {}
+            let p = path.clone();
+            match tokio::task::spawn_blocking(move || load_endpoints_file(&p)).await {
+                Ok(Ok(specs)) => apply_endpoints(&state, &*feed, specs),
+                Ok(Err(e)) => {
+                    state
+                        .metrics
+                        .endpoint_changes
+                        .get_or_create(&Kind {
+                            kind: "reload_failed",
+                        })
+                        .inc();
+                    tracing::warn!(error = %e, "endpoints file not applied");
+                }
+                Err(e) => tracing::warn!(error = %e, "endpoints reload task failed"),
+            }
+        }
+    });
+    Ok(())
+}
