@@ -1,1 +1,25 @@
-//! Workloads, trace replay, fleet launcher, statistics and reports for kvmesh experiments.
+//! Workloads, trace replay, fleet launcher, statistics and reports for kvmesh experiments
+//! (DESIGN §6): the library behind `kvmesh up`, `kvmesh bench`, `kvmesh calibrate` and
+//! `kvmesh demo`.
+//!
+//! Layers: [`tokens`] and [`workload`]/[`trace`] are pure (seeded data); [`stats`], [`metrics`],
+//! [`router_config`] and [`report`] are pure transformations; [`client`], [`driver`], [`fleet`],
+//! [`runner`] and [`calibrate`] do the I/O.
+
+pub mod calibrate;
+pub mod client;
+pub mod driver;
+pub mod fleet;
+pub mod metrics;
+pub mod report;
+pub mod router_config;
+pub mod runner;
+pub mod stats;
+pub mod tokens;
+pub mod trace;
+pub mod workload;
+
+pub use fleet::{Fleet, FleetSpec};
+pub use report::{ArmResult, BenchReport};
+pub use router_config::Arm;
+pub use workload::{Scale, Workload};

@@ -1,0 +1,334 @@
+//! Drives a [`Workload`] against one OpenAI endpoint (normally the router) and records every request.
+//!
+//! Each session runs as its own task; arrival rules are explicit (`Start::At` for open-loop
+//! arrivals, `Start::After` for forks, a semaphore for closed-loop concurrency). Model times are
+//! divided by the time scale so a sped-up sim fleet sees the same shape.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::ProgressBar;
+use kvmesh_core::TokenId;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Semaphore, watch};
+
+use crate::client::{self, CompletionRequest, Outcome};
+use crate::tokens::{Segment, TokenGen, mix};
+use crate::workload::{Start, StepKind, Workload};
+
+/// One request as the client saw it. Times are wall seconds from the start of the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub session: usize,
+    pub step: usize,
+    pub kind: StepKind,
+    pub prompt_tokens: usize,
+    pub sent_s: f64,
+    pub ttft_s: Option<f64>,
+    pub e2e_s: f64,
+    pub output_tokens: usize,
+    pub cached_tokens: Option<u64>,
+    pub outcome: Outcome,
+}
+
+/// Where and how to drive.
+#[derive(Clone)]
+pub struct DriveConfig {
+    pub base_url: String,
+    pub model: String,
+    /// Model-time divisor (1.0 = real time).
+    pub time_scale: f64,
+    pub progress: Option<ProgressBar>,
+}
+
+/// Runs the workload to completion and returns one record per request, in (session, step) order.
+pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord> {
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()
+        .unwrap_or_default();
+    let ts = if cfg.time_scale.is_finite() && cfg.time_scale > 0.0 {
+        cfg.time_scale
+    } else {
+        1.0
+    };
+    let scale = move |d: Duration| d.div_f64(ts);
+    let tg = TokenGen::new(workload.seed, workload.token_space);
+    let n = workload.sessions.len();
+    let (done_tx, done_rx): (Vec<_>, Vec<_>) = (0..n).map(|_| watch::channel(false)).unzip();
+    let slots = workload
+        .max_active_sessions
+        .map(|k| Arc::new(Semaphore::new(k.max(1))));
+    let start = Instant::now();
+    let timeout = scale(workload.request_timeout);
+    // Which steps' answers feed a later turn (ask the server for their token ids).
+    let mut tasks = Vec::with_capacity(n);
+    for (si, (session, done)) in workload.sessions.iter().cloned().zip(done_tx).enumerate() {
+        let wait_for = match &session.start {
+            Start::After {
+                session: parent, ..
+            } => done_rx.get(*parent).cloned(),
+            Start::At(_) => None,
+        };
+        let http = http.clone();
+        let cfg = cfg.clone();
+        let slots = slots.clone();
+        let seed = workload.seed;
+        tasks.push(tokio::spawn(async move {
+            match session.start {
+                Start::At(t) => tokio::time::sleep_until((start + scale(t)).into()).await,
+                Start::After { delay, .. } => {
+                    if let Some(mut rx) = wait_for {
+                        // A dropped sender means the parent task ended: start anyway.
+                        let _ = rx.wait_for(|d| *d).await;
+                    }
+                    tokio::time::sleep(scale(delay)).await;
+                }
+            }
+            let _permit = match &slots {
+                Some(s) => s.clone().acquire_owned().await.ok(),
+                None => None,
+            };
+            let mut records = Vec::with_capacity(session.steps.len());
+            let mut history: Vec<TokenId> = Vec::new();
+            for (i, step) in session.steps.iter().enumerate() {
+                if i > 0 {
+                    tokio::time::sleep(scale(step.gap)).await;
+                }
+                let mut prompt = if step.history {
+                    std::mem::take(&mut history)
+                } else {
+                    Vec::new()
+                };
+                for seg in &step.segments {
+                    tg.extend(seg, &mut prompt);
+                }
+                let next_uses_history = session.steps.get(i + 1).is_some_and(|s| s.history);
+                let session_id = (session.steps.len() > 1).then(|| format!("conv-{seed:x}-{si}"));
+                let sent = start.elapsed().as_secs_f64();
+                let c = client::complete(
+                    &http,
+                    CompletionRequest {
+                        base_url: &cfg.base_url,
+                        model: &cfg.model,
+                        prompt: &prompt,
+                        max_tokens: step.max_tokens,
+                        kv_transfer_params: None,
+                        session_id,
+                        want_token_ids: next_uses_history,
+                        timeout,
+                    },
+                )
+                .await;
+                if let Some(pb) = &cfg.progress {
+                    pb.inc(1);
+                }
+                let ok = c.outcome == Outcome::Ok;
+                records.push(RequestRecord {
+                    session: si,
+                    step: i,
+                    kind: step.kind,
+                    prompt_tokens: prompt.len(),
+                    sent_s: sent,
+                    ttft_s: c.ttft_s,
+                    e2e_s: c.e2e_s,
+                    output_tokens: c.output_tokens,
+                    cached_tokens: c.cached_tokens,
+                    outcome: c.outcome,
+                });
+                if next_uses_history {
+                    // The next turn repeats this prompt plus the answer: the real token ids when
+                    // the server returned them (so a decoder's retained blocks can match), else a
+                    // deterministic stand-in of the same length.
+                    let answer = match c.token_ids {
+                        Some(ids) if ok && !ids.is_empty() => ids,
+                        _ => {
+                            let key = mix(mix(seed, si as u64), i as u64 + 0xA5);
+                            tg.render(&[Segment::seeded(key, step.max_tokens as usize)])
+                        }
+                    };
+                    prompt.extend_from_slice(&answer);
+                    history = prompt;
+                }
+            }
+            let _ = done.send(true);
+            records
+        }));
+    }
+    let mut out = Vec::with_capacity(workload.num_requests());
+    for t in tasks {
+        if let Ok(mut r) = t.await {
+            out.append(&mut r);
+        }
+    }
+    out.sort_by_key(|r| (r.session, r.step));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::tokens::TokenSpace;
+    use crate::workload::{FleetShape, Session, Step};
+    use axum::response::IntoResponse;
+    use parking_lot::Mutex;
+
+    type Seen = Arc<Mutex<Vec<(Instant, Vec<u32>)>>>;
+
+    async fn serve(seen: Seen) -> String {
+        let app = axum::Router::new().route(
+            "/v1/completions",
+            axum::routing::post(move |body: axum::body::Bytes| {
+                let seen = seen.clone();
+                async move {
+                    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                    let p: Vec<u32> = serde_json::from_value(v["prompt"].clone()).unwrap();
+                    seen.lock().push((Instant::now(), p));
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    let chunks = "data: {\"choices\":[{\"index\":0,\"text\":\"a\",\"token_ids\":[7,7]}]}\n\n\
+                                  data: [DONE]\n\n";
+                    ([("content-type", "text/event-stream")], chunks).into_response()
+                }
+            }),
+        );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await });
+        format!("http://{addr}")
+    }
+
+    fn step(kind: StepKind, key: u64, history: bool, gap_ms: u64) -> Step {
+        Step {
+            gap: Duration::from_millis(gap_ms),
+            history,
+            segments: vec![Segment::seeded(key, 8)],
+            max_tokens: 2,
+            kind,
+        }
+    }
+
+    #[tokio::test]
+    async fn fork_children_wait_for_the_parent_and_history_is_carried() {
+        let seen: Seen = Arc::default();
+        let base = serve(seen.clone()).await;
+        let w = Workload {
+            name: "t".into(),
+            description: String::new(),
+            seed: 1,
+            token_space: TokenSpace::default(),
+            sessions: vec![
+                Session {
+                    start: Start::At(Duration::ZERO),
+                    steps: vec![step(StepKind::Parent, 1, false, 0)],
+                },
+                Session {
+                    start: Start::After {
+                        session: 0,
+                        delay: Duration::from_millis(10),
+                    },
+                    steps: vec![step(StepKind::Child, 2, false, 0)],
+                },
+                Session {
+                    start: Start::At(Duration::from_millis(200)),
+                    steps: vec![
+                        step(StepKind::Turn, 3, false, 0),
+                        step(StepKind::Turn, 4, true, 50),
+                    ],
+                },
+            ],
+            max_active_sessions: None,
+            offered_rate: None,
+            request_timeout: Duration::from_secs(5),
+            fleet: FleetShape {
+                engines: 1,
+                prefill: 0,
+                decode: 0,
+                num_gpu_blocks: 1,
+                max_model_len: 1,
+            },
+            min_cached_token_delta: 1,
+        };
+        // Time scale 2: the 200 ms start becomes 100 ms.
+        let cfg = DriveConfig {
+            base_url: base,
+            model: "m".into(),
+            time_scale: 2.0,
+            progress: None,
+        };
+        let recs = tokio::time::timeout(Duration::from_secs(10), drive(&w, &cfg))
+            .await
+            .unwrap();
+        assert_eq!(recs.len(), 4);
+        assert!(recs.iter().all(|r| r.outcome == Outcome::Ok));
+        // The child was sent after the parent finished.
+        assert!(recs[1].sent_s >= recs[0].sent_s + recs[0].e2e_s);
+        assert!(
+            recs[2].sent_s >= 0.09 && recs[2].sent_s < 0.5,
+            "{}",
+            recs[2].sent_s
+        );
+        // Turn 2 = turn 1 prompt + the returned answer ids + its own 8 tokens.
+        let seen = seen.lock();
+        let t1 = &seen
+            .iter()
+            .find(|(_, p)| p.len() == 8 && recs[2].prompt_tokens == 8)
+            .unwrap()
+            .1;
+        let t2 = &seen.iter().find(|(_, p)| p.len() == 18).unwrap().1;
+        assert_eq!(recs[3].prompt_tokens, 18);
+        assert_eq!(&t2[8..10], &[7, 7]);
+        let g = TokenGen::new(1, TokenSpace::default());
+        assert_eq!(t2[..8], g.render(&[Segment::seeded(3, 8)])[..]);
+        let _ = t1;
+    }
+
+    #[tokio::test]
+    async fn closed_loop_caps_active_sessions_and_failures_are_recorded() {
+        let seen: Seen = Arc::default();
+        let base = serve(seen.clone()).await;
+        let sessions = (0..6)
+            .map(|i| Session {
+                start: Start::At(Duration::ZERO),
+                steps: vec![step(StepKind::Request, i, false, 0)],
+            })
+            .collect();
+        let w = Workload {
+            name: "t".into(),
+            description: String::new(),
+            seed: 1,
+            token_space: TokenSpace::default(),
+            sessions,
+            max_active_sessions: Some(2),
+            offered_rate: None,
+            request_timeout: Duration::from_secs(5),
+            fleet: FleetShape {
+                engines: 1,
+                prefill: 0,
+                decode: 0,
+                num_gpu_blocks: 1,
+                max_model_len: 1,
+            },
+            min_cached_token_delta: 1,
+        };
+        let cfg = DriveConfig {
+            base_url: base,
+            model: "m".into(),
+            time_scale: 1.0,
+            progress: None,
+        };
+        let recs = drive(&w, &cfg).await;
+        // 6 requests of 20 ms, 2 at a time: the last starts after ≥ 2 rounds.
+        let last = recs.iter().map(|r| r.sent_s).fold(0.0, f64::max);
+        assert!(last >= 0.035, "{last}");
+        let bad = DriveConfig {
+            base_url: "http://127.0.0.1:9".into(),
+            model: "m".into(),
+            time_scale: 1.0,
+            progress: None,
+        };
+        let recs = drive(&w, &bad).await;
+        assert_eq!(recs.len(), 6);
+        assert!(recs.iter().all(|r| matches!(r.outcome, Outcome::Error(_))));
+    }
+}

@@ -1,0 +1,652 @@
+//! Local fleet launcher: N engines plus the router as child processes of the same `kvmesh`
+//! executable, each on its own loopback ports, logs in one folder, readiness waits on `/health`,
+//! and every child killed on shutdown or drop.
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use tokio::process::{Child, Command};
+
+use crate::router_config::{self, Arm, EndpointInfo};
+
+/// Engine role (DESIGN §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+fn one() -> usize {
+    1
+}
+fn sim() -> String {
+    "sim".into()
+}
+fn bs() -> usize {
+    16
+}
+fn yes() -> bool {
+    true
+}
+fn default_model() -> String {
+    "sim-gpt-oss".into()
+}
+
+/// A group of identical engines in a fleet file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineGroup {
+    #[serde(default = "one")]
+    pub count: usize,
+    /// `sim` or `model`.
+    #[serde(default = "sim")]
+    pub backend: String,
+    /// Sim GPU profile (e.g. `gpt-oss-120b-h200`).
+    #[serde(default)]
+    pub profile: Option<String>,
+    /// Real model name or path (backend `model`).
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default = "bs")]
+    pub block_size: usize,
+    #[serde(default)]
+    pub num_gpu_blocks: Option<usize>,
+    /// CPU tier size, e.g. `2GiB` (passed to the engine verbatim).
+    #[serde(default)]
+    pub cpu_offload_bytes: Option<String>,
+    /// Sim KV payload bytes per token.
+    #[serde(default)]
+    pub sim_kv_bytes_per_token: Option<usize>,
+    /// Divides all modelled time (sim).
+    #[serde(default)]
+    pub time_scale: Option<f64>,
+    #[serde(default)]
+    pub role: Role,
+    /// Start the P2P transfer service.
+    #[serde(default = "yes")]
+    pub p2p: bool,
+    #[serde(default)]
+    pub max_model_len: Option<usize>,
+    /// Extra engine flags appended verbatim.
+    #[serde(default)]
+    pub extra_args: Vec<String>,
+}
+
+impl Default for EngineGroup {
+    fn default() -> Self {
+        Self {
+            count: 1,
+            backend: sim(),
+            profile: Some("gpt-oss-120b-h200".into()),
+            model: None,
+            block_size: 16,
+            num_gpu_blocks: None,
+            cpu_offload_bytes: None,
+            sim_kv_bytes_per_token: None,
+            time_scale: None,
+            role: Role::Both,
+            p2p: true,
+            max_model_len: None,
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+/// The router in a fleet file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterSpec {
+    /// Arm / scheduling profile name (`round-robin`, `affinity`, `load`, `load-p2p`, ...).
+    #[serde(default = "default_profile")]
+    pub profile: String,
+    #[serde(default)]
+    pub min_cached_token_delta: Option<usize>,
+    #[serde(default)]
+    pub extra_args: Vec<String>,
+}
+
+fn default_profile() -> String {
+    "load-p2p".into()
+}
+
+/// A fleet file (`kvmesh up fleet.yaml`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FleetSpec {
+    #[serde(default = "default_model")]
+    pub served_model_name: String,
+    pub engines: Vec<EngineGroup>,
+    /// `None` = engines only (e.g. a calibration pair).
+    #[serde(default)]
+    pub router: Option<RouterSpec>,
+    /// Where logs and generated configs go (default: a fresh folder under the system temp dir).
+    #[serde(default)]
+    pub log_dir: Option<PathBuf>,
+    /// Seconds to wait for every `/health`.
+    #[serde(default)]
+    pub ready_timeout_s: Option<f64>,
+}
+
+impl FleetSpec {
+    pub fn from_yaml(text: &str) -> Result<Self, FleetError> {
+        let spec: Self =
+            serde_norway::from_str(text).map_err(|e| FleetError::Spec(e.to_string()))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    pub fn validate(&self) -> Result<(), FleetError> {
+        if self.engines.iter().map(|g| g.count).sum::<usize>() == 0 {
+            return Err(FleetError::Spec("the fleet has no engines".into()));
+        }
+        for g in &self.engines {
+            if !matches!(g.backend.as_str(), "sim" | "model") {
+                return Err(FleetError::Spec(format!(
+                    "backend {:?} (sim|model)",
+                    g.backend
+                )));
+            }
+            if g.time_scale.is_some_and(|t| !(t.is_finite() && t > 0.0)) {
+                return Err(FleetError::Spec("time_scale must be > 0".into()));
+            }
+        }
+        if let Some(r) = &self.router {
+            r.profile.parse::<Arm>().map_err(FleetError::Spec)?;
+        }
+        Ok(())
+    }
+
+    /// The time scale of the fleet (of its first engine group; groups are expected to agree).
+    pub fn time_scale(&self) -> f64 {
+        self.engines
+            .first()
+            .and_then(|g| g.time_scale)
+            .unwrap_or(1.0)
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum FleetError {
+    #[error("fleet spec: {0}")]
+    Spec(String),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{what} did not become ready within {secs:.0} s (log: {log})\n{tail}")]
+    NotReady {
+        what: String,
+        secs: f64,
+        log: String,
+        tail: String,
+    },
+    #[error("{what} exited during start-up with {status} (log: {log})\n{tail}")]
+    Exited {
+        what: String,
+        status: String,
+        log: String,
+        tail: String,
+    },
+}
+
+/// A running engine.
+#[derive(Debug)]
+pub struct EngineProc {
+    pub name: String,
+    pub url: String,
+    pub port: u16,
+    pub p2p_port: Option<u16>,
+    pub kv_events_port: u16,
+    pub role: Role,
+    pub log: PathBuf,
+    child: Child,
+}
+
+/// A running router.
+#[derive(Debug)]
+pub struct RouterProc {
+    pub url: String,
+    pub port: u16,
+    pub config: PathBuf,
+    pub log: PathBuf,
+    child: Child,
+}
+
+/// A running fleet; dropping it kills every child.
+#[derive(Debug)]
+pub struct Fleet {
+    pub engines: Vec<EngineProc>,
+    pub router: Option<RouterProc>,
+    pub log_dir: PathBuf,
+    pub served_model_name: String,
+}
+
+/// Picks a free loopback port (bind to :0, read, release).
+pub fn free_port() -> Result<u16, FleetError> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// The engine command line for one engine of `group` (ports already chosen).
+pub fn engine_args(
+    group: &EngineGroup,
+    served_model_name: &str,
+    port: u16,
+    kv_events_port: u16,
+    p2p_port: Option<u16>,
+) -> Vec<String> {
+    let mut a: Vec<String> = vec![
+        "engine".into(),
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        port.to_string(),
+        "--served-model-name".into(),
+        served_model_name.into(),
+        "--backend".into(),
+        group.backend.clone(),
+        "--block-size".into(),
+        group.block_size.to_string(),
+    ];
+    let mut push = |k: &str, v: String| {
+        a.push(k.into());
+        a.push(v);
+    };
+    if let Some(p) = &group.profile
+        && group.backend == "sim"
+    {
+        push("--profile", p.clone());
+    }
+    if let Some(m) = &group.model {
+        push("--model", m.clone());
+    }
+    if let Some(n) = group.num_gpu_blocks {
+        push("--num-gpu-blocks", n.to_string());
+    }
+    if let Some(b) = &group.cpu_offload_bytes {
+        push("--cpu-offload-bytes", b.clone());
+    }
+    if let Some(b) = group.sim_kv_bytes_per_token
+        && group.backend == "sim"
+    {
+        push("--sim-kv-bytes-per-token", b.to_string());
+    }
+    if let Some(t) = group.time_scale {
+        push("--time-scale", t.to_string());
+    }
+    if group.role != Role::Both {
+        push("--role", group.role.as_str().into());
+    }
+    if let Some(l) = group.max_model_len {
+        push("--max-model-len", l.to_string());
+    }
+    push(
+        "--kv-events-config",
+        serde_json::json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            // `*` = the engine binds (vLLM rule); the router connects to 127.0.0.1.
+            "endpoint": format!("tcp://*:{kv_events_port}"),
+            "topic": "kv-events",
+        })
+        .to_string(),
+    );
+    if let Some(p) = p2p_port {
+        push("--p2p-port", p.to_string());
+    }
+    a.extend(group.extra_args.iter().cloned());
+    a
+}
+
+impl Fleet {
+    /// Starts every engine, waits for them, writes the router config for its arm, starts the
+    /// router and waits for it. `exe` is the `kvmesh` executable.
+    pub async fn launch(spec: &FleetSpec, exe: &Path, log_dir: &Path) -> Result<Self, FleetError> {
+        spec.validate()?;
+        std::fs::create_dir_all(log_dir)?;
+        let ready = Duration::from_secs_f64(spec.ready_timeout_s.unwrap_or(60.0));
+        let mut fleet = Fleet {
+            engines: Vec::new(),
+            router: None,
+            log_dir: log_dir.to_owned(),
+            served_model_name: spec.served_model_name.clone(),
+        };
+        let mut idx = 0usize;
+        for group in &spec.engines {
+            for _ in 0..group.count {
+                let name = format!("engine-{idx}-{}", group.role.as_str());
+                let port = free_port()?;
+                let kv_events_port = free_port()?;
+                let p2p_port = if group.p2p { Some(free_port()?) } else { None };
+                let args = engine_args(
+                    group,
+                    &spec.served_model_name,
+                    port,
+                    kv_events_port,
+                    p2p_port,
+                );
+                let log = log_dir.join(format!("{name}.log"));
+                let child = spawn(exe, &args, &log)?;
+                fleet.engines.push(EngineProc {
+                    name,
+                    url: format!("http://127.0.0.1:{port}"),
+                    port,
+                    p2p_port,
+                    kv_events_port,
+                    role: group.role,
+                    log,
+                    child,
+                });
+                idx += 1;
+            }
+        }
+        let http = reqwest::Client::new();
+        for e in &mut fleet.engines {
+            wait_ready(&http, &e.url, &mut e.child, &e.name, &e.log, ready).await?;
+        }
+        if let Some(r) = &spec.router {
+            let arm: Arm = r.profile.parse().map_err(FleetError::Spec)?;
+            let endpoints: Vec<EndpointInfo> = fleet
+                .engines
+                .iter()
+                .map(|e| EndpointInfo {
+                    name: e.name.clone(),
+                    url: e.url.clone(),
+                    kv_events: format!("tcp://127.0.0.1:{}", e.kv_events_port),
+                    p2p: e.p2p_port.map(|p| format!("127.0.0.1:{p}")),
+                    role: e.role,
+                })
+                .collect();
+            let yaml = router_config::render(
+                arm,
+                &endpoints,
+                r.min_cached_token_delta,
+                &spec.served_model_name,
+            );
+            let config = log_dir.join("router.yaml");
+            std::fs::write(&config, yaml)?;
+            let port = free_port()?;
+            let mut args: Vec<String> = vec![
+                "router".into(),
+                "--host".into(),
+                "127.0.0.1".into(),
+                "--port".into(),
+                port.to_string(),
+                "--config".into(),
+                config.display().to_string(),
+            ];
+            args.extend(r.extra_args.iter().cloned());
+            let log = log_dir.join("router.log");
+            let mut child = spawn(exe, &args, &log)?;
+            let url = format!("http://127.0.0.1:{port}");
+            wait_ready(&http, &url, &mut child, "router", &log, ready).await?;
+            fleet.router = Some(RouterProc {
+                url,
+                port,
+                config,
+                log,
+                child,
+            });
+        }
+        Ok(fleet)
+    }
+
+    /// Where clients should send requests: the router, else the first engine.
+    pub fn entry_url(&self) -> &str {
+        match &self.router {
+            Some(r) => &r.url,
+            None => self.engines.first().map(|e| e.url.as_str()).unwrap_or(""),
+        }
+    }
+
+    /// A human summary of where everything is.
+    pub fn describe(&self) -> String {
+        let mut s = String::new();
+        if let Some(r) = &self.router {
+            s.push_str(&format!(
+                "router   {}  config {}  log {}\n",
+                r.url,
+                r.config.display(),
+                r.log.display()
+            ));
+        }
+        for e in &self.engines {
+            s.push_str(&format!(
+                "{:<18} {}  role {:<7} kv-events tcp://127.0.0.1:{}  p2p {}  log {}\n",
+                e.name,
+                e.url,
+                e.role.as_str(),
+                e.kv_events_port,
+                e.p2p_port
+                    .map(|p| format!("127.0.0.1:{p}"))
+                    .unwrap_or_else(|| "off".into()),
+                e.log.display()
+            ));
+        }
+        s
+    }
+
+    /// Returns the first child that has exited, if any (a crashed engine invalidates an arm).
+    pub fn check_alive(&mut self) -> Option<String> {
+        if let Some(r) = &mut self.router
+            && let Ok(Some(st)) = r.child.try_wait()
+        {
+            return Some(format!("router exited with {st} (log {})", r.log.display()));
+        }
+        for e in &mut self.engines {
+            if let Ok(Some(st)) = e.child.try_wait() {
+                return Some(format!(
+                    "{} exited with {st} (log {})",
+                    e.name,
+                    e.log.display()
+                ));
+            }
+        }
+        None
+    }
+
+    /// Stops the router first (no new work), then the engines; waits for each to exit.
+    pub async fn shutdown(mut self) {
+        if let Some(r) = &mut self.router {
+            stop(&mut r.child).await;
+        }
+        for e in &mut self.engines {
+            stop(&mut e.child).await;
+        }
+    }
+}
+
+fn spawn(exe: &Path, args: &[String], log: &Path) -> Result<Child, FleetError> {
+    let out = std::fs::File::create(log)?;
+    let err = out.try_clone()?;
+    let child = Command::new(exe)
+        .args(args)
+        .env(
+            "KVMESH_LOG",
+            std::env::var("KVMESH_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
+        .kill_on_drop(true)
+        .spawn()?;
+    Ok(child)
+}
+
+async fn stop(child: &mut Child) {
+    if let Some(pid) = child.id() {
+        // Polite first (SIGTERM lets servers drain), then forceful.
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status()
+            .await;
+        if tokio::time::timeout(Duration::from_secs(3), child.wait())
+            .await
+            .is_ok()
+        {
+            return;
+        }
+    }
+    let _ = child.start_kill();
+    let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+}
+
+async fn wait_ready(
+    http: &reqwest::Client,
+    url: &str,
+    child: &mut Child,
+    what: &str,
+    log: &Path,
+    timeout: Duration,
+) -> Result<(), FleetError> {
+    let deadline = Instant::now() + timeout;
+    let health = format!("{url}/health");
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(FleetError::Exited {
+                what: what.into(),
+                status: status.to_string(),
+                log: log.display().to_string(),
+                tail: log_tail(log, 20),
+            });
+        }
+        if let Ok(Ok(r)) =
+            tokio::time::timeout(Duration::from_secs(2), http.get(&health).send()).await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(FleetError::NotReady {
+                what: what.into(),
+                secs: timeout.as_secs_f64(),
+                log: log.display().to_string(),
+                tail: log_tail(log, 20),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The last `n` lines of a log file (for error messages).
+pub fn log_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn fleet_yaml_parses_with_defaults_and_rejects_typos() {
+        let s = FleetSpec::from_yaml(
+            "engines:\n  - count: 4\n    profile: gpt-oss-120b-h200\n    time_scale: 10\nrouter:\n  profile: load-p2p\n",
+        )
+        .unwrap();
+        assert_eq!(s.engines[0].count, 4);
+        assert_eq!(s.engines[0].backend, "sim");
+        assert!(s.engines[0].p2p);
+        assert_eq!(s.time_scale(), 10.0);
+        assert!(FleetSpec::from_yaml("engines:\n  - cuont: 4\n").is_err());
+        assert!(FleetSpec::from_yaml("engines: []\n").is_err());
+        assert!(FleetSpec::from_yaml("engines:\n  - {}\nrouter:\n  profile: nope\n").is_err());
+    }
+
+    #[test]
+    fn engine_args_carry_every_setting() {
+        let g = EngineGroup {
+            num_gpu_blocks: Some(100),
+            cpu_offload_bytes: Some("1GiB".into()),
+            time_scale: Some(4.0),
+            role: Role::Decode,
+            ..Default::default()
+        };
+        let a = engine_args(&g, "m", 8000, 9000, Some(7000)).join(" ");
+        for want in [
+            "engine",
+            "--port 8000",
+            "--profile gpt-oss-120b-h200",
+            "--num-gpu-blocks 100",
+            "--cpu-offload-bytes 1GiB",
+            "--time-scale 4",
+            "--role decode",
+            "--p2p-port 7000",
+            "tcp://*:9000",
+        ] {
+            assert!(a.contains(want), "{want} missing in {a}");
+        }
+        let no_p2p = engine_args(
+            &EngineGroup {
+                p2p: false,
+                ..Default::default()
+            },
+            "m",
+            1,
+            2,
+            None,
+        )
+        .join(" ");
+        assert!(!no_p2p.contains("--p2p-port") && !no_p2p.contains("--role"));
+    }
+
+    #[test]
+    fn every_shipped_fleet_file_parses() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let p = entry.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            if name.starts_with("fleet-") && name.ends_with(".yaml") {
+                FleetSpec::from_yaml(&std::fs::read_to_string(&p).unwrap())
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 2);
+    }
+
+    #[tokio::test]
+    async fn a_child_that_exits_is_reported_with_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("x.log");
+        let mut child = spawn(
+            Path::new("sh"),
+            &["-c".into(), "echo boom; exit 3".into()],
+            &log,
+        )
+        .unwrap();
+        let http = reqwest::Client::new();
+        let port = free_port().unwrap();
+        let err = wait_ready(
+            &http,
+            &format!("http://127.0.0.1:{port}"),
+            &mut child,
+            "x",
+            &log,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("exited") && msg.contains("boom"), "{msg}");
+    }
+}

@@ -1,0 +1,291 @@
+//! Scraping engines' `/metrics` and turning the counters into *verified* pull evidence.
+//!
+//! P2P counters are read by prefix (`kvmesh_p2p_*`) rather than by exact name, so a rename shows
+//! up as a different key in the report instead of a silent zero. Bytes moved are counted once: the
+//! consumer's received bytes and the producer's sent bytes describe the same transfer, so the
+//! evidence takes the larger of the per-direction totals rather than their sum.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One sample of a Prometheus text exposition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+/// Parses the Prometheus / OpenMetrics text format (comments skipped; bad lines ignored).
+pub fn parse_exposition(text: &str) -> Vec<Sample> {
+    text.lines().filter_map(parse_line).collect()
+}
+
+fn parse_line(line: &str) -> Option<Sample> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let (name_labels, rest) = match line.find('{') {
+        Some(_) => {
+            let close = line.rfind('}')?;
+            (&line[..=close], line[close + 1..].trim())
+        }
+        None => {
+            let sp = line.find(char::is_whitespace)?;
+            (&line[..sp], line[sp..].trim())
+        }
+    };
+    let value_str = rest.split_whitespace().next()?;
+    let value = match value_str {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    let (name, labels) = match name_labels.find('{') {
+        Some(open) => (
+            &name_labels[..open],
+            parse_labels(&name_labels[open + 1..name_labels.len() - 1]),
+        ),
+        None => (name_labels, Vec::new()),
+    };
+    Some(Sample {
+        name: name.to_owned(),
+        labels,
+        value,
+    })
+}
+
+fn parse_labels(s: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some(eq) = rest.find('=') {
+        let key = rest[..eq].trim().trim_start_matches(',').trim().to_owned();
+        let after = &rest[eq + 1..];
+        let Some(after) = after.strip_prefix('"') else {
+            break;
+        };
+        let mut val = String::new();
+        let mut chars = after.char_indices();
+        let mut end = after.len();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => {
+                    if let Some((_, n)) = chars.next() {
+                        val.push(match n {
+                            'n' => '\n',
+                            other => other,
+                        });
+                    }
+                }
+                '"' => {
+                    end = i + 1;
+                    break;
+                }
+                c => val.push(c),
+            }
+        }
+        out.push((key, val));
+        rest = &after[end..];
+    }
+    out
+}
+
+/// Sum of all samples of `name` (across label sets).
+pub fn sum(samples: &[Sample], name: &str) -> f64 {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .map(|s| s.value)
+        .sum()
+}
+
+/// Totals of every counter whose name starts with `prefix`, keyed by name plus a `direction`-like
+/// label when present (e.g. `kvmesh_p2p_bytes_total{direction="pulled"}`).
+pub fn totals_by_prefix(samples: &[Sample], prefix: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for s in samples.iter().filter(|s| s.name.starts_with(prefix)) {
+        // Histogram buckets would multiply-count; keep only their _sum/_count.
+        if s.name.ends_with("_bucket") {
+            continue;
+        }
+        let dir = s
+            .labels
+            .iter()
+            .find(|(k, _)| {
+                matches!(
+                    k.as_str(),
+                    "direction" | "dir" | "role" | "side" | "outcome" | "result" | "reason"
+                )
+            })
+            .map(|(_, v)| format!("{{{v}}}"))
+            .unwrap_or_default();
+        *out.entry(format!("{}{dir}", s.name)).or_insert(0.0) += s.value;
+    }
+    out
+}
+
+/// What one engine's counters say happened during an arm.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineEvidence {
+    pub url: String,
+    /// `vllm:external_prefix_cache_hits_total` — tokens that arrived through a pull.
+    pub external_hit_tokens: f64,
+    /// `vllm:prefix_cache_hits_total` — local prefix hits (tokens).
+    pub local_hit_tokens: f64,
+    pub prompt_tokens_by_source: BTreeMap<String, f64>,
+    /// Every `kvmesh_p2p_*` counter (by name and direction label).
+    pub p2p: BTreeMap<String, f64>,
+}
+
+impl EngineEvidence {
+    pub fn from_exposition(url: &str, text: &str) -> Self {
+        let samples = parse_exposition(text);
+        let mut by_source = BTreeMap::new();
+        for s in samples
+            .iter()
+            .filter(|s| s.name == "vllm:prompt_tokens_by_source_total")
+        {
+            if let Some((_, v)) = s.labels.iter().find(|(k, _)| k == "source") {
+                *by_source.entry(v.clone()).or_insert(0.0) += s.value;
+            }
+        }
+        Self {
+            url: url.to_owned(),
+            external_hit_tokens: sum(&samples, "vllm:external_prefix_cache_hits_total"),
+            local_hit_tokens: sum(&samples, "vllm:prefix_cache_hits_total"),
+            prompt_tokens_by_source: by_source,
+            p2p: totals_by_prefix(&samples, "kvmesh_p2p_"),
+        }
+    }
+}
+
+/// Fleet-wide evidence for one arm.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Evidence {
+    pub engines: Vec<EngineEvidence>,
+    pub external_hit_tokens: f64,
+    /// Bytes moved by P2P pulls (counted once; see the module doc).
+    pub p2p_bytes: f64,
+    /// Blocks moved by P2P pulls (counted once).
+    pub p2p_blocks: f64,
+    /// Pulls that completed with at least one block, when the engines report it.
+    pub p2p_pulls: f64,
+    /// All `kvmesh_p2p_*` counters summed over engines.
+    pub p2p_counters: BTreeMap<String, f64>,
+    /// Engines whose `/metrics` could not be read (evidence incomplete).
+    pub scrape_errors: Vec<String>,
+}
+
+impl Evidence {
+    pub fn from_engines(engines: Vec<EngineEvidence>, scrape_errors: Vec<String>) -> Self {
+        let mut counters: BTreeMap<String, f64> = BTreeMap::new();
+        for e in &engines {
+            for (k, v) in &e.p2p {
+                *counters.entry(k.clone()).or_insert(0.0) += v;
+            }
+        }
+        let max_of = |pred: &dyn Fn(&str) -> bool| {
+            counters
+                .iter()
+                .filter(|(k, _)| pred(k))
+                .map(|(_, v)| *v)
+                .fold(0.0f64, f64::max)
+        };
+        let is_counter = |k: &str| !k.contains("_seconds") && !k.contains("duration");
+        let p2p_bytes = max_of(&|k| is_counter(k) && k.contains("bytes"));
+        let p2p_blocks = max_of(&|k| is_counter(k) && k.contains("blocks"));
+        let p2p_pulls = counters
+            .iter()
+            .filter(|(k, _)| {
+                k.contains("pulls")
+                    && (k.contains("hit") || k.contains("ok") || k.contains("success"))
+            })
+            .map(|(_, v)| *v)
+            .fold(0.0f64, f64::max);
+        Self {
+            external_hit_tokens: engines.iter().map(|e| e.external_hit_tokens).sum(),
+            engines,
+            p2p_bytes,
+            p2p_blocks,
+            p2p_pulls,
+            p2p_counters: counters,
+            scrape_errors,
+        }
+    }
+
+    /// Whether anything was verifiably pulled.
+    pub fn moved_anything(&self) -> bool {
+        self.p2p_bytes > 0.0 || self.p2p_blocks > 0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = r#"# HELP vllm:external_prefix_cache_hits_total External hits.
+# TYPE vllm:external_prefix_cache_hits_total counter
+vllm:external_prefix_cache_hits_total{engine="0",model_name="sim"} 4096.0
+vllm:prefix_cache_hits_total{engine="0",model_name="sim"} 100
+vllm:prompt_tokens_by_source_total{source="local_compute",model_name="sim"} 50
+vllm:prompt_tokens_by_source_total{source="external_kv_transfer",model_name="sim"} 4096
+kvmesh_p2p_bytes_total{direction="pulled"} 131072
+kvmesh_p2p_bytes_total{direction="served"} 0
+kvmesh_p2p_blocks_total{direction="pulled"} 256
+kvmesh_p2p_pull_duration_seconds_bucket{le="0.1"} 3
+kvmesh_p2p_pull_duration_seconds_sum 0.25
+kvmesh_p2p_pulls_total{outcome="hit"} 3
+weird line without value
+"#;
+
+    #[test]
+    fn parses_labels_and_values() {
+        let s = parse_exposition(SAMPLE);
+        assert_eq!(sum(&s, "vllm:external_prefix_cache_hits_total"), 4096.0);
+        let l = s
+            .iter()
+            .find(|x| x.name == "vllm:prompt_tokens_by_source_total")
+            .map(|x| x.labels.clone());
+        assert_eq!(
+            l.as_deref().map(|l| l[0].clone()),
+            Some(("source".into(), "local_compute".into()))
+        );
+        let e = parse_exposition(r#"a{x="q\"uo,te",y="2"} 3"#);
+        assert_eq!(
+            e[0].labels,
+            vec![("x".into(), "q\"uo,te".into()), ("y".into(), "2".into())]
+        );
+    }
+
+    #[test]
+    fn evidence_counts_a_transfer_once_across_directions() {
+        let producer = EngineEvidence::from_exposition(
+            "p",
+            "kvmesh_p2p_bytes_total{direction=\"served\"} 131072\nkvmesh_p2p_blocks_total{direction=\"served\"} 256\n",
+        );
+        let consumer = EngineEvidence::from_exposition("c", SAMPLE);
+        assert_eq!(
+            consumer.prompt_tokens_by_source.get("external_kv_transfer"),
+            Some(&4096.0)
+        );
+        let ev = Evidence::from_engines(vec![producer, consumer], vec![]);
+        assert_eq!(ev.p2p_bytes, 131072.0);
+        assert_eq!(ev.p2p_blocks, 256.0);
+        assert_eq!(ev.external_hit_tokens, 4096.0);
+        assert_eq!(ev.p2p_pulls, 3.0);
+        assert!(ev.moved_anything());
+        assert!(!ev.p2p_counters.keys().any(|k| k.ends_with("_bucket")));
+    }
+
+    #[test]
+    fn renamed_counters_still_count() {
+        let e =
+            EngineEvidence::from_exposition("x", "kvmesh_p2p_transfer_bytes_received_total 10\n");
+        let ev = Evidence::from_engines(vec![e], vec![]);
+        assert_eq!(ev.p2p_bytes, 10.0);
+        let none = Evidence::from_engines(vec![EngineEvidence::from_exposition("y", "")], vec![]);
+        assert!(!none.moved_anything());
+    }
+}

@@ -1,0 +1,537 @@
+//! Results of a benchmark run: JSON, a Markdown table with baseline comparisons, and SVG plots.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::driver::RequestRecord;
+use crate::fleet::FleetSpec;
+use crate::metrics::Evidence;
+use crate::stats::ArmStats;
+use crate::workload::StepKind;
+
+/// One (workload, arm) cell.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ArmResult {
+    pub workload: String,
+    pub workload_description: String,
+    pub arm: String,
+    /// Whether the arm was meant to pull.
+    pub pulls: bool,
+    pub time_scale: f64,
+    pub fleet: FleetSpec,
+    pub stats: ArmStats,
+    pub evidence: Evidence,
+    /// Tokens pulled into prefill engines (P/D: session history moved).
+    pub prefill_external_hit_tokens: f64,
+    /// Problems that make the arm's numbers untrustworthy (shown in the table).
+    pub flags: Vec<String>,
+    pub records: Vec<RequestRecord>,
+}
+
+/// A whole run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchReport {
+    pub command: String,
+    pub scale: String,
+    pub seed: u64,
+    pub results: Vec<ArmResult>,
+}
+
+/// The flags an arm earns from its evidence and outcomes.
+pub fn flags_for(pulls: bool, pd: bool, stats: &ArmStats, ev: &Evidence) -> Vec<String> {
+    let mut f = Vec::new();
+    if pulls && !ev.moved_anything() {
+        f.push(
+            "MISCONFIGURED: P2P arm moved 0 bytes (check kvmesh_p2p_* counters, router p2p config)"
+                .into(),
+        );
+    }
+    if pulls && ev.moved_anything() && ev.external_hit_tokens <= 0.0 {
+        f.push("UNVERIFIED: bytes moved but no vllm:external_prefix_cache_hits_total".into());
+    }
+    if !pulls && !pd && ev.moved_anything() {
+        f.push(format!(
+            "UNEXPECTED: non-P2P arm moved {:.0} bytes",
+            ev.p2p_bytes
+        ));
+    }
+    if stats.failed > 0 {
+        f.push(format!("{} requests failed", stats.failed));
+    }
+    if stats.timeouts > 0 {
+        f.push(format!("{} client timeouts", stats.timeouts));
+    }
+    if !ev.scrape_errors.is_empty() {
+        f.push(format!(
+            "metrics unreadable on {} engine(s): evidence incomplete",
+            ev.scrape_errors.len()
+        ));
+    }
+    f
+}
+
+fn secs(v: f64) -> String {
+    if v >= 10.0 {
+        format!("{v:.1} s")
+    } else if v >= 1.0 {
+        format!("{v:.2} s")
+    } else {
+        format!("{:.0} ms", v * 1000.0)
+    }
+}
+
+fn bytes(v: f64) -> String {
+    if v >= 1e9 {
+        format!("{:.2} GB", v / 1e9)
+    } else if v >= 1e6 {
+        format!("{:.1} MB", v / 1e6)
+    } else if v >= 1e3 {
+        format!("{:.1} kB", v / 1e3)
+    } else {
+        format!("{v:.0} B")
+    }
+}
+
+fn pct(base: f64, new: f64) -> String {
+    if base > 0.0 {
+        format!("{:+.0}%", (new - base) / base * 100.0)
+    } else {
+        "n/a".into()
+    }
+}
+
+impl BenchReport {
+    /// The main table plus, per workload, the comparison of every arm with the first.
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "Command: `{}`  (scale {}, seed {})\n",
+            self.command, self.scale, self.seed
+        );
+        s.push_str("Times are model seconds (wall × time scale).\n\n");
+        s.push_str("| workload | arm | ok / total | timeouts | TTFT p50 | TTFT p90 | TTFT p99 | E2E p50 | offered req/s | achieved req/s | external-hit tokens | P2P bytes | flags |\n");
+        s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        for r in &self.results {
+            let st = &r.stats;
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} / {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.0} | {} | {} |",
+                r.workload,
+                r.arm,
+                st.succeeded,
+                st.requests,
+                st.timeouts,
+                secs(st.ttft.p50),
+                secs(st.ttft.p90),
+                secs(st.ttft.p99),
+                secs(st.e2e.p50),
+                st.offered_rate,
+                st.achieved_rate,
+                r.evidence.external_hit_tokens,
+                bytes(r.evidence.p2p_bytes),
+                if r.flags.is_empty() {
+                    "ok".into()
+                } else {
+                    r.flags.join("; ")
+                },
+            );
+        }
+        for (workload, arms) in self.by_workload() {
+            let Some(base) = arms.first() else { continue };
+            let _ = writeln!(s, "\n**{workload}** — {}", base.workload_description);
+            for r in &arms {
+                let st = &r.stats;
+                let mut line = format!(
+                    "- `{}`: TTFT p50 {} / p90 {}",
+                    r.arm,
+                    secs(st.ttft.p50),
+                    secs(st.ttft.p90)
+                );
+                if let Some(b) = st.ttft_by_kind.get("child") {
+                    let _ = write!(
+                        line,
+                        "; branch-start TTFT p50 {} / p90 {}; slow branches (recomputed) {}",
+                        secs(b.p50),
+                        secs(b.p90),
+                        st.slow_branches.unwrap_or(0)
+                    );
+                }
+                if r.prefill_external_hit_tokens > 0.0 {
+                    let _ = write!(
+                        line,
+                        "; history tokens pulled into prefill {:.0}",
+                        r.prefill_external_hit_tokens
+                    );
+                }
+                let _ = write!(line, "; achieved {:.2} req/s", st.achieved_rate);
+                if !std::ptr::eq(*r, *base) {
+                    let (b, n) = match (
+                        base.stats.ttft_by_kind.get("child"),
+                        st.ttft_by_kind.get("child"),
+                    ) {
+                        (Some(b), Some(n)) => (b.p90, n.p90),
+                        _ => (base.stats.ttft.p90, st.ttft.p90),
+                    };
+                    let _ = write!(
+                        line,
+                        " — vs `{}`: TTFT p90 {}, p50 {}, throughput {}",
+                        base.arm,
+                        pct(b, n),
+                        pct(base.stats.ttft.p50, st.ttft.p50),
+                        pct(base.stats.achieved_rate, st.achieved_rate)
+                    );
+                }
+                s.push_str(&line);
+                s.push('\n');
+            }
+        }
+        s
+    }
+
+    fn by_workload(&self) -> Vec<(String, Vec<&ArmResult>)> {
+        let mut order: Vec<String> = Vec::new();
+        let mut map: BTreeMap<String, Vec<&ArmResult>> = BTreeMap::new();
+        for r in &self.results {
+            if !map.contains_key(&r.workload) {
+                order.push(r.workload.clone());
+            }
+            map.entry(r.workload.clone()).or_default().push(r);
+        }
+        order
+            .into_iter()
+            .map(|w| (w.clone(), map.remove(&w).unwrap_or_default()))
+            .collect()
+    }
+
+    /// Writes `report.json`, `report.md` and the plots into `dir`; returns the files written.
+    pub fn write(&self, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+        std::fs::create_dir_all(dir)?;
+        let mut files = Vec::new();
+        let json = dir.join("report.json");
+        std::fs::write(
+            &json,
+            serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?,
+        )?;
+        files.push(json);
+        let md = dir.join("report.md");
+        std::fs::write(&md, self.markdown())?;
+        files.push(md);
+        for (workload, arms) in self.by_workload() {
+            let safe: String = workload
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            let cdf = dir.join(format!("{safe}-ttft-cdf.svg"));
+            if plot_ttft_cdf(&cdf, &workload, &arms).is_ok() {
+                files.push(cdf);
+            }
+            if arms
+                .iter()
+                .any(|r| r.records.iter().any(|x| x.kind == StepKind::Child))
+            {
+                let p = dir.join(format!("{safe}-branch-starts.svg"));
+                if plot_branches(&p, &workload, &arms).is_ok() {
+                    files.push(p);
+                }
+            }
+            if arms
+                .iter()
+                .any(|r| r.records.iter().any(|x| x.kind == StepKind::Turn))
+            {
+                let p = dir.join(format!("{safe}-ttft-vs-prompt.svg"));
+                if plot_ttft_vs_prompt(&p, &workload, &arms).is_ok() {
+                    files.push(p);
+                }
+            }
+        }
+        Ok(files)
+    }
+}
+
+type PlotResult = Result<(), Box<dyn std::error::Error>>;
+
+fn ttfts(r: &ArmResult, kind: Option<StepKind>) -> Vec<(usize, f64)> {
+    r.records
+        .iter()
+        .filter(|x| kind.is_none_or(|k| x.kind == k))
+        .filter_map(|x| x.ttft_s.map(|t| (x.prompt_tokens, t * r.time_scale)))
+        .collect()
+}
+
+fn plot_ttft_cdf(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult {
+    let series: Vec<(String, Vec<f64>)> = arms
+        .iter()
+        .map(|r| {
+            let mut v: Vec<f64> = ttfts(r, None).into_iter().map(|x| x.1).collect();
+            v.sort_by(f64::total_cmp);
+            (r.arm.clone(), v)
+        })
+        .collect();
+    let xmax = series
+        .iter()
+        .flat_map(|s| s.1.last().copied())
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.05;
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("{workload}: TTFT CDF"), ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..xmax, 0.0..1.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("TTFT (model s)")
+        .y_desc("fraction of requests")
+        .draw()?;
+    for (i, (arm, v)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let n = v.len().max(1) as f64;
+        chart
+            .draw_series(LineSeries::new(
+                v.iter().enumerate().map(|(k, t)| (*t, (k + 1) as f64 / n)),
+                color.stroke_width(2),
+            ))?
+            .label(arm.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+fn plot_branches(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult {
+    let series: Vec<(String, Vec<(f64, f64)>)> = arms
+        .iter()
+        .map(|r| {
+            let mut kids: Vec<&RequestRecord> = r
+                .records
+                .iter()
+                .filter(|x| x.kind == StepKind::Child)
+                .collect();
+            kids.sort_by_key(|k| k.session);
+            let pts = kids
+                .iter()
+                .enumerate()
+                .filter_map(|(i, x)| x.ttft_s.map(|t| (i as f64, t * r.time_scale)))
+                .collect();
+            (r.arm.clone(), pts)
+        })
+        .collect();
+    let n = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(1) as f64;
+    let ymax = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.1))
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.1;
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("{workload}: branch-start TTFT per child (arrival order)"),
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(-0.5..n, 0.0..ymax)?;
+    chart
+        .configure_mesh()
+        .x_desc("child (arrival order)")
+        .y_desc("TTFT (model s)")
+        .draw()?;
+    for (i, (arm, pts)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?
+            .label(arm.clone())
+            .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
+        chart.draw_series(LineSeries::new(pts.iter().copied(), color.mix(0.4)))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+fn plot_ttft_vs_prompt(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult {
+    let series: Vec<(String, Vec<(f64, f64)>)> = arms
+        .iter()
+        .map(|r| {
+            (
+                r.arm.clone(),
+                ttfts(r, None)
+                    .into_iter()
+                    .map(|(p, t)| (p as f64, t))
+                    .collect(),
+            )
+        })
+        .collect();
+    let xmax = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.0))
+        .fold(0.0f64, f64::max)
+        .max(1.0)
+        * 1.05;
+    let ymax = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.1))
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.1;
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("{workload}: TTFT vs prompt length"),
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..xmax, 0.0..ymax)?;
+    chart
+        .configure_mesh()
+        .x_desc("prompt tokens")
+        .y_desc("TTFT (model s)")
+        .draw()?;
+    for (i, (arm, pts)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))?
+            .label(arm.clone())
+            .legend(move |(x, y)| Circle::new((x + 10, y), 3, color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::client::Outcome;
+    use crate::metrics::EngineEvidence;
+    use crate::stats::summarize;
+
+    fn result(arm: &str, pulls: bool, child_ttft: f64, moved: bool) -> ArmResult {
+        let mut records = vec![RequestRecord {
+            session: 0,
+            step: 0,
+            kind: StepKind::Parent,
+            prompt_tokens: 8192,
+            sent_s: 0.0,
+            ttft_s: Some(1.0),
+            e2e_s: 1.1,
+            output_tokens: 4,
+            cached_tokens: None,
+            outcome: Outcome::Ok,
+        }];
+        for i in 0..8 {
+            records.push(RequestRecord {
+                session: i + 1,
+                kind: StepKind::Child,
+                sent_s: 1.2 + i as f64 * 0.01,
+                ttft_s: Some(child_ttft * (1.0 + i as f64 / 10.0)),
+                ..records[0].clone()
+            });
+        }
+        let ev = Evidence::from_engines(
+            vec![EngineEvidence::from_exposition(
+                "e",
+                if moved {
+                    "kvmesh_p2p_bytes_total 1000\nvllm:external_prefix_cache_hits_total 64\n"
+                } else {
+                    ""
+                },
+            )],
+            vec![],
+        );
+        let stats = summarize(&records, 1.0, None);
+        ArmResult {
+            workload: "fork".into(),
+            workload_description: "test fork".into(),
+            arm: arm.into(),
+            pulls,
+            time_scale: 1.0,
+            fleet: FleetSpec::from_yaml("engines:\n  - count: 4\n").unwrap(),
+            flags: flags_for(pulls, false, &stats, &ev),
+            stats,
+            evidence: ev,
+            prefill_external_hit_tokens: 0.0,
+            records,
+        }
+    }
+
+    #[test]
+    fn flags_catch_a_p2p_arm_that_moved_nothing() {
+        let bad = result("load-p2p", true, 0.2, false);
+        assert!(bad.flags.iter().any(|f| f.starts_with("MISCONFIGURED")));
+        let good = result("load-p2p", true, 0.2, true);
+        assert!(good.flags.is_empty(), "{:?}", good.flags);
+        let control = result("load", false, 1.0, true);
+        assert!(control.flags.iter().any(|f| f.starts_with("UNEXPECTED")));
+    }
+
+    #[test]
+    fn markdown_and_files() {
+        let rep = BenchReport {
+            command: "kvmesh bench --workload fork".into(),
+            scale: "quick".into(),
+            seed: 1,
+            results: vec![
+                result("load", false, 1.0, false),
+                result("load-p2p", true, 0.2, true),
+            ],
+        };
+        let md = rep.markdown();
+        assert!(md.contains("| fork | load-p2p | 9 / 9 |"), "{md}");
+        assert!(md.contains("branch-start TTFT"), "{md}");
+        assert!(md.contains("vs `load`: TTFT p90 -80%"), "{md}");
+        let dir = tempfile::tempdir().unwrap();
+        let files = rep.write(dir.path()).unwrap();
+        let names: Vec<String> = files
+            .iter()
+            .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.contains(&"fork-ttft-cdf.svg".to_owned()), "{names:?}");
+        assert!(
+            names.contains(&"fork-branch-starts.svg".to_owned()),
+            "{names:?}"
+        );
+        let svg = std::fs::read_to_string(dir.path().join("fork-ttft-cdf.svg")).unwrap();
+        assert!(svg.contains("<svg") && svg.contains("load-p2p"));
+        let back: BenchReport =
+            serde_json::from_slice(&std::fs::read(dir.path().join("report.json")).unwrap())
+                .unwrap();
+        assert_eq!(back.results.len(), 2);
+    }
+}

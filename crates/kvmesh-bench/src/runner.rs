@@ -1,0 +1,310 @@
+//! Runs workloads × arms, each arm on a fresh fleet (cold caches), and assembles the report.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use thiserror::Error;
+
+use crate::driver::{self, DriveConfig};
+use crate::fleet::{EngineGroup, Fleet, FleetError, FleetSpec, Role, RouterSpec};
+use crate::metrics::{EngineEvidence, Evidence};
+use crate::report::{ArmResult, BenchReport, flags_for};
+use crate::router_config::Arm;
+use crate::stats::summarize;
+use crate::workload::Workload;
+
+/// Sim KV payload bytes per token the harness asks for (small: the data path is real, the size
+/// is scaled down; pull *time* comes from the profile).
+pub const DEFAULT_SIM_KV_BYTES_PER_TOKEN: usize = 16;
+
+/// Fleet settings the command line may override.
+#[derive(Debug, Clone)]
+pub struct FleetOptions {
+    pub backend: String,
+    pub profile: Option<String>,
+    pub model: Option<String>,
+    pub time_scale: f64,
+    /// Override the workload's number of aggregated engines.
+    pub engines: Option<usize>,
+    pub min_cached_token_delta: Option<usize>,
+    pub sim_kv_bytes_per_token: usize,
+    pub extra_engine_args: Vec<String>,
+    pub extra_router_args: Vec<String>,
+}
+
+impl Default for FleetOptions {
+    fn default() -> Self {
+        Self {
+            backend: "sim".into(),
+            profile: Some("gpt-oss-120b-h200".into()),
+            model: None,
+            time_scale: 1.0,
+            engines: None,
+            min_cached_token_delta: None,
+            sim_kv_bytes_per_token: DEFAULT_SIM_KV_BYTES_PER_TOKEN,
+            extra_engine_args: Vec::new(),
+            extra_router_args: Vec::new(),
+        }
+    }
+}
+
+/// The fleet a workload runs on under one arm.
+pub fn fleet_for(w: &Workload, arm: Arm, o: &FleetOptions) -> FleetSpec {
+    let block_size = 16usize;
+    let gpu = w.fleet.num_gpu_blocks.max(256);
+    // CPU tier ≈ 2× the GPU pool (llm-d deployment rule).
+    let cpu_bytes = 2 * gpu * block_size * o.sim_kv_bytes_per_token.max(1);
+    let pd = w.fleet.prefill > 0;
+    let mut extra = o.extra_engine_args.clone();
+    if pd && arm.pulls() {
+        extra.push("--bidirectional-kv-xfer".into());
+    }
+    let group = |count: usize, role: Role| EngineGroup {
+        count,
+        backend: o.backend.clone(),
+        profile: o.profile.clone(),
+        model: o.model.clone(),
+        block_size,
+        num_gpu_blocks: Some(gpu),
+        cpu_offload_bytes: Some(cpu_bytes.to_string()),
+        sim_kv_bytes_per_token: (o.backend == "sim").then_some(o.sim_kv_bytes_per_token),
+        time_scale: Some(o.time_scale),
+        role,
+        // P/D handoff itself travels over P2P, so P/D fleets keep the service in both arms.
+        p2p: arm.pulls() || pd,
+        max_model_len: Some(w.fleet.max_model_len),
+        extra_args: extra.clone(),
+    };
+    let engines = if pd {
+        vec![
+            group(w.fleet.prefill, Role::Prefill),
+            group(w.fleet.decode, Role::Decode),
+        ]
+    } else {
+        vec![group(
+            o.engines.unwrap_or(w.fleet.engines).max(1),
+            Role::Both,
+        )]
+    };
+    FleetSpec {
+        served_model_name: "sim-gpt-oss".into(),
+        engines,
+        router: Some(RouterSpec {
+            profile: arm.name().into(),
+            min_cached_token_delta: Some(
+                o.min_cached_token_delta.unwrap_or(w.min_cached_token_delta),
+            ),
+            extra_args: o.extra_router_args.clone(),
+        }),
+        log_dir: None,
+        ready_timeout_s: Some(120.0),
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Fleet(#[from] FleetError),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A whole A/B (or A/B/C...) run.
+pub struct Plan {
+    pub workloads: Vec<Workload>,
+    pub arms: Vec<Arm>,
+    pub exe: PathBuf,
+    pub out_dir: PathBuf,
+    pub fleet: FleetOptions,
+    pub command: String,
+    pub scale: String,
+    pub seed: u64,
+    /// Show progress bars (off in tests).
+    pub progress: bool,
+    /// Seconds between fleet readiness and the first request, so the router's KV-event
+    /// subscriptions are live (PUB/SUB drops messages sent before a subscriber joins).
+    pub settle: Duration,
+}
+
+/// Runs every workload under every arm on a fresh fleet; writes the report after each arm.
+pub async fn run(plan: &Plan) -> Result<BenchReport, RunError> {
+    let mut report = BenchReport {
+        command: plan.command.clone(),
+        scale: plan.scale.clone(),
+        seed: plan.seed,
+        results: Vec::new(),
+    };
+    std::fs::create_dir_all(&plan.out_dir)?;
+    for w in &plan.workloads {
+        for &arm in &plan.arms {
+            let result = run_arm(plan, w, arm).await?;
+            report.results.push(result);
+            report.write(&plan.out_dir)?;
+        }
+    }
+    Ok(report)
+}
+
+/// One arm on a fresh fleet.
+pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, RunError> {
+    let spec = fleet_for(w, arm, &plan.fleet);
+    let safe: String = w
+        .name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let log_dir = plan
+        .out_dir
+        .join("logs")
+        .join(format!("{safe}-{}", arm.name()));
+    let mut fleet = Fleet::launch(&spec, &plan.exe, &log_dir).await?;
+    tokio::time::sleep(plan.settle).await;
+    let pb = plan.progress.then(|| {
+        let pb = ProgressBar::new(w.num_requests() as u64);
+        if let Ok(style) = ProgressStyle::with_template(
+            "{prefix:>24} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}",
+        ) {
+            pb.set_style(style);
+        }
+        pb.set_prefix(format!("{} / {}", w.name, arm.name()));
+        pb
+    });
+    let cfg = DriveConfig {
+        base_url: fleet.entry_url().to_owned(),
+        model: fleet.served_model_name.clone(),
+        time_scale: plan.fleet.time_scale,
+        progress: pb.clone(),
+    };
+    let records = driver::drive(w, &cfg).await;
+    if let Some(pb) = &pb {
+        pb.finish();
+    }
+    let died = fleet.check_alive();
+    let evidence = scrape_evidence(&fleet).await;
+    let prefill_hits: f64 = fleet
+        .engines
+        .iter()
+        .zip(&evidence.engines)
+        .filter(|(e, _)| e.role == Role::Prefill)
+        .map(|(_, ev)| ev.external_hit_tokens)
+        .sum();
+    if let Some(r) = &fleet.router
+        && let Ok(resp) = reqwest::get(format!("{}/metrics", r.url)).await
+        && let Ok(text) = resp.text().await
+    {
+        let _ = std::fs::write(log_dir.join("router-metrics.txt"), text);
+    }
+    fleet.shutdown().await;
+    let stats = summarize(&records, plan.fleet.time_scale, w.offered_rate);
+    let pd = w.fleet.prefill > 0;
+    let mut flags = flags_for(arm.pulls(), pd, &stats, &evidence);
+    if let Some(d) = died {
+        flags.push(format!("CRASHED: {d}"));
+    }
+    Ok(ArmResult {
+        workload: w.name.clone(),
+        workload_description: w.description.clone(),
+        arm: arm.name().into(),
+        pulls: arm.pulls(),
+        time_scale: plan.fleet.time_scale,
+        fleet: spec,
+        stats,
+        evidence,
+        prefill_external_hit_tokens: prefill_hits,
+        flags,
+        records,
+    })
+}
+
+/// Reads every engine's `/metrics` (the arm's fleet is fresh, so totals are the arm's own).
+pub async fn scrape_evidence(fleet: &Fleet) -> Evidence {
+    let http = reqwest::Client::new();
+    let mut engines = Vec::new();
+    let mut errors = Vec::new();
+    for e in &fleet.engines {
+        match scrape(&http, &e.url).await {
+            Ok(text) => {
+                let _ =
+                    std::fs::write(fleet.log_dir.join(format!("{}-metrics.txt", e.name)), &text);
+                engines.push(EngineEvidence::from_exposition(&e.url, &text));
+            }
+            Err(err) => {
+                errors.push(format!("{}: {err}", e.url));
+                engines.push(EngineEvidence {
+                    url: e.url.clone(),
+                    ..Default::default()
+                });
+            }
+        }
+    }
+    Evidence::from_engines(engines, errors)
+}
+
+/// GET `{url}/metrics` with a timeout.
+pub async fn scrape(http: &reqwest::Client, url: &str) -> Result<String, String> {
+    let fut = async {
+        let r = http
+            .get(format!("{url}/metrics"))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !r.status().is_success() {
+            return Err(format!("HTTP {}", r.status()));
+        }
+        r.text().await.map_err(|e| e.to_string())
+    };
+    tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .map_err(|_| "timeout".to_owned())?
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::workload::{self, Scale};
+
+    #[test]
+    fn arms_differ_only_in_router_policy_and_p2p_service() {
+        let w = workload::fork(Scale::Quick, 1);
+        let o = FleetOptions {
+            time_scale: 5.0,
+            ..Default::default()
+        };
+        let a = fleet_for(&w, Arm::Load, &o);
+        let b = fleet_for(&w, Arm::LoadP2p, &o);
+        assert_eq!(a.engines[0].count, 4);
+        assert_eq!(a.engines[0].num_gpu_blocks, b.engines[0].num_gpu_blocks);
+        assert!(!a.engines[0].p2p && b.engines[0].p2p);
+        assert_eq!(a.time_scale(), 5.0);
+        assert_eq!(b.router.as_ref().unwrap().profile, "load-p2p");
+        assert_eq!(
+            b.router.as_ref().unwrap().min_cached_token_delta,
+            Some(2048)
+        );
+    }
+
+    #[test]
+    fn pd_workloads_get_prefill_and_decode_groups() {
+        let w = workload::agentic_pd(Scale::Full, 1);
+        let s = fleet_for(&w, Arm::LoadP2p, &FleetOptions::default());
+        assert_eq!(s.engines.len(), 2);
+        assert_eq!((s.engines[0].role, s.engines[0].count), (Role::Prefill, 2));
+        assert_eq!((s.engines[1].role, s.engines[1].count), (Role::Decode, 4));
+        assert!(
+            s.engines[1]
+                .extra_args
+                .iter()
+                .any(|a| a == "--bidirectional-kv-xfer")
+        );
+        let c = fleet_for(&w, Arm::Load, &FleetOptions::default());
+        assert!(c.engines[1].p2p && c.engines[1].extra_args.is_empty());
+    }
+}
