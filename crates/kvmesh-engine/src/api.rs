@@ -658,13 +658,16 @@ fn usage_json(info: &FinishInfo, completion_tokens: usize, stream: bool) -> Valu
     } else {
         json!({"cached_tokens": info.cached_tokens, "created_cache_tokens": created, "multimodal_tokens": null})
     };
-    json!({
+    let mut usage = json!({
         "prompt_tokens": info.prompt_tokens,
         "total_tokens": info.prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": details,
-        "completion_tokens_details": null,
-    })
+    });
+    if !stream {
+        usage["completion_tokens_details"] = Value::Null;
+    }
+    usage
 }
 
 fn stop_reason(info: &FinishInfo, detok: &Detok) -> Value {

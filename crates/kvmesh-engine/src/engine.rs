@@ -636,6 +636,11 @@ impl Core {
         self.counters
             .running
             .store(self.running.len(), Ordering::Relaxed);
+        let ev = self.pool.evictions();
+        let seen = self.metrics.gpu_evicted_blocks.get();
+        if ev > seen {
+            self.metrics.gpu_evicted_blocks.inc_by(ev - seen);
+        }
     }
 
     fn block_size(&self) -> usize {

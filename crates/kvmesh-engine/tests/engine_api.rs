@@ -1,0 +1,631 @@
+//! Engine acceptance tests: an in-process server on loopback (sim backend), driven over HTTP,
+//! its KV events read by a ZMQ subscriber.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{TestServer, base_config, cached_tokens, tokens};
+use futures::StreamExt;
+use kvmesh_core::{BlockHash, BlockHasher, HashAlgo, KvEvent, Medium};
+use serde_json::{Value, json};
+
+const FAST: f64 = 1000.0;
+const QUIET: Duration = Duration::from_millis(400);
+
+fn hashes(prompt: &[u32]) -> Vec<BlockHash> {
+    BlockHasher::new(HashAlgo::Sha256Cbor, Some("0"), 16)
+        .hash_prompt(prompt)
+        .iter()
+        .map(|d| d.event_hash())
+        .collect()
+}
+
+fn stored(events: &[(u64, KvEvent)], medium: Medium) -> Vec<kvmesh_core::events::BlockStored> {
+    events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            KvEvent::BlockStored(s) if s.medium == medium => Some(s.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn removed(events: &[(u64, KvEvent)], medium: Medium) -> Vec<BlockHash> {
+    events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            KvEvent::BlockRemoved(r) if r.medium == medium => Some(r.block_hashes.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+async fn within<F: std::future::Future>(secs: u64, f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .expect("test timed out")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_prompt_publishes_gpu_then_cpu_block_stored_with_tokens_and_parents() {
+    within(30, async {
+        let mut s = TestServer::start(base_config(), FAST).await;
+        let prompt = tokens(1, 70); // 4 full blocks + 6 tokens
+        let body = s.complete_ids(&prompt, 2).await;
+        assert_eq!(cached_tokens(&body), 0);
+        let events = s.drain_events(QUIET).await;
+        let expect = hashes(&prompt);
+        assert_eq!(expect.len(), 4);
+        let gpu = stored(&events, Medium::Gpu);
+        let gpu_hashes: Vec<BlockHash> = gpu.iter().flat_map(|e| e.block_hashes.clone()).collect();
+        assert_eq!(
+            gpu_hashes, expect,
+            "GPU BlockStored for every full prompt block, in order"
+        );
+        assert_eq!(gpu[0].parent_block_hash, None);
+        assert_eq!(gpu[0].block_size, 16);
+        let gpu_tokens: Vec<u32> = gpu.iter().flat_map(|e| e.token_ids.clone()).collect();
+        assert_eq!(gpu_tokens, prompt[..64].to_vec());
+        let cpu = stored(&events, Medium::Cpu);
+        let cpu_hashes: Vec<BlockHash> = cpu.iter().flat_map(|e| e.block_hashes.clone()).collect();
+        assert_eq!(cpu_hashes, expect, "offloaded to the CPU tier");
+        // GPU store of a block is published before its CPU store; sequence numbers increase.
+        let first_cpu = events
+            .iter()
+            .position(|(_, e)| matches!(e, KvEvent::BlockStored(x) if x.medium == Medium::Cpu))
+            .unwrap();
+        let first_gpu = events
+            .iter()
+            .position(|(_, e)| matches!(e, KvEvent::BlockStored(x) if x.medium == Medium::Gpu))
+            .unwrap();
+        assert!(first_gpu < first_cpu);
+        assert!(events.windows(2).all(|w| w[0].0 <= w[1].0));
+        // The CPU tier holds verifiable sim payloads.
+        let payload = s.server.engine.cpu_tier().get(expect[2]).unwrap();
+        assert!(kvmesh_engine::compute::sim::verify_sim_block_payload(
+            expect[2], &payload
+        ));
+        assert_eq!(payload.len(), 16 * 32);
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeats_report_cached_tokens_except_the_last_prompt_token() {
+    within(30, async {
+        let s = TestServer::start(base_config(), FAST).await;
+        let prompt = tokens(2, 640);
+        assert_eq!(cached_tokens(&s.complete_ids(&prompt, 1).await), 0);
+        // vLLM: a fully repeated 640-token prompt with block 16 reports 624 cached.
+        assert_eq!(cached_tokens(&s.complete_ids(&prompt, 1).await), 624);
+        // A prompt sharing a 320-token prefix reports that prefix.
+        let mut other = prompt[..320].to_vec();
+        other.extend(tokens(3, 100));
+        assert_eq!(cached_tokens(&s.complete_ids(&other, 1).await), 320);
+        assert_eq!(s.metric("vllm:prefix_cache_hits_total").await, 944.0);
+        assert_eq!(s.metric("vllm:prefix_cache_queries_total").await, 1700.0);
+        assert_eq!(s.metric("vllm:prompt_tokens_by_source_total{model_name=\"sim-test\",engine=\"0\",source=\"local_cache_hit\"}").await, 944.0);
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_evicted_prefix_is_restored_from_the_cpu_tier_as_a_local_hit() {
+    within(30, async {
+        let mut cfg = base_config();
+        cfg.num_gpu_blocks = 48; // one 640-token prompt (40 blocks) at a time
+        let mut s = TestServer::start(cfg, FAST).await;
+        let a = tokens(10, 640);
+        let b = tokens(11, 640);
+        s.complete_ids(&a, 1).await;
+        s.complete_ids(&b, 1).await; // evicts most of a from the GPU tier
+        let events = s.drain_events(QUIET).await;
+        let gone = removed(&events, Medium::Gpu);
+        let ha = hashes(&a);
+        assert!(
+            !gone.is_empty() && gone.iter().all(|h| ha.contains(h)),
+            "GPU evictions of a's blocks published"
+        );
+        assert!(
+            removed(&events, Medium::Cpu).is_empty(),
+            "CPU tier is big enough"
+        );
+        let again = s.complete_ids(&a, 1).await;
+        assert_eq!(
+            cached_tokens(&again),
+            624,
+            "restored from CPU, counted as cached"
+        );
+        let restorable = gone.iter().filter(|h| ha[..39].contains(h)).count();
+        assert!(
+            restorable >= 30,
+            "most of a was evicted from the GPU tier: {restorable}"
+        );
+        assert_eq!(
+            s.metric("kvmesh_engine_cpu_restored_blocks_total").await,
+            restorable as f64
+        );
+        assert_eq!(s.metric("vllm:prefix_cache_hits_total").await, 624.0);
+        // Restored blocks are announced again on the GPU tier.
+        let events = s.drain_events(QUIET).await;
+        let regpu: Vec<BlockHash> = stored(&events, Medium::Gpu)
+            .iter()
+            .flat_map(|e| e.block_hashes.clone())
+            .collect();
+        assert!(
+            gone.iter()
+                .filter(|h| ha[..39].contains(h))
+                .all(|h| regpu.contains(h))
+        );
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pressure_on_both_tiers_publishes_block_removed_per_medium() {
+    within(30, async {
+        let mut cfg = base_config();
+        cfg.num_gpu_blocks = 48;
+        cfg.cpu_offload_bytes = 50 * 16 * 32; // 50 blocks of 512 bytes
+        let mut s = TestServer::start(cfg, FAST).await;
+        for i in 0..4 {
+            s.complete_ids(&tokens(20 + i, 640), 1).await;
+        }
+        let events = s.drain_events(QUIET).await;
+        let gpu_gone = removed(&events, Medium::Gpu);
+        let cpu_gone = removed(&events, Medium::Cpu);
+        assert!(gpu_gone.len() >= 80, "GPU evictions: {}", gpu_gone.len());
+        assert!(cpu_gone.len() >= 100, "CPU evictions: {}", cpu_gone.len());
+        // Every removed block had been stored in that tier before.
+        let gpu_stored: Vec<BlockHash> = stored(&events, Medium::Gpu)
+            .iter()
+            .flat_map(|e| e.block_hashes.clone())
+            .collect();
+        assert!(gpu_gone.iter().all(|h| gpu_stored.contains(h)));
+        assert!(s.metric("kvmesh_engine_cpu_used_bytes").await <= (50 * 16 * 32) as f64);
+        assert!(s.metric("kvmesh_engine_cpu_evicted_blocks").await >= 100.0);
+        assert!(s.metric("kvmesh_engine_gpu_evicted_blocks_total").await >= 80.0);
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_prefix_cache_publishes_all_blocks_cleared_and_forgets() {
+    within(30, async {
+        let mut s = TestServer::start(base_config(), FAST).await;
+        let p = tokens(30, 200);
+        s.complete_ids(&p, 1).await;
+        let r = s
+            .client
+            .post(format!("{}/reset_prefix_cache", s.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let events = s.drain_events(QUIET).await;
+        assert!(
+            matches!(events.last(), Some((_, KvEvent::AllBlocksCleared))),
+            "{events:?}"
+        );
+        assert_eq!(cached_tokens(&s.complete_ids(&p, 1).await), 0);
+        assert_eq!(s.server.engine.cpu_tier().stats().blocks, 12);
+        s.stop().await;
+    })
+    .await;
+}
+
+/// Streams one request; returns (arrival order index, time to first text chunk).
+async fn stream_ttft(base: String, prompt: Vec<u32>) -> Duration {
+    let client = reqwest::Client::new();
+    let t0 = Instant::now();
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": "sim-test", "prompt": prompt, "max_tokens": 2, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let mut ttft = None;
+    let mut buf = String::new();
+    while let Some(chunk) = body.next().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        if ttft.is_none() && buf.contains("\"text\"") {
+            ttft = Some(t0.elapsed());
+        }
+    }
+    assert!(buf.contains("[DONE]"));
+    ttft.expect("a text chunk")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fcfs_with_one_running_sequence_serves_in_arrival_order() {
+    within(60, async {
+        let mut cfg = base_config();
+        cfg.max_num_seqs = 1;
+        cfg.kv_events = None;
+        // 8K-token prompts: 250 ms modelled each; at time scale 5 → 50 ms of compute each.
+        let s = TestServer::start(cfg, 5.0).await;
+        let n = 5;
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            tasks.push(tokio::spawn(stream_ttft(
+                s.base.clone(),
+                tokens(100 + i, 8192),
+            )));
+            // Fix the arrival order.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut ttfts = Vec::new();
+        for t in tasks {
+            ttfts.push(t.await.unwrap());
+        }
+        for w in ttfts.windows(2) {
+            assert!(w[1] > w[0], "TTFT must grow with queue position: {ttfts:?}");
+        }
+        // The last one waited for the n-1 before it: at least (n-1) x 50 ms.
+        assert!(
+            ttfts[n as usize - 1] >= Duration::from_millis(180),
+            "{ttfts:?}"
+        );
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors_and_do_not_disturb_others() {
+    within(60, async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        cfg.max_model_len = 4096;
+        cfg.max_num_seqs = 1;
+        cfg.max_waiting = 1;
+        let s = TestServer::start(cfg, 1.0).await;
+        // One long request in flight the whole time.
+        let base = s.base.clone();
+        let inflight = tokio::spawn(async move {
+            let c = reqwest::Client::new();
+            c.post(format!("{base}/v1/completions"))
+                .json(&json!({"model": "sim-test", "prompt": tokens(7, 4000), "max_tokens": 3}))
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let raw = s
+            .client
+            .post(format!("{}/v1/completions", s.base))
+            .body("{not json")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(raw.status(), 400);
+        let e: Value = raw.json().await.unwrap();
+        assert_eq!(e["error"]["type"], "BadRequestError");
+        assert_eq!(e["error"]["code"], 400);
+        assert!(e["error"]["message"].as_str().unwrap().contains("invalid"));
+        let (st, e) = s
+            .post("/v1/completions", json!({"model": "nope", "prompt": "hi"}))
+            .await;
+        assert_eq!(st, 404, "unknown model is vLLM's 404 NotFoundError: {e}");
+        assert_eq!(e["error"]["param"], "model");
+        let (st, e) = s
+            .post("/v1/completions", json!({"prompt": tokens(8, 5000)}))
+            .await;
+        assert_eq!(st, 400);
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("maximum context length")
+        );
+        let (st, _) = s
+            .post(
+                "/v1/completions",
+                json!({"prompt": "hi", "temperature": -1}),
+            )
+            .await;
+        assert_eq!(st, 400);
+        let (st, _) = s
+            .post("/v1/completions", json!({"prompt": "hi", "max_tokens": 0}))
+            .await;
+        assert_eq!(st, 400);
+        let (st, _) = s
+            .post("/v1/chat/completions", json!({"messages": []}))
+            .await;
+        assert_eq!(st, 400);
+        // Overload: one running, one waiting fills --max-waiting 1; the next gets 429.
+        let base = s.base.clone();
+        let waiting = tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(format!("{base}/v1/completions"))
+                .json(&json!({"prompt": tokens(9, 2000), "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let r = s
+            .client
+            .post(format!("{}/v1/completions", s.base))
+            .json(&json!({"prompt": "x", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 429);
+        assert_eq!(r.headers().get("retry-after").unwrap(), "1");
+        let done = inflight.await.unwrap();
+        assert_eq!(done["usage"]["completion_tokens"], 3, "{done}");
+        assert_eq!(waiting.await.unwrap(), 200);
+        let metrics = s.metrics().await;
+        for reason in [
+            "malformed_json",
+            "unknown_model",
+            "prompt_too_long",
+            "bad_param",
+            "overloaded",
+        ] {
+            assert!(
+                metrics.contains(&format!("reason=\"{reason}\"")),
+                "{reason} counted"
+            );
+        }
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_and_frees_blocks() {
+    within(30, async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        let s = TestServer::start(cfg, 1.0).await;
+        let resp = s
+            .client
+            .post(format!("{}/v1/completions", s.base))
+            .json(&json!({"prompt": tokens(40, 1000), "max_tokens": 50000, "ignore_eos": true, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let mut body = resp.bytes_stream();
+        let _ = body.next().await;
+        assert_eq!(s.metric("vllm:num_requests_running").await, 1.0);
+        assert!(s.metric("vllm:kv_cache_usage_perc").await > 0.0);
+        drop(body);
+        let t0 = Instant::now();
+        loop {
+            if s.metric("vllm:num_requests_running").await == 0.0 && s.metric("vllm:kv_cache_usage_perc").await == 0.0 {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(5), "request not cancelled");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let m = s.metrics().await;
+        assert!(m.contains("finished_reason=\"abort\"} 1"), "{m}");
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemption_delays_requests_but_never_drops_them() {
+    within(60, async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        cfg.num_gpu_blocks = 40; // 640 tokens of KV in total
+        let s = TestServer::start(cfg, FAST).await;
+        let mut tasks = Vec::new();
+        for i in 0..4 {
+            let base = s.base.clone();
+            tasks.push(tokio::spawn(async move {
+                reqwest::Client::new()
+                    .post(format!("{base}/v1/completions"))
+                    .json(&json!({"prompt": tokens(50 + i, 100), "max_tokens": 200, "ignore_eos": true}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .json::<Value>()
+                    .await
+                    .unwrap()
+            }));
+        }
+        for t in tasks {
+            let body = t.await.unwrap();
+            assert_eq!(body["usage"]["completion_tokens"], 200, "{body}");
+            assert_eq!(body["choices"][0]["finish_reason"], "length");
+        }
+        assert!(s.metric("vllm:num_preemptions_total").await > 0.0);
+        s.stop().await;
+    })
+    .await;
+}
+
+/// The keys of every JSON object, recursively, as dotted paths (shape comparison).
+fn shape(v: &Value, prefix: &str, out: &mut std::collections::BTreeSet<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                let p = format!("{prefix}.{k}");
+                out.insert(p.clone());
+                shape(x, &p, out);
+            }
+        }
+        Value::Array(a) => {
+            for x in a {
+                shape(x, &format!("{prefix}[]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn shapes(v: &Value) -> std::collections::BTreeSet<String> {
+    let mut s = std::collections::BTreeSet::new();
+    shape(v, "", &mut s);
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_shapes_match_the_vllm_fixtures() {
+    within(30, async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        let s = TestServer::start(cfg, FAST).await;
+        let fixture: Value = serde_json::from_str(
+            &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/vllm-fixtures/completion.json")).unwrap(),
+        )
+        .unwrap();
+        let (st, ours) = s.post("/v1/completions", json!({"model": "sim-test", "prompt": "Hello there", "max_tokens": 3})).await;
+        assert_eq!(st, 200);
+        assert_eq!(shapes(&ours), shapes(&fixture));
+        assert_eq!(ours["kv_transfer_params"], Value::Null);
+        // Streaming chat, chunk by chunk, against chat_stream.txt.
+        let fixture_chunks: Vec<Value> =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/vllm-fixtures/chat_stream.txt"))
+                .unwrap()
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .map(|d| serde_json::from_str(d).unwrap())
+                .collect();
+        let text = s
+            .client
+            .post(format!("{}/v1/chat/completions", s.base))
+            .json(&json!({"model": "sim-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                          "stream": true, "stream_options": {"include_usage": true},
+                          "kv_transfer_params": {"remote_kv_source": null}}))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let lines: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+        assert_eq!(*lines.last().unwrap(), "[DONE]");
+        let ours: Vec<Value> = lines[..lines.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+        assert_eq!(ours.len(), fixture_chunks.len(), "role chunk + 5 content chunks + usage chunk");
+        for (o, f) in ours.iter().zip(&fixture_chunks) {
+            assert_eq!(shapes(o), shapes(f), "chunk shape differs:\nours {o}\nvllm {f}");
+        }
+        let usage = &ours.last().unwrap()["usage"];
+        assert_eq!(usage["completion_tokens"], 5);
+        assert!(usage["prompt_tokens_details"]["cached_tokens"].is_u64());
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_models_health_and_stop_strings() {
+    within(30, async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        let s = TestServer::start(cfg, FAST).await;
+        let (st, t) = s.post("/tokenize", json!({"prompt": "abc"})).await;
+        assert_eq!(st, 200);
+        assert_eq!(
+            t,
+            json!({"count": 3, "max_model_len": 65536, "tokens": [97, 98, 99], "token_strs": null})
+        );
+        let m: Value = s
+            .client
+            .get(format!("{}/v1/models", s.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(m["data"][0]["id"], "sim-test");
+        assert_eq!(
+            s.client
+                .get(format!("{}/health", s.base))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+        // Greedy sim output is a deterministic letter stream; stop on its third character.
+        let (_, full) = s
+            .post(
+                "/v1/completions",
+                json!({"prompt": "q", "max_tokens": 8, "temperature": 0}),
+            )
+            .await;
+        let text = full["choices"][0]["text"].as_str().unwrap().to_owned();
+        assert_eq!(text.len(), 8);
+        let stop = text[2..3].to_owned();
+        let cut = text.find(&stop).unwrap();
+        let (_, stopped) = s
+            .post(
+                "/v1/completions",
+                json!({"prompt": "q", "max_tokens": 8, "temperature": 0, "stop": [stop]}),
+            )
+            .await;
+        assert_eq!(stopped["choices"][0]["text"], text[..cut]);
+        assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+        assert_eq!(stopped["choices"][0]["stop_reason"], text[2..3]);
+        // Same seed, same output.
+        let (_, a) = s
+            .post(
+                "/v1/completions",
+                json!({"prompt": "q", "max_tokens": 8, "seed": 5}),
+            )
+            .await;
+        let (_, b) = s
+            .post(
+                "/v1/completions",
+                json!({"prompt": "z", "max_tokens": 8, "seed": 5}),
+            )
+            .await;
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+        s.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_streams_chat_when_installed() {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        println!(
+            "skipping: the `openai` Python package is not installed (see docs/benchmarks.md, Engine)"
+        );
+        return;
+    }
+    within(60, async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        let s = TestServer::start(cfg, FAST).await;
+        let script = format!(
+            "import openai\nc=openai.OpenAI(base_url='{}/v1',api_key='x')\n\
+             out=''\nfor ch in c.chat.completions.create(model='sim-test',messages=[{{'role':'user','content':'hi'}}],max_tokens=7,stream=True,stream_options={{'include_usage':True}}):\n\
+             \x20   out+= (ch.choices[0].delta.content or '') if ch.choices else ''\n\
+             \x20   u=ch.usage or None\nprint(len(out))\n",
+            s.base
+        );
+        let out = tokio::process::Command::new("python3").args(["-c", &script]).output().await.unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "7");
+        s.stop().await;
+    })
+    .await;
+}
