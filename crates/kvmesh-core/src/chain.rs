@@ -53,6 +53,7 @@ pub fn chain_keys(tokens: &[TokenId], block_size: usize) -> Vec<ChainKey> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

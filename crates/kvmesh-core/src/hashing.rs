@@ -12,7 +12,15 @@ use thiserror::Error;
 
 use crate::TokenId;
 
-/// The seed vLLM uses for NONE_HASH when `PYTHONHASHSEED` is not set.
+/// The seed vLLM uses for NONE_HASH when `PYTHONHASHSEED` is not set and the algorithm is
+/// cryptographic (`sha256`, `sha256_cbor`).
+///
+/// For the non-cryptographic `xxhash`/`xxhash_cbor`, vLLM deliberately derives NONE_HASH from
+/// `os.urandom(32).hex()` per process when `PYTHONHASHSEED` is unset
+/// (`kv_cache_utils.resolve_none_hash_seed`: a predictable seed would let an attacker precompute
+/// colliding blocks), so such an engine's hashes cannot be reproduced from a seed at all. To
+/// follow one, take its NONE_HASH (or first block) from elsewhere and use
+/// [`BlockHasher::with_none_hash`]; for sharing, run every engine with one `PYTHONHASHSEED`.
 pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
 
 /// The hash value an engine publishes for a block in KV events (last 8 digest bytes, big-endian).
@@ -45,6 +53,17 @@ impl HashAlgo {
             HashAlgo::Sha256Cbor => "sha256_cbor",
             HashAlgo::XxhashCbor => "xxhash_cbor",
         }
+    }
+
+    /// Whether vLLM treats the algorithm as collision resistant. Only those get the fixed
+    /// default seed; the others get a random per-process NONE_HASH unless `PYTHONHASHSEED` is set.
+    pub fn is_cryptographic(self) -> bool {
+        matches!(self, HashAlgo::Sha256Cbor)
+    }
+
+    /// Whether an engine started without `PYTHONHASHSEED` has reproducible hashes.
+    pub fn default_seed_is_reproducible(self) -> bool {
+        self.is_cryptographic()
     }
 
     /// Digest length in bytes.
@@ -116,6 +135,18 @@ impl BlockDigest {
         BlockHash(event_hash_from_bytes(self.as_bytes()))
     }
 
+    /// Parses a hex digest (16 or 32 bytes, as the two supported algorithms produce).
+    pub fn from_hex(s: &str) -> Result<Self, DigestParseError> {
+        let raw = hex::decode(s.trim()).map_err(|e| DigestParseError(e.to_string()))?;
+        if raw.len() != 16 && raw.len() != 32 {
+            return Err(DigestParseError(format!(
+                "expected 16 or 32 bytes, got {}",
+                raw.len()
+            )));
+        }
+        Ok(Self::from_bytes(&raw))
+    }
+
     /// Lower-case hex of the full digest.
     pub fn to_hex(&self) -> String {
         hex::encode(self.as_bytes())
@@ -134,6 +165,11 @@ pub fn event_hash_from_bytes(raw: &[u8]) -> u64 {
     let tail = &raw[raw.len().saturating_sub(8)..];
     tail.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
 }
+
+/// A hex digest that could not be parsed.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("invalid digest hex: {0}")]
+pub struct DigestParseError(String);
 
 /// Computes chained block digests for one algorithm, seed and block size.
 ///
@@ -157,17 +193,19 @@ impl fmt::Debug for BlockHasher {
 }
 
 impl BlockHasher {
-    /// `seed` is the `PYTHONHASHSEED` string if the engine sets one; `None` means vLLM's default
-    /// seed [`DEFAULT_NONE_HASH_SEED`].
+    /// `seed` is the `PYTHONHASHSEED` string if the engine sets one; `None` means
+    /// [`DEFAULT_NONE_HASH_SEED`] — vLLM's default for `sha256_cbor`. (For `xxhash_cbor` vLLM's
+    /// default is random per process; `None` then gives kvmesh's own deterministic choice, which
+    /// matches kvmesh engines but no unseeded vLLM — see [`DEFAULT_NONE_HASH_SEED`].)
     pub fn new(algo: HashAlgo, seed: Option<&str>, block_size: usize) -> Self {
-        let mut buf = Vec::with_capacity(64 + block_size * 5);
         let seed = seed.unwrap_or(DEFAULT_NONE_HASH_SEED);
-        buf.clear();
-        // A CBOR text string header followed by the utf-8 bytes; encoding a &str cannot fail
-        // on a Vec writer, so the error branch is unreachable in practice.
-        let mut enc = minicbor::Encoder::new(&mut buf);
-        let _ = enc.str(seed);
-        let none_hash = digest(algo, &buf);
+        Self::with_none_hash(algo, none_hash_for_seed(algo, seed), block_size)
+    }
+
+    /// A hasher chaining from a known NONE_HASH, e.g. one recorded from an engine whose seed is
+    /// random (vLLM `xxhash_cbor` without `PYTHONHASHSEED`) or advertised in a fingerprint.
+    pub fn with_none_hash(algo: HashAlgo, none_hash: BlockDigest, block_size: usize) -> Self {
+        let buf = Vec::with_capacity(64 + block_size * 5);
         Self {
             algo,
             block_size,
@@ -229,6 +267,15 @@ impl BlockHasher {
     }
 }
 
+/// NONE_HASH as vLLM derives it from a seed string: `H(cbor(seed))`.
+pub fn none_hash_for_seed(algo: HashAlgo, seed: &str) -> BlockDigest {
+    let mut buf = Vec::with_capacity(seed.len() + 9);
+    // A CBOR text string header followed by the utf-8 bytes; encoding into a Vec cannot fail.
+    let mut enc = minicbor::Encoder::new(&mut buf);
+    let _ = enc.str(seed);
+    digest(algo, &buf)
+}
+
 fn digest(algo: HashAlgo, data: &[u8]) -> BlockDigest {
     match algo {
         HashAlgo::Sha256Cbor => BlockDigest::from_bytes(&Sha256::digest(data)),
@@ -239,6 +286,7 @@ fn digest(algo: HashAlgo, data: &[u8]) -> BlockDigest {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -246,6 +294,25 @@ mod tests {
     fn pickle_algorithms_are_refused_with_a_reason() {
         let err = "sha256".parse::<HashAlgo>().unwrap_err();
         assert!(err.to_string().contains("pickle"));
+    }
+
+    #[test]
+    fn digest_hex_round_trips_and_rejects_bad_lengths() {
+        let d = none_hash_for_seed(HashAlgo::XxhashCbor, "0");
+        assert_eq!(d.as_bytes().len(), 16);
+        assert_eq!(BlockDigest::from_hex(&d.to_hex()), Ok(d));
+        assert!(BlockDigest::from_hex("abcd").is_err());
+        assert!(BlockDigest::from_hex("zz").is_err());
+    }
+
+    #[test]
+    fn with_none_hash_chains_like_new() {
+        let mut a = BlockHasher::new(HashAlgo::Sha256Cbor, Some("7"), 4);
+        let mut b = BlockHasher::with_none_hash(HashAlgo::Sha256Cbor, a.none_hash(), 4);
+        let toks: Vec<u32> = (0..12).collect();
+        assert_eq!(a.hash_prompt(&toks), b.hash_prompt(&toks));
+        assert!(!HashAlgo::XxhashCbor.default_seed_is_reproducible());
+        assert!(HashAlgo::Sha256Cbor.default_seed_is_reproducible());
     }
 
     #[test]
