@@ -270,6 +270,7 @@ impl Stop {
 
 fn conn_reason(e: &ConnectionError) -> PullReason {
     match e {
+        ConnectionError::Checksum { .. } => PullReason::Checksum,
         ConnectionError::Message(_) => PullReason::Protocol,
         e if e.is_closed() => PullReason::PeerClosed,
         ConnectionError::Io(_) | ConnectionError::ClosedMidFrame => PullReason::PeerClosed,
@@ -597,9 +598,7 @@ impl PullClient {
                     if b.index as usize != next || b.hash != want {
                         return Err(Stop::broken(PullReason::Protocol));
                     }
-                    if !b.checksum_ok() {
-                        return Err(Stop::broken(PullReason::Checksum));
-                    }
+                    // The connection verified the checksum while the bytes arrived.
                     let len = b.payload.len();
                     if sink.accept(next, want, b.payload).is_err() {
                         return Err(Stop::broken(PullReason::SinkRejected));

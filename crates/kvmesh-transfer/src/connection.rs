@@ -2,7 +2,10 @@
 //!
 //! Reads go into one growing `BytesMut`; once a frame's length is known the buffer reserves the
 //! whole frame so a multi-megabyte block lands in a single allocation, and the payload handed up
-//! is a zero-copy slice of it. Writes of block frames are vectored (header, payload, checksum) so
+//! is a zero-copy slice of it. A block's CRC32 is computed progressively as its bytes arrive
+//! (while they are still in cache) and checked when the frame completes, so a corrupted block
+//! surfaces as [`ConnectionError::Checksum`] without a second pass over the payload. Writes of
+//! block frames are vectored (header, payload, checksum) so
 //! the payload `Bytes` is never copied into a staging buffer.
 
 use std::io;
@@ -12,8 +15,8 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::frame::{self, Check, FrameError};
-use crate::message::{Message, MessageError};
+use crate::frame::{self, Check, FrameError, Tag};
+use crate::message::{BLOCK_PAYLOAD_OFFSET, BLOCK_TRAILER, Message, MessageError};
 
 /// Read-ahead beyond the current frame, so the next frame's header usually arrives in the same
 /// read call.
@@ -27,6 +30,8 @@ pub enum ConnectionError {
     ClosedMidFrame,
     #[error(transparent)]
     Message(#[from] MessageError),
+    #[error("block {index}: payload does not match its checksum")]
+    Checksum { index: u32 },
 }
 
 impl From<FrameError> for ConnectionError {
@@ -47,7 +52,7 @@ impl ConnectionError {
                     | io::ErrorKind::BrokenPipe
                     | io::ErrorKind::UnexpectedEof
             ),
-            ConnectionError::Message(_) => false,
+            ConnectionError::Message(_) | ConnectionError::Checksum { .. } => false,
         }
     }
 }
@@ -60,6 +65,9 @@ pub struct Connection {
     buf: BytesMut,
     /// Upper bound on one frame, enforced from the length prefix.
     max_frame: usize,
+    /// CRC32 of the payload bytes of the block frame at the front of `buf` hashed so far, and
+    /// the offset (from the frame start) up to which they are hashed.
+    block_crc: Option<(crc32fast::Hasher, usize)>,
 }
 
 impl Connection {
@@ -70,6 +78,7 @@ impl Connection {
             stream,
             buf: BytesMut::with_capacity(READ_AHEAD),
             max_frame,
+            block_crc: None,
         }
     }
 
@@ -81,12 +90,21 @@ impl Connection {
     pub async fn read_message(&mut self) -> Result<Option<Message>, ConnectionError> {
         loop {
             match frame::check(&self.buf, self.max_frame)? {
-                Check::Complete { .. } => {
+                Check::Complete { total } => {
+                    self.digest_block(total);
+                    let crc = self.block_crc.take().map(|(h, _)| h.finalize());
                     if let Some(f) = frame::parse(&mut self.buf, self.max_frame)? {
-                        return Ok(Some(Message::from_frame(f)?));
+                        let msg = Message::from_frame(f)?;
+                        if let (Message::Block(b), Some(crc)) = (&msg, crc)
+                            && b.crc != crc
+                        {
+                            return Err(ConnectionError::Checksum { index: b.index });
+                        }
+                        return Ok(Some(msg));
                     }
                 }
                 Check::Incomplete { needed } => {
+                    self.digest_block(self.buf.len() + needed);
                     let spare = self.buf.capacity() - self.buf.len();
                     if spare < needed.max(4096) {
                         self.buf.reserve(needed + READ_AHEAD);
@@ -100,6 +118,24 @@ impl Connection {
                     Err(ConnectionError::ClosedMidFrame)
                 };
             }
+        }
+    }
+
+    /// Hash the newly buffered payload bytes of a block frame of `total` bytes at the front of
+    /// the buffer. Malformed block frames are left to the message decoder to reject.
+    fn digest_block(&mut self, total: usize) {
+        if self.buf.get(4) != Some(&(Tag::Block as u8))
+            || total < BLOCK_PAYLOAD_OFFSET + BLOCK_TRAILER
+        {
+            return;
+        }
+        let end = self.buf.len().min(total - BLOCK_TRAILER);
+        let (hasher, upto) = self
+            .block_crc
+            .get_or_insert_with(|| (crc32fast::Hasher::new(), BLOCK_PAYLOAD_OFFSET));
+        if end > *upto {
+            hasher.update(&self.buf[*upto..end]);
+            *upto = end;
         }
     }
 

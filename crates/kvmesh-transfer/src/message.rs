@@ -139,10 +139,26 @@ pub struct BlockFrame {
 /// Fixed part of a block body before the payload.
 const BLOCK_HEAD: usize = 4 + 8 + 4;
 
+/// Offset of a block's payload from the start of its frame (length prefix included).
+pub const BLOCK_PAYLOAD_OFFSET: usize = HEADER_LEN + BLOCK_HEAD;
+
+/// Bytes after a block's payload (the CRC32).
+pub const BLOCK_TRAILER: usize = 4;
+
 impl BlockFrame {
     /// A frame whose checksum matches its payload.
     pub fn new(index: u32, hash: BlockHash, payload: Bytes) -> Self {
         let crc = crc32fast::hash(&payload);
+        Self {
+            index,
+            hash,
+            payload,
+            crc,
+        }
+    }
+
+    /// A frame carrying a checksum computed earlier (e.g. when the block was stored).
+    pub fn with_checksum(index: u32, hash: BlockHash, payload: Bytes, crc: u32) -> Self {
         Self {
             index,
             hash,

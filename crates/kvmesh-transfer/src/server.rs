@@ -214,6 +214,10 @@ impl Handler {
                 });
                 let _ = timeout(Duration::from_secs(1), self.conn.write_message(&msg)).await;
             }
+            Err(HandlerError::Connection(e @ ConnectionError::Checksum { .. })) => {
+                metrics.record_protocol_error(Direction::Out);
+                debug!(peer = %self.peer, error = %e, "p2p producer: corrupt frame");
+            }
             Err(HandlerError::Connection(e)) => {
                 debug!(peer = %self.peer, error = %e, "p2p producer: connection ended");
             }
@@ -408,14 +412,13 @@ impl Handler {
                     }
                 }
             }
-            let Some(payload) = self.shared.source.read(hash) else {
+            let Some((payload, crc)) = self.shared.source.read_with_checksum(hash) else {
                 end = FetchEnd::Miss { index };
                 break;
             };
             let len = payload.len();
-            self.conn
-                .write_message(&Message::Block(BlockFrame::new(index, hash, payload)))
-                .await?;
+            let block = BlockFrame::with_checksum(index, hash, payload, crc);
+            self.conn.write_message(&Message::Block(block)).await?;
             self.shared.config.metrics.record_block(Direction::Out, len);
             blocks += 1;
             bytes += len as u64;

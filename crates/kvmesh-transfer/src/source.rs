@@ -33,6 +33,14 @@ pub trait BlockSource: Send + Sync + 'static {
     fn lookup_and_pin(&self, hashes: &[BlockHash], lease: Duration) -> Vec<BlockStatus>;
     /// The payload of a held block.
     fn read(&self, hash: BlockHash) -> Option<Bytes>;
+    /// The payload with its CRC32 (`crc32fast::hash`). Stores that keep the checksum from insert
+    /// time should override this: checksumming on every send costs a pass over the payload on the
+    /// producer's cores, and a checksum taken at insert also catches corruption at rest.
+    fn read_with_checksum(&self, hash: BlockHash) -> Option<(Bytes, u32)> {
+        let payload = self.read(hash)?;
+        let crc = crc32fast::hash(&payload);
+        Some((payload, crc))
+    }
     /// Release one pin per hash (pins already expired are ignored).
     fn unpin(&self, hashes: &[BlockHash]);
     /// Resolve `true` once a `Pending` block is readable, `false` at `deadline` or if not pending.
@@ -74,7 +82,8 @@ impl BlockSink for VecSink {
 
 #[derive(Debug, Default)]
 struct Inner {
-    blocks: HashMap<BlockHash, Bytes>,
+    /// Payload and its CRC32, computed once at insert.
+    blocks: HashMap<BlockHash, (Bytes, u32)>,
     pending: HashSet<BlockHash>,
     /// Lease expiries of live pins per block (one entry per pin).
     pins: HashMap<BlockHash, Vec<Instant>>,
@@ -111,12 +120,13 @@ impl MemorySource {
         }
     }
 
-    /// Store a block (completing it if it was pending).
+    /// Store a block (completing it if it was pending). Computes its checksum once, here.
     pub fn insert(&self, hash: BlockHash, payload: Bytes) {
+        let crc = crc32fast::hash(&payload);
         {
             let mut g = self.inner.lock();
             g.pending.remove(&hash);
-            g.blocks.insert(hash, payload);
+            g.blocks.insert(hash, (payload, crc));
         }
         self.ready.notify_waiters();
     }
@@ -180,6 +190,10 @@ impl BlockSource for MemorySource {
     }
 
     fn read(&self, hash: BlockHash) -> Option<Bytes> {
+        self.inner.lock().blocks.get(&hash).map(|(p, _)| p.clone())
+    }
+
+    fn read_with_checksum(&self, hash: BlockHash) -> Option<(Bytes, u32)> {
         self.inner.lock().blocks.get(&hash).cloned()
     }
 

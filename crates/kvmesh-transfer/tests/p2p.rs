@@ -944,3 +944,42 @@ async fn handshake_raw(addr: SocketAddr) -> Connection {
     assert!(matches!(reply, Some(Message::HelloOk(_))), "{reply:?}");
     conn
 }
+
+#[tokio::test]
+async fn block_checksum_is_verified_however_the_bytes_are_chunked() {
+    use tokio::io::AsyncWriteExt;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let good = BlockFrame::new(3, BlockHash(42), payload_for(BlockHash(42)));
+    let mut bad = good.clone();
+    bad.crc ^= 1;
+    let mut wire = Message::Block(good.clone())
+        .encode(1 << 20)
+        .unwrap()
+        .to_vec();
+    wire.extend(Message::Block(bad).encode(1 << 20).unwrap().to_vec());
+    let writer = tokio::spawn(async move {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.set_nodelay(true).unwrap();
+        for (i, chunk) in wire.chunks(997).enumerate() {
+            s.write_all(chunk).await.unwrap();
+            if i % 3 == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    });
+    let (stream, _) = listener.accept().await.unwrap();
+    let mut conn = Connection::new(stream, 1 << 20);
+    let first = bounded(conn.read_message()).await.unwrap();
+    assert_eq!(first, Some(Message::Block(good)));
+    let second = bounded(conn.read_message()).await;
+    assert!(
+        matches!(
+            second,
+            Err(kvmesh_transfer::connection::ConnectionError::Checksum { index: 3 })
+        ),
+        "{second:?}"
+    );
+    writer.await.unwrap();
+}
