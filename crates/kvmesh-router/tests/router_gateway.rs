@@ -1,0 +1,499 @@
+//! Gateway behaviour against fake OpenAI engines on loopback: pass-through (JSON and SSE without
+//! buffering), errors, 400s that never reach an engine, load released on every path, P2P source
+//! injection, explanations, health ejection, endpoints-file reload.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::{FakeEngine, FakePrefix, Mode, endpoints_yaml, eventually, start_router};
+use futures::StreamExt;
+use kvmesh_router::RouterHandle;
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+fn in_flight(r: &RouterHandle) -> Vec<u64> {
+    r.state
+        .endpoints
+        .list()
+        .iter()
+        .map(|e| e.load.snapshot().requests)
+        .collect()
+}
+
+fn load_zero(r: &RouterHandle) -> bool {
+    r.state
+        .endpoints
+        .list()
+        .iter()
+        .all(|e| e.load.snapshot() == Default::default())
+}
+
+#[tokio::test]
+async fn malformed_requests_get_400_without_reaching_an_engine() {
+    tokio::time::timeout(LIMIT, async {
+        let e0 = FakeEngine::start("e0").await;
+        let r = start_router(&endpoints_yaml(&[&e0]), None).await;
+        let base = format!("http://{}", r.addr);
+        for (path, body) in [
+            ("/v1/completions", "{not json"),
+            ("/v1/completions", r#"{"model":"m"}"#),
+            ("/v1/completions", r#"{"prompt":[1,-1]}"#),
+            ("/v1/completions", r#"{"prompt":"x","max_tokens":"many"}"#),
+            ("/v1/chat/completions", r#"{"messages":[]}"#),
+            (
+                "/v1/chat/completions",
+                r#"{"messages":[{"role":"user","content":7}]}"#,
+            ),
+        ] {
+            let resp = client()
+                .post(format!("{base}{path}"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 400, "{body}");
+            let v: Value = resp.json().await.unwrap();
+            assert_eq!(v["error"]["code"], 400);
+            assert!(v["error"]["message"].as_str().unwrap().len() > 3);
+        }
+        let resp = client()
+            .post(format!("{base}/v1/completions"))
+            .header("x-kvmesh-profile", "nope")
+            .body(r#"{"prompt":"x"}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400);
+        assert_eq!(e0.count(), 0, "no malformed request may reach the engine");
+        let metrics = client()
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains("kvmesh_router_errors_total{kind=\"bad_request\"} 7"),
+            "{metrics}"
+        );
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn json_and_sse_pass_through_and_engine_errors_are_passed_on() {
+    tokio::time::timeout(LIMIT, async {
+        let e0 = FakeEngine::start("e0").await;
+        let r = start_router(&endpoints_yaml(&[&e0]), None).await;
+        let base = format!("http://{}", r.addr);
+        let resp = client().post(format!("{base}/v1/completions")).json(&json!({"prompt": "hello", "max_tokens": 3})).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-kvmesh-endpoint"], "e0");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["engine"], "e0");
+        // Forwarded body keeps unknown fields and the prompt verbatim.
+        let resp = client()
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "cache_salt": "s"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let text = resp.text().await.unwrap();
+        assert_eq!(text.matches("data: ").count(), 4);
+        assert!(text.ends_with("data: [DONE]\n\n"));
+        let got = e0.state.received.lock().last().map(|r| (r.path.clone(), r.body.clone())).unwrap();
+        assert_eq!(got.0, "/v1/chat/completions");
+        assert_eq!(got.1["cache_salt"], "s");
+        // Engine errors: status and body unchanged; load released.
+        e0.set_mode(Mode::Error(422, r#"{"error":{"message":"engine says no","code":422}}"#.into()));
+        let resp = client().post(format!("{base}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+        assert_eq!(resp.status(), 422);
+        assert!(resp.text().await.unwrap().contains("engine says no"));
+        assert!(load_zero(&r));
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn streams_are_not_buffered_and_load_is_held_until_the_end() {
+    tokio::time::timeout(LIMIT, async {
+        let e0 = FakeEngine::start("e0").await;
+        let gate = Arc::new(Notify::new());
+        e0.set_mode(Mode::Gated(Arc::clone(&gate)));
+        let r = start_router(&endpoints_yaml(&[&e0]), None).await;
+        let resp = client()
+            .post(format!("http://{}/v1/completions", r.addr))
+            .json(&json!({"prompt": "a".repeat(100), "stream": true, "max_tokens": 7}))
+            .send()
+            .await
+            .unwrap();
+        let mut body = resp.bytes_stream();
+        let first = body.next().await.unwrap().unwrap();
+        assert!(
+            std::str::from_utf8(&first).unwrap().contains("t0"),
+            "first chunk arrives before the engine finishes"
+        );
+        let snap = r.state.endpoints.list()[0].load.snapshot();
+        assert_eq!(snap.requests, 1);
+        assert_eq!(
+            snap.uncached_tokens, 0,
+            "prefill is over once the first byte arrived"
+        );
+        assert_eq!(snap.decode_tokens, 7);
+        gate.notify_one();
+        let mut rest = Vec::new();
+        while let Some(c) = body.next().await {
+            rest.extend_from_slice(&c.unwrap());
+        }
+        assert!(String::from_utf8(rest).unwrap().contains("[DONE]"));
+        eventually(5, "load released at stream end", || load_zero(&r)).await;
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn client_disconnect_releases_load_and_cancels_upstream() {
+    tokio::time::timeout(LIMIT, async {
+        let e0 = FakeEngine::start("e0").await;
+        e0.set_mode(Mode::Hang);
+        let r = start_router(&endpoints_yaml(&[&e0]), None).await;
+        let resp = client()
+            .post(format!("http://{}/v1/completions", r.addr))
+            .json(&json!({"prompt": "hang", "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let mut body = resp.bytes_stream();
+        body.next().await.unwrap().unwrap();
+        assert_eq!(in_flight(&r), vec![1]);
+        drop(body);
+        eventually(5, "load released after disconnect", || load_zero(&r)).await;
+        eventually(5, "upstream stream cancelled", || {
+            e0.state.cancelled.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        // Disconnect while waiting for response headers (engine slow).
+        e0.set_mode(Mode::Slow(Duration::from_secs(60)));
+        let url = format!("http://{}/v1/completions", r.addr);
+        let req = tokio::spawn(async move {
+            client()
+                .post(url)
+                .json(&json!({"prompt": "slow"}))
+                .send()
+                .await
+        });
+        eventually(5, "request in flight", || in_flight(&r) == vec![1]).await;
+        req.abort();
+        eventually(5, "load released after early disconnect", || load_zero(&r)).await;
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn upstream_timeout_and_dead_engine_release_load() {
+    tokio::time::timeout(LIMIT, async {
+        let e0 = FakeEngine::start("e0").await;
+        e0.set_mode(Mode::Slow(Duration::from_secs(30)));
+        let yaml = format!("request_timeout: 200ms\n{}", endpoints_yaml(&[&e0]));
+        let r = start_router(&yaml, None).await;
+        let resp = client()
+            .post(format!("http://{}/v1/completions", r.addr))
+            .json(&json!({"prompt": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 504);
+        assert!(load_zero(&r));
+        r.shutdown().await.unwrap();
+        // An endpoint nobody listens on: 502, load released.
+        let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", dead.local_addr().unwrap());
+        drop(dead);
+        let r = start_router(
+            &format!("endpoints:\n  - {{name: dead, url: \"{url}\"}}\n"),
+            None,
+        )
+        .await;
+        let resp = client()
+            .post(format!("http://{}/v1/completions", r.addr))
+            .json(&json!({"prompt": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 502);
+        assert!(load_zero(&r));
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+const LOAD_P2P: &str = r#"
+seed: 7
+source_header: true
+plugins:
+  - {type: queue-scorer, name: queue}
+  - {type: round-robin-picker, name: rr}
+  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 64}}
+schedulingProfiles:
+  - name: load-p2p
+    plugins: [{pluginRef: queue, weight: 1}, {pluginRef: rr}, {pluginRef: p2p}]
+"#;
+
+#[tokio::test]
+async fn p2p_source_is_injected_and_explained() {
+    tokio::time::timeout(LIMIT, async {
+        let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
+        let prefix = Arc::new(FakePrefix::default());
+        // e0 holds 20 blocks (320 tokens) in both tiers.
+        prefix.set(&[(0, 20, 20)]);
+        let yaml = format!("{LOAD_P2P}{}", endpoints_yaml(&[&e0, &e1]));
+        let r = start_router(&yaml, Some(prefix.clone())).await;
+        let base = format!("http://{}", r.addr);
+        let prompt = "p".repeat(400);
+        let mut sources = Vec::new();
+        for i in 0..4 {
+            let resp = client()
+                .post(format!("{base}/v1/completions"))
+                .header("x-kvmesh-explain", "1")
+                .header("x-kv-cache-source-host-port", "10.0.0.1:1")
+                .header("x-request-id", format!("req-{i}"))
+                .json(&json!({"prompt": prompt, "kv_transfer_params": {"keep": true}}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            let decision: Value =
+                serde_json::from_str(resp.headers()["x-kvmesh-decision"].to_str().unwrap())
+                    .unwrap();
+            sources.push((
+                decision["endpoint"].as_str().unwrap().to_owned(),
+                decision["p2p_source"].clone(),
+            ));
+        }
+        // Round robin alternates; requests on e1 pull from e0; requests on e0 are local hits.
+        for (ep, src) in &sources {
+            if ep == "e1" {
+                assert_eq!(src, "e0");
+            } else {
+                assert!(src.is_null());
+            }
+        }
+        let on_e1: Vec<_> = e1
+            .state
+            .received
+            .lock()
+            .iter()
+            .map(|r| (r.headers.clone(), r.body.clone()))
+            .collect();
+        assert_eq!(on_e1.len(), 2);
+        for (h, b) in &on_e1 {
+            let src = &b["kv_transfer_params"]["remote_kv_source"];
+            assert_eq!(src["remote_host"], "127.0.0.1");
+            assert_eq!(src["remote_port"], 7000);
+            assert_eq!(src["kv_request_id"], h["x-request-id"].to_str().unwrap());
+            assert_eq!(
+                b["kv_transfer_params"]["keep"], true,
+                "other kv_transfer_params keys are kept"
+            );
+            assert_eq!(h["x-kv-cache-source-host-port"], "127.0.0.1:7000");
+        }
+        for r in e0.state.received.lock().iter() {
+            assert!(
+                r.body["kv_transfer_params"]
+                    .get("remote_kv_source")
+                    .is_none()
+            );
+            assert!(
+                r.headers.get("x-kv-cache-source-host-port").is_none(),
+                "inbound copies are stripped"
+            );
+        }
+        let decisions: Value = client()
+            .get(format!("{base}/debug/decisions?last=2"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let decisions = decisions.as_array().unwrap();
+        assert_eq!(decisions.len(), 2);
+        assert_eq!(decisions[1]["request_id"], "req-3");
+        let d = decisions.iter().find(|d| d["endpoint"] == "e1").unwrap();
+        assert_eq!(d["outcome"], "pull_named");
+        assert_eq!(d["p2p"]["source_tokens"], 320);
+        assert_eq!(d["p2p"]["delta_tokens"], 320);
+        assert!(d["candidates"][0]["scores"]["queue"].is_number());
+        let d = decisions.iter().find(|d| d["endpoint"] == "e0").unwrap();
+        assert_eq!(d["p2p"]["skipped"], "self_source");
+        let metrics = client()
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains("kvmesh_router_decisions_total{outcome=\"pull_named\"} 2"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("kvmesh_router_pull_skipped_total{reason=\"self\"} 2"),
+            "{metrics}"
+        );
+        assert!(
+            metrics
+                .contains("kvmesh_router_requests_total{profile=\"load-p2p\",endpoint=\"e1\"} 2"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("kvmesh_router_prefill_rate_tokens_per_second{endpoint=\"e0\"}"),
+            "{metrics}"
+        );
+        // /debug/prefix reports the index view per endpoint.
+        let p: Value = client()
+            .post(format!("{base}/debug/prefix"))
+            .json(&json!({"prompt": prompt}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(p["endpoints"]["e0"]["gpu_tokens"], 320);
+        assert_eq!(p["endpoints"]["e1"]["cpu_tokens"], 0);
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn unhealthy_endpoints_are_ejected_and_readmitted() {
+    tokio::time::timeout(LIMIT, async {
+        let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
+        let yaml = format!(
+            "health_check: {{interval: 50ms, timeout: 200ms, unhealthy_threshold: 2, healthy_threshold: 2}}\nmetrics_scrape_interval: 50ms\n{}",
+            endpoints_yaml(&[&e0, &e1])
+        );
+        let r = start_router(&yaml, None).await;
+        let base = format!("http://{}", r.addr);
+        e1.state.healthy.store(false, Ordering::SeqCst);
+        let healthy = |r: &RouterHandle| r.state.endpoints.list().iter().map(|e| e.is_healthy()).collect::<Vec<_>>();
+        eventually(5, "e1 ejected", || healthy(&r) == vec![true, false]).await;
+        for _ in 0..6 {
+            let resp = client().post(format!("{base}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+            assert_eq!(resp.headers()["x-kvmesh-endpoint"], "e0");
+        }
+        assert_eq!(e1.count(), 0);
+        e1.state.healthy.store(true, Ordering::SeqCst);
+        eventually(5, "e1 readmitted", || healthy(&r) == vec![true, true]).await;
+        // Scraped gauges reach the candidates.
+        eventually(5, "metrics scraped", || r.state.endpoints.list().iter().all(|e| e.metrics().is_some())).await;
+        let m = r.state.endpoints.list()[0].metrics().unwrap();
+        assert_eq!(m.kv_usage, 0.25);
+        let metrics = client().get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("kvmesh_router_endpoint_changes_total{kind=\"ejected\"} 1"), "{metrics}");
+        assert!(metrics.contains("kvmesh_router_endpoint_kv_usage_ratio{endpoint=\"e1\"} 0.25"), "{metrics}");
+        let h = client().get(format!("{base}/health")).send().await.unwrap();
+        assert_eq!(h.status(), 200);
+        let models: Value = client().get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+        assert_eq!(models["data"][0]["id"], "m");
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn endpoints_file_changes_apply_without_restart() {
+    tokio::time::timeout(LIMIT, async {
+        let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("fleet.yaml");
+        std::fs::write(&file, endpoints_yaml(&[&e0])).unwrap();
+        let yaml = format!("endpoints_file: {}\n", file.display());
+        let r = start_router(&yaml, None).await;
+        let names = |r: &RouterHandle| {
+            r.state
+                .endpoints
+                .list()
+                .iter()
+                .map(|e| e.name.to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(&r), vec!["e0"]);
+        std::fs::write(&file, endpoints_yaml(&[&e0, &e1])).unwrap();
+        eventually(10, "e1 added", || names(&r) == vec!["e0", "e1"]).await;
+        // A broken file leaves the list alone.
+        std::fs::write(&file, "endpoints: [{name: x}]").unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(names(&r), vec!["e0", "e1"]);
+        // Replace by rename (as editors do), dropping e0.
+        let tmp = dir.path().join("fleet.yaml.tmp");
+        std::fs::write(&tmp, format!("- {{name: e1, url: \"{}\"}}\n", e1.url)).unwrap();
+        std::fs::rename(&tmp, &file).unwrap();
+        eventually(10, "e0 removed", || names(&r) == vec!["e1"]).await;
+        let resp = client()
+            .post(format!("http://{}/v1/completions", r.addr))
+            .json(&json!({"prompt": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.headers()["x-kvmesh-endpoint"], "e1");
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn cold_requests_spread_across_endpoints() {
+    tokio::time::timeout(LIMIT, async {
+        let engines = [
+            FakeEngine::start("e0").await,
+            FakeEngine::start("e1").await,
+            FakeEngine::start("e2").await,
+        ];
+        let refs: Vec<&FakeEngine> = engines.iter().collect();
+        let r = start_router(&format!("seed: 3\n{}", endpoints_yaml(&refs)), None).await;
+        for i in 0..30 {
+            client()
+                .post(format!("http://{}/v1/completions", r.addr))
+                .json(&json!({"prompt": format!("cold {i}")}))
+                .send()
+                .await
+                .unwrap();
+        }
+        // Default affinity profile, all scores tied: random tie-break must use every endpoint.
+        for e in &engines {
+            assert!(e.count() >= 3, "{} got {}", e.state.name, e.count());
+        }
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
