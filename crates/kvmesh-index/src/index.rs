@@ -49,6 +49,9 @@ struct EndpointState {
     /// Engine hash → keys of its leading router blocks, only when the engine block spans several
     /// router blocks.
     spans: HashMap<BlockHash, Box<[ChainKey]>>,
+    /// While the endpoint is suspect (events were lost): the engine hashes stored since then.
+    /// Everything else is aged out by [`PrefixIndex::expire_suspect`].
+    refreshed: Option<hashbrown::HashSet<BlockHash>>,
 }
 
 #[derive(Debug)]
@@ -176,6 +179,54 @@ impl PrefixIndex {
             *s = None;
         }
         reg.free.push(entry.slot);
+    }
+
+    /// Marks `endpoint` suspect: events were lost, so some of what the index holds for it may be
+    /// stale. Entries stay usable; blocks stored from now on are remembered as refreshed, and
+    /// [`PrefixIndex::expire_suspect`] later drops every entry that was not. Marking an already
+    /// suspect endpoint again keeps the earlier starting point.
+    pub fn mark_suspect(&self, endpoint: EndpointId) {
+        if let Ok(entry) = self.endpoint_entry(endpoint) {
+            let mut state = entry.state.lock();
+            if !state.removed && state.refreshed.is_none() {
+                state.refreshed = Some(hashbrown::HashSet::new());
+            }
+        }
+    }
+
+    /// Ages out a suspect endpoint: drops its entries not stored again since
+    /// [`PrefixIndex::mark_suspect`], and ends the suspect state. Returns the number of engine
+    /// blocks dropped (0 if the endpoint was not suspect).
+    pub fn expire_suspect(&self, endpoint: EndpointId) -> usize {
+        let entry = self.registry.read().by_id.get(&endpoint).cloned();
+        let Some(entry) = entry else { return 0 };
+        let mut state = entry.state.lock();
+        let Some(refreshed) = state.refreshed.take() else {
+            return 0;
+        };
+        let stale: Vec<BlockHash> = state
+            .hashes
+            .keys()
+            .filter(|h| !refreshed.contains(*h))
+            .copied()
+            .collect();
+        for hash in &stale {
+            if let Some(last) = state.hashes.remove(hash) {
+                if let Some(lead) = state.spans.remove(hash) {
+                    for k in lead.iter() {
+                        self.remove_member(*k, entry.slot, None);
+                    }
+                }
+                self.remove_member(last, entry.slot, None);
+            }
+        }
+        stale.len()
+    }
+
+    /// Whether `endpoint` is currently suspect.
+    pub fn is_suspect(&self, endpoint: EndpointId) -> bool {
+        let entry = self.registry.read().by_id.get(&endpoint).cloned();
+        entry.is_some_and(|e| e.state.lock().refreshed.is_some())
     }
 
     /// Endpoints currently registered.
@@ -405,6 +456,9 @@ impl PrefixIndex {
                 }
             }
             state.hashes.insert(*hash, key);
+            if let Some(r) = &mut state.refreshed {
+                r.insert(*hash);
+            }
             if ratio > 1 {
                 state.spans.insert(*hash, lead.into_boxed_slice());
             }
@@ -432,6 +486,9 @@ impl PrefixIndex {
                 }
             }
             self.add_member(last, slot, tier, now);
+            if let Some(r) = &mut state.refreshed {
+                r.insert(*hash);
+            }
         }
         if unresolved > 0 {
             self.counters
@@ -466,6 +523,9 @@ impl PrefixIndex {
             if !still_held {
                 state.hashes.remove(hash);
                 state.spans.remove(hash);
+                if let Some(r) = &mut state.refreshed {
+                    r.remove(hash);
+                }
             }
         }
     }
@@ -481,6 +541,8 @@ impl PrefixIndex {
         }
         state.spans = HashMap::new();
         state.hashes = HashMap::new();
+        // Nothing stale is left: a clear also ends the suspect state.
+        state.refreshed = None;
     }
 
     fn add_member(&self, key: ChainKey, slot: u32, tier: Tier, now: u32) {

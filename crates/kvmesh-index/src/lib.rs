@@ -206,6 +206,8 @@ pub trait IndexBackend {
     fn remove_endpoint(&self, endpoint: EndpointId);
     /// Matches sorted by endpoint id.
     fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch>;
+    fn mark_suspect(&self, endpoint: EndpointId);
+    fn expire_suspect(&self, endpoint: EndpointId) -> usize;
 }
 
 impl IndexBackend for PrefixIndex {
@@ -220,6 +222,12 @@ impl IndexBackend for PrefixIndex {
     }
     fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch> {
         PrefixIndex::find_matches(self, keys)
+    }
+    fn mark_suspect(&self, endpoint: EndpointId) {
+        PrefixIndex::mark_suspect(self, endpoint)
+    }
+    fn expire_suspect(&self, endpoint: EndpointId) -> usize {
+        PrefixIndex::expire_suspect(self, endpoint)
     }
 }
 

@@ -5,7 +5,7 @@
 //! has no memory bound (never evicts) and no concurrency story; it exists so property tests can
 //! compare every lookup of [`crate::PrefixIndex`] against it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kvmesh_core::events::KvEvent;
 use kvmesh_core::{BlockHash, ChainKey};
@@ -19,6 +19,8 @@ struct Endpoint {
     held: BTreeMap<ChainKey, (bool, bool)>,
     /// Engine hash → every router key it covers, in order.
     keys: BTreeMap<BlockHash, Vec<ChainKey>>,
+    /// While suspect: hashes stored since the endpoint was marked.
+    refreshed: Option<BTreeSet<BlockHash>>,
 }
 
 /// The naive reference index.
@@ -82,6 +84,9 @@ impl IndexBackend for ReferenceIndex {
                     let last = keys.last().copied();
                     if last.is_none_or(|k| !ep.held.contains_key(&k)) {
                         ep.keys.remove(h);
+                        if let Some(r) = &mut ep.refreshed {
+                            r.remove(h);
+                        }
                     }
                 }
                 Ok(())
@@ -102,6 +107,9 @@ impl IndexBackend for ReferenceIndex {
                             Some(keys) => {
                                 for k in keys {
                                     set_tier(ep.held.entry(*k).or_default(), tier, true);
+                                }
+                                if let Some(r) = &mut ep.refreshed {
+                                    r.insert(*h);
                                 }
                             }
                         }
@@ -155,6 +163,9 @@ impl IndexBackend for ReferenceIndex {
                         set_tier(ep.held.entry(parent).or_default(), tier, true);
                     }
                     ep.keys.insert(*h, keys);
+                    if let Some(r) = &mut ep.refreshed {
+                        r.insert(*h);
+                    }
                 }
                 Ok(())
             }
@@ -169,6 +180,36 @@ impl IndexBackend for ReferenceIndex {
 
     fn remove_endpoint(&self, endpoint: EndpointId) {
         self.endpoints.lock().remove(&endpoint);
+    }
+
+    fn mark_suspect(&self, endpoint: EndpointId) {
+        let mut all = self.endpoints.lock();
+        let ep = all.entry(endpoint).or_default();
+        if ep.refreshed.is_none() {
+            ep.refreshed = Some(BTreeSet::new());
+        }
+    }
+
+    fn expire_suspect(&self, endpoint: EndpointId) -> usize {
+        let mut all = self.endpoints.lock();
+        let Some(ep) = all.get_mut(&endpoint) else {
+            return 0;
+        };
+        let Some(refreshed) = ep.refreshed.take() else {
+            return 0;
+        };
+        let stale: Vec<BlockHash> = ep
+            .keys
+            .keys()
+            .filter(|h| !refreshed.contains(*h))
+            .copied()
+            .collect();
+        for h in &stale {
+            for k in ep.keys.remove(h).unwrap_or_default() {
+                ep.held.remove(&k);
+            }
+        }
+        stale.len()
     }
 
     fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch> {

@@ -51,6 +51,12 @@ enum Op {
         ep: u8,
         prompt: u8,
     },
+    Suspect {
+        ep: u8,
+    },
+    Expire {
+        ep: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -65,7 +71,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => ep.clone().prop_map(|ep| Op::ClearCall { ep }),
         1 => ep.clone().prop_map(|ep| Op::RemoveEndpoint { ep }),
         1 => (ep.clone(), prompt.clone()).prop_map(|(ep, prompt)| Op::BadTokens { ep, prompt }),
-        1 => (ep, prompt).prop_map(|(ep, prompt)| Op::Storage { ep, prompt }),
+        1 => (ep.clone(), prompt).prop_map(|(ep, prompt)| Op::Storage { ep, prompt }),
+        1 => ep.clone().prop_map(|ep| Op::Suspect { ep }),
+        1 => ep.prop_map(|ep| Op::Expire { ep }),
     ]
 }
 
@@ -212,7 +220,12 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                 }),
             )
         }
-        Op::ClearCall { .. } | Op::RemoveEndpoint { .. } => return None,
+        Op::ClearCall { .. }
+        | Op::RemoveEndpoint { .. }
+        | Op::Suspect { .. }
+        | Op::Expire { .. } => {
+            return None;
+        }
     })
 }
 
@@ -258,6 +271,17 @@ fn run(
             (None, Op::RemoveEndpoint { ep }) => {
                 fast.remove_endpoint(EndpointId((*ep).into()));
                 reference.remove_endpoint(EndpointId((*ep).into()));
+            }
+            (None, Op::Suspect { ep }) => {
+                fast.mark_suspect(EndpointId((*ep).into()));
+                reference.mark_suspect(EndpointId((*ep).into()));
+            }
+            (None, Op::Expire { ep }) => {
+                let a = fast.expire_suspect(EndpointId((*ep).into()));
+                let b = reference.expire_suspect(EndpointId((*ep).into()));
+                if expect == Expect::Equal && a != b {
+                    return Err(format!("step {step} {op:?}: expired {a} vs reference {b}"));
+                }
             }
             (None, _) => {}
         }
@@ -350,6 +374,12 @@ impl IndexBackend for DropsRemovals {
     fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch> {
         self.0.find_matches(keys)
     }
+    fn mark_suspect(&self, endpoint: EndpointId) {
+        self.0.mark_suspect(endpoint)
+    }
+    fn expire_suspect(&self, endpoint: EndpointId) -> usize {
+        self.0.expire_suspect(endpoint)
+    }
 }
 
 /// A broken backend that reports CPU runs as GPU runs.
@@ -371,6 +401,12 @@ impl IndexBackend for ConfusesTiers {
             m.gpu_blocks = m.gpu_blocks.max(m.cpu_blocks);
         }
         v
+    }
+    fn mark_suspect(&self, endpoint: EndpointId) {
+        self.0.mark_suspect(endpoint)
+    }
+    fn expire_suspect(&self, endpoint: EndpointId) -> usize {
+        self.0.expire_suspect(endpoint)
     }
 }
 
