@@ -18,6 +18,8 @@ pub use events::{
     BlockRemoved, BlockStored, EventBatch, EventDecodeError, EventEncoding, EventFrame, KvEvent,
     Medium, decode_batch, encode_batch,
 };
-pub use fingerprint::{Fingerprint, FingerprintMismatch};
+pub use fingerprint::{Fingerprint, FingerprintDecodeError, FingerprintMismatch};
 pub use hashing::{BlockDigest, BlockHash, BlockHasher, HashAlgo};
-pub use transfer_params::{KvTransferParams, RemoteKvSource};
+pub use transfer_params::{
+    KvTransferParams, RemoteDecoder, RemoteKvSource, RemotePrefiller, TransferParamsError,
+};
