@@ -208,6 +208,13 @@ async fn run(a: Args) {
         assert_eq!(bytes, total);
         pull.push(d);
     }
+    // Each iteration runs the two back to back, so their ratio sees the same machine load.
+    let mut paired: Vec<f64> = limit
+        .iter()
+        .zip(&pull)
+        .map(|(l, p)| l.as_secs_f64() / p.as_secs_f64())
+        .collect();
+    paired.sort_by(f64::total_cmp);
     let (lim, pl) = (median(limit.clone()), median(pull.clone()));
     let best_lim = *limit.iter().min().unwrap();
     let best_pull = *pull.iter().min().unwrap();
@@ -227,6 +234,15 @@ async fn run(a: Args) {
         "pull/limit ratio: {:.2} (median/median), {:.2} (best/best); target >= 0.8",
         lim.as_secs_f64() / pl.as_secs_f64(),
         best_lim.as_secs_f64() / best_pull.as_secs_f64()
+    );
+    println!(
+        "pull/limit per iteration (sorted): {}; median {:.2}",
+        paired
+            .iter()
+            .map(|r| format!("{r:.2}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        paired[paired.len() / 2]
     );
 
     println!(
