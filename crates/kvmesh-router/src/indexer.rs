@@ -1,1 +1,702 @@
-//! Feeds the prefix index from engines' KV-event streams (being written).
+//! Feeds the prefix index from engines' KV-event streams.
+//!
+//! One task per [`EventSource`] consumes a `kvmesh_events::subscribe` stream and applies its
+//! batches to the shared [`PrefixIndex`] in sequence order, so one endpoint's events apply in the
+//! order the engine published them while endpoints ingest independently (a slow or absent engine
+//! never delays another: connecting happens inside the subscriber task).
+//!
+//! Loss policy (keeps lookups truthful):
+//! - **Gap** (sequence jumped forward): if the source has a replay endpoint, the missing batches
+//!   are requested from it and applied before the batch that revealed the gap. Whatever replay
+//!   cannot supply means removals may have been lost, so the endpoint is marked *suspect*: its
+//!   entries keep answering lookups (most are still right) for [`IndexerConfig::gap_grace`], and
+//!   blocks the engine stores again meanwhile are remembered; when the grace period ends, every
+//!   entry that was not re-stored is aged out (`PrefixIndex::expire_suspect`). A grace of zero
+//!   clears the stale entries at once.
+//! - **Restart** (sequence went backwards): a new engine incarnation whose cache starts empty, so
+//!   the endpoint's entries are cleared.
+//! - **Malformed** frames are counted and skipped; events the index refuses (orphans, bad token
+//!   counts, unknown hashes) are counted per kind and skipped.
+//! - The first batch seen needs no special case: earlier batches were published before we
+//!   subscribed, so at worst the index under-estimates until those blocks are stored again.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kvmesh_core::events::{EventBatch, KvEvent};
+use kvmesh_events::{SubscriberConfig, SubscriberItem, request_replay, subscribe};
+use kvmesh_index::{EndpointId, IndexStats, PrefixIndex};
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::runtime::Handle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Where one endpoint's KV events come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventSource {
+    /// The index identity of the engine publishing on this stream.
+    pub endpoint: EndpointId,
+    /// ZMQ endpoint, e.g. `tcp://10.0.0.5:5557`.
+    pub zmq_endpoint: String,
+    /// Bind `zmq_endpoint` (the engine connects to us) instead of connecting to it.
+    pub bind: bool,
+    /// Topic prefix to subscribe to (`""` = all).
+    pub topic: String,
+    /// The engine's replay (ROUTER) endpoint, used to fill sequence gaps.
+    pub replay_endpoint: Option<String>,
+}
+
+/// Feeder tuning.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexerConfig {
+    /// How long a suspect endpoint's unconfirmed entries keep answering lookups after an
+    /// unrecoverable gap before they are aged out.
+    pub gap_grace: Duration,
+    /// How often the index-size gauges are refreshed.
+    pub stats_interval: Duration,
+}
+
+impl Default for IndexerConfig {
+    fn default() -> Self {
+        IndexerConfig {
+            gap_grace: Duration::from_secs(10),
+            stats_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Counters of one source, as last read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SourceMetricsSnapshot {
+    pub endpoint: EndpointId,
+    pub zmq_endpoint: String,
+    /// The bound/connected address reported by the subscriber (real port when binding port 0).
+    pub listening: Option<String>,
+    /// Batches applied (live or replayed).
+    pub batches: u64,
+    /// KV events applied.
+    pub events: u64,
+    /// Block hashes carried by applied events (the unit of the ingestion rate).
+    pub block_events: u64,
+    /// Unrecoverable sequence gaps, and the batches they lost.
+    pub gaps: u64,
+    pub lost_batches: u64,
+    pub malformed: u64,
+    pub restarts: u64,
+    /// Replay requests that filled their gap completely / that failed or fell short.
+    pub replays: u64,
+    pub replay_failures: u64,
+    /// Events the index refused, all kinds (orphans included).
+    pub apply_errors: u64,
+    /// `BlockStored` events skipped because their parent was unknown.
+    pub orphans: u64,
+    /// Engine blocks aged out after a gap.
+    pub aged_out_blocks: u64,
+    /// Socket-level errors reported by the subscriber.
+    pub socket_errors: u64,
+    pub suspect: bool,
+    pub last_seq: Option<u64>,
+    /// Seconds between the last batch's engine timestamp and its arrival.
+    pub lag_seconds: f64,
+}
+
+/// Everything the feeder and the index report.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct IndexerMetricsSnapshot {
+    /// Per source, sorted by endpoint.
+    pub sources: Vec<SourceMetricsSnapshot>,
+    pub index: IndexStats,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabel {
+    endpoint: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    endpoint: String,
+    kind: String,
+}
+
+type FGauge = Gauge<f64, AtomicU64>;
+
+/// Prometheus families shared by all source tasks.
+#[derive(Clone, Default)]
+struct Families {
+    batches: Family<EndpointLabel, Counter>,
+    events: Family<KindLabel, Counter>,
+    block_events: Family<EndpointLabel, Counter>,
+    gaps: Family<EndpointLabel, Counter>,
+    lost_batches: Family<EndpointLabel, Counter>,
+    malformed: Family<EndpointLabel, Counter>,
+    restarts: Family<EndpointLabel, Counter>,
+    replays: Family<KindLabel, Counter>,
+    apply_errors: Family<KindLabel, Counter>,
+    aged_out: Family<EndpointLabel, Counter>,
+    socket_errors: Family<EndpointLabel, Counter>,
+    suspect: Family<EndpointLabel, Gauge>,
+    lag: Family<EndpointLabel, FGauge>,
+    index_blocks: Gauge,
+    index_memberships: Gauge,
+    index_bytes: Gauge,
+    index_bytes_per_membership: FGauge,
+    index_evictions: Gauge,
+    index_orphans: Gauge,
+}
+
+/// Handles into the families for one source (cheap clones of shared atomics).
+#[derive(Clone)]
+struct SourceMetrics {
+    batches: Counter,
+    block_events: Counter,
+    gaps: Counter,
+    lost_batches: Counter,
+    malformed: Counter,
+    restarts: Counter,
+    replays_ok: Counter,
+    replays_failed: Counter,
+    aged_out: Counter,
+    socket_errors: Counter,
+    suspect: Gauge,
+    lag: FGauge,
+    /// Per event kind / error kind counters are looked up on use (few kinds).
+    families: Families,
+    label: String,
+    /// Things that are not counters.
+    state: Arc<Mutex<SourceState>>,
+}
+
+#[derive(Debug, Default)]
+struct SourceState {
+    listening: Option<String>,
+    last_seq: Option<u64>,
+}
+
+impl SourceMetrics {
+    fn new(families: &Families, endpoint: EndpointId) -> Self {
+        let label = endpoint.to_string();
+        let l = EndpointLabel {
+            endpoint: label.clone(),
+        };
+        let k = |kind: &str| KindLabel {
+            endpoint: label.clone(),
+            kind: kind.to_owned(),
+        };
+        SourceMetrics {
+            batches: families.batches.get_or_create(&l).clone(),
+            block_events: families.block_events.get_or_create(&l).clone(),
+            gaps: families.gaps.get_or_create(&l).clone(),
+            lost_batches: families.lost_batches.get_or_create(&l).clone(),
+            malformed: families.malformed.get_or_create(&l).clone(),
+            restarts: families.restarts.get_or_create(&l).clone(),
+            replays_ok: families.replays.get_or_create(&k("ok")).clone(),
+            replays_failed: families.replays.get_or_create(&k("failed")).clone(),
+            aged_out: families.aged_out.get_or_create(&l).clone(),
+            socket_errors: families.socket_errors.get_or_create(&l).clone(),
+            suspect: families.suspect.get_or_create(&l).clone(),
+            lag: families.lag.get_or_create(&l).clone(),
+            families: families.clone(),
+            label,
+            state: Arc::default(),
+        }
+    }
+
+    fn kind(&self, kind: &str) -> KindLabel {
+        KindLabel {
+            endpoint: self.label.clone(),
+            kind: kind.to_owned(),
+        }
+    }
+
+    fn event(&self, kind: &str) -> Counter {
+        self.families.events.get_or_create(&self.kind(kind)).clone()
+    }
+
+    fn apply_error(&self, kind: &str) -> Counter {
+        self.families
+            .apply_errors
+            .get_or_create(&self.kind(kind))
+            .clone()
+    }
+
+    fn snapshot(&self, source: &EventSource) -> SourceMetricsSnapshot {
+        let fam = &self.families;
+        let sum_kinds = |f: &Family<KindLabel, Counter>, kinds: &[&str]| -> u64 {
+            kinds
+                .iter()
+                .map(|k| f.get(&self.kind(k)).map_or(0, |c| c.get()))
+                .sum()
+        };
+        let state = self.state.lock();
+        SourceMetricsSnapshot {
+            endpoint: source.endpoint,
+            zmq_endpoint: source.zmq_endpoint.clone(),
+            listening: state.listening.clone(),
+            batches: self.batches.get(),
+            events: sum_kinds(&fam.events, &EVENT_KINDS),
+            block_events: self.block_events.get(),
+            gaps: self.gaps.get(),
+            lost_batches: self.lost_batches.get(),
+            malformed: self.malformed.get(),
+            restarts: self.restarts.get(),
+            replays: self.replays_ok.get(),
+            replay_failures: self.replays_failed.get(),
+            apply_errors: sum_kinds(&fam.apply_errors, &ERROR_KINDS),
+            orphans: sum_kinds(&fam.apply_errors, &["orphan"]),
+            aged_out_blocks: self.aged_out.get(),
+            socket_errors: self.socket_errors.get(),
+            suspect: self.suspect.get() != 0,
+            last_seq: state.last_seq,
+            lag_seconds: self.lag.get(),
+        }
+    }
+
+    /// Drops this source's series so removed endpoints do not linger in `/metrics`.
+    fn forget(&self) {
+        let f = &self.families;
+        let l = EndpointLabel {
+            endpoint: self.label.clone(),
+        };
+        for fam in [
+            &f.batches,
+            &f.block_events,
+            &f.gaps,
+            &f.lost_batches,
+            &f.malformed,
+            &f.restarts,
+            &f.aged_out,
+            &f.socket_errors,
+        ] {
+            fam.remove(&l);
+        }
+        f.suspect.remove(&l);
+        f.lag.remove(&l);
+        for k in EVENT_KINDS {
+            f.events.remove(&self.kind(k));
+        }
+        for k in ERROR_KINDS {
+            f.apply_errors.remove(&self.kind(k));
+        }
+        for k in ["ok", "failed"] {
+            f.replays.remove(&self.kind(k));
+        }
+    }
+}
+
+const EVENT_KINDS: [&str; 3] = ["stored", "removed", "cleared"];
+const ERROR_KINDS: [&str; 5] = [
+    "token_count_mismatch",
+    "block_size_mismatch",
+    "orphan",
+    "unresolved",
+    "too_many_endpoints",
+];
+
+struct Running {
+    source: EventSource,
+    metrics: SourceMetrics,
+    cancel: CancellationToken,
+}
+
+struct Shared {
+    index: Arc<PrefixIndex>,
+    config: IndexerConfig,
+    families: Families,
+    runtime: Handle,
+    cancel: CancellationToken,
+    sources: Mutex<HashMap<EndpointId, Running>>,
+}
+
+/// The KV-event feeder: owns one subscriber task per source.
+pub struct Indexer {
+    shared: Arc<Shared>,
+}
+
+impl Indexer {
+    /// Starts one task per source (inside the current tokio runtime) with default tuning. Tasks
+    /// stop when `cancel` fires.
+    pub fn start(
+        index: Arc<PrefixIndex>,
+        sources: Vec<EventSource>,
+        cancel: CancellationToken,
+    ) -> Indexer {
+        Self::start_with_config(index, sources, IndexerConfig::default(), cancel)
+    }
+
+    /// [`Indexer::start`] with explicit tuning.
+    pub fn start_with_config(
+        index: Arc<PrefixIndex>,
+        sources: Vec<EventSource>,
+        config: IndexerConfig,
+        cancel: CancellationToken,
+    ) -> Indexer {
+        let shared = Arc::new(Shared {
+            index,
+            config,
+            families: Families::default(),
+            runtime: Handle::current(),
+            cancel,
+            sources: Mutex::new(HashMap::new()),
+        });
+        let stats = Arc::downgrade(&shared);
+        let interval = shared.config.stats_interval.max(Duration::from_millis(100));
+        let stats_cancel = shared.cancel.clone();
+        shared.runtime.spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tokio::select! {
+                    _ = stats_cancel.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let Some(shared) = stats.upgrade() else {
+                    return;
+                };
+                // stats() walks every shard: keep it off the async worker.
+                let s2 = Arc::clone(&shared);
+                if let Ok(st) = tokio::task::spawn_blocking(move || s2.index.stats()).await {
+                    publish_index_stats(&shared.families, &st);
+                }
+            }
+        });
+        let indexer = Indexer { shared };
+        for s in sources {
+            indexer.add_source(s);
+        }
+        indexer
+    }
+
+    /// The index this feeder fills.
+    pub fn index(&self) -> &Arc<PrefixIndex> {
+        &self.shared.index
+    }
+
+    /// Starts (or restarts, if the endpoint already has a source) consuming `source`. Restarting
+    /// clears the endpoint's entries, since events may be lost in between.
+    pub fn add_source(&self, source: EventSource) {
+        let endpoint = source.endpoint;
+        if let Some(old) = self.shared.sources.lock().remove(&endpoint) {
+            old.cancel.cancel();
+            self.shared.index.clear_endpoint(endpoint);
+        }
+        let metrics = SourceMetrics::new(&self.shared.families, endpoint);
+        let cancel = self.shared.cancel.child_token();
+        let task = SourceTask {
+            source: source.clone(),
+            index: Arc::clone(&self.shared.index),
+            metrics: metrics.clone(),
+            gap_grace: self.shared.config.gap_grace,
+        };
+        self.shared.runtime.spawn(task.run(cancel.clone()));
+        self.shared.sources.lock().insert(
+            endpoint,
+            Running {
+                source,
+                metrics,
+                cancel,
+            },
+        );
+    }
+
+    /// Stops consuming `endpoint`'s events and removes it from the index.
+    pub fn remove_source(&self, endpoint: EndpointId) {
+        if let Some(old) = self.shared.sources.lock().remove(&endpoint) {
+            old.cancel.cancel();
+            old.metrics.forget();
+        }
+        self.shared.index.remove_endpoint(endpoint);
+    }
+
+    /// The sources currently consumed.
+    pub fn sources(&self) -> Vec<EventSource> {
+        let mut v: Vec<EventSource> = self
+            .shared
+            .sources
+            .lock()
+            .values()
+            .map(|r| r.source.clone())
+            .collect();
+        v.sort_by_key(|s| s.endpoint);
+        v
+    }
+
+    /// The address a source's socket is bound/connected to, once it is (for `bind` sources on
+    /// port 0 this carries the real port).
+    pub fn listening(&self, endpoint: EndpointId) -> Option<String> {
+        self.shared
+            .sources
+            .lock()
+            .get(&endpoint)
+            .and_then(|r| r.metrics.state.lock().listening.clone())
+    }
+
+    /// Counters of every source and the index's stats (walks the index: not for hot paths).
+    pub fn metrics(&self) -> IndexerMetricsSnapshot {
+        let mut sources: Vec<SourceMetricsSnapshot> = self
+            .shared
+            .sources
+            .lock()
+            .values()
+            .map(|r| r.metrics.snapshot(&r.source))
+            .collect();
+        sources.sort_by_key(|s| s.endpoint);
+        let index = self.shared.index.stats();
+        publish_index_stats(&self.shared.families, &index);
+        IndexerMetricsSnapshot { sources, index }
+    }
+
+    /// Registers the feeder's and the index's metrics (`kvmesh_indexer_*`, `kvmesh_index_*`).
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        let f = self.shared.families.clone();
+        registry.register(
+            "kvmesh_indexer_batches",
+            "KV-event batches applied",
+            f.batches,
+        );
+        registry.register(
+            "kvmesh_indexer_events",
+            "KV events applied, by kind",
+            f.events,
+        );
+        registry.register(
+            "kvmesh_indexer_block_events",
+            "Block hashes carried by applied KV events",
+            f.block_events,
+        );
+        registry.register(
+            "kvmesh_indexer_gaps",
+            "Sequence gaps that replay could not fill",
+            f.gaps,
+        );
+        registry.register(
+            "kvmesh_indexer_lost_batches",
+            "Batches lost in unrecoverable gaps",
+            f.lost_batches,
+        );
+        registry.register(
+            "kvmesh_indexer_malformed",
+            "Undecodable KV-event messages skipped",
+            f.malformed,
+        );
+        registry.register(
+            "kvmesh_indexer_restarts",
+            "Publisher restarts (sequence went backwards)",
+            f.restarts,
+        );
+        registry.register(
+            "kvmesh_indexer_replays",
+            "Replay requests by outcome",
+            f.replays,
+        );
+        registry.register(
+            "kvmesh_indexer_apply_errors",
+            "KV events the index refused, by kind (orphan = unknown parent)",
+            f.apply_errors,
+        );
+        registry.register(
+            "kvmesh_indexer_aged_out_blocks",
+            "Engine blocks aged out after a gap",
+            f.aged_out,
+        );
+        registry.register(
+            "kvmesh_indexer_socket_errors",
+            "Subscriber socket errors",
+            f.socket_errors,
+        );
+        registry.register(
+            "kvmesh_indexer_suspect",
+            "1 while an endpoint's entries may be stale",
+            f.suspect,
+        );
+        registry.register(
+            "kvmesh_indexer_lag_seconds",
+            "Arrival time minus engine timestamp of the last batch",
+            f.lag,
+        );
+        registry.register(
+            "kvmesh_index_blocks",
+            "Distinct router blocks in the prefix index",
+            f.index_blocks,
+        );
+        registry.register(
+            "kvmesh_index_memberships",
+            "(block, endpoint, tier) memberships in the prefix index",
+            f.index_memberships,
+        );
+        registry.register(
+            "kvmesh_index_bytes",
+            "Approximate heap bytes of the prefix index",
+            f.index_bytes,
+        );
+        registry.register(
+            "kvmesh_index_bytes_per_membership",
+            "Approximate index bytes per membership",
+            f.index_bytes_per_membership,
+        );
+        registry.register(
+            "kvmesh_index_evicted_blocks",
+            "Blocks evicted by the max_blocks bound",
+            f.index_evictions,
+        );
+        registry.register(
+            "kvmesh_index_orphan_events",
+            "BlockStored events skipped for an unknown parent",
+            f.index_orphans,
+        );
+    }
+}
+
+fn publish_index_stats(f: &Families, st: &IndexStats) {
+    let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    f.index_blocks.set(i(st.blocks));
+    f.index_memberships.set(i(st.memberships));
+    f.index_bytes.set(i(st.approx_bytes));
+    f.index_bytes_per_membership.set(st.bytes_per_membership);
+    f.index_evictions.set(i(st.evictions));
+    f.index_orphans.set(i(st.orphan_events));
+}
+
+/// One source's consumer.
+struct SourceTask {
+    source: EventSource,
+    index: Arc<PrefixIndex>,
+    metrics: SourceMetrics,
+    gap_grace: Duration,
+}
+
+impl SourceTask {
+    async fn run(self, cancel: CancellationToken) {
+        let config = SubscriberConfig {
+            endpoint: self.source.zmq_endpoint.clone(),
+            bind: self.source.bind,
+            topic: self.source.topic.clone(),
+            // Replay is driven here, so it can be counted and the loss policy applied.
+            replay_endpoint: None,
+        };
+        let mut rx = subscribe(config, cancel.child_token());
+        let mut expire_at: Option<Instant> = None;
+        loop {
+            let item = tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = sleep_until_opt(expire_at) => {
+                    expire_at = None;
+                    self.expire();
+                    continue;
+                }
+                item = rx.recv() => item,
+            };
+            let Some(item) = item else { return };
+            match item {
+                SubscriberItem::Listening { endpoint } => {
+                    tracing::info!(endpoint = %self.source.endpoint, address = %endpoint, "KV-event subscriber ready");
+                    self.metrics.state.lock().listening = Some(endpoint);
+                }
+                SubscriberItem::Batch { seq, batch, .. } => self.apply_batch(seq, &batch),
+                SubscriberItem::Gap { expected, got, .. } => {
+                    if !self.fill_gap(expected, got).await {
+                        if self.gap_grace.is_zero() {
+                            self.index.mark_suspect(self.source.endpoint);
+                            self.expire();
+                        } else if expire_at.is_none() {
+                            self.index.mark_suspect(self.source.endpoint);
+                            self.metrics.suspect.set(1);
+                            expire_at = Some(Instant::now() + self.gap_grace);
+                        }
+                    }
+                }
+                SubscriberItem::Restart {
+                    last_seq, new_seq, ..
+                } => {
+                    tracing::info!(endpoint = %self.source.endpoint, last_seq, new_seq, "KV-event publisher restarted; clearing its entries");
+                    self.metrics.restarts.inc();
+                    self.index.clear_endpoint(self.source.endpoint);
+                    self.metrics.suspect.set(0);
+                    expire_at = None;
+                }
+                SubscriberItem::Malformed { seq, error } => {
+                    tracing::debug!(endpoint = %self.source.endpoint, ?seq, %error, "malformed KV-event message skipped");
+                    self.metrics.malformed.inc();
+                }
+                SubscriberItem::Error { error } => {
+                    tracing::debug!(endpoint = %self.source.endpoint, %error, "KV-event socket error");
+                    self.metrics.socket_errors.inc();
+                }
+            }
+        }
+    }
+
+    fn expire(&self) {
+        let n = self.index.expire_suspect(self.source.endpoint);
+        self.metrics.aged_out.inc_by(n as u64);
+        self.metrics.suspect.set(0);
+        tracing::info!(endpoint = %self.source.endpoint, aged_out = n, "suspect endpoint's unconfirmed entries aged out");
+    }
+
+    fn apply_batch(&self, seq: u64, batch: &EventBatch) {
+        let ep = self.source.endpoint;
+        for event in &batch.events {
+            let (kind, blocks) = match event {
+                KvEvent::BlockStored(s) => ("stored", s.block_hashes.len()),
+                KvEvent::BlockRemoved(r) => ("removed", r.block_hashes.len()),
+                KvEvent::AllBlocksCleared => ("cleared", 0),
+            };
+            self.metrics.event(kind).inc();
+            self.metrics.block_events.inc_by(blocks as u64);
+            if let Err(e) = self.index.apply_event(ep, event) {
+                tracing::debug!(endpoint = %ep, seq, error = %e, "KV event not (fully) applied");
+                self.metrics.apply_error(e.kind()).inc();
+            }
+        }
+        self.metrics.batches.inc();
+        self.metrics.state.lock().last_seq = Some(seq);
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        if batch.ts.is_finite() && batch.ts > 0.0 {
+            self.metrics.lag.set(now - batch.ts);
+        }
+    }
+
+    /// Applies batches `expected..got` from the replay endpoint; returns whether all came back.
+    async fn fill_gap(&self, expected: u64, got: u64) -> bool {
+        let mut next = expected;
+        if let Some(replay) = &self.source.replay_endpoint {
+            match request_replay(replay, expected).await {
+                Ok(batches) => {
+                    for (seq, batch) in batches {
+                        if seq == next && seq < got {
+                            self.apply_batch(seq, &batch);
+                            next += 1;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(endpoint = %self.source.endpoint, error = %e, "KV-event replay failed");
+                }
+            }
+            if next >= got {
+                self.metrics.replays_ok.inc();
+                return true;
+            }
+            self.metrics.replays_failed.inc();
+        }
+        tracing::warn!(endpoint = %self.source.endpoint, expected = next, got, "KV events lost; endpoint marked suspect");
+        self.metrics.gaps.inc();
+        self.metrics.lost_batches.inc_by(got - next);
+        false
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
