@@ -12,7 +12,8 @@ pub enum EndpointMode {
 /// Translates a vLLM-style endpoint into what the `zeromq` crate accepts, and says whether vLLM
 /// would bind it (`*` host) or connect to it.
 ///
-/// `tcp://*:5557` → (`tcp://0.0.0.0:5557`, Bind); `tcp://127.0.0.1:5557` → (same, Connect).
+/// `tcp://*:5557` → (`tcp://0.0.0.0:5557`, Bind); `tcp://127.0.0.1:5557` → (same, Connect);
+/// `tcp://127.0.0.1:0` → (same, Bind) — an ephemeral port can only be bound.
 /// Only `tcp://` and `ipc://` are accepted; `inproc://` has no meaning across processes.
 pub fn resolve_endpoint(endpoint: &str) -> Result<(String, EndpointMode), EventsError> {
     let invalid = |reason: &str| EventsError::InvalidEndpoint {
@@ -37,6 +38,11 @@ pub fn resolve_endpoint(endpoint: &str) -> Result<(String, EndpointMode), Events
             return Err(invalid(
                 "a wildcard port only makes sense with a wildcard host",
             ));
+        }
+        if port == "0" {
+            // Nobody can be connected to on port 0: it asks for an ephemeral bind (tests and
+            // local fleets use `tcp://127.0.0.1:0`).
+            return Ok((endpoint.to_owned(), EndpointMode::Bind));
         }
         Ok((endpoint.to_owned(), EndpointMode::Connect))
     } else if endpoint.starts_with("ipc://") {
@@ -68,6 +74,13 @@ mod tests {
         let (ep, mode) = resolve_endpoint("tcp://127.0.0.1:5557").expect("valid");
         assert_eq!(ep, "tcp://127.0.0.1:5557");
         assert_eq!(mode, EndpointMode::Connect);
+    }
+
+    #[test]
+    fn port_zero_binds_an_ephemeral_port() {
+        let (ep, mode) = resolve_endpoint("tcp://127.0.0.1:0").expect("valid");
+        assert_eq!(ep, "tcp://127.0.0.1:0");
+        assert_eq!(mode, EndpointMode::Bind);
     }
 
     #[test]

@@ -253,45 +253,75 @@ async fn handle_message(
         }
     };
     let mut items = Vec::with_capacity(1);
-    match tracker.observe(&frame.topic, frame.seq) {
-        SeqVerdict::First | SeqVerdict::InOrder => {}
+    let topic = frame.topic.as_str();
+    match tracker.observe(topic, frame.seq) {
+        SeqVerdict::InOrder => {}
         SeqVerdict::Duplicate => return items,
+        // A late joiner catches up on whatever the replay ring still holds; history before
+        // that is unknown, not lost, so no gap is reported for it.
+        SeqVerdict::First => {
+            if frame.seq > 0 && config.replay_endpoint.is_some() {
+                fill(topic, 0, frame.seq, false, config, &mut items).await;
+            }
+        }
         SeqVerdict::Restart { last_seq, new_seq } => {
             items.push(SubscriberItem::Restart {
-                topic: frame.topic.clone(),
+                topic: topic.to_owned(),
                 last_seq,
                 new_seq,
             });
+            if new_seq > 0 {
+                fill(topic, 0, new_seq, true, config, &mut items).await;
+            }
         }
         SeqVerdict::Gap { expected, got } => {
-            let mut next = expected;
-            if let Some(ep) = &config.replay_endpoint {
-                match request_replay_raw(ep, expected).await {
-                    Ok(replayed) => {
-                        for (seq, payload) in replayed {
-                            if seq != next || seq >= got {
-                                continue;
-                            }
-                            next += 1;
-                            items.push(decode_item(&frame.topic, seq, &payload));
-                        }
-                    }
-                    Err(e) => items.push(SubscriberItem::Error {
-                        error: e.to_string(),
-                    }),
-                }
-            }
-            if next < got {
-                items.push(SubscriberItem::Gap {
-                    topic: frame.topic.clone(),
-                    expected: next,
-                    got,
-                });
-            }
+            fill(topic, expected, got, true, config, &mut items).await;
         }
     }
-    items.push(decode_item(&frame.topic, frame.seq, &frame.payload));
+    items.push(decode_item(topic, frame.seq, &frame.payload));
     items
+}
+
+/// Emits batches `from..got` from the replay endpoint (if any), and `Gap`s for what it could
+/// not supply. A hole before the first replayed batch is reported only if `report_leading`.
+async fn fill(
+    topic: &str,
+    from: u64,
+    got: u64,
+    report_leading: bool,
+    config: &SubscriberConfig,
+    items: &mut Vec<SubscriberItem>,
+) {
+    let mut next = from;
+    let mut leading = true;
+    let gap = |expected: u64, got: u64| SubscriberItem::Gap {
+        topic: topic.to_owned(),
+        expected,
+        got,
+    };
+    if let Some(ep) = &config.replay_endpoint {
+        match request_replay_raw(ep, from).await {
+            Ok(replayed) => {
+                for (seq, payload) in replayed {
+                    if seq < next || seq >= got {
+                        continue;
+                    }
+                    if seq > next && (report_leading || !leading) {
+                        items.push(gap(next, seq));
+                    }
+                    leading = false;
+                    items.push(decode_item(topic, seq, &payload));
+                    next = seq + 1;
+                }
+            }
+            Err(e) => items.push(SubscriberItem::Error {
+                error: e.to_string(),
+            }),
+        }
+    }
+    if next < got && (report_leading || !leading) {
+        items.push(gap(next, got));
+    }
 }
 
 fn decode_item(topic: &str, seq: u64, payload: &[u8]) -> SubscriberItem {
