@@ -310,6 +310,25 @@ pub async fn calibrate(
     })
 }
 
+/// The first model id an OpenAI server lists at `/v1/models`.
+pub async fn served_model(url: &str) -> Result<String, CalibrateError> {
+    let u = format!("{}/v1/models", url.trim_end_matches('/'));
+    let err = |detail: String| CalibrateError::Request {
+        url: u.clone(),
+        detail,
+    };
+    let v: serde_json::Value = reqwest::get(&u)
+        .await
+        .map_err(|e| err(e.to_string()))?
+        .json()
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| err("no model listed".into()))
+}
+
 impl Calibration {
     pub fn markdown(&self) -> String {
         let mut s = String::from(

@@ -30,6 +30,9 @@ pub struct Completion {
     /// Generated token ids when the server returns them (`return_token_ids`).
     #[serde(skip)]
     pub token_ids: Option<Vec<TokenId>>,
+    /// Generated text (concatenated chunks).
+    #[serde(skip)]
+    pub text: String,
 }
 
 /// Parameters of one request.
@@ -60,6 +63,7 @@ pub async fn complete(http: &reqwest::Client, req: CompletionRequest<'_>) -> Com
             output_tokens: 0,
             cached_tokens: None,
             token_ids: None,
+            text: String::new(),
         },
     }
 }
@@ -96,6 +100,7 @@ async fn complete_inner(
         output_tokens: 0,
         cached_tokens: None,
         token_ids: None,
+        text: String::new(),
     };
     let resp = match rb.send().await {
         Ok(r) => r,
@@ -162,6 +167,9 @@ async fn complete_inner(
                     }
                     chunks += 1;
                     for c in choices {
+                        if let Some(t) = c.get("text").and_then(Value::as_str) {
+                            out.text.push_str(t);
+                        }
                         if let Some(t) = c.get("token_ids").and_then(Value::as_array) {
                             got_ids = true;
                             ids.extend(

@@ -140,8 +140,17 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
                     // The next turn repeats this prompt plus the answer: the real token ids when
                     // the server returned them (so a decoder's retained blocks can match), else a
                     // deterministic stand-in of the same length.
+                    let byte_space = tg.space().hi <= 257;
                     let answer = match c.token_ids {
                         Some(ids) if ok && !ids.is_empty() => ids,
+                        // Byte-tokenizer engines: the text *is* the token ids.
+                        _ if ok
+                            && byte_space
+                            && c.text.len() == c.output_tokens
+                            && !c.text.is_empty() =>
+                        {
+                            c.text.bytes().map(TokenId::from).collect()
+                        }
                         _ => {
                             let key = mix(mix(seed, si as u64), i as u64 + 0xA5);
                             tg.render(&[Segment::seeded(key, step.max_tokens as usize)])

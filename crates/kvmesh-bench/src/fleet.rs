@@ -142,6 +142,9 @@ pub struct FleetSpec {
     /// Seconds to wait for every `/health`.
     #[serde(default)]
     pub ready_timeout_s: Option<f64>,
+    /// Seed of the router's random choices (reproducible arms).
+    #[serde(default)]
+    pub seed: Option<u64>,
 }
 
 impl FleetSpec {
@@ -246,6 +249,7 @@ pub fn free_port() -> Result<u16, FleetError> {
 pub fn engine_args(
     group: &EngineGroup,
     served_model_name: &str,
+    index: usize,
     port: u16,
     kv_events_port: u16,
     p2p_port: Option<u16>,
@@ -262,6 +266,8 @@ pub fn engine_args(
         group.backend.clone(),
         "--block-size".into(),
         group.block_size.to_string(),
+        "--engine-label".into(),
+        index.to_string(),
     ];
     let mut push = |k: &str, v: String| {
         a.push(k.into());
@@ -308,6 +314,8 @@ pub fn engine_args(
     );
     if let Some(p) = p2p_port {
         push("--p2p-port", p.to_string());
+        // Peers are other local engines: allow loopback only (remote_host is untrusted input).
+        push("--p2p-allowed-peers", "127.0.0.1".into());
     }
     a.extend(group.extra_args.iter().cloned());
     a
@@ -336,6 +344,7 @@ impl Fleet {
                 let args = engine_args(
                     group,
                     &spec.served_model_name,
+                    idx,
                     port,
                     kv_events_port,
                     p2p_port,
@@ -376,7 +385,7 @@ impl Fleet {
                 arm,
                 &endpoints,
                 r.min_cached_token_delta,
-                &spec.served_model_name,
+                spec.seed.unwrap_or(0),
             );
             let config = log_dir.join("router.yaml");
             std::fs::write(&config, yaml)?;
@@ -580,7 +589,7 @@ mod tests {
             role: Role::Decode,
             ..Default::default()
         };
-        let a = engine_args(&g, "m", 8000, 9000, Some(7000)).join(" ");
+        let a = engine_args(&g, "m", 0, 8000, 9000, Some(7000)).join(" ");
         for want in [
             "engine",
             "--port 8000",
@@ -600,6 +609,7 @@ mod tests {
                 ..Default::default()
             },
             "m",
+            0,
             1,
             2,
             None,

@@ -101,8 +101,8 @@ pub fn sum(samples: &[Sample], name: &str) -> f64 {
         .sum()
 }
 
-/// Totals of every counter whose name starts with `prefix`, keyed by name plus a `direction`-like
-/// label when present (e.g. `kvmesh_p2p_bytes_total{direction="pulled"}`).
+/// Totals of every counter whose name starts with `prefix`, keyed by name plus its distinguishing
+/// labels (e.g. `kvmesh_p2p_payload_bytes_total{direction=in}`).
 pub fn totals_by_prefix(samples: &[Sample], prefix: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     for s in samples.iter().filter(|s| s.name.starts_with(prefix)) {
@@ -110,17 +110,25 @@ pub fn totals_by_prefix(samples: &[Sample], prefix: &str) -> BTreeMap<String, f6
         if s.name.ends_with("_bucket") {
             continue;
         }
-        let dir = s
+        // Keep the labels that distinguish *what* was counted (direction, outcome, reason), drop
+        // the ones that only say *where* (engine, model), so totals add up across engines.
+        let mut labels: Vec<String> = s
             .labels
             .iter()
-            .find(|(k, _)| {
-                matches!(
+            .filter(|(k, _)| {
+                !matches!(
                     k.as_str(),
-                    "direction" | "dir" | "role" | "side" | "outcome" | "result" | "reason"
+                    "engine" | "model_name" | "model" | "peer" | "instance"
                 )
             })
-            .map(|(_, v)| format!("{{{v}}}"))
-            .unwrap_or_default();
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        labels.sort();
+        let dir = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{}}}", labels.join(","))
+        };
         *out.entry(format!("{}{dir}", s.name)).or_insert(0.0) += s.value;
     }
     out
@@ -170,7 +178,7 @@ pub struct Evidence {
     pub p2p_bytes: f64,
     /// Blocks moved by P2P pulls (counted once).
     pub p2p_blocks: f64,
-    /// Pulls that completed with at least one block, when the engines report it.
+    /// Pulls that moved at least one block (outcome complete/partial), when the engines report it.
     pub p2p_pulls: f64,
     /// All `kvmesh_p2p_*` counters summed over engines.
     pub p2p_counters: BTreeMap<String, f64>,
@@ -200,10 +208,12 @@ impl Evidence {
             .iter()
             .filter(|(k, _)| {
                 k.contains("pulls")
-                    && (k.contains("hit") || k.contains("ok") || k.contains("success"))
+                    && ["=complete", "=partial", "=hit", "=ok", "=success"]
+                        .iter()
+                        .any(|o| k.contains(o))
             })
             .map(|(_, v)| *v)
-            .fold(0.0f64, f64::max);
+            .sum();
         Self {
             external_hit_tokens: engines.iter().map(|e| e.external_hit_tokens).sum(),
             engines,
@@ -236,7 +246,9 @@ kvmesh_p2p_bytes_total{direction="served"} 0
 kvmesh_p2p_blocks_total{direction="pulled"} 256
 kvmesh_p2p_pull_duration_seconds_bucket{le="0.1"} 3
 kvmesh_p2p_pull_duration_seconds_sum 0.25
-kvmesh_p2p_pulls_total{outcome="hit"} 3
+kvmesh_p2p_pulls_total{outcome="complete",reason="none"} 2
+kvmesh_p2p_pulls_total{outcome="partial",reason="miss"} 1
+kvmesh_p2p_pulls_total{outcome="failed",reason="timeout"} 4
 weird line without value
 "#;
 

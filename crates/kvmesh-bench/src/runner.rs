@@ -99,6 +99,7 @@ pub fn fleet_for(w: &Workload, arm: Arm, o: &FleetOptions) -> FleetSpec {
         }),
         log_dir: None,
         ready_timeout_s: Some(120.0),
+        seed: Some(w.seed),
     }
 }
 

@@ -66,6 +66,10 @@ impl TokenGen {
         Self { seed, space }
     }
 
+    pub fn space(&self) -> TokenSpace {
+        self.space
+    }
+
     /// Appends the tokens of `segment` to `out`.
     pub fn extend(&self, segment: &Segment, out: &mut Vec<TokenId>) {
         match segment {
