@@ -28,6 +28,9 @@ pub struct EngineCmd {
     /// Model file or directory for `--backend model`.
     #[arg(long)]
     model: Option<String>,
+    /// KV element type for `--backend model`: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    kv_dtype: String,
     /// Sim profile (see --list-profiles).
     #[arg(long, default_value = "gpt-oss-120b-h200")]
     profile: String,
@@ -153,9 +156,30 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
             )?,
             Arc::new(ByteTokenizer),
         ),
-        "model" => anyhow::bail!(
-            "--backend model is provided by kvmesh-model (real Llama on CPU); it is not wired into this build yet"
-        ),
+        "model" => {
+            let path = match &args.model {
+                Some(p) => std::path::PathBuf::from(p),
+                None => kvmesh_model::find_smollm2(&kvmesh_model::default_cache_dir()).context(
+                    "--backend model needs --model <gguf file or safetensors dir> (or fetch SmolLM2 first: `kvmesh model fetch`)",
+                )?,
+            };
+            let opts = kvmesh_model::LoadOptions {
+                block_size: config.block_size,
+                kv_dtype: match args.kv_dtype.as_str() {
+                    "f32" => kvmesh_model::KvDtype::F32,
+                    "bf16" => kvmesh_model::KvDtype::Bf16,
+                    other => anyhow::bail!("unknown --kv-dtype `{other}` (f32, bf16)"),
+                },
+                ..Default::default()
+            };
+            let (backend, tok) =
+                tokio::task::spawn_blocking(move || kvmesh_model::load_backend(&path, &opts))
+                    .await??;
+            (
+                Box::new(backend) as Box<dyn kvmesh_engine::compute::ComputeBackend>,
+                tok,
+            )
+        }
         other => anyhow::bail!("unknown --backend `{other}` (sim, model)"),
     };
     let server = start_server(config, backend, tokenizer, ServerOptions::default())
