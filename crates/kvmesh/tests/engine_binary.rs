@@ -1,0 +1,83 @@
+//! `kvmesh engine` run as the built binary: port 0 reported on stdout, OpenAI completions with
+//! cached-token accounting, and KV events read by a plain Rust `zeromq` SUB socket (bound on
+//! loopback; the engine connects to it, vLLM's non-`*` endpoint rule).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use kvmesh_core::events::{KvEvent, Medium, decode_batch};
+use kvmesh_core::{BlockHasher, HashAlgo};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::time::timeout;
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvmesh");
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_binary_serves_completions_and_publishes_kv_events() {
+    timeout(Duration::from_secs(60), async {
+        let mut sub = SubSocket::new();
+        let ep = sub.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        sub.subscribe("").await.unwrap();
+        let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ep, "topic": "kv-events"});
+        let mut child = tokio::process::Command::new(BIN)
+            .args(["engine", "--port", "0", "--served-model-name", "sim-bin", "--backend", "sim"])
+            .args(["--profile", "gpt-oss-120b-h200", "--block-size", "16", "--num-gpu-blocks", "512"])
+            .args(["--cpu-offload-bytes", "2GiB", "--time-scale", "100", "--kv-events-config", &cfg.to_string()])
+            .env("PYTHONHASHSEED", "0")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let base = loop {
+            let line = lines.next_line().await.unwrap().expect("engine exited before listening");
+            if let Some(rest) = line.strip_prefix("kvmesh engine listening on ") {
+                break rest.trim().to_owned();
+            }
+        };
+        // Let the engine's PUB connect to our SUB (slow joiner).
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let prompt: Vec<u32> = (0..100u32).map(|i| (i * 7 + 3) % 256).collect();
+        let client = reqwest::Client::new();
+        let mut cached = Vec::new();
+        for _ in 0..2 {
+            let body: Value = client
+                .post(format!("{base}/v1/completions"))
+                .json(&json!({"model": "sim-bin", "prompt": prompt, "max_tokens": 3}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(body["usage"]["completion_tokens"], 3, "{body}");
+            cached.push(body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap());
+        }
+        assert_eq!(cached, vec![0, 96]);
+        // First message: GPU BlockStored of the 6 full prompt blocks, hashed like vLLM.
+        let msg = timeout(Duration::from_secs(5), sub.recv()).await.expect("no kv event").unwrap();
+        let frames: Vec<Vec<u8>> = msg.into_vec().into_iter().map(|b| b.to_vec()).collect();
+        assert_eq!(frames.len(), 3);
+        assert_eq!(frames[0], b"kv-events");
+        assert_eq!(frames[1].len(), 8);
+        let batch = decode_batch(&frames[2]).unwrap();
+        let KvEvent::BlockStored(st) = &batch.events[0] else { panic!("expected BlockStored: {batch:?}") };
+        assert_eq!(st.medium, Medium::Gpu);
+        let expect: Vec<_> = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0"), 16)
+            .hash_prompt(&prompt)
+            .iter()
+            .map(|d| d.event_hash())
+            .collect();
+        assert_eq!(st.block_hashes, expect);
+        assert_eq!(st.token_ids, prompt[..96].to_vec());
+        let metrics = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("vllm:prefix_cache_hits_total{model_name=\"sim-bin\",engine=\"0\"} 96"), "{metrics}");
+        child.kill().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
