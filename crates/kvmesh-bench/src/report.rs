@@ -193,6 +193,108 @@ impl BenchReport {
         s
     }
 
+    /// Per workload, one column per arm and a change column against the first arm (the demo's
+    /// P2P-off vs P2P-on view).
+    pub fn side_by_side(&self) -> String {
+        let mut s = String::new();
+        for (workload, arms) in self.by_workload() {
+            let Some(base) = arms.first() else { continue };
+            let _ = writeln!(s, "\n### {workload} — {}\n", base.workload_description);
+            s.push_str("| metric |");
+            for r in &arms {
+                let _ = write!(s, " {} |", r.arm);
+            }
+            if arms.len() > 1 {
+                s.push_str(" change |");
+            }
+            s.push_str("\n|---|");
+            for _ in 0..arms.len() + usize::from(arms.len() > 1) {
+                s.push_str("---|");
+            }
+            s.push('\n');
+            let mut rows: Vec<Row> = vec![
+                (
+                    "requests ok",
+                    |r| Some(r.stats.succeeded as f64),
+                    |v| format!("{v:.0}"),
+                ),
+                (
+                    "failed + timeouts",
+                    |r| Some((r.stats.failed + r.stats.timeouts) as f64),
+                    |v| format!("{v:.0}"),
+                ),
+                ("TTFT p50", |r| Some(r.stats.ttft.p50), secs),
+                ("TTFT p90", |r| Some(r.stats.ttft.p90), secs),
+                ("TTFT p99", |r| Some(r.stats.ttft.p99), secs),
+                ("E2E p50", |r| Some(r.stats.e2e.p50), secs),
+            ];
+            if base.stats.ttft_by_kind.contains_key("child") {
+                rows.push((
+                    "branch-start TTFT p50",
+                    |r| r.stats.ttft_by_kind.get("child").map(|l| l.p50),
+                    secs,
+                ));
+                rows.push((
+                    "branch-start TTFT p90",
+                    |r| r.stats.ttft_by_kind.get("child").map(|l| l.p90),
+                    secs,
+                ));
+                rows.push((
+                    "slow branches (recomputed)",
+                    |r| r.stats.slow_branches.map(|v| v as f64),
+                    |v| format!("{v:.0}"),
+                ));
+            }
+            rows.extend::<[Row; 5]>([
+                (
+                    "offered req/s",
+                    |r| Some(r.stats.offered_rate),
+                    |v| format!("{v:.2}"),
+                ),
+                (
+                    "achieved req/s",
+                    |r| Some(r.stats.achieved_rate),
+                    |v| format!("{v:.2}"),
+                ),
+                (
+                    "external-hit tokens (verified)",
+                    |r| Some(r.evidence.external_hit_tokens),
+                    |v| format!("{v:.0}"),
+                ),
+                ("P2P bytes moved", |r| Some(r.evidence.p2p_bytes), bytes),
+                (
+                    "P2P blocks moved",
+                    |r| Some(r.evidence.p2p_blocks),
+                    |v| format!("{v:.0}"),
+                ),
+            ]);
+            for (name, get, fmt) in rows {
+                let _ = write!(s, "| {name} |");
+                for r in &arms {
+                    let _ = write!(s, " {} |", get(r).map(fmt).unwrap_or_else(|| "—".into()));
+                }
+                if arms.len() > 1 {
+                    let last = arms.last().and_then(|r| get(r));
+                    let _ = write!(
+                        s,
+                        " {} |",
+                        match (get(base), last) {
+                            (Some(b), Some(n)) if b > 0.0 => pct(b, n),
+                            _ => String::new(),
+                        }
+                    );
+                }
+                s.push('\n');
+            }
+            for r in &arms {
+                if !r.flags.is_empty() {
+                    let _ = writeln!(s, "\n**{}**: {}", r.arm, r.flags.join("; "));
+                }
+            }
+        }
+        s
+    }
+
     fn by_workload(&self) -> Vec<(String, Vec<&ArmResult>)> {
         let mut order: Vec<String> = Vec::new();
         let mut map: BTreeMap<String, Vec<&ArmResult>> = BTreeMap::new();
@@ -219,7 +321,7 @@ impl BenchReport {
         )?;
         files.push(json);
         let md = dir.join("report.md");
-        std::fs::write(&md, self.markdown())?;
+        std::fs::write(&md, format!("{}\n{}", self.markdown(), self.side_by_side()))?;
         files.push(md);
         for (workload, arms) in self.by_workload() {
             let safe: String = workload
@@ -258,6 +360,10 @@ impl BenchReport {
         Ok(files)
     }
 }
+
+type Get = fn(&ArmResult) -> Option<f64>;
+/// (label, value of an arm, formatter) of one side-by-side row.
+type Row = (&'static str, Get, fn(f64) -> String);
 
 type PlotResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -512,6 +618,12 @@ mod tests {
                 result("load-p2p", true, 0.2, true),
             ],
         };
+        let sbs = rep.side_by_side();
+        assert!(
+            sbs.contains("| metric | load | load-p2p | change |"),
+            "{sbs}"
+        );
+        assert!(sbs.contains("| branch-start TTFT p90 |"), "{sbs}");
         let md = rep.markdown();
         assert!(md.contains("| fork | load-p2p | 9 / 9 |"), "{md}");
         assert!(md.contains("branch-start TTFT"), "{md}");

@@ -225,7 +225,7 @@ fn parse_arms(arms: &[String]) -> anyhow::Result<Vec<Arm>> {
 }
 
 fn print_outcome(report: &BenchReport, out: &Path) {
-    println!("\n{}", report.markdown());
+    println!("\n{}", report.side_by_side());
     println!("results: {}", out.display());
     if let Ok(entries) = std::fs::read_dir(out) {
         let mut files: Vec<_> = entries
