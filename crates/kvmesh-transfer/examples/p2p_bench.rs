@@ -83,6 +83,25 @@ impl BlockSink for CountingSink {
     }
 }
 
+/// CPU seconds (user + system, all threads) this process has used, from /proc (10 ms ticks).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -202,12 +221,19 @@ async fn run(a: Args) {
 
     let mut limit = Vec::new();
     let mut pull = Vec::new();
+    let (mut cpu_limit, mut cpu_pull) = (0.0, 0.0);
+    println!("load average before: {}", loadavg());
     for _ in 0..a.runs {
+        let c0 = cpu_seconds();
         limit.push(plain_socket(blocks, block_bytes).await);
+        let c1 = cpu_seconds();
         let (d, bytes) = timed_pull(&client, addr, &hashes).await;
+        cpu_pull += cpu_seconds() - c1;
+        cpu_limit += c1 - c0;
         assert_eq!(bytes, total);
         pull.push(d);
     }
+    println!("load average after: {}", loadavg());
     // Each iteration runs the two back to back, so their ratio sees the same machine load.
     let mut paired: Vec<f64> = limit
         .iter()
@@ -243,6 +269,14 @@ async fn run(a: Args) {
             .collect::<Vec<_>>()
             .join(" "),
         paired[paired.len() / 2]
+    );
+
+    let moved = a.runs as f64 * total as f64 / 1e9;
+    println!(
+        "CPU cost (both ends, this process): plain {:.0} ms/GB, pull {:.0} ms/GB ({:.2}x)",
+        cpu_limit / moved * 1e3,
+        cpu_pull / moved * 1e3,
+        cpu_pull / cpu_limit
     );
 
     println!(

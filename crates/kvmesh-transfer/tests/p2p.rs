@@ -983,3 +983,50 @@ async fn block_checksum_is_verified_however_the_bytes_are_chunked() {
     );
     writer.await.unwrap();
 }
+
+#[tokio::test]
+async fn concurrent_fetches_per_peer_are_capped() {
+    // Block 0 of `slow` stays pending for the whole deadline, holding its fetch slot.
+    let fast = hashes(2);
+    let slow = vec![BlockHash(0xdead)];
+    for (cap, expect_serialized) in [(1usize, true), (2, false)] {
+        let cfg = ServerConfig {
+            max_transfers_per_peer: cap,
+            ..ServerConfig::default()
+        };
+        let p = start_producer(&fast, cfg).await;
+        p.source.mark_pending(slow[0]);
+        let client = Arc::new(client_for(p.addr, |c| {
+            c.pending_deadline = Duration::from_millis(400)
+        }));
+        let (c1, addr, slow1) = (Arc::clone(&client), p.addr, slow.clone());
+        let holder = tokio::spawn(async move {
+            let mut sink = VerifySink::default();
+            c1.pull(addr, "slow", &slow1, &mut sink).await
+        });
+        // Let the slow fetch take its slot first.
+        eventually("slow fetch started", || p.metrics.fetches_served() == 1).await;
+        let started = Instant::now();
+        let (report, _) = pull(&client, p.addr, &fast).await;
+        let waited = started.elapsed();
+        assert_eq!(report.outcome, PullOutcome::Complete);
+        let slow_report = bounded(holder).await.unwrap();
+        assert_eq!(
+            slow_report.outcome,
+            PullOutcome::Failed {
+                reason: PullReason::PendingDeadline
+            }
+        );
+        if expect_serialized {
+            assert!(
+                waited >= Duration::from_millis(250),
+                "cap 1: second fetch waited ({waited:?})"
+            );
+        } else {
+            assert!(
+                waited < Duration::from_millis(250),
+                "cap 2: second fetch ran at once ({waited:?})"
+            );
+        }
+    }
+}
