@@ -744,6 +744,7 @@ async fn drive(
                 }
             }
             Some(SeqOutput::Finished(info)) => {
+                let info = *info;
                 let rest = detok.release(true);
                 if !rest.is_empty() {
                     on_text(rest);
@@ -839,16 +840,16 @@ fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
                     }
                     // Hold the text until we know whether the next output is the finish, so the
                     // last text chunk carries `finish_reason` as vLLM's does.
-                    if let Some(prev) = pending.pop() {
-                        if !prev.is_empty() {
-                            yield Ok(Event::default().data(text_chunk(&chunk, job.chat, &prev, None).to_string()));
-                        }
+                    if let Some(prev) = pending.pop()
+                        && !prev.is_empty()
+                    {
+                        yield Ok(Event::default().data(text_chunk(&chunk, job.chat, &prev, None).to_string()));
                     }
                     pending.push(text);
                 }
                 Some(SeqOutput::Finished(info)) => {
                     pending.push(detok.release(true));
-                    break Ok(info);
+                    break Ok(*info);
                 }
                 Some(SeqOutput::Error(e)) => break Err(e),
                 None => break Err("engine stopped".to_owned()),

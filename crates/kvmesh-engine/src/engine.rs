@@ -104,7 +104,7 @@ pub enum SeqOutput {
         queue_time: Duration,
     },
     Token(TokenId),
-    Finished(FinishInfo),
+    Finished(Box<FinishInfo>),
     Error(String),
 }
 
@@ -549,7 +549,7 @@ impl Core {
             }
             let progressed = self.step();
             self.update_gauges();
-            if !progressed && !(self.running.is_empty() && self.waiting.is_empty()) {
+            if !progressed && (!self.running.is_empty() || !self.waiting.is_empty()) {
                 // Waiting work that cannot be scheduled yet and nothing running: wait for a
                 // command (an abort or reset may free blocks) instead of spinning.
                 match rx.blocking_recv() {
@@ -1097,7 +1097,7 @@ impl Core {
             created_cache_tokens: seq.created_cache_tokens,
             kv_transfer_params: None,
         };
-        let _ = seq.tx.send(SeqOutput::Finished(info));
+        let _ = seq.tx.send(SeqOutput::Finished(Box::new(info)));
     }
 }
 

@@ -80,7 +80,7 @@ pub fn sim_backend(
 ) -> Result<Box<dyn ComputeBackend>, ServerError> {
     let profile = profiles::profile(profile)
         .ok_or_else(|| ServerError::UnknownProfile(profile.to_owned()))?;
-    if !(time_scale > 0.0) {
+    if time_scale.is_nan() || time_scale <= 0.0 {
         return Err(ConfigError::Invalid("--time-scale must be > 0".into()).into());
     }
     if kv_bytes_per_token == 0 {
