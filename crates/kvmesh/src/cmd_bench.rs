@@ -137,9 +137,9 @@ pub struct DemoCmd {
     /// The transfer ladder on one real-model pair (needs `kvmesh model fetch smollm2`).
     #[arg(long)]
     pub real: bool,
-    /// Real model name or path for --real.
-    #[arg(long, default_value = "smollm2")]
-    pub model: String,
+    /// Model file/directory for --real (default: the SmolLM2 fetched by `kvmesh model fetch`).
+    #[arg(long)]
+    pub model_path: Option<String>,
     #[arg(long)]
     pub no_progress: bool,
 }
@@ -202,12 +202,23 @@ pub async fn run_up(args: UpCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs the plan; Ctrl-C drops the run, and with it the fleet (children are killed on drop).
-async fn run_interruptible(plan: &Plan) -> anyhow::Result<BenchReport> {
+/// Runs `fut` until it finishes or Ctrl-C/SIGTERM arrives; interrupting drops the future, and
+/// with it any running fleet (children are killed on drop).
+async fn interruptible<T>(
+    what: &str,
+    fut: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        r = runner::run(plan) => Ok(r?),
-        _ = tokio::signal::ctrl_c() => bail!("interrupted; partial results in {}", plan.out_dir.display()),
+        r = fut => r,
+        _ = tokio::signal::ctrl_c() => bail!("interrupted; {what}"),
+        _ = term.recv() => bail!("terminated; {what}"),
     }
+}
+
+async fn run_interruptible(plan: &Plan) -> anyhow::Result<BenchReport> {
+    let partial = format!("partial results in {}", plan.out_dir.display());
+    interruptible(&partial, async { Ok(runner::run(plan).await?) }).await
 }
 
 fn parse_window(s: &str) -> anyhow::Result<(f64, f64)> {
@@ -305,6 +316,7 @@ fn parse_host_port(s: &str) -> anyhow::Result<(String, u16)> {
 async fn calibrate_pair(
     args: &CalibrateCmd,
     backend: &str,
+    model_path: Option<String>,
     token_space: TokenSpace,
 ) -> anyhow::Result<calibrate::Calibration> {
     let lengths = args
@@ -331,8 +343,7 @@ async fn calibrate_pair(
                 count: 2,
                 backend: backend.into(),
                 profile: (backend == "sim").then(|| profile.clone()),
-                model: (backend == "model")
-                    .then(|| args.model.clone().unwrap_or_else(|| "smollm2".into())),
+                model: model_path.clone(),
                 block_size: args.block_size,
                 num_gpu_blocks: Some(gpu_blocks),
                 cpu_offload_bytes: Some((2 * gpu_blocks * args.block_size * 64).to_string()),
@@ -354,8 +365,15 @@ async fn calibrate_pair(
                 seed: Some(args.seed),
             };
             let dir = default_log_dir("calibrate");
+            let what = if backend == "sim" {
+                profile.clone()
+            } else {
+                model_path
+                    .clone()
+                    .unwrap_or_else(|| "fetched SmolLM2".into())
+            };
             eprintln!(
-                "starting a local {backend} pair ({profile}), logs in {}",
+                "starting a local {backend} pair ({what}), logs in {}",
                 dir.display()
             );
             let fleet = Fleet::launch(&spec, &exe()?, &dir).await?;
@@ -419,9 +437,12 @@ async fn calibrate_pair(
 }
 
 pub async fn run_calibrate(args: CalibrateCmd) -> anyhow::Result<()> {
-    calibrate_pair(&args, "sim", TokenSpace::default())
-        .await
-        .map(|_| ())
+    interruptible(
+        "calibration stopped",
+        calibrate_pair(&args, "sim", None, TokenSpace::default()),
+    )
+    .await
+    .map(|_| ())
 }
 
 pub async fn run_demo(args: DemoCmd) -> anyhow::Result<()> {
@@ -431,25 +452,25 @@ pub async fn run_demo(args: DemoCmd) -> anyhow::Result<()> {
             source: None,
             source_p2p: None,
             profile: None,
-            lengths: Some(vec![256, 512, 1024, 2048, 4096]),
+            lengths: Some(vec![128, 256, 512, 1024, 2048]),
             reps: 2,
             margin: 1.5,
             time_scale: 1.0,
             block_size: 16,
-            model: Some(args.model.clone()),
+            model: None,
             write_config: None,
             json: Some(args.out.join("real-ladder.json")),
             seed: 1,
         };
         std::fs::create_dir_all(&args.out)?;
         // Real vocabularies are larger than bytes; stay inside a common range.
-        calibrate_pair(
-            &cal,
-            "model",
-            TokenSpace {
-                lo: 1000,
-                hi: 20000,
-            },
+        let space = TokenSpace {
+            lo: 1000,
+            hi: 20000,
+        };
+        interruptible(
+            "real ladder stopped",
+            calibrate_pair(&cal, "model", args.model_path.clone(), space),
         )
         .await?;
         return Ok(());
