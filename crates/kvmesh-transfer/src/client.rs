@@ -223,6 +223,8 @@ pub struct ClientConfig {
     pub max_frame: usize,
     /// Idle handshaken connections kept per peer.
     pub max_idle_per_peer: usize,
+    /// Overall bound on one `pull` (None = only the per-step `timeout`).
+    pub max_pull_duration: Option<Duration>,
     pub metrics: TransferMetrics,
 }
 
@@ -235,6 +237,7 @@ impl Default for ClientConfig {
             secret: None,
             max_frame: DEFAULT_MAX_FRAME,
             max_idle_per_peer: 4,
+            max_pull_duration: None,
             metrics: TransferMetrics::default(),
         }
     }
@@ -325,7 +328,8 @@ impl PullClient {
         self.pool.lock().get(&addr).map_or(0, Vec::len)
     }
 
-    /// Pull `hashes` (a prefix, in order) from `peer` into `sink`. Never fails: see the report.
+    /// Pull `hashes` (a prefix, in order) from `peer` into `sink`, bounded overall by
+    /// `max_pull_duration` if configured. Never fails: see the report.
     pub async fn pull(
         &self,
         peer: impl Into<PeerAddr>,
@@ -333,12 +337,33 @@ impl PullClient {
         hashes: &[BlockHash],
         sink: &mut dyn BlockSink,
     ) -> PullReport {
+        let deadline = self.config.max_pull_duration.map(|d| Instant::now() + d);
+        self.pull_with_deadline(peer, kv_request_id, hashes, sink, deadline)
+            .await
+    }
+
+    /// As [`PullClient::pull`], with an explicit overall deadline (e.g. the moment recomputing
+    /// would have finished). At the deadline the pull stops with `Timeout`, keeping the blocks
+    /// already delivered.
+    pub async fn pull_with_deadline(
+        &self,
+        peer: impl Into<PeerAddr>,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        sink: &mut dyn BlockSink,
+        deadline: Option<Instant>,
+    ) -> PullReport {
         let peer = peer.into();
         let start = Instant::now();
         let mut progress = Progress::default();
-        let result = self
-            .pull_inner(&peer, kv_request_id, hashes, sink, &mut progress)
-            .await;
+        let inner = self.pull_inner(&peer, kv_request_id, hashes, sink, &mut progress);
+        let result = match deadline {
+            None => inner.await,
+            // Dropping the attempt drops its connection (it is mid-stream), never pools it.
+            Some(d) => tokio::time::timeout_at(d, inner)
+                .await
+                .unwrap_or(Err(PullReason::Timeout)),
+        };
         let outcome = match result {
             Ok(()) => PullOutcome::Complete,
             Err(reason) if progress.blocks > 0 => PullOutcome::Partial { reason },

@@ -424,6 +424,8 @@ enum Script {
     CloseAfter(u32),
     /// Send `n` good blocks, then go silent.
     StallAfter(u32),
+    /// Send a good block every 100 ms, each well within the step timeout.
+    Trickle,
     /// Accept, never answer Hello.
     StallHandshake,
     /// Answer Hello, then send a frame that is out of place.
@@ -473,6 +475,16 @@ async fn fake_producer(script: Script) -> (SocketAddr, JoinHandle<()>) {
         let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
             return;
         };
+        if let Script::Trickle = script {
+            for (i, h) in f.hashes.iter().enumerate() {
+                let b = BlockFrame::new(i as u32, *h, payload_for(*h));
+                if conn.write_message(&Message::Block(b)).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            return;
+        }
         let n = match script {
             Script::BadChecksumAfter(n) | Script::CloseAfter(n) | Script::StallAfter(n) => n,
             _ => unreachable!(),
@@ -1029,4 +1041,25 @@ async fn concurrent_fetches_per_peer_are_capped() {
             );
         }
     }
+}
+
+#[tokio::test]
+async fn overall_deadline_stops_a_trickling_producer() {
+    let (addr, h) = fake_producer(Script::Trickle).await;
+    let client = client_for(addr, |c| {
+        c.timeout = Duration::from_secs(1);
+        c.max_pull_duration = Some(Duration::from_millis(350));
+    });
+    let started = Instant::now();
+    let (report, _) = pull(&client, addr, &hashes(20)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::Timeout
+        }
+    );
+    assert!((2..=5).contains(&report.blocks), "{report:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    assert_eq!(client.idle_connections(addr), 0);
+    h.abort();
 }
