@@ -44,10 +44,10 @@ impl LlamaConfig {
         {
             return bad("zero-sized dimension");
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad("num_heads not a multiple of num_kv_heads");
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad("odd head_dim");
         }
         Ok(())

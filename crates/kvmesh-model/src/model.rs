@@ -334,8 +334,8 @@ impl Llama {
             for k0 in (0..key_end).step_by(kv_chunk) {
                 let k1 = (k0 + kv_chunk).min(key_end);
                 let kc = k1 - k0;
-                geo.gather(arena, s.table, layer, Kv::K, k0, k1, &mut kbuf);
-                geo.gather(arena, s.table, layer, Kv::V, k0, k1, &mut vbuf);
+                geo.gather(arena, s.table, layer, Kv::K, k0..k1, &mut kbuf);
+                geo.gather(arena, s.table, layer, Kv::V, k0..k1, &mut vbuf);
                 let kt = Tensor::from_slice(&kbuf, (kvh, kc, d), dev)?;
                 let vt = Tensor::from_slice(&vbuf, (kvh, kc, d), dev)?;
                 let mut scores = qc.matmul(&kt.t()?)?; // [KVH, rows, kc]

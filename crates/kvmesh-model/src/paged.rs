@@ -164,18 +164,18 @@ impl BlockGeometry {
         }
     }
 
-    /// Gathers K or V of positions `start..end` of one layer into `out` laid out
-    /// `[kv_head][end - start][head_dim]` (what attention multiplies with).
+    /// Gathers K or V of `positions` of one layer into `out` laid out
+    /// `[kv_head][positions.len()][head_dim]` (what attention multiplies with).
     pub fn gather(
         &self,
         arena: &KvArena,
         table: &[BlockId],
         layer: usize,
         kv: Kv,
-        start: usize,
-        end: usize,
+        positions: std::ops::Range<usize>,
         out: &mut Vec<f32>,
     ) {
+        let (start, end) = (positions.start, positions.end);
         let n = end - start;
         let d = self.head_dim;
         out.clear();
@@ -228,11 +228,11 @@ mod tests {
                 g.write_token(&mut arena, &table, 1, Kv::V, pos, &data);
             }
             let mut out = Vec::new();
-            g.gather(&arena, &table, 1, Kv::V, 3, 9, &mut out);
+            g.gather(&arena, &table, 1, Kv::V, 3..9, &mut out);
             assert_eq!(out.len(), 3 * 6 * 2);
             // head 2, position 5 (index 2 in the window), dim 1 → value 5*10 + 2*2 + 1.
             assert_eq!(out[(2 * 6 + 2) * 2 + 1], 55.0);
-            g.gather(&arena, &table, 0, Kv::V, 0, 4, &mut out);
+            g.gather(&arena, &table, 0, Kv::V, 0..4, &mut out);
             assert!(out.iter().all(|&x| x == 0.0), "other layers untouched");
         }
     }

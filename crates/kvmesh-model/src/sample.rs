@@ -31,7 +31,7 @@ fn uniform(seed: u64, step: u64) -> f64 {
 
 /// Samples one token from `logits` per `params`; `seed`/`step` select the random draw.
 pub fn sample(logits: &[f32], params: &SamplingParams, seed: u64, step: u64) -> TokenId {
-    if !(params.temperature > GREEDY_BELOW) || logits.is_empty() {
+    if params.temperature.is_nan() || params.temperature <= GREEDY_BELOW || logits.is_empty() {
         return argmax(logits);
     }
     let inv_t = 1.0 / f64::from(params.temperature);

@@ -62,8 +62,8 @@ fn decode(
     let p = greedy();
     let mut out = Vec::new();
     let mut last = *prompt.last().unwrap();
-    let mut pos = prompt.len() - 1;
     for i in 0..n {
+        let pos = prompt.len() - 1 + i;
         let s = SeqStep {
             seq_id: 1,
             tokens: std::slice::from_ref(&last),
@@ -74,7 +74,6 @@ fn decode(
         };
         last = m.step(&[s], arena).unwrap()[0].unwrap();
         out.push(last);
-        pos += 1;
     }
     out
 }

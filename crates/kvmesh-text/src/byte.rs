@@ -65,6 +65,7 @@ impl Tokenizer for ByteTokenizer {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -116,7 +116,7 @@ fn python_methods(
                 _ => Err(Error::from(ErrorKind::UnknownMethod)),
             }
         }
-        (ValueKind::Map, "items") => state.apply_filter("items", &[value.clone()]),
+        (ValueKind::Map, "items") => state.apply_filter("items", std::slice::from_ref(value)),
         (ValueKind::Map, "get") => {
             let key = args.first().cloned().unwrap_or_default();
             match value.get_item(&key) {
