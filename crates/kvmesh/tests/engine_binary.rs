@@ -39,10 +39,20 @@ async fn engine_binary_serves_completions_and_publishes_kv_events() {
                 break rest.trim().to_owned();
             }
         };
-        // Let the engine's PUB connect to our SUB (slow joiner).
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        let prompt: Vec<u32> = (0..100u32).map(|i| (i * 7 + 3) % 256).collect();
+        // PUB/SUB slow joiner: probe with resets until their AllBlocksCleared reaches us.
         let client = reqwest::Client::new();
+        loop {
+            let r = client.post(format!("{base}/reset_prefix_cache")).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            if let Ok(msg) = timeout(Duration::from_millis(200), sub.recv()).await {
+                let batch = decode_batch(&msg.unwrap().into_vec()[2]).unwrap();
+                assert_eq!(batch.events, vec![KvEvent::AllBlocksCleared]);
+                break;
+            }
+        }
+        // Drop any further probe echoes.
+        while timeout(Duration::from_millis(200), sub.recv()).await.is_ok() {}
+        let prompt: Vec<u32> = (0..100u32).map(|i| (i * 7 + 3) % 256).collect();
         let mut cached = Vec::new();
         for _ in 0..2 {
             let body: Value = client

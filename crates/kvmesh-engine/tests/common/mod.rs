@@ -74,17 +74,39 @@ impl TestServer {
         .await
         .unwrap();
         let base = format!("http://{}", server.addr);
-        if events.is_some() {
-            // PUB/SUB slow joiner: let the connection and subscription settle.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        TestServer {
+        let mut ts = TestServer {
             server,
             base,
             client: reqwest::Client::new(),
             events,
             cancel,
+        };
+        if ts.events.is_some() {
+            // PUB/SUB slow joiner: probe with resets (AllBlocksCleared on an empty cache) until
+            // one arrives, then drop the probes.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let r = ts
+                    .client
+                    .post(format!("{}/reset_prefix_cache", ts.base))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                let rx = ts.events.as_mut().unwrap();
+                if let Ok(Some(SubscriberItem::Batch { .. })) =
+                    tokio::time::timeout(Duration::from_millis(100), rx.recv()).await
+                {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "kv-event subscriber never joined"
+                );
+            }
+            ts.drain_events(Duration::from_millis(150)).await;
         }
+        ts
     }
 
     pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
