@@ -10,6 +10,67 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvmesh_bench::Arm;
+use kvmesh_bench::client::Outcome;
+use kvmesh_bench::driver::{self, DriveConfig};
+use kvmesh_bench::fleet::{Fleet, FleetSpec};
+use kvmesh_bench::workload::StepKind;
+
+/// The harness plumbing against the real engine binary (no router needed): launch two sim engines,
+/// run the ladder on the first, read cached tokens and `/metrics`, shut down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_launch_drive_scrape_shutdown_with_real_engines() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = FleetSpec::from_yaml(
+        "engines:\n  - count: 2\n    num_gpu_blocks: 4096\n    time_scale: 20\n    p2p: false\n    max_model_len: 16384\n",
+    )
+    .unwrap();
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_kvmesh"));
+    let fleet = tokio::time::timeout(
+        Duration::from_secs(60),
+        Fleet::launch(&spec, &exe, dir.path()),
+    )
+    .await
+    .expect("engines start within 60 s")
+    .expect("engines start");
+    assert_eq!(fleet.engines.len(), 2);
+    assert!(fleet.describe().contains(&fleet.engines[1].url));
+    let w = workload::build("ladder", Scale::Quick, 3, &WorkloadOptions::default())
+        .unwrap()
+        .remove(0);
+    let cfg = DriveConfig {
+        base_url: fleet.entry_url().to_owned(),
+        model: fleet.served_model_name.clone(),
+        time_scale: 20.0,
+        progress: None,
+    };
+    let records = tokio::time::timeout(Duration::from_secs(120), driver::drive(&w, &cfg))
+        .await
+        .unwrap();
+    assert_eq!(records.len(), w.num_requests());
+    for r in &records {
+        assert_eq!(r.outcome, Outcome::Ok, "{r:?}");
+        assert!(r.ttft_s.is_some_and(|t| t <= r.e2e_s));
+        if r.kind == StepKind::Probe {
+            // Same engine, same prefix: every full block of the prefix is a local hit.
+            let prefix = r.prompt_tokens - 16;
+            assert!(
+                r.cached_tokens.unwrap_or(0) as usize >= prefix / 16 * 16,
+                "{r:?}"
+            );
+        }
+    }
+    let ev = runner::scrape_evidence(&fleet).await;
+    assert!(ev.scrape_errors.is_empty(), "{:?}", ev.scrape_errors);
+    assert!(ev.engines[0].local_hit_tokens > 0.0);
+    assert_eq!(ev.external_hit_tokens, 0.0);
+    assert!(!ev.moved_anything());
+    let url = fleet.engines[0].url.clone();
+    fleet.shutdown().await;
+    assert!(
+        reqwest::get(format!("{url}/health")).await.is_err(),
+        "engine stopped"
+    );
+}
 use kvmesh_bench::runner::{self, FleetOptions, Plan};
 use kvmesh_bench::workload::{self, Scale, WorkloadOptions};
 
