@@ -290,24 +290,6 @@ impl Handler {
                 .await?;
             return Ok(false);
         }
-        if let Err(m) = self
-            .shared
-            .source
-            .fingerprint()
-            .check_compatible(&hello.fingerprint)
-        {
-            metrics.record_refused("fingerprint_mismatch");
-            debug!(peer = %self.peer, %m, "p2p producer: refusing peer");
-            let reason = RefuseReason::Fingerprint {
-                field: m.field.to_string(),
-                ours: m.ours,
-                theirs: m.theirs,
-            };
-            self.conn
-                .write_message(&Message::Refused(Refused { reason }))
-                .await?;
-            return Ok(false);
-        }
         let proof = match &self.shared.config.secret {
             None => None,
             Some(secret) => {
@@ -338,6 +320,26 @@ impl Handler {
                 Some(secret.producer_proof(&ours, &hello.nonce).to_vec())
             }
         };
+        // Authenticate before comparing fingerprints, so an unauthenticated peer learns nothing
+        // about what we serve.
+        if let Err(m) = self
+            .shared
+            .source
+            .fingerprint()
+            .check_compatible(&hello.fingerprint)
+        {
+            metrics.record_refused("fingerprint_mismatch");
+            debug!(peer = %self.peer, %m, "p2p producer: refusing peer");
+            let reason = RefuseReason::Fingerprint {
+                field: m.field.to_string(),
+                ours: m.ours,
+                theirs: m.theirs,
+            };
+            self.conn
+                .write_message(&Message::Refused(Refused { reason }))
+                .await?;
+            return Ok(false);
+        }
         self.conn
             .write_message(&Message::HelloOk(HelloOk {
                 version: PROTOCOL_VERSION,

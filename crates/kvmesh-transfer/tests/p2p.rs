@@ -1063,3 +1063,46 @@ async fn overall_deadline_stops_a_trickling_producer() {
     assert_eq!(client.idle_connections(addr), 0);
     h.abort();
 }
+
+#[tokio::test]
+async fn with_a_secret_the_fingerprint_is_compared_only_after_authentication() {
+    let hs = hashes(2);
+    let cfg = ServerConfig {
+        secret: Some(Secret::from("k")),
+        ..ServerConfig::default()
+    };
+    let p = start_producer(&hs, cfg).await;
+    let other_fp = Fingerprint {
+        num_layers: 99,
+        ..fp()
+    };
+    let mk = |secret: &str| {
+        let mut allowed = AllowList::none();
+        allowed.add_socket(p.addr);
+        PullClient::new(
+            other_fp.clone(),
+            ClientConfig {
+                allowed_peers: allowed,
+                secret: Some(Secret::from(secret)),
+                ..ClientConfig::default()
+            },
+        )
+    };
+    let mut sink = VerifySink::default();
+    let report = bounded(mk("wrong").pull(p.addr, "r", &hs, &mut sink)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::AuthFailed
+        }
+    );
+    let report = bounded(mk("k").pull(p.addr, "r", &hs, &mut sink)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::FingerprintMismatch {
+                field: "num_layers".into()
+            }
+        }
+    );
+}
