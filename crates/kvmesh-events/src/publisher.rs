@@ -26,6 +26,9 @@ pub struct PublisherConfig {
     /// `tcp://*:5557` binds on all interfaces; `tcp://host:port` connects (the subscriber binds).
     /// `tcp://*:0` binds an ephemeral port (see [`Publisher::local_endpoint`]).
     pub endpoint: String,
+    /// Bind `endpoint` even though its host is concrete (e.g. `tcp://127.0.0.1:5557` to listen on
+    /// loopback only). vLLM itself has no such switch: it binds only `*` hosts.
+    pub bind: bool,
     /// First frame of every message (vLLM default `""`, commonly `"kv-events"`).
     pub topic: String,
     /// Optional ROUTER endpoint answering replay requests (always bound).
@@ -43,6 +46,7 @@ impl PublisherConfig {
     pub fn new(endpoint: impl Into<String>, topic: impl Into<String>) -> Self {
         Self {
             endpoint: endpoint.into(),
+            bind: false,
             topic: topic.into(),
             replay_endpoint: None,
             replay_buffer: 10_000,
@@ -88,6 +92,11 @@ impl Publisher {
     /// Must be called inside a tokio runtime.
     pub async fn start(config: PublisherConfig) -> Result<Publisher, EventsError> {
         let (endpoint, mode) = resolve_endpoint(&config.endpoint)?;
+        let mode = if config.bind {
+            EndpointMode::Bind
+        } else {
+            mode
+        };
         let mut options = SocketOptions::default();
         options.connect_timeout(CONNECT_ATTEMPT);
         let mut socket = PubSocket::with_options(options);

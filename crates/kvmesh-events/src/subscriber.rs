@@ -11,10 +11,11 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use kvmesh_core::events::{EventBatch, EventFrame, decode_batch, parse_seq};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket};
+use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket};
 
 use crate::endpoint::{EndpointMode, resolve_endpoint};
 use crate::replay::request_replay_raw;
@@ -151,11 +152,18 @@ pub fn subscribe(
     rx
 }
 
+/// How long one connect attempt (TCP + ZMTP handshake) may take before it is retried.
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(5);
+
 async fn run(config: SubscriberConfig, tx: mpsc::Sender<SubscriberItem>) {
+    // Kept across reconnects so a restarted publisher shows up as `Restart`.
+    let mut tracker = SeqTracker::default();
     let mut backoff = Duration::from_millis(100);
     loop {
         match open(&config).await {
-            Ok((socket, endpoint)) => {
+            Ok(opened) => {
+                backoff = Duration::from_millis(100);
+                let endpoint = opened.endpoint.clone();
                 if tx
                     .send(SubscriberItem::Listening { endpoint })
                     .await
@@ -163,27 +171,42 @@ async fn run(config: SubscriberConfig, tx: mpsc::Sender<SubscriberItem>) {
                 {
                     return;
                 }
-                receive(socket, &config, &tx).await;
-                return;
+                match receive(opened, &config, &tx, &mut tracker).await {
+                    Ended::ReceiverGone => return,
+                    Ended::Disconnected => {
+                        let error = "publisher disconnected; reconnecting".to_owned();
+                        if tx.send(SubscriberItem::Error { error }).await.is_err() {
+                            return;
+                        }
+                    }
+                }
             }
             Err(error) => {
                 if tx.send(SubscriberItem::Error { error }).await.is_err() {
                     return;
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
-async fn open(config: &SubscriberConfig) -> Result<(SubSocket, String), String> {
+struct Opened {
+    socket: SubSocket,
+    monitor: futures::channel::mpsc::Receiver<SocketEvent>,
+    endpoint: String,
+    connected: bool,
+}
+
+async fn open(config: &SubscriberConfig) -> Result<Opened, String> {
     let (endpoint, mode) = resolve_endpoint(&config.endpoint).map_err(|e| e.to_string())?;
     let mut options = SocketOptions::default();
-    // Wait for an absent publisher indefinitely (the caller's cancel token bounds it); the
-    // zeromq crate reconnects by itself after the first connection.
-    options.no_connect_timeout();
+    // Bounded, so a connection that hangs in the handshake (e.g. into a dying listener's
+    // backlog) is abandoned and retried instead of blocking forever.
+    options.connect_timeout(CONNECT_ATTEMPT);
     let mut socket = SubSocket::with_options(options);
+    let monitor = socket.monitor();
     socket
         .subscribe(&config.topic)
         .await
@@ -193,27 +216,59 @@ async fn open(config: &SubscriberConfig) -> Result<(SubSocket, String), String> 
             .bind(&endpoint)
             .await
             .map_err(|e| format!("bind {endpoint}: {e}"))?;
-        Ok((socket, bound.to_string()))
+        Ok(Opened {
+            socket,
+            monitor,
+            endpoint: bound.to_string(),
+            connected: false,
+        })
     } else {
         socket
             .connect(&endpoint)
             .await
             .map_err(|e| format!("connect {endpoint}: {e}"))?;
-        Ok((socket, endpoint))
+        Ok(Opened {
+            socket,
+            monitor,
+            endpoint,
+            connected: true,
+        })
     }
 }
 
+enum Ended {
+    ReceiverGone,
+    /// The publisher we connected to went away. The `zeromq` crate would try to reconnect by
+    /// itself, but its attempt can hang in the handshake forever, so we reopen the socket.
+    Disconnected,
+}
+
 async fn receive(
-    mut socket: SubSocket,
+    opened: Opened,
     config: &SubscriberConfig,
     tx: &mpsc::Sender<SubscriberItem>,
-) {
-    let mut tracker = SeqTracker::default();
+    tracker: &mut SeqTracker,
+) -> Ended {
+    let Opened {
+        mut socket,
+        mut monitor,
+        connected,
+        ..
+    } = opened;
     loop {
-        let msg = match socket.recv().await {
+        let msg = tokio::select! {
+            m = socket.recv() => m,
+            ev = next_event(&mut monitor, connected) => {
+                if matches!(ev, Some(SocketEvent::Disconnected(_)) | None) {
+                    return Ended::Disconnected;
+                }
+                continue;
+            }
+        };
+        let msg = match msg {
             Ok(m) => m,
             Err(e) => {
-                // A peer's broken stream or a disconnect; the socket stays usable.
+                // A peer's broken stream; the socket stays usable.
                 if tx
                     .send(SubscriberItem::Error {
                         error: e.to_string(),
@@ -221,18 +276,30 @@ async fn receive(
                     .await
                     .is_err()
                 {
-                    return;
+                    return Ended::ReceiverGone;
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
-        let parts = msg.into_vec();
-        for item in handle_message(parts, config, &mut tracker).await {
+        for item in handle_message(msg.into_vec(), config, tracker).await {
             if tx.send(item).await.is_err() {
-                return;
+                return Ended::ReceiverGone;
             }
         }
+    }
+}
+
+/// The next socket event when connected; never resolves for a bound socket, where a peer
+/// leaving is normal and the peer's reconnect is its own business.
+async fn next_event(
+    monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
+    active: bool,
+) -> Option<SocketEvent> {
+    if active {
+        monitor.next().await
+    } else {
+        std::future::pending().await
     }
 }
 

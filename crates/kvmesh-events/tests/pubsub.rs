@@ -359,3 +359,72 @@ async fn handle_sends_from_sync_code_in_order() {
     assert_eq!(handle.dropped(), 0);
     cancel.cancel();
 }
+
+/// An engine restart: the publisher's whole runtime goes away (closing its sockets, as a dying
+/// process would), a new publisher binds the same port and numbers from 0 again.
+#[test]
+fn subscriber_reconnects_to_a_restarted_publisher_and_reports_restart() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let engine_a = tokio::runtime::Runtime::new().unwrap();
+    let cancel = CancellationToken::new();
+    let mut a = engine_a
+        .block_on(Publisher::start(PublisherConfig::new(
+            LOOPBACK0,
+            "kv-events",
+        )))
+        .unwrap();
+    let ep = a.local_endpoint().to_owned();
+    a.set_next_seq(1_000_000);
+    let mut rx = rt.block_on(async { subscribe(SubscriberConfig::connect(&ep), cancel.clone()) });
+    rt.block_on(listening(&mut rx));
+    // Sync across runtimes: publish on the engine's, receive on ours.
+    let mut synced = false;
+    for _ in 0..200 {
+        engine_a.block_on(a.publish(&empty())).unwrap();
+        if let Ok(Some(SubscriberItem::Batch { .. })) =
+            rt.block_on(async { timeout(Duration::from_millis(50), rx.recv()).await })
+        {
+            synced = true;
+            break;
+        }
+    }
+    assert!(synced);
+    drop(a);
+    engine_a.shutdown_timeout(Duration::from_secs(2));
+
+    let engine_b = tokio::runtime::Runtime::new().unwrap();
+    let mut cfg_b = PublisherConfig::new(&ep, "kv-events");
+    cfg_b.bind = true;
+    let mut b = engine_b
+        .block_on(Publisher::start(cfg_b))
+        .expect("rebind the same port");
+    let mut errors = 0;
+    let mut restart = None;
+    for _ in 0..300 {
+        engine_b.block_on(b.publish(&empty())).unwrap();
+        match rt.block_on(async { timeout(Duration::from_millis(50), rx.recv()).await }) {
+            Ok(Some(SubscriberItem::Error { .. })) => errors += 1,
+            Ok(Some(SubscriberItem::Listening { .. })) => {}
+            Ok(Some(SubscriberItem::Batch { batch, .. })) if batch.events.is_empty() => {}
+            Ok(Some(other)) => {
+                restart = Some(other);
+                break;
+            }
+            _ => {}
+        }
+    }
+    match restart {
+        Some(SubscriberItem::Restart {
+            last_seq, new_seq, ..
+        }) => {
+            assert!(last_seq >= 1_000_000);
+            assert!(new_seq < 1_000_000);
+        }
+        other => panic!("expected restart after reconnect, got {other:?}"),
+    }
+    assert!(
+        errors <= 3,
+        "a disconnect is reported once or twice, not in a loop ({errors})"
+    );
+    cancel.cancel();
+}
