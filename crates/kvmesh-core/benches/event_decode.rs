@@ -22,7 +22,9 @@ fn synthetic() -> EventBatch {
     let events = (0..16u64)
         .map(|i| {
             KvEvent::BlockStored(BlockStored {
-                block_hashes: (0..4).map(|b| BlockHash(0x9e37_79b9_7f4a_7c15 ^ (i * 4 + b))).collect(),
+                block_hashes: (0..4)
+                    .map(|b| BlockHash(0x9e37_79b9_7f4a_7c15 ^ (i * 4 + b)))
+                    .collect(),
                 parent_block_hash: Some(BlockHash(0xdead_beef_0000_0000 | i)),
                 token_ids: (0..64).map(|t| (i as u32 * 64 + t) % 4096 + 256).collect(),
                 block_size: 16,
@@ -34,7 +36,11 @@ fn synthetic() -> EventBatch {
             })
         })
         .collect();
-    EventBatch { ts: 1_764_450_000.25, events, data_parallel_rank: Some(0) }
+    EventBatch {
+        ts: 1_764_450_000.25,
+        events,
+        data_parallel_rank: Some(0),
+    }
 }
 
 fn capture(name: &str) -> Vec<Vec<u8>> {
@@ -60,18 +66,21 @@ fn capture(name: &str) -> Vec<Vec<u8>> {
 
 /// (events, block hashes) in a set of payloads.
 fn count(payloads: &[Vec<u8>]) -> (u64, u64) {
-    payloads.iter().filter_map(|p| decode_batch(p).ok()).fold((0, 0), |(e, h), b| {
-        let hashes: usize = b
-            .events
-            .iter()
-            .map(|ev| match ev {
-                KvEvent::BlockStored(s) => s.block_hashes.len(),
-                KvEvent::BlockRemoved(r) => r.block_hashes.len(),
-                KvEvent::AllBlocksCleared => 0,
-            })
-            .sum();
-        (e + b.events.len() as u64, h + hashes as u64)
-    })
+    payloads
+        .iter()
+        .filter_map(|p| decode_batch(p).ok())
+        .fold((0, 0), |(e, h), b| {
+            let hashes: usize = b
+                .events
+                .iter()
+                .map(|ev| match ev {
+                    KvEvent::BlockStored(s) => s.block_hashes.len(),
+                    KvEvent::BlockRemoved(r) => r.block_hashes.len(),
+                    KvEvent::AllBlocksCleared => 0,
+                })
+                .sum();
+            (e + b.events.len() as u64, h + hashes as u64)
+        })
 }
 
 fn bench_set(c: &mut Criterion, name: &str, payloads: &[Vec<u8>]) {
@@ -80,21 +89,32 @@ fn bench_set(c: &mut Criterion, name: &str, payloads: &[Vec<u8>]) {
     for (unit, n) in [("events", events), ("block_hashes", hashes)] {
         let mut g = c.benchmark_group(format!("decode_{unit}"));
         g.throughput(Throughput::Elements(n));
-        g.bench_function(format!("{name} ({} payloads, {bytes} B)", payloads.len()), |b| {
-            b.iter(|| {
-                for p in payloads {
-                    let _ = black_box(decode_batch(black_box(p)));
-                }
-            })
-        });
+        g.bench_function(
+            format!("{name} ({} payloads, {bytes} B)", payloads.len()),
+            |b| {
+                b.iter(|| {
+                    for p in payloads {
+                        let _ = black_box(decode_batch(black_box(p)));
+                    }
+                })
+            },
+        );
         g.finish();
     }
 }
 
 fn benches(c: &mut Criterion) {
     let batch = synthetic();
-    bench_set(c, "synthetic_map", &[encode_batch(&batch, EventEncoding::Map)]);
-    bench_set(c, "synthetic_array", &[encode_batch(&batch, EventEncoding::Array)]);
+    bench_set(
+        c,
+        "synthetic_map",
+        &[encode_batch(&batch, EventEncoding::Map)],
+    );
+    bench_set(
+        c,
+        "synthetic_array",
+        &[encode_batch(&batch, EventEncoding::Array)],
+    );
     bench_set(c, "capture2", &capture("capture2.json"));
     bench_set(c, "capture3", &capture("capture3.json"));
 

@@ -333,3 +333,30 @@ fn map_encoding_has_vllm_field_order() {
     assert_eq!(keys, ["type", "block_hashes", "medium", "group_idx"]);
     assert_eq!(v[2], Value::Nil);
 }
+
+#[test]
+fn frames_parse_three_parts_and_name_what_is_wrong() {
+    use kvmesh_core::events::EventFrame;
+    let payload = encode_batch(
+        &EventBatch {
+            ts: 1.0,
+            events: vec![KvEvent::AllBlocksCleared],
+            data_parallel_rank: Some(0),
+        },
+        EventEncoding::Map,
+    );
+    let ok =
+        EventFrame::from_parts(&[b"kv".to_vec(), 7u64.to_be_bytes().to_vec(), payload.clone()])
+            .unwrap();
+    assert_eq!((ok.topic.as_str(), ok.seq), ("kv", 7));
+    assert_eq!(ok.decode().unwrap().events, vec![KvEvent::AllBlocksCleared]);
+    let again = EventFrame::from_owned_parts(ok.to_parts().to_vec()).unwrap();
+    assert_eq!(again, ok);
+
+    let two = EventFrame::from_parts(&[b"kv".to_vec(), payload.clone()]).unwrap_err();
+    assert!(two.to_string().contains("got 2"), "{two}");
+    let short = EventFrame::from_parts(&[b"kv".to_vec(), vec![0; 7], payload.clone()]).unwrap_err();
+    assert!(short.to_string().contains("8 bytes"), "{short}");
+    let topic = EventFrame::from_parts(&[vec![0xff, 0xfe], vec![0; 8], payload]).unwrap_err();
+    assert!(topic.to_string().contains("utf-8"), "{topic}");
+}
