@@ -361,6 +361,8 @@ pub fn pool(scale: Scale, seed: u64, rate: f64) -> Workload {
         });
         i += 1;
     }
+    // What was actually offered: this Poisson realisation, not the nominal rate.
+    let offered = sessions.len() as f64 / duration_s;
     // A server holds about a quarter of the pool, so no single server caches it all.
     let per_server_tokens = prefixes * len / 4;
     Workload {
@@ -372,7 +374,7 @@ pub fn pool(scale: Scale, seed: u64, rate: f64) -> Workload {
         token_space: TokenSpace::default(),
         sessions,
         max_active_sessions: None,
-        offered_rate: Some(rate),
+        offered_rate: Some(offered),
         request_timeout: Duration::from_secs(120),
         fleet: FleetShape {
             engines: 4,
@@ -607,7 +609,7 @@ mod tests {
         let ws = build("pool", Scale::Full, 5, &WorkloadOptions::default()).unwrap();
         assert_eq!(ws.len(), 4);
         for w in &ws {
-            let rate = w.offered_rate.unwrap();
+            let rate: f64 = w.name.strip_prefix("pool@").unwrap().parse().unwrap();
             let n = w.sessions.len() as f64;
             // Poisson count over 120 s: within 20% of rate × 120.
             assert!(
