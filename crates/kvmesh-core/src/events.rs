@@ -555,8 +555,13 @@ impl<'a> Reader<'a> {
     }
 
     fn u32_field(&mut self, field: &str) -> Result<u32, EventDecodeError> {
-        let v = self.int_any()?;
-        u32::try_from(v).map_err(|_| shape(format!("{field} out of range: {v}")))
+        // The hot path (token ids): rmp's typed integer read, no widening.
+        use rmp::decode::NumValueReadError as E;
+        rmp::decode::read_int::<u32, _>(&mut self.rd).map_err(|e| match e {
+            E::OutOfRange => shape(format!("{field} out of range for u32")),
+            E::TypeMismatch(m) => shape(format!("{field}: expected an integer, got {m:?}")),
+            other => EventDecodeError::Msgpack(format!("{field}: {other:?}")),
+        })
     }
 
     fn opt_u32(&mut self, field: &str) -> Result<Option<u32>, EventDecodeError> {
