@@ -36,6 +36,9 @@ pub struct Calibration {
     pub crossover_tokens: Option<f64>,
     pub recommended_min_cached_token_delta: usize,
     pub margin: f64,
+    /// Every pull row was confirmed by the consumer's external-hit counter. Without it the "pull"
+    /// times may be recomputes and the recommendation means nothing.
+    pub verified: bool,
     /// Problems (unverified pulls, failures).
     pub warnings: Vec<String>,
 }
@@ -306,6 +309,7 @@ pub async fn calibrate(
         crossover_tokens: x,
         margin: cfg.margin,
         rows,
+        verified: warnings.is_empty(),
         warnings,
     })
 }
@@ -349,10 +353,14 @@ impl Calibration {
             Some(x) => s.push_str(&format!("\nCrossover (interpolated): {x:.0} tokens.")),
             None => s.push_str("\nCrossover: pull never beats recompute in the measured range."),
         }
-        s.push_str(&format!(
-            "\nRecommended `min_cached_token_delta`: {} (crossover × {:.2} margin, whole blocks).\n",
-            self.recommended_min_cached_token_delta, self.margin
-        ));
+        if self.verified {
+            s.push_str(&format!(
+                "\nRecommended `min_cached_token_delta`: {} (crossover × {:.2} margin, whole blocks).\n",
+                self.recommended_min_cached_token_delta, self.margin
+            ));
+        } else {
+            s.push_str("\nNo recommendation: the pulls were not verified (see warnings), so the pull column may be recomputes.\n");
+        }
         for w in &self.warnings {
             s.push_str(&format!("\nWARNING: {w}"));
         }

@@ -423,6 +423,12 @@ async fn calibrate_pair(
         println!("wrote {}", path.display());
     }
     if let Some(path) = &args.write_config {
+        if !cal.verified {
+            bail!(
+                "not writing {}: the pulls were not verified",
+                path.display()
+            );
+        }
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let out = calibrate::write_threshold(&text, cal.recommended_min_cached_token_delta)?;
