@@ -375,22 +375,13 @@ pub fn build_engine(
     let counters = Arc::new(SharedCounters::default());
     let (tx, rx) = mpsc::unbounded_channel();
     let backend_name = backend.name().to_owned();
-    // The pull-time model must be callable off the compute thread; sample it from a probe of
-    // the backend's function at build time is not possible in general, so profile-based
-    // backends expose it through this closure built from a fresh query table.
-    let pull_table: Vec<(usize, Option<Duration>)> = [
-        0usize,
-        1 << 11,
-        1 << 13,
-        1 << 14,
-        1 << 15,
-        49_152,
-        1 << 16,
-        1 << 17,
-    ]
-    .iter()
-    .map(|&t| (t, backend.modelled_pull_time(t)))
-    .collect();
+    // The backend lives on the compute thread, but the P2P consumer asks for modelled pull
+    // times from async tasks: sample the backend's curve once (every 256 tokens up to 128K,
+    // linear beyond) and interpolate.
+    let pull_table: Vec<(usize, Option<Duration>)> = (0..=512usize)
+        .map(|i| i * 256)
+        .map(|t| (t, backend.modelled_pull_time(t)))
+        .collect();
     let modelled_pull: Box<dyn Fn(usize) -> Option<Duration> + Send + Sync> =
         Box::new(move |tokens| interpolate_pull(&pull_table, tokens));
     let inner = Arc::new(HandleInner {
@@ -1112,5 +1103,179 @@ fn gpu_stored(parent: Option<BlockHash>, bs: usize) -> BlockStored {
         lora_name: None,
         group_idx: None,
         kv_cache_spec_kind: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::compute::profiles::GPT_OSS_120B_H200;
+    use crate::compute::sim::{SimBackend, SimConfig};
+    use crate::outbox::CollectingSink;
+
+    fn engine(cfg: EngineConfig, sink: CollectingSink) -> Engine {
+        let backend = SimBackend::without_sleep(SimConfig {
+            profile: &GPT_OSS_120B_H200,
+            time_scale: 1.0,
+            kv_bytes_per_token: 8,
+            block_size: cfg.block_size,
+            model_id: "sim".into(),
+        });
+        build_engine(
+            cfg,
+            Box::new(backend),
+            Arc::new(kvmesh_text::ByteTokenizer),
+            Arc::new(sink),
+        )
+        .unwrap()
+    }
+
+    fn request(prompt: Vec<TokenId>, max_tokens: usize) -> EngineRequest {
+        EngineRequest {
+            request_id: "t".into(),
+            prompt,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: None,
+            },
+            max_tokens,
+            ignore_eos: true,
+            stop_token_ids: Vec::new(),
+            kv_transfer_params: None,
+            arrival: Instant::now(),
+            external_hashes: Vec::new(),
+            external_query_tokens: 0,
+        }
+    }
+
+    async fn run_to_end(mut s: SeqStream) -> (Option<usize>, Vec<TokenId>, FinishInfo) {
+        let mut toks = Vec::new();
+        loop {
+            match s.recv().await.unwrap() {
+                SeqOutput::Started { .. } => {}
+                SeqOutput::Token(t) => toks.push(t),
+                SeqOutput::Finished(f) => return (s.cached_tokens(), toks, *f),
+                SeqOutput::Error(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn modelled_pull_time_follows_the_profile_off_the_compute_thread() {
+        let e = engine(
+            EngineConfig {
+                num_gpu_blocks: 64,
+                ..EngineConfig::default()
+            },
+            CollectingSink::default(),
+        );
+        let d = e.handle.modelled_pull_time(49_152).unwrap();
+        assert!((d.as_secs_f64() - 0.235).abs() < 1e-3, "{d:?}");
+        let d = e.handle.modelled_pull_time(8192).unwrap();
+        assert!((d.as_secs_f64() - 0.057).abs() < 1e-3, "{d:?}");
+        assert_eq!(e.handle.modelled_pull_time(0), Some(Duration::ZERO));
+        e.shutdown();
+    }
+
+    #[tokio::test]
+    async fn pulled_blocks_in_the_cpu_tier_count_as_external_hits() {
+        let sink = CollectingSink::default();
+        let e = engine(
+            EngineConfig {
+                num_gpu_blocks: 64,
+                ..EngineConfig::default()
+            },
+            sink.clone(),
+        );
+        let prompt: Vec<TokenId> = (0..100).map(|i| i % 200).collect();
+        let hashes = e.handle.block_hashes(&prompt);
+        // A P2P consumer would land these from a peer; here they come from nowhere.
+        for (i, h) in hashes.iter().enumerate().take(4) {
+            let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
+            let payload = crate::compute::sim::sim_block_payload(*h, 16 * 8);
+            assert!(e.handle.cpu_tier().insert_external(
+                *h,
+                parent,
+                prompt[i * 16..(i + 1) * 16].to_vec(),
+                payload.into()
+            ));
+        }
+        let mut req = request(prompt, 2);
+        req.external_hashes = hashes[..4].to_vec();
+        req.external_query_tokens = 100;
+        let (cached, toks, fin) = run_to_end(e.handle.submit(req).unwrap()).await;
+        assert_eq!(cached, Some(64));
+        assert_eq!(fin.cached_tokens, 64);
+        assert_eq!(toks.len(), 2);
+        let m = e.handle.metrics().encode();
+        assert!(
+            m.contains("vllm:external_prefix_cache_hits_total{model_name=\"sim\",engine=\"0\"} 64"),
+            "{m}"
+        );
+        assert!(
+            m.contains(
+                "vllm:external_prefix_cache_queries_total{model_name=\"sim\",engine=\"0\"} 100"
+            ),
+            "{m}"
+        );
+        assert!(
+            m.contains("vllm:prefix_cache_hits_total{model_name=\"sim\",engine=\"0\"} 0"),
+            "{m}"
+        );
+        // The pulled blocks were published on the CPU tier, then restored into the GPU tier.
+        let ev = sink.take();
+        let stored_cpu = ev
+            .iter()
+            .filter(|e| matches!(e, KvEvent::BlockStored(s) if s.medium == Medium::Cpu))
+            .count();
+        let stored_gpu: Vec<BlockHash> = ev
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored(s) if s.medium == Medium::Gpu => Some(s.block_hashes.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert!(stored_cpu >= 4);
+        assert_eq!(stored_gpu, hashes);
+        e.shutdown();
+    }
+
+    #[tokio::test]
+    async fn chunked_prefill_marks_pending_and_completes_blocks_progressively() {
+        let sink = CollectingSink::default();
+        let cfg = EngineConfig {
+            num_gpu_blocks: 64,
+            max_num_batched_tokens: 32,
+            ..EngineConfig::default()
+        };
+        let e = engine(cfg, sink);
+        let prompt: Vec<TokenId> = (0..160).map(|i| (i * 3) % 250).collect();
+        let hashes = e.handle.block_hashes(&prompt);
+        let (cached, toks, fin) =
+            run_to_end(e.handle.submit(request(prompt.clone(), 3)).unwrap()).await;
+        assert_eq!(
+            (cached, toks.len(), fin.reason),
+            (Some(0), 3, FinishReason::Length)
+        );
+        assert_eq!(fin.created_cache_tokens, 160);
+        for h in &hashes {
+            assert!(e.handle.cpu_tier().contains(*h));
+            assert!(!e.handle.cpu_tier().is_pending(*h));
+        }
+        // Greedy sim output is a function of position only: a repeat gives the same tokens.
+        let (cached, toks2, _) = run_to_end(e.handle.submit(request(prompt, 3)).unwrap()).await;
+        assert_eq!(cached, Some(144));
+        assert_eq!(toks, toks2);
+        let usage = e
+            .handle
+            .inspect_pool(|p| (p.usage(), p.check_invariants()))
+            .await
+            .unwrap();
+        assert_eq!(usage.0, 0.0);
+        usage.1.unwrap();
+        e.shutdown();
     }
 }
