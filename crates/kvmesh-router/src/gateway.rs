@@ -46,6 +46,9 @@ pub const ENDPOINT_HEADER: &str = "x-kvmesh-endpoint";
 /// Request header selecting a scheduling profile by name.
 pub const PROFILE_HEADER: &str = "x-kvmesh-profile";
 
+/// Bodies larger than this are parsed and tokenized on a blocking thread.
+const BLOCKING_PARSE_BYTES: usize = 64 * 1024;
+
 /// Decode tokens assumed for load accounting when a request does not say (vLLM's completions default).
 const DEFAULT_DECODE_TOKENS: u64 = 16;
 
@@ -141,14 +144,26 @@ fn candidate(e: &Endpoint, m: kvmesh_index::EndpointMatch) -> Candidate {
 
 async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Bytes) -> Response {
     let t0 = Instant::now();
-    let parsed = match request::parse(kind, &body, &*s.tokenizer) {
+    // Big prompts (hundreds of thousands of tokens) take real CPU to parse and tokenize: keep that
+    // off the async workers.
+    let parsed = if body.len() > BLOCKING_PARSE_BYTES {
+        let tokenizer = Arc::clone(&s.tokenizer);
+        match tokio::task::spawn_blocking(move || request::parse(kind, &body, &*tokenizer)).await {
+            Ok(r) => r,
+            Err(e) => Err(ApiError::bad_request(format!(
+                "request parsing failed: {e}"
+            ))),
+        }
+    } else {
+        request::parse(kind, &body, &*s.tokenizer)
+    };
+    let parsed = match parsed {
         Ok(p) => p,
         Err(e) => {
             s.metrics.error("bad_request");
             return e.into_response();
         }
     };
-    drop(body);
     let profile_name = headers.get(PROFILE_HEADER).and_then(|v| v.to_str().ok());
     let Some(profile) = s.scheduler.profile(profile_name) else {
         s.metrics.error("bad_request");

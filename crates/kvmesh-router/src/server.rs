@@ -84,13 +84,20 @@ impl RouterHandle {
     }
 }
 
-fn build_tokenizer(spec: &TokenizerSpec) -> Result<Arc<dyn Tokenizer>, RouterError> {
+async fn build_tokenizer(spec: &TokenizerSpec) -> Result<Arc<dyn Tokenizer>, RouterError> {
     match spec {
         TokenizerSpec::Byte => Ok(Arc::new(ByteTokenizer)),
         TokenizerSpec::Hf {
             path,
             chat_template,
-        } => crate::tokenizer::hf(path, chat_template.as_deref()),
+        } => {
+            let (path, chat_template) = (path.clone(), chat_template.clone());
+            tokio::task::spawn_blocking(move || {
+                crate::tokenizer::hf(&path, chat_template.as_deref())
+            })
+            .await
+            .map_err(|e| RouterError::Tokenizer(e.to_string()))?
+        }
     }
 }
 
@@ -107,7 +114,7 @@ pub async fn start(
     };
     let tokenizer = match opts.tokenizer {
         Some(t) => t,
-        None => build_tokenizer(&config.tokenizer)?,
+        None => build_tokenizer(&config.tokenizer).await?,
     };
     let cost_model = Arc::new(CostModel::new(config.cost_model.clone()));
     let scheduler = Scheduler::build(

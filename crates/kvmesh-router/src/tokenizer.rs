@@ -1,15 +1,30 @@
-//! Building the configured tokenizer.
+//! Building the configured tokenizer (startup only; file I/O runs on a blocking thread).
 
 use std::path::Path;
 use std::sync::Arc;
 
-use kvmesh_text::Tokenizer;
+use kvmesh_text::{ChatTemplate, HfTokenizer, Tokenizer};
 
 use crate::error::RouterError;
 
-/// A HF `tokenizer.json` tokenizer with an optional chat template file.
-pub fn hf(_path: &Path, _chat_template: Option<&Path>) -> Result<Arc<dyn Tokenizer>, RouterError> {
-    Err(RouterError::Tokenizer(
-        "HF tokenizers are not available in this build yet; use `tokenizer: byte`".into(),
-    ))
+/// A HF `tokenizer.json` tokenizer. Its chat template comes from a `tokenizer_config.json` beside
+/// it, or from `chat_template` (a Jinja file) when given — then `eos_token` is the tokenizer's
+/// first EOS token and `bos_token` is empty.
+pub fn hf(path: &Path, chat_template: Option<&Path>) -> Result<Arc<dyn Tokenizer>, RouterError> {
+    let err =
+        |e: &dyn std::fmt::Display| RouterError::Tokenizer(format!("{}: {e}", path.display()));
+    let mut tok = HfTokenizer::from_file(path).map_err(|e| err(&e))?;
+    if let Some(tpl) = chat_template {
+        let src = std::fs::read_to_string(tpl)
+            .map_err(|e| RouterError::Tokenizer(format!("{}: {e}", tpl.display())))?;
+        let eos = tok
+            .eos_token_ids()
+            .first()
+            .map(|&id| tok.token_str(id))
+            .unwrap_or_default();
+        let template = ChatTemplate::new(&src, "", &eos)
+            .map_err(|e| RouterError::Tokenizer(format!("{}: {e}", tpl.display())))?;
+        tok.set_chat_template(template);
+    }
+    Ok(Arc::new(tok))
 }

@@ -282,3 +282,5 @@ pub async fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+pub mod engines;
