@@ -294,7 +294,7 @@ async fn bad_requests_get_openai_errors_and_do_not_disturb_others() {
         let inflight = tokio::spawn(async move {
             let c = reqwest::Client::new();
             c.post(format!("{base}/v1/completions"))
-                .json(&json!({"model": "sim-test", "prompt": tokens(7, 4000), "max_tokens": 3}))
+                .json(&json!({"model": "sim-test", "prompt": tokens(7, 4000), "max_tokens": 80, "ignore_eos": true}))
                 .send()
                 .await
                 .unwrap()
@@ -367,7 +367,7 @@ async fn bad_requests_get_openai_errors_and_do_not_disturb_others() {
         assert_eq!(r.status(), 429);
         assert_eq!(r.headers().get("retry-after").unwrap(), "1");
         let done = inflight.await.unwrap();
-        assert_eq!(done["usage"]["completion_tokens"], 3, "{done}");
+        assert_eq!(done["usage"]["completion_tokens"], 80, "{done}");
         assert_eq!(waiting.await.unwrap(), 200);
         let metrics = s.metrics().await;
         for reason in [
