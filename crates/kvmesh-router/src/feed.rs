@@ -1,4 +1,4 @@
-//! Connects the router's endpoint list to the KV-event indexer (`crate::indexer`).
+//! Connects the router's endpoint list to the KV-event indexer ([`crate::indexer::Indexer`]).
 
 use std::sync::Arc;
 
@@ -7,16 +7,36 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KvEventsSpec;
-use crate::server::{EventFeed, NoEvents};
+use crate::indexer::{EventSource, Indexer};
+use crate::server::EventFeed;
 
-/// Starts the event feed for `index`. Until the indexer lands this subscribes to nothing.
-pub fn start(
-    _index: Arc<PrefixIndex>,
-    _registry: &mut Registry,
-    _cancel: CancellationToken,
-) -> Arc<dyn EventFeed> {
-    Arc::new(NoEvents)
+impl EventFeed for Indexer {
+    fn add_source(&self, endpoint: EndpointId, _name: &str, spec: &KvEventsSpec) {
+        Indexer::add_source(
+            self,
+            EventSource {
+                endpoint,
+                zmq_endpoint: spec.endpoint.clone(),
+                bind: spec.bind,
+                topic: spec.topic.clone(),
+                replay_endpoint: spec.replay_endpoint.clone(),
+            },
+        );
+    }
+
+    fn remove_source(&self, endpoint: EndpointId) {
+        Indexer::remove_source(self, endpoint);
+    }
 }
 
-#[allow(dead_code)]
-fn _unused(_: EndpointId, _: &KvEventsSpec) {}
+/// Starts the KV-event feeder for `index` and registers its metrics; sources are added as
+/// endpoints appear.
+pub fn start(
+    index: Arc<PrefixIndex>,
+    registry: &mut Registry,
+    cancel: CancellationToken,
+) -> Arc<dyn EventFeed> {
+    let indexer = Indexer::start(index, Vec::new(), cancel);
+    indexer.register_metrics(registry);
+    Arc::new(indexer)
+}

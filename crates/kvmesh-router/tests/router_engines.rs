@@ -1,0 +1,290 @@
+//! The router in front of real kvmesh engines (sim backend, in-process, loopback): KV events feed
+//! the index, affinity follows the prefix holder, load + P2P spreads a burst and names the holder
+//! as source, malformed requests never reach an engine, disconnects cancel upstream.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::engines::{SimEngine, engine_metric, engines_yaml, start_engine};
+use common::start_router;
+use futures::StreamExt;
+use kvmesh_router::RouterHandle;
+use serde_json::{Value, json};
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+/// Polls `/debug/prefix` until `endpoint` holds at least `tokens` of `prompt` in `tier`.
+async fn wait_for_prefix(r: &RouterHandle, prompt: &str, endpoint: &str, tier: &str, tokens: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let v: Value = client()
+            .post(format!("http://{}/debug/prefix", r.addr))
+            .json(&json!({"prompt": prompt}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let got = v["endpoints"][endpoint][tier].as_u64().unwrap_or(0);
+        if got >= tokens {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "index never showed {endpoint} holding {tokens} {tier} (have {got}): {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+}
+
+async fn complete(
+    r: &RouterHandle,
+    profile: Option<&str>,
+    prompt: &str,
+    max_tokens: u32,
+) -> (String, Value) {
+    let mut req = client()
+        .post(format!("http://{}/v1/completions", r.addr))
+        .json(&json!({"prompt": prompt, "max_tokens": max_tokens}));
+    if let Some(p) = profile {
+        req = req.header("x-kvmesh-profile", p);
+    }
+    let resp = req.send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let ep = resp.headers()["x-kvmesh-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    (ep, resp.json().await.unwrap())
+}
+
+fn doc(seed: u32, len: usize) -> String {
+    // Deterministic, distinct text per seed (ByteTokenizer: one token per byte).
+    let mut s = String::with_capacity(len);
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    while s.len() < len {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        s.push((b'a' + (x % 26) as u8) as char);
+    }
+    s
+}
+
+async fn stop(r: RouterHandle, engines: Vec<SimEngine>) {
+    r.shutdown().await.unwrap();
+    for e in engines {
+        e.server.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn affinity_sends_a_repeated_prefix_to_its_holder() {
+    tokio::time::timeout(LIMIT, async {
+        let engines = vec![
+            start_engine("e0", 100.0, 1024).await,
+            start_engine("e1", 100.0, 1024).await,
+        ];
+        let refs: Vec<&SimEngine> = engines.iter().collect();
+        let yaml = format!("seed: 1\n{}", engines_yaml(&refs));
+        let r = start_router(&yaml, None).await;
+        for i in 0..3 {
+            let prefix = doc(i, 1600);
+            let (holder, _) = complete(&r, None, &prefix, 1).await;
+            wait_for_prefix(&r, &prefix, &holder, "gpu_tokens", 1584).await;
+            for q in 0..4 {
+                let (ep, body) = complete(&r, None, &format!("{prefix} question {q}"), 1).await;
+                assert_eq!(ep, holder, "request {q} on prefix {i} left the holder");
+                assert!(
+                    body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap()
+                        >= 1584,
+                    "{body}"
+                );
+            }
+        }
+        let decisions: Value = client()
+            .get(format!("http://{}/debug/decisions?last=1", r.addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(decisions[0]["outcome"], "local_hit");
+        stop(r, engines).await;
+    })
+    .await
+    .unwrap();
+}
+
+const LOAD_P2P: &str = r#"
+seed: 5
+plugins:
+  - {type: queue-scorer, name: queue}
+  - {type: kv-cache-utilization-scorer, name: kv-util}
+  - {type: weighted-random-picker, name: wr}
+  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 2048}}
+schedulingProfiles:
+  - name: load-p2p
+    plugins: [{pluginRef: queue, weight: 3}, {pluginRef: kv-util, weight: 2}, {pluginRef: wr}, {pluginRef: p2p}]
+"#;
+
+/// Seeds a 4096-token prefix on e0, then sends a burst of 12 requests sharing it. Returns the
+/// router (for inspection) and the engines.
+async fn burst_after_seeding() -> (RouterHandle, Vec<SimEngine>) {
+    let engines = vec![
+        start_engine("e0", 1.0, 2048).await,
+        start_engine("e1", 1.0, 2048).await,
+        start_engine("e2", 1.0, 2048).await,
+    ];
+    let refs: Vec<&SimEngine> = engines.iter().collect();
+    let r = start_router(&format!("{LOAD_P2P}{}", engines_yaml(&refs)), None).await;
+    let prefix = doc(42, 4096);
+    // Seed directly on e0 (bypassing the router), as a previous turn would have.
+    let seeded = client()
+        .post(format!("{}/v1/completions", engines[0].url))
+        .json(&json!({"prompt": prefix, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(seeded.status(), 200);
+    wait_for_prefix(&r, &prefix, "e0", "cpu_tokens", 4096).await;
+    let burst = (0..12).map(|i| {
+        let url = format!("http://{}/v1/completions", r.addr);
+        let prompt = format!("{prefix} child {i}");
+        async move {
+            let resp = client()
+                .post(url)
+                .json(&json!({"prompt": prompt, "max_tokens": 4}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.headers()["x-kvmesh-endpoint"]
+                .to_str()
+                .unwrap()
+                .to_owned()
+        }
+    });
+    let placed = futures::future::join_all(burst).await;
+    for e in ["e0", "e1", "e2"] {
+        assert!(
+            placed.iter().any(|p| p == e),
+            "burst not spread: {placed:?}"
+        );
+    }
+    (r, engines)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn load_p2p_spreads_a_burst_and_names_the_holder_as_source() {
+    tokio::time::timeout(LIMIT, async {
+        let (r, engines) = burst_after_seeding().await;
+        let decisions: Value = client()
+            .get(format!("http://{}/debug/decisions?last=12", r.addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let decisions = decisions.as_array().unwrap();
+        assert_eq!(decisions.len(), 12);
+        let mut pulls = 0;
+        for d in decisions {
+            if d["endpoint"] == "e0" {
+                assert_eq!(d["outcome"], "local_hit", "{d}");
+                assert_eq!(d["p2p"]["skipped"], "self_source", "{d}");
+            } else {
+                assert_eq!(d["outcome"], "pull_named", "{d}");
+                assert_eq!(d["p2p"]["source_endpoint"], "e0", "{d}");
+                assert!(d["p2p"]["delta_tokens"].as_i64().unwrap() >= 4096, "{d}");
+                pulls += 1;
+            }
+        }
+        assert!(pulls > 0);
+        let metrics = client()
+            .get(format!("http://{}/metrics", r.addr))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains(&format!(
+                "kvmesh_router_decisions_total{{outcome=\"pull_named\"}} {pulls}"
+            )),
+            "{metrics}"
+        );
+        stop(r, engines).await;
+    })
+    .await
+    .unwrap();
+}
+
+/// Once engines pull (P2P consumer), the external-hit counters of the non-holders prove it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs the engine's P2P consumer (issue 4) wired to remote_kv_source"]
+async fn load_p2p_pulls_show_up_as_external_hits() {
+    tokio::time::timeout(LIMIT, async {
+        let (r, engines) = burst_after_seeding().await;
+        for e in &engines[1..] {
+            let placed_here = r.state.decisions.last(12).iter().filter(|d| d.decision.endpoint.as_deref() == Some(e.name.as_str())).count();
+            if placed_here > 0 {
+                let hits = engine_metric(&e.url, "vllm:external_prefix_cache_hits_total").await;
+                assert!(hits >= 4096.0 - 16.0, "{} served {placed_here} pulled requests but reports {hits} external hit tokens", e.name);
+            }
+        }
+        stop(r, engines).await;
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn malformed_request_never_reaches_the_engine_and_disconnect_cancels() {
+    tokio::time::timeout(LIMIT, async {
+        let engines = vec![start_engine("e0", 1.0, 1024).await];
+        let refs: Vec<&SimEngine> = engines.iter().collect();
+        let r = start_router(&engines_yaml(&refs), None).await;
+        let base = format!("http://{}", r.addr);
+        let resp = client().post(format!("{base}/v1/completions")).body(r#"{"prompt": [1, "x"]}"#).send().await.unwrap();
+        assert_eq!(resp.status(), 400);
+        assert_eq!(engine_metric(&engines[0].url, "vllm:prompt_tokens_total").await, 0.0);
+        // A long stream, abandoned after the first chunk.
+        let resp = client()
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"prompt": "tell me a long story", "max_tokens": 5000, "ignore_eos": true, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.bytes_stream();
+        body.next().await.unwrap().unwrap();
+        assert_eq!(engine_metric(&engines[0].url, "vllm:num_requests_running").await, 1.0);
+        drop(body);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let running = engine_metric(&engines[0].url, "vllm:num_requests_running").await;
+            let load = r.state.endpoints.list()[0].load.snapshot();
+            if running == 0.0 && load == Default::default() {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "running {running}, router load {load:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        stop(r, engines).await;
+    })
+    .await
+    .unwrap();
+}
