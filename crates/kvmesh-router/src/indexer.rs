@@ -191,18 +191,18 @@ impl SourceMetrics {
             kind: kind.to_owned(),
         };
         SourceMetrics {
-            batches: families.batches.get_or_create(&l).clone(),
-            block_events: families.block_events.get_or_create(&l).clone(),
-            gaps: families.gaps.get_or_create(&l).clone(),
-            lost_batches: families.lost_batches.get_or_create(&l).clone(),
-            malformed: families.malformed.get_or_create(&l).clone(),
-            restarts: families.restarts.get_or_create(&l).clone(),
-            replays_ok: families.replays.get_or_create(&k("ok")).clone(),
-            replays_failed: families.replays.get_or_create(&k("failed")).clone(),
-            aged_out: families.aged_out.get_or_create(&l).clone(),
-            socket_errors: families.socket_errors.get_or_create(&l).clone(),
-            suspect: families.suspect.get_or_create(&l).clone(),
-            lag: families.lag.get_or_create(&l).clone(),
+            batches: handle(&families.batches, &l),
+            block_events: handle(&families.block_events, &l),
+            gaps: handle(&families.gaps, &l),
+            lost_batches: handle(&families.lost_batches, &l),
+            malformed: handle(&families.malformed, &l),
+            restarts: handle(&families.restarts, &l),
+            replays_ok: handle(&families.replays, &k("ok")),
+            replays_failed: handle(&families.replays, &k("failed")),
+            aged_out: handle(&families.aged_out, &l),
+            socket_errors: handle(&families.socket_errors, &l),
+            suspect: handle(&families.suspect, &l),
+            lag: handle(&families.lag, &l),
             families: families.clone(),
             label,
             state: Arc::default(),
@@ -289,6 +289,17 @@ impl SourceMetrics {
             f.replays.remove(&self.kind(k));
         }
     }
+}
+
+/// A clone of the family's metric for `label`. A function on purpose: the read guard returned by
+/// `get_or_create` must be dropped before the next `get_or_create` on the same family (which may
+/// need the write lock), and a temporary inside a struct literal would live until the literal ends.
+fn handle<L, M>(family: &Family<L, M>, label: &L) -> M
+where
+    L: Clone + std::hash::Hash + Eq,
+    M: Clone + Default,
+{
+    family.get_or_create(label).clone()
 }
 
 const EVENT_KINDS: [&str; 3] = ["stored", "removed", "cleared"];
