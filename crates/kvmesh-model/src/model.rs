@@ -1,25 +1,21 @@
 //! The Llama forward pass over paged KV.
 //!
 //! All tokens of all sequences in a step go through the dense layers as one matrix (that is the
-//! batching); attention is per sequence and reads the sequence's KV from its blocks, a window of
-//! `KV_CHUNK` positions at a time, combining windows with an online softmax so no score matrix
-//! larger than `Q_CHUNK × KV_CHUNK` per head is ever built, however long the prompt.
+//! batching); attention is per sequence and reads the sequence's KV in place from its blocks
+//! ([`crate::attention`]: query tiles × key blocks with an online softmax, so no score matrix is
+//! ever built, however long the prompt).
 //!
 //! The KV of the tokens being processed is written to the blocks *before* attention reads them, so
 //! every step, whatever its chunking, reads the same stored values: a prefix restored from the CPU
 //! tier or a peer is indistinguishable from one computed here.
 
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use kvmesh_core::TokenId;
 use kvmesh_engine::compute::{BlockId, KvArena};
 
+use crate::attention::{self, AttnProblem};
 use crate::paged::{BlockGeometry, Kv};
 use crate::{LlamaConfig, ModelError, RopeStyle};
-
-/// Query rows per attention tile.
-const Q_CHUNK: usize = 256;
-/// Key positions per attention tile (rounded to whole blocks).
-const KV_CHUNK: usize = 512;
 
 /// One transformer block's weights; matrices are stored `[in, out]` so `x.matmul(w)` needs no transpose.
 pub(crate) struct Layer {
@@ -257,13 +253,22 @@ impl Llama {
                     );
                 }
             }
-            let mut outs = Vec::with_capacity(seqs.len());
+            let q_host = q.flatten_all()?.to_vec1::<f32>()?; // [H, T, D]
+            let mut attn = Vec::with_capacity(total * h * d);
             for (s, &off) in seqs.iter().zip(&offsets) {
-                if !s.tokens.is_empty() {
-                    outs.push(self.attend(&q, off, s, li, geo, arena)?);
-                }
+                let problem = AttnProblem {
+                    q: &q_host,
+                    total,
+                    off,
+                    n: s.tokens.len(),
+                    start_pos: s.start_pos,
+                    table: s.table,
+                    layer: li,
+                    num_heads: h,
+                };
+                attn.extend(attention::attend(&problem, geo, arena));
             }
-            let attn = Tensor::cat(&outs, 0)?;
+            let attn = Tensor::from_vec(attn, (total, h * d), dev)?;
             x = (x + attn.matmul(&layer.wo)?)?;
             let hn = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let gu = hn.matmul(&layer.w_gate_up)?;
@@ -295,102 +300,5 @@ impl Llama {
             }
         }
         Ok(out)
-    }
-
-    /// Causal attention of one sequence's new queries over its paged KV (`0..start_pos + n`).
-    /// `q` is the roped query tensor of the whole step, `[1, H, T, D]`; returns `[n, H·D]`.
-    fn attend(
-        &self,
-        q: &Tensor,
-        off: usize,
-        s: &SeqInput<'_>,
-        layer: usize,
-        geo: &BlockGeometry,
-        arena: &KvArena,
-    ) -> Result<Tensor, ModelError> {
-        let cfg = &self.cfg;
-        let (h, kvh, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let g = h / kvh;
-        let n = s.tokens.len();
-        let dev = &Device::Cpu;
-        // Query heads sharing a KV head are stacked as rows: [KVH, g, n, D].
-        let q = (q.narrow(2, off, n)?.contiguous()?.reshape((kvh, g, n, d))?
-            * (1.0 / (d as f64).sqrt()))?;
-        let kv_chunk = KV_CHUNK.div_ceil(geo.block_size) * geo.block_size;
-        let mut kbuf = Vec::new();
-        let mut vbuf = Vec::new();
-        let mut chunks = Vec::new();
-        for t0 in (0..n).step_by(Q_CHUNK) {
-            let len = Q_CHUNK.min(n - t0);
-            let rows = g * len;
-            let qc = q
-                .narrow(2, t0, len)?
-                .contiguous()?
-                .reshape((kvh, rows, d))?;
-            let q_first = s.start_pos + t0;
-            let key_end = q_first + len;
-            let mut state: Option<(Tensor, Tensor, Tensor)> = None; // (max, denominator, accumulator)
-            let single = key_end <= kv_chunk;
-            for k0 in (0..key_end).step_by(kv_chunk) {
-                let k1 = (k0 + kv_chunk).min(key_end);
-                let kc = k1 - k0;
-                geo.gather(arena, s.table, layer, Kv::K, k0..k1, &mut kbuf);
-                geo.gather(arena, s.table, layer, Kv::V, k0..k1, &mut vbuf);
-                let kt = Tensor::from_slice(&kbuf, (kvh, kc, d), dev)?;
-                let vt = Tensor::from_slice(&vbuf, (kvh, kc, d), dev)?;
-                let mut scores = qc.matmul(&kt.t()?)?; // [KVH, rows, kc]
-                if k1 > q_first + 1 {
-                    // Key k is visible to query position p iff k <= p.
-                    let mut mask = vec![0f32; rows * kc];
-                    for gi in 0..g {
-                        for t in 0..len {
-                            let p = q_first + t;
-                            let row = &mut mask[(gi * len + t) * kc..][..kc];
-                            for (c, m) in row.iter_mut().enumerate() {
-                                if k0 + c > p {
-                                    *m = f32::NEG_INFINITY;
-                                }
-                            }
-                        }
-                    }
-                    scores = scores.broadcast_add(&Tensor::from_vec(mask, (rows, kc), dev)?)?;
-                }
-                if single {
-                    let p = candle_nn::ops::softmax_last_dim(&scores)?;
-                    state = Some((
-                        Tensor::zeros(1, DType::F32, dev)?,
-                        Tensor::ones(1, DType::F32, dev)?,
-                        p.matmul(&vt)?,
-                    ));
-                    break;
-                }
-                let m_c = scores.max_keepdim(D::Minus1)?;
-                state = Some(match state {
-                    None => {
-                        let p = scores.broadcast_sub(&m_c)?.exp()?;
-                        let l = p.sum_keepdim(D::Minus1)?;
-                        (m_c, l, p.matmul(&vt)?)
-                    }
-                    Some((m, l, acc)) => {
-                        let m_new = m.maximum(&m_c)?;
-                        let p = scores.broadcast_sub(&m_new)?.exp()?;
-                        let corr = (m - &m_new)?.exp()?;
-                        let l = ((l * &corr)? + p.sum_keepdim(D::Minus1)?)?;
-                        let acc = (acc.broadcast_mul(&corr)? + p.matmul(&vt)?)?;
-                        (m_new, l, acc)
-                    }
-                });
-            }
-            let (_, l, acc) =
-                state.ok_or_else(|| ModelError::Input("attention over no keys".to_owned()))?;
-            let out = if single { acc } else { acc.broadcast_div(&l)? };
-            chunks.push(out.reshape((kvh, g, len, d))?);
-        }
-        let out = Tensor::cat(&chunks, 2)?; // [KVH, g, n, D]
-        Ok(out
-            .reshape((h, n, d))?
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((n, h * d))?)
     }
 }

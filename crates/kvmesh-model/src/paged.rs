@@ -164,6 +164,52 @@ impl BlockGeometry {
         }
     }
 
+    /// One (block, layer, K|V, head) run — `block_size × head_dim` values — borrowed in place when
+    /// the blocks hold f32; `None` for other dtypes (use [`Self::run_to_f32`]).
+    pub fn run_f32<'a>(
+        &self,
+        arena: &'a KvArena,
+        block: BlockId,
+        layer: usize,
+        kv: Kv,
+        head: usize,
+    ) -> Option<&'a [f32]> {
+        match self.dtype {
+            KvDtype::F32 => {
+                let all: &[f32] =
+                    bytemuck::cast_slice(&arena.block(block)[..self.bytes_per_block()]);
+                let off = self.offset(layer, kv, head, 0);
+                Some(&all[off..off + self.run_elems()])
+            }
+            KvDtype::Bf16 => None,
+        }
+    }
+
+    /// The same run converted to f32 into `out`.
+    pub fn run_to_f32(
+        &self,
+        arena: &KvArena,
+        block: BlockId,
+        layer: usize,
+        kv: Kv,
+        head: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let block = &arena.block(block)[..self.bytes_per_block()];
+        let off = self.offset(layer, kv, head, 0);
+        out.clear();
+        match self.dtype {
+            KvDtype::F32 => out.extend_from_slice(
+                &bytemuck::cast_slice::<u8, f32>(block)[off..off + self.run_elems()],
+            ),
+            KvDtype::Bf16 => out.extend(
+                bytemuck::cast_slice::<u8, u16>(block)[off..off + self.run_elems()]
+                    .iter()
+                    .map(|&h| from_bf16(h)),
+            ),
+        }
+    }
+
     /// Gathers K or V of `positions` of one layer into `out` laid out
     /// `[kv_head][positions.len()][head_dim]` (what attention multiplies with).
     pub fn gather(

@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use kvmesh_engine::compute::SamplingParams;
-use kvmesh_model::{KvDtype, LoadOptions, default_cache_dir, fetch_smollm2, generate, load_backend};
+use kvmesh_model::{
+    KvDtype, LoadOptions, default_cache_dir, fetch_smollm2, generate, load_backend,
+};
 use kvmesh_text::ChatMessage;
 
 #[derive(clap::Args)]
@@ -39,7 +41,11 @@ struct LoadArgs {
 
 impl LoadArgs {
     fn options(&self) -> LoadOptions {
-        LoadOptions { block_size: self.block_size, kv_dtype: self.kv_dtype, ..LoadOptions::default() }
+        LoadOptions {
+            block_size: self.block_size,
+            kv_dtype: self.kv_dtype,
+            ..LoadOptions::default()
+        }
     }
 }
 
@@ -87,26 +93,49 @@ enum ModelSub {
 
 pub async fn run(args: ModelCmd) -> anyhow::Result<()> {
     // Loading weights and running the model are blocking CPU work: keep them off the runtime threads.
-    tokio::task::spawn_blocking(move || run_blocking(args)).await.context("model task panicked")?
+    tokio::task::spawn_blocking(move || run_blocking(args))
+        .await
+        .context("model task panicked")?
 }
 
 fn run_blocking(args: ModelCmd) -> anyhow::Result<()> {
     match args.command {
-        ModelSub::Fetch { model: KnownModel::Smollm2, cache_dir } => {
+        ModelSub::Fetch {
+            model: KnownModel::Smollm2,
+            cache_dir,
+        } => {
             let dir = cache_dir.unwrap_or_else(default_cache_dir);
             let path = fetch_smollm2(&dir)?;
             println!("{}", path.display());
             Ok(())
         }
-        ModelSub::Generate { load, prompt, raw, max_tokens, temperature, top_p, seed } => {
+        ModelSub::Generate {
+            load,
+            prompt,
+            raw,
+            max_tokens,
+            temperature,
+            top_p,
+            seed,
+        } => {
             let (mut backend, tok) = load_backend(&load.model, &load.options())?;
             let text = if raw {
                 prompt
             } else {
-                tok.apply_chat_template(&[ChatMessage { role: "user".to_owned(), content: prompt }], true)?
+                tok.apply_chat_template(
+                    &[ChatMessage {
+                        role: "user".to_owned(),
+                        content: prompt,
+                    }],
+                    true,
+                )?
             };
             let ids = tok.encode(&text)?;
-            let params = SamplingParams { temperature, top_p, seed };
+            let params = SamplingParams {
+                temperature,
+                top_p,
+                seed,
+            };
             let eos = tok.eos_token_ids();
             let (out, stats) = generate(&mut backend, &ids, max_tokens, &params, 512, &eos)?;
             println!("{}", tok.decode(&out)?);
@@ -119,20 +148,41 @@ fn run_blocking(args: ModelCmd) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        ModelSub::Bench { load, lengths, chunk, decode_tokens } => {
+        ModelSub::Bench {
+            load,
+            lengths,
+            chunk,
+            decode_tokens,
+        } => {
             let t0 = Instant::now();
             let (mut backend, tok) = load_backend(&load.model, &load.options())?;
             eprintln!("loaded in {:.1} s", t0.elapsed().as_secs_f64());
             // A long natural-language document, repeated to length.
             let base = tok.encode(BENCH_TEXT)?;
             anyhow::ensure!(!base.is_empty(), "tokenizer produced no tokens");
-            println!("| prompt tokens | prefill s | prefill tokens/s | decode ms/token (at that context) |");
+            println!(
+                "| prompt tokens | prefill s | prefill tokens/s | decode ms/token (at that context) |"
+            );
             println!("|---:|---:|---:|---:|");
             // Greedy, and never stopping early: decode time is measured over a fixed number of steps.
-            let params = SamplingParams { temperature: 0.0, top_p: 1.0, seed: Some(0) };
+            let params = SamplingParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: Some(0),
+            };
+            let max_ctx = backend.config().max_position;
             for &n in &lengths {
+                // Leave room for the decode steps inside the model's context.
+                let n = n.min(max_ctx.saturating_sub(decode_tokens + 1)).max(1);
                 let prompt: Vec<u32> = base.iter().copied().cycle().take(n).collect();
-                let (_, stats) = generate(&mut backend, &prompt, decode_tokens + 1, &params, chunk, &[])?;
+                let (_, stats) = generate(
+                    &mut backend,
+                    &prompt,
+                    decode_tokens + 1,
+                    &params,
+                    chunk,
+                    &[],
+                )?;
                 println!(
                     "| {n} | {:.2} | {:.0} | {:.1} |",
                     stats.prefill.as_secs_f64(),
@@ -146,7 +196,11 @@ fn run_blocking(args: ModelCmd) -> anyhow::Result<()> {
 }
 
 fn per_token_ms(d: std::time::Duration, n: usize) -> f64 {
-    if n == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / n as f64 }
+    if n == 0 {
+        0.0
+    } else {
+        d.as_secs_f64() * 1e3 / n as f64
+    }
 }
 
 const BENCH_TEXT: &str = "The history of the printing press begins in the fifteenth century, when Johannes \
