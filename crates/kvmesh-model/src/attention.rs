@@ -220,6 +220,81 @@ pub(crate) fn attend(p: &AttnProblem<'_>, geo: &BlockGeometry, arena: &KvArena) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::load::splitmix64;
+    use crate::paged::KvDtype;
+
+    /// Plain softmax(q·kᵀ/√d)·v over positions `0..=pos`, from the same stored K/V.
+    #[test]
+    fn matches_naive_attention() {
+        let geo = BlockGeometry {
+            block_size: 4,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: KvDtype::F32,
+        };
+        let (h, d, ctx) = (4usize, 8usize, 300usize);
+        let mut seed = 1u64;
+        let mut rnd = move || {
+            seed = splitmix64(seed);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        };
+        let blocks = ctx.div_ceil(4);
+        let mut arena = KvArena::new(blocks, geo.bytes_per_block());
+        let table: Vec<BlockId> = (0..blocks as BlockId).rev().collect();
+        let mut k = vec![vec![0f32; 2 * d]; ctx];
+        let mut v = vec![vec![0f32; 2 * d]; ctx];
+        for pos in 0..ctx {
+            k[pos].iter_mut().for_each(|x| *x = rnd());
+            v[pos].iter_mut().for_each(|x| *x = rnd());
+            geo.write_token(&mut arena, &table, 1, Kv::K, pos, &k[pos]);
+            geo.write_token(&mut arena, &table, 1, Kv::V, pos, &v[pos]);
+        }
+        // 120 new queries after a 180-token prefix (one thread); all 300 at once (threaded path).
+        for (start, n) in [(180usize, 120usize), (0, 300)] {
+            let q: Vec<f32> = (0..h * n * d).map(|_| rnd()).collect();
+            let p = AttnProblem {
+                q: &q,
+                total: n,
+                off: 0,
+                n,
+                start_pos: start,
+                table: &table,
+                layer: 1,
+                num_heads: h,
+            };
+            let got = attend(&p, &geo, &arena);
+            for t in 0..n {
+                for head in 0..h {
+                    let kh = head / 2;
+                    let qv = &q[(head * n + t) * d..][..d];
+                    let pos = start + t;
+                    let scores: Vec<f64> = (0..=pos)
+                        .map(|j| {
+                            (0..d)
+                                .map(|i| f64::from(qv[i]) * f64::from(k[j][kh * d + i]))
+                                .sum::<f64>()
+                                / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                    let z: f64 = w.iter().sum();
+                    for i in 0..d {
+                        let want = (0..=pos)
+                            .map(|j| w[j] * f64::from(v[j][kh * d + i]))
+                            .sum::<f64>()
+                            / z;
+                        let g = f64::from(got[(t * h + head) * d + i]);
+                        assert!(
+                            (g - want).abs() < 1e-4,
+                            "t={t} head={head} i={i}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn fast_exp_is_accurate() {
