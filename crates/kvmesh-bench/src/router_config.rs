@@ -250,6 +250,30 @@ mod tests {
         );
     }
 
+    /// The router accepts every arm's plugins and parameters (not just the YAML shape).
+    #[tokio::test]
+    async fn the_router_starts_with_every_arm() {
+        let e = eps(&[Role::Both, Role::Both]);
+        let path = tempfile::NamedTempFile::new().unwrap();
+        for arm in ARM_NAMES {
+            let arm: Arm = arm.parse().unwrap();
+            std::fs::write(path.path(), render(arm, &e, Some(1024), 3)).unwrap();
+            let cfg = kvmesh_router::RouterConfig::load(path.path()).unwrap();
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let handle = tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                kvmesh_router::start(cfg, listener, kvmesh_router::RouterOptions::default()),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{arm}: router start timed out"))
+            .unwrap_or_else(|err| panic!("{arm}: {err}"));
+            tokio::time::timeout(std::time::Duration::from_secs(10), handle.shutdown())
+                .await
+                .unwrap()
+                .unwrap();
+        }
+    }
+
     #[test]
     fn roles_are_passed_to_the_router() {
         let y: serde_json::Value = serde_norway::from_str(&render(
