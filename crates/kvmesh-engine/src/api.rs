@@ -33,6 +33,10 @@ pub trait AdmissionHook: Send + Sync {
         engine: &'a EngineHandle,
         req: &'a mut EngineRequest,
     ) -> BoxFuture<'a, ()>;
+
+    /// Runs when the request finished, before the response's last chunk is built: e.g. set
+    /// `info.kv_transfer_params` for P/D (`do_remote_decode`) responses.
+    fn on_finish(&self, _engine: &EngineHandle, _req: &EngineRequest, _info: &mut FinishInfo) {}
 }
 
 /// Shared state of the HTTP layer.
@@ -730,7 +734,8 @@ async fn drive(
                     on_text(text);
                 }
                 if detok.matched.is_some() {
-                    // Stop string: end here; dropping the stream aborts the engine side.
+                    // Stop string: end here and tell the engine to free the sequence.
+                    stream.finish_stopped();
                     let info = FinishInfo {
                         reason: crate::engine::FinishReason::Stop,
                         stop_token: None,
@@ -766,6 +771,9 @@ async fn full_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response
             Err(e) => return fail(&s, ApiError::unavailable(e)),
         };
     fix_stop_info(&mut info, &job, &stream);
+    if let Some(hook) = &s.admission_hook {
+        hook.on_finish(&s.engine, &job.req, &mut info);
+    }
     let usage = usage_json(&info, completion_tokens, false);
     let kvp = info.kv_transfer_params.as_ref().map_or(Value::Null, |p| {
         serde_json::to_value(p).unwrap_or(Value::Null)
@@ -809,6 +817,7 @@ fn fix_stop_info(info: &mut FinishInfo, job: &Job, stream: &SeqStream) {
 
 fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
     let engine = s.engine.clone();
+    let hook = s.admission_hook.clone();
     let events = async_stream::stream! {
         let created = unix_now();
         let mut detok = Detok::new(job.stop.clone());
@@ -831,6 +840,7 @@ fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
                     completion_tokens += 1;
                     let text = detok.push(&engine, t);
                     if detok.matched.is_some() {
+                        stream.finish_stopped();
                         pending.push(text);
                         break Ok(FinishInfo {
                             reason: crate::engine::FinishReason::Stop, stop_token: None, prompt_tokens: job.prompt.len(),
@@ -856,7 +866,10 @@ fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
             }
         };
         match result {
-            Ok(info) => {
+            Ok(mut info) => {
+                if let Some(hook) = &hook {
+                    hook.on_finish(&engine, &job.req, &mut info);
+                }
                 let text: String = pending.concat();
                 let fin = (finish_reason_str(&info, &detok), stop_reason(&info, &detok));
                 let mut last = text_chunk(&chunk, job.chat, &text, Some(fin.0));

@@ -110,7 +110,8 @@ pub enum SeqOutput {
 
 enum Command {
     Add(Box<NewSeq>),
-    Abort(u64),
+    /// End a sequence early: `Abort` when its client left, `Stop` when a stop string matched.
+    Abort(u64, FinishReason),
     Reset(oneshot::Sender<bool>),
     /// Runs a closure on the compute thread with the pool (tests / debugging).
     Inspect(Box<dyn FnOnce(&BlockPool) + Send>),
@@ -168,14 +169,24 @@ pub struct SeqStream {
     tx: mpsc::UnboundedSender<Command>,
     done: bool,
     cached_tokens: Option<usize>,
+    metrics: Arc<EngineMetrics>,
+    /// The finish reason to count when the stream goes away (`abort` if never finished).
+    outcome: &'static str,
 }
 
 impl SeqStream {
     /// Next output, `None` when the loop has gone away.
     pub async fn recv(&mut self) -> Option<SeqOutput> {
         let out = self.rx.recv().await;
-        if let Some(SeqOutput::Started { cached_tokens, .. }) = &out {
-            self.cached_tokens = Some(*cached_tokens);
+        match &out {
+            Some(SeqOutput::Started { cached_tokens, .. }) => {
+                self.cached_tokens = Some(*cached_tokens)
+            }
+            Some(SeqOutput::Finished(f)) if self.outcome == "abort" => {
+                self.outcome = f.reason.as_str()
+            }
+            Some(SeqOutput::Error(_)) => self.outcome = "error",
+            _ => {}
         }
         if matches!(
             out,
@@ -184,6 +195,15 @@ impl SeqStream {
             self.done = true;
         }
         out
+    }
+
+    /// Ends the sequence as finished by a stop string (counted as `stop`, not `abort`).
+    pub fn finish_stopped(&mut self) {
+        self.outcome = "stop";
+        if !self.done {
+            self.done = true;
+            let _ = self.tx.send(Command::Abort(self.id, FinishReason::Stop));
+        }
     }
 
     /// Prompt tokens served from cache, once the request has been scheduled.
@@ -200,8 +220,14 @@ impl SeqStream {
 impl Drop for SeqStream {
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.tx.send(Command::Abort(self.id));
+            let _ = self.tx.send(Command::Abort(self.id, FinishReason::Abort));
         }
+        self.metrics
+            .request_success
+            .get_or_create(&ReasonLabel {
+                finished_reason: self.outcome,
+            })
+            .inc();
     }
 }
 
@@ -301,6 +327,8 @@ impl EngineHandle {
             tx: self.tx.clone(),
             done: false,
             cached_tokens: None,
+            metrics: self.inner.metrics.clone(),
+            outcome: "abort",
         })
     }
 
@@ -581,9 +609,9 @@ impl Core {
                 self.seqs.insert(id, seq);
                 self.waiting.push_back(id);
             }
-            Command::Abort(id) => {
+            Command::Abort(id, reason) => {
                 if self.seqs.contains_key(&id) {
-                    self.finish(id, FinishReason::Abort, None);
+                    self.finish(id, reason, None);
                 }
             }
             Command::Reset(reply) => {
@@ -1070,12 +1098,8 @@ impl Core {
                 .collect();
             self.cpu.clear_pending(&promised);
         }
-        self.metrics
-            .request_success
-            .get_or_create(&ReasonLabel {
-                finished_reason: reason.as_str(),
-            })
-            .inc();
+        // `vllm:request_success` is counted by the SeqStream (its owner knows about stop
+        // strings and disconnects).
         self.metrics
             .e2e_request_latency
             .observe(seq.req.arrival.elapsed().as_secs_f64());

@@ -579,6 +579,14 @@ async fn tokenize_models_health_and_stop_strings() {
         assert_eq!(stopped["choices"][0]["text"], text[..cut]);
         assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
         assert_eq!(stopped["choices"][0]["stop_reason"], text[2..3]);
+        let t0 = Instant::now();
+        while !s.metrics().await.contains("finished_reason=\"stop\"} 1") {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "stop-string finish counted as stop"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         // Same seed, same output.
         let (_, a) = s
             .post(
@@ -625,6 +633,84 @@ async fn openai_python_client_streams_chat_when_installed() {
         let out = tokio::process::Command::new("python3").args(["-c", &script]).output().await.unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "7");
+        s.stop().await;
+    })
+    .await;
+}
+
+/// Echoes the request's `kv_transfer_params` and marks the first two prompt blocks as pulled
+/// (the shape a P2P/PD integration plugs in).
+struct EchoHook;
+
+impl kvmesh_engine::api::AdmissionHook for EchoHook {
+    fn before_submit<'a>(
+        &'a self,
+        engine: &'a kvmesh_engine::EngineHandle,
+        req: &'a mut kvmesh_engine::EngineRequest,
+    ) -> futures::future::BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let hashes = engine.block_hashes(&req.prompt);
+            for (i, h) in hashes.iter().enumerate().take(2) {
+                let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
+                let payload = kvmesh_engine::compute::sim::sim_block_payload(*h, 16 * 32);
+                engine.cpu_tier().insert_external(
+                    *h,
+                    parent,
+                    req.prompt[i * 16..(i + 1) * 16].to_vec(),
+                    payload.into(),
+                );
+            }
+            req.external_hashes = hashes[..2].to_vec();
+            req.external_query_tokens = req.prompt.len();
+        })
+    }
+
+    fn on_finish(
+        &self,
+        _engine: &kvmesh_engine::EngineHandle,
+        req: &kvmesh_engine::EngineRequest,
+        info: &mut kvmesh_engine::FinishInfo,
+    ) {
+        info.kv_transfer_params = req.kv_transfer_params.clone();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_hook_lands_external_blocks_and_sets_response_kv_transfer_params() {
+    within(30, async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        let options = kvmesh_engine::server::ServerOptions { admission_hook: Some(std::sync::Arc::new(EchoHook)) };
+        let s = TestServer::start_with(cfg, FAST, options).await;
+        let params = json!({"remote_kv_source": {"kv_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 7777}});
+        let (st, body) = s
+            .post("/v1/completions", json!({"prompt": tokens(60, 100), "max_tokens": 2, "kv_transfer_params": params}))
+            .await;
+        assert_eq!(st, 200, "{body}");
+        assert_eq!(cached_tokens(&body), 32);
+        assert_eq!(body["kv_transfer_params"], params);
+        assert_eq!(s.metric("vllm:external_prefix_cache_hits_total").await, 32.0);
+        assert_eq!(s.metric("vllm:prefix_cache_hits_total").await, 0.0);
+        // Streaming responses carry them on the final chunk.
+        let text = s
+            .client
+            .post(format!("{}/v1/completions", s.base))
+            .json(&json!({"prompt": tokens(61, 100), "max_tokens": 2, "stream": true, "kv_transfer_params": params}))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let finals: Vec<Value> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .filter(|v: &Value| v.get("kv_transfer_params").is_some())
+            .collect();
+        assert_eq!(finals.len(), 1);
+        assert_eq!(finals[0]["kv_transfer_params"], params);
         s.stop().await;
     })
     .await;

@@ -48,7 +48,15 @@ pub fn base_config() -> EngineConfig {
 impl TestServer {
     /// Starts an engine with `cfg` and the gpt-oss sim profile at `time_scale`, and (when events
     /// are on) a subscriber that has joined before this returns.
-    pub async fn start(mut cfg: EngineConfig, time_scale: f64) -> TestServer {
+    pub async fn start(cfg: EngineConfig, time_scale: f64) -> TestServer {
+        Self::start_with(cfg, time_scale, ServerOptions::default()).await
+    }
+
+    pub async fn start_with(
+        mut cfg: EngineConfig,
+        time_scale: f64,
+        options: ServerOptions,
+    ) -> TestServer {
         let cancel = CancellationToken::new();
         // Loopback only: the test subscriber binds 127.0.0.1:0 and the engine connects to it
         // (vLLM's rule: an endpoint without `*` is connected to).
@@ -65,14 +73,9 @@ impl TestServer {
             None => None,
         };
         let backend = sim_backend(&cfg, "gpt-oss-120b-h200", time_scale, 32).unwrap();
-        let server = start_server(
-            cfg,
-            backend,
-            Arc::new(ByteTokenizer),
-            ServerOptions::default(),
-        )
-        .await
-        .unwrap();
+        let server = start_server(cfg, backend, Arc::new(ByteTokenizer), options)
+            .await
+            .unwrap();
         let base = format!("http://{}", server.addr);
         let mut ts = TestServer {
             server,
