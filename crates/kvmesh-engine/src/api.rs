@@ -68,6 +68,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        // Long prompts as token-id arrays exceed axum's 2 MB default.
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(state)
 }
 
@@ -549,42 +551,66 @@ fn build_job(
     })
 }
 
+/// Bodies above this are parsed, tokenized and validated on the blocking pool: a long prompt's
+/// JSON and tokenization take milliseconds that must not stall the async workers.
+const INLINE_PARSE_LIMIT: usize = 16 * 1024;
+
+async fn parse_off_thread(
+    s: &ApiState,
+    body: Bytes,
+    parse: fn(&ApiState, &[u8]) -> Result<Job, ApiError>,
+) -> Result<Job, ApiError> {
+    if body.len() <= INLINE_PARSE_LIMIT {
+        return parse(s, &body);
+    }
+    let s2 = s.clone();
+    tokio::task::spawn_blocking(move || parse(&s2, &body))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ApiError::unavailable(format!(
+                "request parsing failed: {e}"
+            )))
+        })
+}
+
+fn parse_completion(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
+    let r: CompletionRequest = parse_json(body)?;
+    let prompt = prompt_tokens(s, r.prompt)?;
+    build_job(s, false, prompt, r.params)
+}
+
+fn parse_chat(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
+    let r: ChatRequest = parse_json(body)?;
+    if r.messages.is_empty() {
+        return Err(ApiError::bad_request(
+            "bad_param",
+            "messages must not be empty",
+            Some("messages"),
+        ));
+    }
+    let msgs = flatten_messages(r.messages)?;
+    let text = s
+        .engine
+        .tokenizer()
+        .apply_chat_template(&msgs, r.add_generation_prompt)
+        .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
+    let prompt = s
+        .engine
+        .tokenizer()
+        .encode(&text)
+        .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
+    build_job(s, true, prompt, r.params)
+}
+
 async fn completions(State(s): State<ApiState>, body: Bytes) -> Response {
-    let job = (|| {
-        let r: CompletionRequest = parse_json(&body)?;
-        let prompt = prompt_tokens(&s, r.prompt)?;
-        build_job(&s, false, prompt, r.params)
-    })();
-    match job {
+    match parse_off_thread(&s, body, parse_completion).await {
         Ok(job) => run_job(s, job).await,
         Err(e) => fail(&s, e),
     }
 }
 
 async fn chat_completions(State(s): State<ApiState>, body: Bytes) -> Response {
-    let job = (|| {
-        let r: ChatRequest = parse_json(&body)?;
-        if r.messages.is_empty() {
-            return Err(ApiError::bad_request(
-                "bad_param",
-                "messages must not be empty",
-                Some("messages"),
-            ));
-        }
-        let msgs = flatten_messages(r.messages)?;
-        let text = s
-            .engine
-            .tokenizer()
-            .apply_chat_template(&msgs, r.add_generation_prompt)
-            .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
-        let prompt = s
-            .engine
-            .tokenizer()
-            .encode(&text)
-            .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
-        build_job(&s, true, prompt, r.params)
-    })();
-    match job {
+    match parse_off_thread(&s, body, parse_chat).await {
         Ok(job) => run_job(s, job).await,
         Err(e) => fail(&s, e),
     }
