@@ -799,6 +799,12 @@ impl Core {
         seq.num_finalized = hit_blocks;
         seq.resident = true;
         self.metrics.cpu_restored_blocks.inc_by(restored as u64);
+        // Pulled (external) blocks are not charged again: the profile's pull time covers
+        // landing them.
+        if restored > restored_external {
+            self.backend
+                .on_host_restore((restored - restored_external) * bs);
+        }
         if first_time {
             let cached = hit_tokens.min(prompt_len);
             seq.cached_tokens = Some(cached);

@@ -135,4 +135,8 @@ pub trait ComputeBackend: Send {
     /// right before the block is published and offloaded. The `sim` backend writes its
     /// hash-derived payload here; real backends keep the default (their KV is already written).
     fn finalize_block(&mut self, _block: BlockId, _hash: BlockHash, _kv: &mut KvArena) {}
+    /// Called when the engine copied `tokens` worth of KV from the CPU tier into the arena (a
+    /// local prefix hit restored from host memory). Time-modelled backends charge the modelled
+    /// host-to-device copy to their next step; real backends keep the default.
+    fn on_host_restore(&mut self, _tokens: usize) {}
 }

@@ -71,7 +71,13 @@ pub struct SimBackend {
     sleep: bool,
     last_step: Duration,
     total_modelled: Duration,
+    /// Modelled host-to-device copy time of CPU-tier restores, charged to the next step.
+    pending_restore_ms: f64,
 }
+
+/// Host-to-device bandwidth used to price CPU-tier restores (H200 on PCIe Gen5 x16 reaches about
+/// 50 GB/s in practice).
+pub const SIM_H2D_BYTES_PER_SEC: f64 = 50e9;
 
 impl SimBackend {
     pub fn new(cfg: SimConfig) -> Self {
@@ -80,6 +86,7 @@ impl SimBackend {
             sleep: true,
             last_step: Duration::ZERO,
             total_modelled: Duration::ZERO,
+            pending_restore_ms: 0.0,
         }
     }
 
@@ -158,7 +165,7 @@ impl ComputeBackend for SimBackend {
         seqs: &[SeqStep<'_>],
         _kv: &mut KvArena,
     ) -> Result<Vec<Option<TokenId>>, ComputeError> {
-        let ms = self.step_ms(seqs);
+        let ms = self.step_ms(seqs) + std::mem::take(&mut self.pending_restore_ms);
         let modelled = Duration::from_secs_f64(ms / 1000.0);
         self.last_step = modelled;
         self.total_modelled += modelled;
@@ -188,6 +195,12 @@ impl ComputeBackend for SimBackend {
             1.0
         };
         Some(Duration::from_secs_f64(ms / 1000.0 / scale))
+    }
+
+    fn on_host_restore(&mut self, tokens: usize) {
+        self.pending_restore_ms += tokens as f64 * self.cfg.profile.real_kv_bytes_per_token as f64
+            / SIM_H2D_BYTES_PER_SEC
+            * 1000.0;
     }
 
     fn finalize_block(&mut self, block: BlockId, hash: BlockHash, kv: &mut KvArena) {
