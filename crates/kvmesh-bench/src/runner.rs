@@ -139,12 +139,32 @@ pub async fn run(plan: &Plan) -> Result<BenchReport, RunError> {
     std::fs::create_dir_all(&plan.out_dir)?;
     for w in &plan.workloads {
         for &arm in &plan.arms {
-            let result = run_arm(plan, w, arm).await?;
+            // A fleet that cannot start fails its arm, not the whole run: the report says why.
+            let result = match run_arm(plan, w, arm).await {
+                Ok(r) => r,
+                Err(e) => failed_arm(plan, w, arm, &e),
+            };
             report.results.push(result);
             report.write(&plan.out_dir)?;
         }
     }
     Ok(report)
+}
+
+fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, e: &RunError) -> ArmResult {
+    ArmResult {
+        workload: w.name.clone(),
+        workload_description: w.description.clone(),
+        arm: arm.name().into(),
+        pulls: arm.pulls(),
+        time_scale: plan.fleet.time_scale,
+        fleet: fleet_for(w, arm, &plan.fleet),
+        stats: Default::default(),
+        evidence: Default::default(),
+        prefill_external_hit_tokens: 0.0,
+        flags: vec![format!("FAILED TO RUN: {e}")],
+        records: Vec::new(),
+    }
 }
 
 /// One arm on a fresh fleet.
@@ -307,5 +327,31 @@ mod tests {
         );
         let c = fleet_for(&w, Arm::Load, &FleetOptions::default());
         assert!(c.engines[1].p2p && c.engines[1].extra_args.is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_arm_whose_fleet_cannot_start_is_reported_not_fatal() {
+        let out = tempfile::tempdir().unwrap();
+        let plan = Plan {
+            workloads: vec![workload::fork(Scale::Quick, 1)],
+            arms: vec![Arm::Load, Arm::LoadP2p],
+            exe: out.path().join("no-such-kvmesh"),
+            out_dir: out.path().to_owned(),
+            fleet: FleetOptions::default(),
+            command: "test".into(),
+            scale: "quick".into(),
+            seed: 1,
+            progress: false,
+            settle: Duration::ZERO,
+        };
+        let report = run(&plan).await.unwrap();
+        assert_eq!(report.results.len(), 2);
+        assert!(
+            report
+                .results
+                .iter()
+                .all(|r| r.flags[0].starts_with("FAILED TO RUN"))
+        );
+        assert!(out.path().join("report.md").exists());
     }
 }
