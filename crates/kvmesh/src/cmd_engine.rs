@@ -190,6 +190,9 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
     if let Some(ep) = &server.events_endpoint {
         println!("kvmesh engine kv events on {ep}");
     }
+    if let Some(ep) = &server.replay_endpoint {
+        println!("kvmesh engine kv events replay on {ep}");
+    }
     let cancel = server.cancel_token();
     tokio::spawn(async move {
         let _ = tokio::signal::ctrl_c().await;
