@@ -497,3 +497,36 @@ async fn cold_requests_spread_across_endpoints() {
     .await
     .unwrap();
 }
+
+#[tokio::test]
+async fn streamed_ttft_on_an_idle_endpoint_teaches_the_cost_model() {
+    tokio::time::timeout(LIMIT, async {
+        let e0 = FakeEngine::start("e0").await;
+        let r = start_router(&endpoints_yaml(&[&e0]), None).await;
+        let id = r.state.endpoints.list()[0].id;
+        // Too short to be a clean prefill sample: ignored.
+        let resp = client()
+            .post(format!("http://{}/v1/completions", r.addr))
+            .json(&json!({"prompt": "short", "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        resp.text().await.unwrap();
+        assert!(r.state.cost_model.prefill_rates().is_empty());
+        let resp = client()
+            .post(format!("http://{}/v1/completions", r.addr))
+            .json(&json!({"prompt": "x".repeat(2000), "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        resp.text().await.unwrap();
+        let rates = r.state.cost_model.prefill_rates();
+        assert_eq!(rates.len(), 1);
+        assert_eq!(rates[0].0, id);
+        assert_eq!(rates[0].1.samples, 1);
+        assert_ne!(rates[0].1.tokens_per_second, 25_000.0);
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
