@@ -1,22 +1,23 @@
-//! Causal attention straight over a sequence's paged KV, flash-attention style: queries are
-//! processed in tiles, keys one block at a time, with a running max / denominator / accumulator per
-//! query row (online softmax). Nothing proportional to `queries × context` is ever allocated, and
-//! keys are read in place from the arena (f32) — no gather of the whole context.
+//! Causal attention over a sequence's paged KV, tiled with an online softmax (flash-attention
+//! style): queries in tiles of `Q_TILE` tokens, keys in windows of `KV_TILE` positions gathered from
+//! the blocks. Q·Kᵀ and P·V are gemm calls (candle, multi-threaded SIMD); the masking, running max,
+//! exponentials and rescaling are one fused pass in plain Rust over the tile's scores. Nothing
+//! proportional to `queries × context` is allocated: the score tile is at most
+//! `H × Q_TILE × KV_TILE`, however long the prompt.
 //!
-//! Every query row visits the key blocks in the same order whatever the step's chunking, so a
-//! chunked prefill, a one-shot prefill and a restored prefix produce the same arithmetic.
+//! Key windows always start at position 0 and advance by `KV_TILE`, so every query row sees the same
+//! windows whatever the step's chunking: chunked prefill, one-shot prefill and a restored prefix
+//! agree to rounding.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
+use candle_core::{Device, Tensor};
 use kvmesh_engine::compute::{BlockId, KvArena};
 
 use crate::paged::{BlockGeometry, Kv};
 
-/// Query tokens per work item (each item covers one KV head and its whole query-head group).
-const TILE: usize = 32;
-/// Below this many score elements a call runs on the calling thread (decode steps).
-const PARALLEL_MIN_SCORES: usize = 1 << 18;
+/// Query tokens per tile.
+const Q_TILE: usize = 256;
+/// Key positions per window (rounded up to whole blocks).
+const KV_TILE: usize = 1024;
 
 /// One sequence's attention problem for one layer.
 pub(crate) struct AttnProblem<'a> {
@@ -51,173 +52,102 @@ fn exp_neg(x: f32) -> f32 {
     f32::from_bits((p.to_bits() as i32).wrapping_add(shift << 23) as u32)
 }
 
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// K or V of one (block, layer, head) as f32: borrowed from the arena, or converted into `buf`.
-fn kv_run<'a>(
-    geo: &BlockGeometry,
-    arena: &'a KvArena,
-    block: BlockId,
-    layer: usize,
-    kv: Kv,
-    head: usize,
-    buf: &'a mut Vec<f32>,
-) -> &'a [f32] {
-    if let Some(s) = geo.run_f32(arena, block, layer, kv, head) {
-        return s;
-    }
-    geo.run_to_f32(arena, block, layer, kv, head, buf);
-    buf
-}
-
-/// Computes one work item: KV head `kh`, query tokens `t0..t0+len`. Returns `[g][len][D]`.
-fn tile(
+/// Attention output of one sequence, `[n, H·D]`.
+pub(crate) fn attend(
     p: &AttnProblem<'_>,
     geo: &BlockGeometry,
     arena: &KvArena,
-    kh: usize,
-    t0: usize,
-    len: usize,
-) -> Vec<f32> {
-    let (d, bs) = (geo.head_dim, geo.block_size);
-    let g = p.num_heads / geo.num_kv_heads;
-    let rows = g * len;
-    let scale = 1.0 / (d as f32).sqrt();
-    // Scaled queries of the tile, row r = gi·len + t.
-    let mut q = vec![0f32; rows * d];
-    for gi in 0..g {
-        let h = kh * g + gi;
-        for t in 0..len {
-            let src = &p.q[(h * p.total + p.off + t0 + t) * d..][..d];
-            for (o, &x) in q[(gi * len + t) * d..][..d].iter_mut().zip(src) {
-                *o = x * scale;
-            }
-        }
-    }
-    let mut m = vec![f32::NEG_INFINITY; rows];
-    let mut l = vec![0f32; rows];
-    let mut acc = vec![0f32; rows * d];
-    let mut s = vec![0f32; bs];
-    let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-    let key_end = p.start_pos + t0 + len; // exclusive: the last query sees itself
-    for (b, &block) in p.table[..key_end.div_ceil(bs)].iter().enumerate() {
-        let k0 = b * bs;
-        let keys = kv_run(geo, arena, block, p.layer, Kv::K, kh, &mut kbuf);
-        let vals = kv_run(geo, arena, block, p.layer, Kv::V, kh, &mut vbuf);
-        for gi in 0..g {
-            for t in 0..len {
-                let pos = p.start_pos + t0 + t;
-                if pos < k0 {
-                    continue; // the whole block is in this query's future
-                }
-                let visible = (pos + 1 - k0).min(bs);
-                let r = gi * len + t;
-                let qr = &q[r * d..][..d];
-                let mut mb = f32::NEG_INFINITY;
-                for (j, sj) in s[..visible].iter_mut().enumerate() {
-                    *sj = dot(qr, &keys[j * d..][..d]);
-                    mb = mb.max(*sj);
-                }
-                let ar = &mut acc[r * d..][..d];
-                if mb > m[r] {
-                    let corr = exp_neg(m[r] - mb);
-                    l[r] *= corr;
-                    ar.iter_mut().for_each(|a| *a *= corr);
-                    m[r] = mb;
-                }
-                let mr = m[r];
-                s[..visible]
-                    .iter_mut()
-                    .for_each(|sj| *sj = exp_neg(*sj - mr));
-                l[r] += s[..visible].iter().sum::<f32>();
-                for (j, &pj) in s[..visible].iter().enumerate() {
-                    for (a, &v) in ar.iter_mut().zip(&vals[j * d..][..d]) {
-                        *a += pj * v;
-                    }
-                }
-            }
-        }
-    }
-    for (r, ar) in acc.chunks_exact_mut(d).enumerate() {
-        let inv = 1.0 / l[r];
-        ar.iter_mut().for_each(|a| *a *= inv);
-    }
-    acc
+) -> Result<Vec<f32>, candle_core::Error> {
+    attend_tiled(p, geo, arena, Q_TILE, KV_TILE)
 }
 
-/// Attention output of one sequence, `[n, H·D]`.
-pub(crate) fn attend(p: &AttnProblem<'_>, geo: &BlockGeometry, arena: &KvArena) -> Vec<f32> {
-    let (d, kvh) = (geo.head_dim, geo.num_kv_heads);
-    let g = p.num_heads / kvh;
-    let items: Vec<(usize, usize, usize)> = (0..p.n)
-        .step_by(TILE)
-        .rev() // later tiles see more keys: start them first for balance
-        .flat_map(|t0| (0..kvh).map(move |kh| (kh, t0, TILE.min(p.n - t0))))
-        .collect();
-    let mut out = vec![0f32; p.n * p.num_heads * d];
-    let mut place = |kh: usize, t0: usize, len: usize, res: &[f32]| {
-        for gi in 0..g {
-            let h = kh * g + gi;
-            for t in 0..len {
-                out[((t0 + t) * p.num_heads + h) * d..][..d]
-                    .copy_from_slice(&res[(gi * len + t) * d..][..d]);
+fn attend_tiled(
+    p: &AttnProblem<'_>,
+    geo: &BlockGeometry,
+    arena: &KvArena,
+    q_tile: usize,
+    kv_tile: usize,
+) -> Result<Vec<f32>, candle_core::Error> {
+    let (d, kvh, h) = (geo.head_dim, geo.num_kv_heads, p.num_heads);
+    let g = h / kvh;
+    let dev = &Device::Cpu;
+    let scale = 1.0 / (d as f32).sqrt();
+    let kv_tile = kv_tile.div_ceil(geo.block_size) * geo.block_size;
+    let mut out = vec![0f32; p.n * h * d];
+    let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+    for t0 in (0..p.n).step_by(q_tile) {
+        let len = q_tile.min(p.n - t0);
+        let rows = g * len; // per KV head: row gi·len + t is query head kh·g + gi at token t0 + t
+        let nrows = kvh * rows;
+        // [H, len, D] is [KVH, rows, D] because query head h uses KV head h / g.
+        let mut q = Vec::with_capacity(nrows * d);
+        for head in 0..h {
+            let src = &p.q[(head * p.total + p.off + t0) * d..][..len * d];
+            q.extend(src.iter().map(|&x| x * scale));
+        }
+        let q = Tensor::from_vec(q, (kvh, rows, d), dev)?;
+        let mut m = vec![f32::NEG_INFINITY; nrows];
+        let mut l = vec![0f32; nrows];
+        let mut corr = vec![0f32; nrows];
+        let mut acc = vec![0f32; nrows * d];
+        let q_first = p.start_pos + t0;
+        let key_end = q_first + len;
+        for k0 in (0..key_end).step_by(kv_tile) {
+            let k1 = (k0 + kv_tile).min(key_end);
+            let kc = k1 - k0;
+            geo.gather(arena, p.table, p.layer, Kv::K, k0..k1, &mut kbuf);
+            geo.gather(arena, p.table, p.layer, Kv::V, k0..k1, &mut vbuf);
+            let kt = Tensor::from_slice(&kbuf, (kvh, kc, d), dev)?;
+            let vt = Tensor::from_slice(&vbuf, (kvh, kc, d), dev)?;
+            let mut s = q.matmul(&kt.t()?)?.flatten_all()?.to_vec1::<f32>()?; // [KVH, rows, kc]
+            for (idx, row) in s.chunks_exact_mut(kc).enumerate() {
+                let t = idx % len;
+                let pos = q_first + t;
+                // Key k0 + j is visible to the query at `pos` iff k0 + j <= pos.
+                let visible = (pos + 1).saturating_sub(k0).min(kc);
+                if visible == 0 {
+                    row.fill(0.0);
+                    corr[idx] = 1.0;
+                    continue;
+                }
+                let mb = row[..visible]
+                    .iter()
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let m_new = m[idx].max(mb);
+                corr[idx] = exp_neg(m[idx] - m_new);
+                m[idx] = m_new;
+                let mut sum = 0.0;
+                for x in &mut row[..visible] {
+                    *x = exp_neg(*x - m_new);
+                    sum += *x;
+                }
+                row[visible..].fill(0.0);
+                l[idx] = l[idx] * corr[idx] + sum;
+            }
+            let pv = Tensor::from_vec(s, (kvh, rows, kc), dev)?
+                .matmul(&vt)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            for ((a, pv), &c) in acc.chunks_exact_mut(d).zip(pv.chunks_exact(d)).zip(&corr) {
+                for (a, &x) in a.iter_mut().zip(pv) {
+                    *a = *a * c + x;
+                }
             }
         }
-    };
-    let scores = p.n * (p.start_pos + p.n) * p.num_heads;
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(items.len());
-    if scores < PARALLEL_MIN_SCORES || threads <= 1 {
-        for &(kh, t0, len) in &items {
-            place(kh, t0, len, &tile(p, geo, arena, kh, t0, len));
+        for (idx, a) in acc.chunks_exact(d).enumerate() {
+            let (head, t) = (idx / len, idx % len); // idx = (kh·g + gi)·len + t
+            let inv = 1.0 / l[idx];
+            for (o, &x) in out[((t0 + t) * h + head) * d..][..d].iter_mut().zip(a) {
+                *o = x * inv;
+            }
         }
-        return out;
     }
-    let next = AtomicUsize::new(0);
-    let done = Mutex::new(Vec::with_capacity(items.len()));
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(kh, t0, len)) = items.get(i) else {
-                        break;
-                    };
-                    let res = tile(p, geo, arena, kh, t0, len);
-                    done.lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push((kh, t0, len, res));
-                }
-            });
-        }
-    });
-    for (kh, t0, len, res) in done
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-    {
-        place(kh, t0, len, &res);
-    }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::load::splitmix64;
@@ -250,8 +180,14 @@ mod tests {
             geo.write_token(&mut arena, &table, 1, Kv::K, pos, &k[pos]);
             geo.write_token(&mut arena, &table, 1, Kv::V, pos, &v[pos]);
         }
-        // 120 new queries after a 180-token prefix (one thread); all 300 at once (threaded path).
-        for (start, n) in [(180usize, 120usize), (0, 300)] {
+        // 120 new queries after a 180-token prefix; all 300 at once; small tiles so both the
+        // query and key tiling are exercised.
+        for (start, n, q_tile, kv_tile) in [
+            (180usize, 120usize, 256, 1024),
+            (0, 300, 256, 1024),
+            (0, 300, 32, 64),
+            (180, 120, 50, 36),
+        ] {
             let q: Vec<f32> = (0..h * n * d).map(|_| rnd()).collect();
             let p = AttnProblem {
                 q: &q,
@@ -263,7 +199,7 @@ mod tests {
                 layer: 1,
                 num_heads: h,
             };
-            let got = attend(&p, &geo, &arena);
+            let got = attend_tiled(&p, &geo, &arena, q_tile, kv_tile).unwrap();
             for t in 0..n {
                 for head in 0..h {
                     let kh = head / 2;

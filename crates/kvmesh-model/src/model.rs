@@ -266,7 +266,7 @@ impl Llama {
                     layer: li,
                     num_heads: h,
                 };
-                attn.extend(attention::attend(&problem, geo, arena));
+                attn.extend(attention::attend(&problem, geo, arena)?);
             }
             let attn = Tensor::from_vec(attn, (total, h * d), dev)?;
             x = (x + attn.matmul(&layer.wo)?)?;
