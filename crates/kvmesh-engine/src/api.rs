@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::future::BoxFuture;
 use kvmesh_core::{KvTransferParams, TokenId};
-use kvmesh_text::ChatMessage;
+use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -626,6 +626,10 @@ struct Detok {
     holdback: usize,
     /// The stop string that matched.
     matched: Option<String>,
+    /// vLLM's incremental detokenization window: `tokens[prefix_offset..read_offset]` is context
+    /// already turned into text; only the tokens after it produce new text.
+    prefix_offset: usize,
+    read_offset: usize,
 }
 
 impl Detok {
@@ -643,21 +647,57 @@ impl Detok {
             stop,
             holdback,
             matched: None,
+            prefix_offset: 0,
+            read_offset: 0,
         }
     }
 
+    /// Appends the text of tokens not yet decoded, unless it ends in an incomplete character
+    /// (then waits for more tokens, or `last`).
+    fn advance(&mut self, tok: &dyn Tokenizer, last: bool) {
+        let prefix = tok
+            .decode(&self.tokens[self.prefix_offset..self.read_offset])
+            .unwrap_or_default();
+        let full = tok
+            .decode(&self.tokens[self.prefix_offset..])
+            .unwrap_or_default();
+        if full.len() <= prefix.len() || (!last && full.ends_with('\u{FFFD}')) {
+            return;
+        }
+        if full.starts_with(&prefix) {
+            self.text.push_str(&full[prefix.len()..]);
+        } else {
+            // The context re-tokenized differently: fall back to the whole decode.
+            let all = tok.decode(&self.tokens).unwrap_or_default();
+            if all.len() > self.text.len() && all.is_char_boundary(self.text.len()) {
+                let tail = all[self.text.len()..].to_owned();
+                self.text.push_str(&tail);
+            }
+        }
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.tokens.len();
+    }
+
     /// Adds a token; returns newly releasable text.
-    fn push(&mut self, engine: &EngineHandle, token: TokenId) -> String {
+    fn push(&mut self, tok: &dyn Tokenizer, token: TokenId) -> String {
         self.tokens.push(token);
-        self.text = engine.tokenizer().decode(&self.tokens).unwrap_or_default();
+        self.advance(tok, false);
+        // Text before `emitted` was checked already and a stop string cannot start there
+        // (the holdback keeps its possible beginnings unreleased).
         for s in &self.stop {
-            if let Some(pos) = self.text.find(s.as_str()) {
-                self.text.truncate(pos);
+            if let Some(pos) = self.text[self.emitted..].find(s.as_str()) {
+                self.text.truncate(self.emitted + pos);
                 self.matched = Some(s.clone());
                 return self.release(true);
             }
         }
         self.release(false)
+    }
+
+    /// Flushes everything at the end of the sequence.
+    fn finish(&mut self, tok: &dyn Tokenizer) -> String {
+        self.advance(tok, true);
+        self.release(true)
     }
 
     fn release(&mut self, all: bool) -> String {
@@ -755,7 +795,7 @@ async fn drive(
             Some(SeqOutput::Started { .. }) => {}
             Some(SeqOutput::Token(t)) => {
                 completion_tokens += 1;
-                let text = detok.push(engine, t);
+                let text = detok.push(engine.tokenizer().as_ref(), t);
                 if !text.is_empty() {
                     on_text(text);
                 }
@@ -776,7 +816,7 @@ async fn drive(
             }
             Some(SeqOutput::Finished(info)) => {
                 let info = *info;
-                let rest = detok.release(true);
+                let rest = detok.finish(engine.tokenizer().as_ref());
                 if !rest.is_empty() {
                     on_text(rest);
                 }
@@ -864,7 +904,7 @@ fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
                 Some(SeqOutput::Started { .. }) => {}
                 Some(SeqOutput::Token(t)) => {
                     completion_tokens += 1;
-                    let text = detok.push(&engine, t);
+                    let text = detok.push(engine.tokenizer().as_ref(), t);
                     if detok.matched.is_some() {
                         stream.finish_stopped();
                         pending.push(text);
@@ -884,7 +924,7 @@ fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
                     pending.push(text);
                 }
                 Some(SeqOutput::Finished(info)) => {
-                    pending.push(detok.release(true));
+                    pending.push(detok.finish(engine.tokenizer().as_ref()));
                     break Ok(*info);
                 }
                 Some(SeqOutput::Error(e)) => break Err(e),
@@ -938,5 +978,48 @@ fn text_chunk(
         chunk(
             json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_text::ByteTokenizer;
+
+    fn run(stop: &[&str], text: &str) -> (String, Vec<String>, Option<String>) {
+        let mut d = Detok::new(stop.iter().map(|s| s.to_string()).collect());
+        let mut pieces = Vec::new();
+        for b in text.bytes() {
+            let p = d.push(&ByteTokenizer, TokenId::from(b));
+            if !p.is_empty() {
+                pieces.push(p);
+            }
+            if d.matched.is_some() {
+                return (pieces.concat(), pieces, d.matched);
+            }
+        }
+        let rest = d.finish(&ByteTokenizer);
+        if !rest.is_empty() {
+            pieces.push(rest);
+        }
+        (pieces.concat(), pieces, d.matched)
+    }
+
+    #[test]
+    fn incremental_text_never_splits_a_character() {
+        let (all, pieces, _) = run(&[], "héllo wörld ✓");
+        assert_eq!(all, "héllo wörld ✓");
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')));
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_even_across_tokens() {
+        let (all, _, m) = run(&["STOP"], "abc dSTOPxyz");
+        assert_eq!(all, "abc d");
+        assert_eq!(m.as_deref(), Some("STOP"));
+        // A partial match is held back and released when it turns out not to be a stop.
+        let (all, _, m) = run(&["STOP"], "abSTOxSTO");
+        assert_eq!(all, "abSTOxSTO");
+        assert_eq!(m, None);
     }
 }

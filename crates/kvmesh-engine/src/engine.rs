@@ -981,10 +981,7 @@ impl Core {
             }
         };
         let mut offloads: Vec<Vec<OffloadBlock>> = Vec::new();
-        for (p, tok) in plan
-            .iter()
-            .zip(sampled.into_iter().chain(std::iter::repeat(None)))
-        {
+        for p in plan {
             if let Some(seq) = self.seqs.get_mut(&p.id) {
                 seq.num_computed = p.start + p.n;
             } else {
@@ -993,14 +990,17 @@ impl Core {
             if let Some(off) = self.finalize_full_blocks(p.id) {
                 offloads.push(off);
             }
-            if let Some(t) = tok {
-                self.on_token(p.id, t);
-            }
         }
-        // GPU stores and removals first, then the CPU tier's own events.
+        // GPU stores and removals first, then the CPU tier's own events; both before any
+        // sequence finishes, so a finished request's blocks are already servable to peers.
         self.flush_events();
         for off in offloads {
             self.cpu.insert_run(&off);
+        }
+        for (p, tok) in plan.iter().zip(sampled) {
+            if let Some(t) = tok {
+                self.on_token(p.id, t);
+            }
         }
     }
 
