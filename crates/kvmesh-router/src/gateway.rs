@@ -148,14 +148,14 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
     // off the async workers.
     let parsed = if body.len() > BLOCKING_PARSE_BYTES {
         let tokenizer = Arc::clone(&s.tokenizer);
-        match tokio::task::spawn_blocking(move || request::parse(kind, &body, &*tokenizer)).await {
+        match tokio::task::spawn_blocking(move || request::parse(kind, body, &*tokenizer)).await {
             Ok(r) => r,
             Err(e) => Err(ApiError::bad_request(format!(
                 "request parsing failed: {e}"
             ))),
         }
     } else {
-        request::parse(kind, &body, &*s.tokenizer)
+        request::parse(kind, body, &*s.tokenizer)
     };
     let parsed = match parsed {
         Ok(p) => p,
@@ -201,7 +201,7 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
         return ApiError::service_unavailable("no endpoint chosen").into_response();
     };
     let ep = Arc::clone(&eligible[chosen]);
-    let mut body = parsed.body;
+    let mut parsed = parsed;
 
     // P2P source: inject kv_transfer_params.remote_kv_source (keeping any other keys).
     let mut pulled: Option<(Arc<Endpoint>, u64, String)> = None;
@@ -213,18 +213,14 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
             .p2p
             .as_ref()
             .map_or(0, |p| p.delta_tokens.max(0) as u64);
-        let mut params: KvTransferParams = body
-            .get("kv_transfer_params")
-            .and_then(|v| serde_json::from_value(v.clone()).ok())
-            .unwrap_or_default();
+        let mut params: KvTransferParams = parsed.field("kv_transfer_params").unwrap_or_default();
         params.remote_kv_source = Some(RemoteKvSource {
             kv_request_id: request_id.clone(),
             remote_host: host.clone(),
             remote_port: port,
         });
-        match serde_json::to_value(&params) {
-            Ok(v) => {
-                body.insert("kv_transfer_params".to_owned(), v);
+        match parsed.set_field("kv_transfer_params", &params) {
+            Ok(()) => {
                 pulled = Some((Arc::clone(src), delta, format!("{host}:{port}")));
             }
             Err(e) => {
@@ -298,7 +294,7 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
     }));
 
     // Forward.
-    let payload = match serde_json::to_vec(&Value::Object(body)) {
+    let payload = match parsed.body() {
         Ok(p) => p,
         Err(e) => {
             s.metrics.error("internal");

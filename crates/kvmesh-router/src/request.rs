@@ -2,9 +2,13 @@
 //! once per request, in-process), `stream`, `max_tokens`. Everything else in the body is kept as
 //! is and forwarded. Malformed input is a [`ApiError::bad_request`], never a panic.
 
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
 use kvmesh_core::TokenId;
 use kvmesh_text::{ChatMessage, Tokenizer};
-use serde_json::{Map, Value};
+use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::error::ApiError;
 
@@ -23,72 +27,138 @@ impl ApiKind {
     }
 }
 
+/// A request body as top-level fields kept *unparsed* (raw JSON text), plus what scheduling
+/// needs. Only the fields the router reads are parsed, so a 240K-token prompt is not turned into
+/// a tree of JSON values, and an unmodified body is forwarded byte for byte.
 #[derive(Debug, Clone)]
 pub struct ParsedRequest {
-    pub body: Map<String, Value>,
+    /// The original body.
+    pub raw: Bytes,
+    /// Top-level fields (raw JSON values).
+    pub fields: BTreeMap<String, Box<RawValue>>,
+    /// Whether `fields` was changed (then the body is re-encoded from `fields`).
+    pub modified: bool,
     pub tokens: Vec<TokenId>,
     pub stream: bool,
     pub max_tokens: Option<u64>,
 }
 
+impl ParsedRequest {
+    /// Replaces (or adds) a top-level field.
+    pub fn set_field(
+        &mut self,
+        key: &str,
+        value: &impl serde::Serialize,
+    ) -> Result<(), serde_json::Error> {
+        let raw = serde_json::value::to_raw_value(value)?;
+        self.fields.insert(key.to_owned(), raw);
+        self.modified = true;
+        Ok(())
+    }
+
+    /// A top-level field parsed as `T` (None if absent or not a `T`).
+    pub fn field<T: serde::de::DeserializeOwned>(&self, key: &str) -> Option<T> {
+        self.fields
+            .get(key)
+            .and_then(|r| serde_json::from_str(r.get()).ok())
+    }
+
+    /// The body to forward.
+    pub fn body(&self) -> Result<Bytes, serde_json::Error> {
+        if self.modified {
+            serde_json::to_vec(&self.fields).map(Bytes::from)
+        } else {
+            Ok(self.raw.clone())
+        }
+    }
+}
+
 /// Parses and tokenizes a request body.
 pub fn parse(
     kind: ApiKind,
-    bytes: &[u8],
+    bytes: Bytes,
     tokenizer: &dyn Tokenizer,
 ) -> Result<ParsedRequest, ApiError> {
-    let value: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
-    let Value::Object(body) = value else {
-        return Err(ApiError::bad_request("request body must be a JSON object"));
+    let fields: BTreeMap<String, Box<RawValue>> = match serde_json::from_slice(&bytes) {
+        Ok(f) => f,
+        Err(e) if e.is_data() => {
+            return Err(ApiError::bad_request("request body must be a JSON object"));
+        }
+        Err(e) => return Err(ApiError::bad_request(format!("invalid JSON body: {e}"))),
     };
-    if let Some(m) = body.get("model")
-        && !m.is_string()
-        && !m.is_null()
+    let typed = |key: &str| -> Option<Result<Value, ApiError>> {
+        fields.get(key).map(|r| {
+            serde_json::from_str::<Value>(r.get())
+                .map_err(|e| ApiError::bad_request(format!("'{key}': {e}")))
+        })
+    };
+    if let Some(m) = fields.get("model")
+        && !(m.get().starts_with('"') || m.get() == "null")
     {
         return Err(ApiError::bad_request("'model' must be a string"));
     }
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::bad_request("'stream' must be a boolean")),
+    let stream = match fields
+        .get("stream")
+        .map(|r| serde_json::from_str::<Option<bool>>(r.get()))
+    {
+        None => false,
+        Some(Ok(b)) => b.unwrap_or(false),
+        Some(Err(_)) => return Err(ApiError::bad_request("'stream' must be a boolean")),
     };
     let mut max_tokens = None;
     for key in ["max_tokens", "max_completion_tokens"] {
-        match body.get(key) {
-            None | Some(Value::Null) => {}
-            Some(v) => {
-                let n = v.as_u64().ok_or_else(|| {
-                    ApiError::bad_request(format!("'{key}' must be a non-negative integer"))
-                })?;
-                max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n)));
+        match fields
+            .get(key)
+            .map(|r| serde_json::from_str::<Option<u64>>(r.get()))
+        {
+            None | Some(Ok(None)) => {}
+            Some(Ok(Some(n))) => max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n))),
+            Some(Err(_)) => {
+                return Err(ApiError::bad_request(format!(
+                    "'{key}' must be a non-negative integer"
+                )));
             }
         }
     }
     let tokens = match kind {
         ApiKind::Completions => {
-            let prompt = body
+            let prompt = fields
                 .get("prompt")
                 .ok_or_else(|| ApiError::bad_request("'prompt' is required"))?;
-            prompt_tokens(prompt, tokenizer)?
+            raw_prompt_tokens(prompt, tokenizer)?
         }
         ApiKind::Chat => {
-            let messages = body
-                .get("messages")
-                .ok_or_else(|| ApiError::bad_request("'messages' is required"))?;
-            let add_generation_prompt = body
-                .get("add_generation_prompt")
-                .and_then(Value::as_bool)
+            let messages = typed("messages")
+                .ok_or_else(|| ApiError::bad_request("'messages' is required"))??;
+            let add_generation_prompt = typed("add_generation_prompt")
+                .and_then(Result::ok)
+                .and_then(|v| v.as_bool())
                 .unwrap_or(true);
-            chat_tokens(messages, add_generation_prompt, tokenizer)?
+            chat_tokens(&messages, add_generation_prompt, tokenizer)?
         }
     };
     Ok(ParsedRequest {
-        body,
+        raw: bytes,
+        fields,
+        modified: false,
         tokens,
         stream,
         max_tokens,
     })
+}
+
+/// Token ids of a raw `prompt`: a token-id list is parsed straight into integers; anything else
+/// goes through [`prompt_tokens`].
+fn raw_prompt_tokens(raw: &RawValue, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
+    if let Ok(ids) = serde_json::from_str::<Vec<TokenId>>(raw.get()) {
+        if ids.is_empty() {
+            return Err(ApiError::bad_request("'prompt' must not be empty"));
+        }
+        return Ok(ids);
+    }
+    let value: Value = serde_json::from_str(raw.get())
+        .map_err(|e| ApiError::bad_request(format!("'prompt': {e}")))?;
+    prompt_tokens(&value, tokenizer)
 }
 
 /// Token ids of a completions `prompt`: text, token ids, or a one-element batch of either (a
@@ -189,11 +259,32 @@ mod tests {
     use super::*;
     use kvmesh_text::ByteTokenizer;
 
+    fn b(s: &'static str) -> Bytes {
+        Bytes::from_static(s.as_bytes())
+    }
+
+    #[test]
+    fn modified_fields_are_re_encoded_and_others_kept() {
+        let mut r = parse(
+            ApiKind::Completions,
+            b(r#"{"prompt":[1,2,3],"x":{"y":1}}"#),
+            &ByteTokenizer,
+        )
+        .expect("ok");
+        r.set_field("kv_transfer_params", &serde_json::json!({"a": 1}))
+            .expect("set");
+        let v: Value = serde_json::from_slice(&r.body().expect("body")).expect("json");
+        assert_eq!(
+            v,
+            serde_json::json!({"prompt": [1, 2, 3], "x": {"y": 1}, "kv_transfer_params": {"a": 1}})
+        );
+    }
+
     #[test]
     fn completions_text_and_token_ids() {
         let r = parse(
             ApiKind::Completions,
-            br#"{"model":"m","prompt":"hi","max_tokens":5,"stream":true}"#,
+            b(r#"{"model":"m","prompt":"hi","max_tokens":5,"stream":true}"#),
             &ByteTokenizer,
         )
         .expect("ok");
@@ -202,19 +293,27 @@ mod tests {
         assert_eq!(r.max_tokens, Some(5));
         let r = parse(
             ApiKind::Completions,
-            br#"{"prompt":[[7,8,9]]}"#,
+            b(r#"{"prompt":[[7,8,9]]}"#),
             &ByteTokenizer,
         )
         .expect("ok");
         assert_eq!(r.tokens, vec![7, 8, 9]);
-        assert_eq!(r.body.get("prompt"), Some(&serde_json::json!([[7, 8, 9]])));
+        assert_eq!(
+            r.field::<Value>("prompt"),
+            Some(serde_json::json!([[7, 8, 9]]))
+        );
+        assert_eq!(
+            r.body().expect("body"),
+            Bytes::from_static(br#"{"prompt":[[7,8,9]]}"#),
+            "unchanged body forwarded verbatim"
+        );
     }
 
     #[test]
     fn chat_uses_the_template() {
         let r = parse(
             ApiKind::Chat,
-            br#"{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}"#,
+            b(r#"{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}"#),
             &ByteTokenizer,
         )
         .expect("ok");
@@ -243,7 +342,12 @@ mod tests {
             br#"{"prompt": "x", "stream": "yes"}"#,
             br#"{"prompt": "x", "model": 3}"#,
         ] {
-            let e = parse(ApiKind::Completions, body, &ByteTokenizer).expect_err("must fail");
+            let e = parse(
+                ApiKind::Completions,
+                Bytes::from_static(body),
+                &ByteTokenizer,
+            )
+            .expect_err("must fail");
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
         }
         for body in [
@@ -251,7 +355,7 @@ mod tests {
             br#"{"messages": [{"content": "x"}]}"#,
             br#"{"messages": "x"}"#,
         ] {
-            assert!(parse(ApiKind::Chat, body, &ByteTokenizer).is_err());
+            assert!(parse(ApiKind::Chat, Bytes::from_static(body), &ByteTokenizer).is_err());
         }
     }
 }
