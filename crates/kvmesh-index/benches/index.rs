@@ -249,11 +249,25 @@ fn report_lookup() {
             let stop = std::sync::atomic::AtomicBool::new(false);
             std::thread::scope(|scope| {
                 scope.spawn(|| {
+                    // Steady state: store and remove 64-block runs (block 64) from a pool of
+                    // 256 distinct runs, so the table neither grows nor evicts.
                     let mut rng = ChaCha8Rng::seed_from_u64(9);
+                    let runs: Vec<(KvEvent, KvEvent)> = (0..256u64)
+                        .map(|r| {
+                            let hashes: Vec<u64> = (0..64).map(|i| (r << 32) | i).collect();
+                            let rm = remove(&hashes, Medium::Gpu);
+                            (
+                                store(hashes, None, tokens(&mut rng, 64 * 64), 64, Medium::Gpu),
+                                rm,
+                            )
+                        })
+                        .collect();
+                    let mut i = 0;
                     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        fill(target, &mut rng, EndpointId(200), 64, 64, 64);
-                        let ev = remove(&[0], Medium::Gpu);
-                        target.apply_event(EndpointId(200), &ev).unwrap();
+                        let (st, rm) = &runs[i % runs.len()];
+                        target.apply_event(EndpointId(200), st).unwrap();
+                        target.apply_event(EndpointId(200), rm).unwrap();
+                        i += 1;
                     }
                 });
                 let mut times = Vec::with_capacity(n);
