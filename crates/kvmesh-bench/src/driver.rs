@@ -279,17 +279,13 @@ mod tests {
         );
         // Turn 2 = turn 1 prompt + the returned answer ids + its own 8 tokens.
         let seen = seen.lock();
-        let t1 = &seen
-            .iter()
-            .find(|(_, p)| p.len() == 8 && recs[2].prompt_tokens == 8)
-            .unwrap()
-            .1;
+        assert_eq!(recs[2].prompt_tokens, 8);
         let t2 = &seen.iter().find(|(_, p)| p.len() == 18).unwrap().1;
         assert_eq!(recs[3].prompt_tokens, 18);
         assert_eq!(&t2[8..10], &[7, 7]);
         let g = TokenGen::new(1, TokenSpace::default());
         assert_eq!(t2[..8], g.render(&[Segment::seeded(3, 8)])[..]);
-        let _ = t1;
+        assert_eq!(t2[10..], g.render(&[Segment::seeded(4, 8)])[..]);
     }
 
     #[tokio::test]
