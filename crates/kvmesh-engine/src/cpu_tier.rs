@@ -6,9 +6,13 @@
 //! adds the *pending* registry: blocks a running request is computing right now, which a peer may
 //! wait for ([`CpuTier::wait_ready`]).
 //!
-//! Invariants: `used_bytes` = sum of stored payload lengths ≤ capacity; a block whose lease is
-//! unexpired is never evicted; every store/evict publishes `BlockStored`/`BlockRemoved` with
-//! medium CPU, in order (published under the lock).
+//! Invariants: `used_bytes` = sum of stored payload lengths ≤ capacity; a block holding at least
+//! one unexpired pin is never evicted; pins are counted (each `pin` adds a lease with its own
+//! expiry, each `unpin` releases one), so two peers pinning the same block cannot release each
+//! other's protection; every stored payload keeps the CRC32 taken when it was stored (a peer
+//! serving it sends that checksum, so corruption at rest is caught by the receiver); every
+//! store/evict publishes `BlockStored`/`BlockRemoved` with medium CPU, in order (published under
+//! the lock).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -40,7 +44,16 @@ struct Entry {
     parent: Option<BlockHash>,
     tokens: Arc<[TokenId]>,
     tick: u64,
-    lease_until: Option<Instant>,
+    /// CRC32 of `payload`, taken at store time.
+    crc: u32,
+    /// Expiry of each live pin (one entry per pin; expired entries are dropped lazily).
+    leases: Vec<Instant>,
+}
+
+impl Entry {
+    fn pinned(&self, now: Instant) -> bool {
+        self.leases.iter().any(|&t| t > now)
+    }
 }
 
 /// Per-block answer to a peer's lookup.
@@ -156,7 +169,7 @@ impl CpuStore {
             .find(|(_, h)| {
                 self.entries
                     .get(*h)
-                    .is_some_and(|e| e.lease_until.is_none_or(|t| t <= now))
+                    .is_some_and(|e| !e.pinned(now))
             })
             .map(|(&t, &h)| (t, h));
         let Some((tick, hash)) = victim else {
@@ -213,7 +226,8 @@ impl CpuStore {
                     parent: b.parent,
                     tokens: b.tokens.as_slice().into(),
                     tick: self.tick,
-                    lease_until: None,
+                    crc: crc32fast::hash(&b.payload),
+                    leases: Vec::new(),
                 },
             );
             self.used += need;
@@ -247,26 +261,56 @@ impl CpuStore {
         stored
     }
 
-    /// Leases the leading run of stored `hashes` until `until` (extending, never shortening, an
-    /// existing lease). Returns the run length.
+    /// Adds one pin (lease until `until`) to each block of the leading run of stored `hashes`.
+    /// Returns the run length. Pins are counted: each needs its own [`CpuStore::unpin`] (or
+    /// expires on its own).
     pub fn pin(&mut self, hashes: &[BlockHash], until: Instant) -> usize {
+        let now = Instant::now();
         let mut n = 0;
         for h in hashes {
             let Some(e) = self.entries.get_mut(h) else {
                 break;
             };
-            e.lease_until = Some(e.lease_until.map_or(until, |t| t.max(until)));
+            e.leases.retain(|&t| t > now);
+            e.leases.push(until);
             n += 1;
         }
         n
     }
 
+    /// Releases one pin per hash (the one expiring soonest; already expired pins are ignored).
     pub fn unpin(&mut self, hashes: &[BlockHash]) {
+        let now = Instant::now();
         for h in hashes {
             if let Some(e) = self.entries.get_mut(h) {
-                e.lease_until = None;
+                e.leases.retain(|&t| t > now);
+                if let Some(i) = e
+                    .leases
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, t)| **t)
+                    .map(|(i, _)| i)
+                {
+                    e.leases.swap_remove(i);
+                }
             }
         }
+    }
+
+    /// Live (unexpired) pins on a block.
+    pub fn pin_count(&self, hash: BlockHash, now: Instant) -> usize {
+        self.entries
+            .get(&hash)
+            .map_or(0, |e| e.leases.iter().filter(|&&t| t > now).count())
+    }
+
+    /// The payload and the CRC32 taken when it was stored (marks it recently used).
+    pub fn get_with_checksum(&mut self, hash: BlockHash) -> Option<(Bytes, u32)> {
+        let e = self.entries.get(&hash)?;
+        let out = (e.payload.clone(), e.crc);
+        self.touch(hash);
+        self.stats.hits += 1;
+        Some(out)
     }
 
     /// Drops everything (reset). Pushes nothing: the pool's `AllBlocksCleared` covers all tiers.
@@ -349,13 +393,64 @@ impl CpuTier {
             .collect()
     }
 
-    /// Leases the leading run of stored `hashes` until `lease_until`; returns its length.
+    /// Adds one counted pin (lease until `lease_until`) to the leading run of stored `hashes`;
+    /// returns its length.
     pub fn pin(&self, hashes: &[BlockHash], lease_until: Instant) -> usize {
         self.inner.lock().store.pin(hashes, lease_until)
     }
 
+    /// Releases one pin per hash.
     pub fn unpin(&self, hashes: &[BlockHash]) {
         self.inner.lock().store.unpin(hashes);
+    }
+
+    /// Live pins on a block.
+    pub fn pin_count(&self, hash: BlockHash) -> usize {
+        self.inner.lock().store.pin_count(hash, Instant::now())
+    }
+
+    /// A peer's lookup, atomically: status per block, and one pin (lease until `lease_until`) on
+    /// each block of the leading run of hits — under one lock, so nothing can evict a block
+    /// between "it is here" and "it is pinned".
+    pub fn lookup_and_pin(&self, hashes: &[BlockHash], lease_until: Instant) -> Vec<BlockStatus> {
+        let mut g = self.inner.lock();
+        let statuses: Vec<BlockStatus> = hashes
+            .iter()
+            .map(|h| {
+                if g.store.contains(*h) {
+                    BlockStatus::Hit
+                } else if g.pending.contains(h) {
+                    BlockStatus::Pending
+                } else {
+                    BlockStatus::Miss
+                }
+            })
+            .collect();
+        let leading = statuses
+            .iter()
+            .take_while(|s| **s == BlockStatus::Hit)
+            .count();
+        g.store.pin(&hashes[..leading], lease_until);
+        statuses
+    }
+
+    /// The payload with the CRC32 taken when it was stored.
+    pub fn get_with_checksum(&self, hash: BlockHash) -> Option<(Bytes, u32)> {
+        self.inner.lock().store.get_with_checksum(hash)
+    }
+
+    /// Test hook: replaces a stored payload *without* updating its checksum, as bit rot or a
+    /// buggy writer would. Returns whether the block was present.
+    #[doc(hidden)]
+    pub fn corrupt_for_test(&self, hash: BlockHash, payload: Bytes) -> bool {
+        let mut g = self.inner.lock();
+        match g.store.entries.get_mut(&hash) {
+            Some(e) if e.payload.len() == payload.len() => {
+                e.payload = payload;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Stores computed blocks (offload from the GPU tier) and publishes their CPU events.
@@ -554,6 +649,56 @@ mod tests {
         s.unpin(&[BlockHash(2)]);
         assert_eq!(s.insert_run(&[blk(4, None, 10)], t0, &mut ev), 1);
         assert!(s.used_bytes() <= 20);
+    }
+
+    #[test]
+    fn pins_are_counted_per_lease() {
+        let mut s = CpuStore::new(20, 2);
+        let mut ev = Vec::new();
+        let t0 = Instant::now();
+        s.insert_run(&[blk(1, None, 10), blk(2, Some(1), 10)], t0, &mut ev);
+        let far = t0 + Duration::from_secs(60);
+        // Two consumers pin block 1; one finishes: the other's pin still protects it.
+        assert_eq!(s.pin(&[BlockHash(1)], far), 1);
+        assert_eq!(s.pin(&[BlockHash(1)], t0 + Duration::from_secs(30)), 1);
+        s.unpin(&[BlockHash(1)]);
+        assert_eq!(s.pin_count(BlockHash(1), t0), 1);
+        assert_eq!(s.insert_run(&[blk(3, None, 10)], t0, &mut ev), 1);
+        assert!(s.contains(BlockHash(1)), "still pinned by the second lease");
+        assert!(!s.contains(BlockHash(2)));
+        s.unpin(&[BlockHash(1)]);
+        s.unpin(&[BlockHash(1)]); // extra unpin is harmless
+        assert_eq!(s.pin_count(BlockHash(1), t0), 0);
+        // An expired lease no longer protects, even without unpin.
+        s.pin(&[BlockHash(3)], t0 + Duration::from_millis(1));
+        assert_eq!(s.pin_count(BlockHash(3), t0 + Duration::from_secs(1)), 0);
+    }
+
+    #[test]
+    fn lookup_and_pin_pins_only_the_leading_hits_and_checksums_are_kept() {
+        let tier = CpuTier::new(1000, 2, Arc::new(CollectingSink::default()));
+        tier.insert_run(&[blk(1, None, 8), blk(2, Some(1), 8), blk(4, None, 8)]);
+        tier.mark_pending(&[BlockHash(3)]);
+        let until = Instant::now() + Duration::from_secs(10);
+        let st = tier.lookup_and_pin(&[1, 2, 3, 4].map(BlockHash), until);
+        assert_eq!(
+            st,
+            vec![
+                BlockStatus::Hit,
+                BlockStatus::Hit,
+                BlockStatus::Pending,
+                BlockStatus::Hit
+            ]
+        );
+        assert_eq!(tier.pin_count(BlockHash(1)), 1);
+        assert_eq!(tier.pin_count(BlockHash(2)), 1);
+        assert_eq!(tier.pin_count(BlockHash(4)), 0);
+        let (p, crc) = tier.get_with_checksum(BlockHash(2)).unwrap();
+        assert_eq!(crc, crc32fast::hash(&p));
+        assert!(tier.corrupt_for_test(BlockHash(2), Bytes::from(vec![0u8; 8])));
+        let (p2, crc2) = tier.get_with_checksum(BlockHash(2)).unwrap();
+        assert_eq!(crc2, crc, "checksum from store time survives corruption");
+        assert_ne!(crc32fast::hash(&p2), crc2);
     }
 
     #[tokio::test]
