@@ -132,8 +132,13 @@ pub struct P2pConfig {
     pub port: Option<u16>,
     /// Peers (host or host:port patterns) this engine may pull from.
     pub allowed_peers: Vec<String>,
-    /// Budget for one pull before falling back to compute.
+    /// Budget for one pull before falling back to compute (also bounds each protocol step).
     pub timeout: Duration,
+    /// How long a pull may wait, beyond `timeout`, for blocks the producer is computing right
+    /// now (`PENDING`) before the consumer computes them itself.
+    pub pending_deadline: Duration,
+    /// Optional shared secret peers must prove (`--p2p-secret-file`; never on the command line).
+    pub secret: Option<kvmesh_transfer::Secret>,
     pub role: Role,
     pub bidirectional_kv_xfer: bool,
     /// How long a decode engine retains a finished request's blocks (vLLM default 480 s).
@@ -148,6 +153,8 @@ impl Default for P2pConfig {
             port: None,
             allowed_peers: Vec::new(),
             timeout: Duration::from_millis(5_000),
+            pending_deadline: Duration::from_millis(2_000),
+            secret: None,
             role: Role::Both,
             bidirectional_kv_xfer: false,
             decoder_kv_blocks_ttl: Duration::from_secs(480),

@@ -166,11 +166,7 @@ impl CpuStore {
         let victim = self
             .lru
             .iter()
-            .find(|(_, h)| {
-                self.entries
-                    .get(*h)
-                    .is_some_and(|e| !e.pinned(now))
-            })
+            .find(|(_, h)| self.entries.get(*h).is_some_and(|e| !e.pinned(now)))
             .map(|(&t, &h)| (t, h));
         let Some((tick, hash)) = victim else {
             return false;
@@ -490,6 +486,44 @@ impl CpuTier {
             self.external_inserts.fetch_add(1, Ordering::Relaxed);
         }
         stored
+    }
+
+    /// As [`CpuTier::insert_external`], and pins the newly stored block (lease until
+    /// `lease_until`) under the same lock, so nothing evicts it before the request that pulled
+    /// it is scheduled. `Some(true)`: stored and pinned; `Some(false)`: already present (not
+    /// pinned); `None`: could not be stored (pinned blocks fill the tier).
+    pub fn insert_external_pinned(
+        &self,
+        block: OffloadBlock,
+        lease_until: Instant,
+    ) -> Option<bool> {
+        let hash = block.hash;
+        let result = {
+            let mut g = self.inner.lock();
+            let present = g.store.contains(hash);
+            let mut events = Vec::new();
+            let stored =
+                g.store
+                    .insert_run(std::slice::from_ref(&block), Instant::now(), &mut events)
+                    == 1;
+            if stored {
+                g.pending.remove(&hash);
+                g.store.pin(&[hash], lease_until);
+            }
+            self.sink.publish(events);
+            if stored {
+                Some(true)
+            } else if present {
+                Some(false)
+            } else {
+                None
+            }
+        };
+        if result == Some(true) {
+            self.external_inserts.fetch_add(1, Ordering::Relaxed);
+            self.changed.notify_waiters();
+        }
+        result
     }
 
     /// Marks blocks a running request is about to compute (peers see them as `Pending`).

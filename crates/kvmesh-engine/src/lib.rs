@@ -8,6 +8,7 @@ pub mod compute;
 pub mod config;
 pub mod cpu_tier;
 pub mod outbox;
+pub mod p2p;
 pub mod pool;
 
 pub use config::{EngineConfig, KvEventsConfig, P2pConfig, Role};

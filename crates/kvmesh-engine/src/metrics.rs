@@ -57,6 +57,8 @@ pub struct EngineMetrics {
     pub cpu_rejected_blocks: GaugeF,
     pub cpu_restored_blocks: Counter,
     pub step_seconds: Histogram,
+    /// P2P transfer counters (`kvmesh_p2p_*`), shared by this engine's producer and pull client.
+    pub p2p: kvmesh_transfer::TransferMetrics,
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -103,6 +105,7 @@ impl EngineMetrics {
             cpu_rejected_blocks: GaugeF::default(),
             cpu_restored_blocks: Counter::default(),
             step_seconds: Histogram::new(TTFT_BUCKETS.iter().copied()),
+            p2p: kvmesh_transfer::TransferMetrics::new(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -231,6 +234,7 @@ impl EngineMetrics {
             "Wall time of one engine step",
             m.step_seconds.clone(),
         );
+        m.p2p.register(r);
         Self { registry, ..m }
     }
 

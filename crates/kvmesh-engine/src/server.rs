@@ -14,6 +14,7 @@ use crate::compute::profiles;
 use crate::compute::sim::{SimBackend, SimConfig};
 use crate::config::{ConfigError, EngineConfig};
 use crate::engine::{Engine, EngineHandle, build_engine};
+use crate::p2p::{P2pAdmission, P2pConsumer, start_producer};
 use crate::publish::start_event_publisher;
 
 /// Why a server could not start.
@@ -30,9 +31,13 @@ pub enum ServerError {
     },
     #[error("unknown sim profile `{0}` (see `kvmesh engine --list-profiles`)")]
     UnknownProfile(String),
+    #[error(transparent)]
+    P2p(#[from] crate::p2p::P2pConfigError),
 }
 
-/// Extra wiring for a server (the P2P integrator plugs in here).
+/// Extra wiring for a server. Without an `admission_hook` the server installs
+/// [`P2pAdmission`] (requests naming a `remote_kv_source` pull their missing prefix); a custom
+/// hook can wrap [`RunningServer::p2p`] itself.
 #[derive(Default, Clone)]
 pub struct ServerOptions {
     pub admission_hook: Option<Arc<dyn AdmissionHook>>,
@@ -46,8 +51,13 @@ pub struct RunningServer {
     /// The KV-event PUB endpoint bound (real port) or connected to, if events are on.
     pub events_endpoint: Option<String>,
     pub replay_endpoint: Option<String>,
+    /// The P2P producer's bound address (real port), when `--p2p-port` is set.
+    pub p2p_addr: Option<SocketAddr>,
+    /// The engine's P2P consumer (one shared pull client).
+    pub p2p: Arc<P2pConsumer>,
     cancel: CancellationToken,
     http: JoinHandle<()>,
+    producer: Option<JoinHandle<()>>,
     core: Option<Engine>,
 }
 
@@ -56,6 +66,10 @@ impl RunningServer {
     pub async fn shutdown(mut self) {
         self.cancel.cancel();
         let _ = (&mut self.http).await;
+        if let Some(p) = self.producer.take() {
+            // In-flight fetches drain; a consumer stuck on a dead socket cannot hold us long.
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), p).await;
+        }
         if let Some(core) = self.core.take() {
             let _ = tokio::task::spawn_blocking(move || core.shutdown()).await;
         }
@@ -115,10 +129,28 @@ pub async fn start_server(
         .local_addr()
         .map_err(|source| ServerError::Bind { addr, source })?;
     let publishing = start_event_publisher(config.kv_events.as_ref(), cancel.child_token()).await?;
+    let p2p_port = config.p2p.port;
+    let host = config.host.clone();
     let core = build_engine(config, backend, tokenizer, publishing.sink)?;
     let engine = core.handle.clone();
+    let consumer = Arc::new(P2pConsumer::new(&engine)?);
+    let producer = match p2p_port {
+        Some(port) => Some(
+            start_producer(&engine, &host, port, cancel.child_token())
+                .await
+                .map_err(|source| ServerError::Bind {
+                    addr: format!("{host}:{port} (p2p)"),
+                    source,
+                })?,
+        ),
+        None => None,
+    };
     let mut state = ApiState::new(engine.clone());
-    state.admission_hook = options.admission_hook;
+    state.admission_hook = Some(options.admission_hook.unwrap_or_else(|| {
+        Arc::new(P2pAdmission {
+            consumer: consumer.clone(),
+        })
+    }));
     let app = router(state);
     let stop = cancel.clone();
     let http = tokio::spawn(async move {
@@ -134,8 +166,11 @@ pub async fn start_server(
         engine,
         events_endpoint: publishing.endpoint,
         replay_endpoint: publishing.replay_endpoint,
+        p2p_addr: producer.as_ref().map(|p| p.addr),
+        p2p: consumer,
         cancel,
         http,
+        producer: producer.map(|p| p.task),
         core: Some(core),
     })
 }

@@ -64,15 +64,22 @@ pub struct EngineCmd {
     /// The `engine` label of metrics.
     #[arg(long, default_value = "0")]
     engine_label: String,
-    // Reserved for the P2P / P/D work: accepted and stored in the config.
-    /// TCP port of the P2P KV producer.
+    /// TCP port of the P2P KV producer (0 picks a free one; the startup line prints it).
     #[arg(long)]
     p2p_port: Option<u16>,
     /// Comma-separated hosts (or host:port) this engine may pull from.
     #[arg(long, value_delimiter = ',')]
     p2p_allowed_peers: Vec<String>,
+    /// Budget of one P2P pull (and of each protocol step) before computing instead.
     #[arg(long, default_value_t = 5000)]
     p2p_timeout_ms: u64,
+    /// How long a pull may wait for blocks the peer is computing right now (PENDING); default
+    /// 2000 ms, divided by --time-scale on the sim backend.
+    #[arg(long)]
+    p2p_pending_deadline_ms: Option<u64>,
+    /// File holding a shared secret P2P peers must prove (never pass it on the command line).
+    #[arg(long)]
+    p2p_secret_file: Option<std::path::PathBuf>,
     /// both | prefill | decode.
     #[arg(long, default_value = "both")]
     role: String,
@@ -112,6 +119,18 @@ impl EngineCmd {
                 port: self.p2p_port,
                 allowed_peers: self.p2p_allowed_peers.clone(),
                 timeout: Duration::from_millis(self.p2p_timeout_ms),
+                pending_deadline: match self.p2p_pending_deadline_ms {
+                    Some(ms) => Duration::from_millis(ms),
+                    None if self.backend == "sim" && self.time_scale > 0.0 => {
+                        Duration::from_millis(2000).div_f64(self.time_scale)
+                    }
+                    None => Duration::from_millis(2000),
+                },
+                secret: self
+                    .p2p_secret_file
+                    .as_deref()
+                    .map(read_secret)
+                    .transpose()?,
                 role: self.role.parse::<Role>()?,
                 bidirectional_kv_xfer: self.bidirectional_kv_xfer,
                 decoder_kv_blocks_ttl: Duration::from_secs(self.decoder_kv_blocks_ttl),
@@ -121,6 +140,20 @@ impl EngineCmd {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// The secret is the file's content without its trailing newline; an empty one is refused.
+fn read_secret(path: &std::path::Path) -> anyhow::Result<kvmesh_transfer::Secret> {
+    let raw = std::fs::read(path)
+        .with_context(|| format!("reading --p2p-secret-file {}", path.display()))?;
+    let trimmed = raw.strip_suffix(b"\n").unwrap_or(&raw);
+    let trimmed = trimmed.strip_suffix(b"\r").unwrap_or(trimmed);
+    anyhow::ensure!(
+        !trimmed.is_empty(),
+        "--p2p-secret-file {} is empty",
+        path.display()
+    );
+    Ok(kvmesh_transfer::Secret::new(trimmed))
 }
 
 fn list_profiles() {
@@ -187,6 +220,9 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
         .context("starting engine")?;
     // The line launchers and tests parse to learn the port.
     println!("kvmesh engine listening on http://{}", server.addr);
+    if let Some(addr) = &server.p2p_addr {
+        println!("kvmesh engine p2p listening on {addr}");
+    }
     if let Some(ep) = &server.events_endpoint {
         println!("kvmesh engine kv events on {ep}");
     }

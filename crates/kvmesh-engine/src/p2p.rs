@@ -1,0 +1,378 @@
+//! P2P KV transfer wired into the engine (DESIGN §3): the producer serves this engine's CPU tier
+//! to peers, the consumer pulls a request's missing prefix from the peer named in
+//! `kv_transfer_params.remote_kv_source` before the request is submitted.
+//!
+//! - [`CpuTierSource`] adapts the [`CpuTier`] to the transfer crate's [`BlockSource`]
+//!   (atomic lookup + counted pins, checksums kept from store time, pending waiters).
+//! - [`P2pConsumer`] owns the one shared [`PullClient`] of the engine (allow-list from
+//!   `--p2p-allowed-peers`; `remote_host` is untrusted input) and offers
+//!   [`P2pConsumer::pull_prefix`] (the reusable pull: blocks land in the CPU tier, verified,
+//!   pinned, published as `BlockStored` CPU) and [`P2pConsumer::prepare_request`] (local hit
+//!   first, pull the rest, mark the landed blocks as external hits, hold for the modelled pull
+//!   time on the sim backend).
+//! - [`P2pAdmission`] is the [`AdmissionHook`] that calls it for requests carrying
+//!   `remote_kv_source`, and releases the pins when the request finishes.
+//!
+//! A pull never fails a request: whatever did not arrive is computed. Every outcome is counted
+//! by reason in `kvmesh_p2p_pulls_total` (the engine's [`crate::metrics::EngineMetrics::p2p`]).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use kvmesh_core::{BlockHash, Fingerprint, RemoteKvSource, TokenId};
+use kvmesh_transfer::{
+    AllowList, AllowListError, BlockSink, BlockSource, BlockStatus as WireStatus, ClientConfig,
+    PeerAddr, ProducerServer, PullClient, PullReport, ServerConfig, SinkError,
+};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::AdmissionHook;
+use crate::compute::sim::verify_sim_block_payload;
+use crate::cpu_tier::{BlockStatus, CpuTier, OffloadBlock};
+use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
+
+/// How long blocks a pull landed stay pinned in our CPU tier if the request never finishes
+/// normally (client gone before scheduling); normally they are unpinned at finish.
+const LANDED_LEASE: Duration = Duration::from_secs(60);
+
+/// How long to wait for the compute loop to report the GPU-tier prefix before using the CPU
+/// tier's alone (a long step can hold the loop; a stale answer only costs a redundant pull).
+const GPU_LOOKUP_WAIT: Duration = Duration::from_millis(50);
+
+/// The CPU tier as a transfer [`BlockSource`].
+#[derive(Debug, Clone)]
+pub struct CpuTierSource {
+    tier: Arc<CpuTier>,
+    fingerprint: Fingerprint,
+}
+
+impl CpuTierSource {
+    pub fn new(tier: Arc<CpuTier>, fingerprint: Fingerprint) -> Self {
+        Self { tier, fingerprint }
+    }
+}
+
+fn wire(s: BlockStatus) -> WireStatus {
+    match s {
+        BlockStatus::Hit => WireStatus::Hit,
+        BlockStatus::Pending => WireStatus::Pending,
+        BlockStatus::Miss => WireStatus::Miss,
+    }
+}
+
+impl BlockSource for CpuTierSource {
+    fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint.clone()
+    }
+
+    fn lookup_and_pin(&self, hashes: &[BlockHash], lease: Duration) -> Vec<WireStatus> {
+        self.tier
+            .lookup_and_pin(hashes, Instant::now() + lease)
+            .into_iter()
+            .map(wire)
+            .collect()
+    }
+
+    fn read(&self, hash: BlockHash) -> Option<Bytes> {
+        self.tier.get(hash)
+    }
+
+    fn read_with_checksum(&self, hash: BlockHash) -> Option<(Bytes, u32)> {
+        self.tier.get_with_checksum(hash)
+    }
+
+    fn unpin(&self, hashes: &[BlockHash]) {
+        self.tier.unpin(hashes);
+    }
+
+    fn wait_ready(
+        &self,
+        hash: BlockHash,
+        deadline: tokio::time::Instant,
+    ) -> BoxFuture<'static, bool> {
+        let tier = Arc::clone(&self.tier);
+        Box::pin(async move { tier.wait_ready(hash, deadline).await })
+    }
+}
+
+/// A running producer: the bound address and the server task.
+#[derive(Debug)]
+pub struct P2pProducer {
+    pub addr: SocketAddr,
+    pub task: JoinHandle<()>,
+}
+
+/// Binds the producer on `host:port` when `--p2p-port` is set (port 0 picks a free one).
+pub async fn start_producer(
+    engine: &EngineHandle,
+    host: &str,
+    port: u16,
+    cancel: CancellationToken,
+) -> std::io::Result<P2pProducer> {
+    let cfg = &engine.config().p2p;
+    let source = CpuTierSource::new(engine.cpu_tier().clone(), engine.fingerprint());
+    let server = ServerConfig {
+        secret: cfg.secret.clone(),
+        metrics: engine.metrics().p2p.clone(),
+        ..ServerConfig::default()
+    };
+    let (addr, task) = ProducerServer::bind((host, port), Arc::new(source), server, cancel).await?;
+    Ok(P2pProducer { addr, task })
+}
+
+/// What [`P2pConsumer::pull_prefix`] did.
+#[derive(Debug, Clone)]
+pub struct PrefixPull {
+    pub report: PullReport,
+    /// Blocks this pull newly stored (and pinned) in the CPU tier, in order: they count as
+    /// external hits; release them with [`CpuTier::unpin`] once the request is scheduled.
+    pub external: Vec<BlockHash>,
+    /// When the pull started (the sim's modelled pull time runs from here).
+    pub started: tokio::time::Instant,
+}
+
+/// Checks each arriving block and lands it in the CPU tier as an ordinary cached block.
+struct TierSink<'a> {
+    tier: &'a CpuTier,
+    prompt: &'a [TokenId],
+    hashes: &'a [BlockHash],
+    first: usize,
+    block_size: usize,
+    bytes_per_block: usize,
+    /// Sim payloads are a function of the hash: verify content, not just the transport CRC.
+    verify_sim: bool,
+    lease_until: Instant,
+    external: Vec<BlockHash>,
+}
+
+impl BlockSink for TierSink<'_> {
+    fn accept(&mut self, index: usize, hash: BlockHash, payload: Bytes) -> Result<(), SinkError> {
+        let reject = |reason: &str| SinkError {
+            index,
+            reason: reason.to_owned(),
+        };
+        let i = self.first + index;
+        if self.hashes.get(i) != Some(&hash) {
+            return Err(reject("unexpected block hash"));
+        }
+        if payload.len() != self.bytes_per_block {
+            return Err(reject("payload size differs from our block size"));
+        }
+        if self.verify_sim && !verify_sim_block_payload(hash, &payload) {
+            return Err(reject("sim payload does not match its hash"));
+        }
+        let bs = self.block_size;
+        let Some(tokens) = self.prompt.get(i * bs..(i + 1) * bs) else {
+            return Err(reject("block beyond the prompt"));
+        };
+        let block = OffloadBlock {
+            hash,
+            parent: i.checked_sub(1).map(|p| self.hashes[p]),
+            tokens: tokens.to_vec(),
+            payload,
+        };
+        match self.tier.insert_external_pinned(block, self.lease_until) {
+            Some(true) => self.external.push(hash),
+            // Computed here meanwhile: a local hit, nothing to do.
+            Some(false) => {}
+            None => return Err(reject("CPU tier full of pinned blocks")),
+        }
+        Ok(())
+    }
+}
+
+/// Why a consumer could not be built from the engine's config.
+#[derive(Debug, thiserror::Error)]
+pub enum P2pConfigError {
+    #[error("--p2p-allowed-peers: {0}")]
+    AllowList(#[from] AllowListError),
+}
+
+/// The engine's P2P consumer: one shared pull client (pooled connections per peer).
+#[derive(Debug)]
+pub struct P2pConsumer {
+    client: PullClient,
+    timeout: Duration,
+    pending_deadline: Duration,
+}
+
+impl P2pConsumer {
+    /// From the engine's `p2p` config: allow-list, timeout, pending deadline, secret; counters
+    /// go to the engine's `kvmesh_p2p_*` metrics.
+    pub fn new(engine: &EngineHandle) -> Result<Self, P2pConfigError> {
+        let cfg = &engine.config().p2p;
+        let allowed = AllowList::parse(cfg.allowed_peers.iter().filter(|s| !s.trim().is_empty()))?;
+        let client = PullClient::new(
+            engine.fingerprint(),
+            ClientConfig {
+                allowed_peers: allowed,
+                timeout: cfg.timeout,
+                pending_deadline: cfg.pending_deadline,
+                secret: cfg.secret.clone(),
+                metrics: engine.metrics().p2p.clone(),
+                ..ClientConfig::default()
+            },
+        );
+        Ok(Self {
+            client,
+            timeout: cfg.timeout,
+            pending_deadline: cfg.pending_deadline,
+        })
+    }
+
+    pub fn client(&self) -> &PullClient {
+        &self.client
+    }
+
+    /// Pulls blocks `hashes[first..]` of `prompt` (whose full-block hashes are `hashes`) from
+    /// `source` into the CPU tier. Each block is verified (size; sim content; transport CRC),
+    /// stored as an ordinary cached block (publishing `BlockStored` CPU) and pinned for
+    /// [`LANDED_LEASE`] as it arrives. Never fails: see the report; blocks
+    /// `first..first + report.blocks` are in the tier afterwards.
+    pub async fn pull_prefix(
+        &self,
+        engine: &EngineHandle,
+        source: &RemoteKvSource,
+        prompt: &[TokenId],
+        hashes: &[BlockHash],
+        first: usize,
+    ) -> PrefixPull {
+        let started = tokio::time::Instant::now();
+        let want = hashes.get(first..).unwrap_or_default();
+        let mut sink = TierSink {
+            tier: engine.cpu_tier(),
+            prompt,
+            hashes,
+            first,
+            block_size: engine.kv_layout().block_size,
+            bytes_per_block: engine.kv_layout().bytes_per_block,
+            verify_sim: engine.backend_name() == "sim",
+            lease_until: Instant::now() + LANDED_LEASE,
+            external: Vec::new(),
+        };
+        // The whole pull is bounded too (per-step timeouts alone could add up on a long prefix).
+        let deadline = started + self.timeout + self.pending_deadline;
+        let report = self
+            .client
+            .pull_with_deadline(
+                PeerAddr::from(source),
+                &source.kv_request_id,
+                want,
+                &mut sink,
+                Some(deadline),
+            )
+            .await;
+        PrefixPull {
+            report,
+            external: sink.external,
+            started,
+        }
+    }
+
+    /// The consumer's admission step for one request whose prefix may be held by `source`:
+    /// takes the local prefix (GPU, then CPU tier) first, pulls the rest of the cacheable prefix,
+    /// sets `req.external_hashes` / `req.external_query_tokens`, and on the sim backend holds
+    /// until the modelled pull time of the pulled tokens has passed since the pull started.
+    /// Returns the pull (None when nothing was missing locally).
+    pub async fn prepare_request(
+        &self,
+        engine: &EngineHandle,
+        req: &mut EngineRequest,
+        source: &RemoteKvSource,
+    ) -> Option<PrefixPull> {
+        let bs = engine.kv_layout().block_size.max(1);
+        let mut hashes = engine.block_hashes(&req.prompt);
+        // vLLM never serves the last prompt token from cache: blocks beyond that are useless.
+        hashes.truncate(req.prompt.len().saturating_sub(1) / bs);
+        let local = local_prefix_blocks(engine, &hashes).await;
+        if local >= hashes.len() {
+            return None;
+        }
+        req.external_query_tokens = req.prompt.len();
+        let pull = self
+            .pull_prefix(engine, source, &req.prompt, &hashes, local)
+            .await;
+        tracing::debug!(
+            request_id = %req.request_id,
+            peer = %PeerAddr::from(source),
+            local_blocks = local,
+            wanted = hashes.len() - local,
+            pulled = pull.report.blocks,
+            outcome = %pull.report.outcome.label(),
+            reason = ?pull.report.outcome.reason(),
+            "p2p pull"
+        );
+        req.external_hashes.extend_from_slice(&pull.external);
+        if pull.report.blocks > 0
+            && let Some(modelled) = engine.modelled_pull_time(pull.report.blocks * bs)
+        {
+            // Sim: the transfer costs what the profile says, however fast loopback was.
+            tokio::time::sleep_until(pull.started + modelled).await;
+        }
+        Some(pull)
+    }
+}
+
+/// Leading blocks of `hashes` this engine holds: the GPU tier's prefix (asked of the compute
+/// loop, briefly) continued by the CPU tier's, or the CPU tier's alone if longer.
+pub async fn local_prefix_blocks(engine: &EngineHandle, hashes: &[BlockHash]) -> usize {
+    let tier = engine.cpu_tier();
+    let cpu_only = tier.lookup_prefix(hashes);
+    if cpu_only == hashes.len() {
+        return cpu_only;
+    }
+    let owned = hashes.to_vec();
+    let gpu = tokio::time::timeout(
+        GPU_LOOKUP_WAIT,
+        engine.inspect_pool(move |p| p.lookup_prefix(&owned)),
+    )
+    .await
+    .ok()
+    .flatten()
+    .unwrap_or(0)
+    .min(hashes.len());
+    (gpu + tier.lookup_prefix(&hashes[gpu..])).max(cpu_only)
+}
+
+/// The admission hook: requests with `kv_transfer_params.remote_kv_source` pull their missing
+/// prefix before submission; finished requests release the pins their pull took.
+#[derive(Debug, Clone)]
+pub struct P2pAdmission {
+    pub consumer: Arc<P2pConsumer>,
+}
+
+impl AdmissionHook for P2pAdmission {
+    fn before_submit<'a>(
+        &'a self,
+        engine: &'a EngineHandle,
+        req: &'a mut EngineRequest,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(source) = req
+                .kv_transfer_params
+                .as_ref()
+                .and_then(|p| p.remote_kv_source.clone())
+            else {
+                return;
+            };
+            self.consumer.prepare_request(engine, req, &source).await;
+        })
+    }
+
+    fn on_finish(&self, engine: &EngineHandle, req: &EngineRequest, _info: &mut FinishInfo) {
+        // The request has been scheduled: what its pull landed may be evicted normally now.
+        release_pulled(engine, req);
+    }
+}
+
+/// Releases the pins a pull took on the blocks it landed for `req` (its `external_hashes`).
+/// Call when the request finished (requests that never finish lose them at lease expiry).
+pub fn release_pulled(engine: &EngineHandle, req: &EngineRequest) {
+    if !req.external_hashes.is_empty() {
+        engine.cpu_tier().unpin(&req.external_hashes);
+    }
+}
