@@ -122,19 +122,65 @@ pub struct ProfileSpec {
     pub plugins: Vec<PluginRef>,
 }
 
-/// Tokenizer used to cut prompts into blocks; must match the engines'.
+/// Tokenizer used to cut prompts into blocks; must match the engines'. In YAML: `tokenizer: byte`
+/// or `tokenizer: {path: tokenizer.json, chat_template: template.jinja}`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(try_from = "TokenizerYaml", into = "TokenizerYaml")]
 pub enum TokenizerSpec {
     /// One token per UTF-8 byte (kvmesh `sim` engines).
     #[default]
     Byte,
-    /// A HF `tokenizer.json`, optionally with a Jinja chat template file.
+    /// A HF `tokenizer.json`, optionally with a Jinja chat template file (else the template of a
+    /// `tokenizer_config.json` beside it).
     Hf {
         path: PathBuf,
-        #[serde(default)]
         chat_template: Option<PathBuf>,
     },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum TokenizerYaml {
+    Name(String),
+    Hf {
+        path: PathBuf,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        chat_template: Option<PathBuf>,
+    },
+}
+
+impl TryFrom<TokenizerYaml> for TokenizerSpec {
+    type Error = String;
+    fn try_from(y: TokenizerYaml) -> Result<Self, String> {
+        match y {
+            TokenizerYaml::Name(n) if n == "byte" => Ok(TokenizerSpec::Byte),
+            TokenizerYaml::Name(n) => Err(format!(
+                "unknown tokenizer {n:?}: use `byte` or {{path: tokenizer.json}}"
+            )),
+            TokenizerYaml::Hf {
+                path,
+                chat_template,
+            } => Ok(TokenizerSpec::Hf {
+                path,
+                chat_template,
+            }),
+        }
+    }
+}
+
+impl From<TokenizerSpec> for TokenizerYaml {
+    fn from(t: TokenizerSpec) -> Self {
+        match t {
+            TokenizerSpec::Byte => TokenizerYaml::Name("byte".to_owned()),
+            TokenizerSpec::Hf {
+                path,
+                chat_template,
+            } => TokenizerYaml::Hf {
+                path,
+                chat_template,
+            },
+        }
+    }
 }
 
 /// Active health checks: an endpoint failing `unhealthy_threshold` checks in a row is ejected and
@@ -441,6 +487,22 @@ schedulingProfiles:
         assert!(validate_endpoints(&[e("a", "ftp://x", None)]).is_err());
         assert!(validate_endpoints(&[e("a", "http://x:1", Some("nohost"))]).is_err());
         assert!(validate_endpoints(&[e("a", "http://x:1", Some("[::1]:7"))]).is_ok());
+    }
+
+    #[test]
+    fn tokenizer_spellings() {
+        let c: RouterConfig = serde_norway::from_str("tokenizer: byte").expect("byte");
+        assert_eq!(c.tokenizer, TokenizerSpec::Byte);
+        let c: RouterConfig =
+            serde_norway::from_str("tokenizer: {path: /t/tokenizer.json}").expect("hf");
+        assert_eq!(
+            c.tokenizer,
+            TokenizerSpec::Hf {
+                path: "/t/tokenizer.json".into(),
+                chat_template: None
+            }
+        );
+        assert!(serde_norway::from_str::<RouterConfig>("tokenizer: gpt2").is_err());
     }
 
     #[test]
