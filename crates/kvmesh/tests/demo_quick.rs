@@ -75,7 +75,6 @@ use kvmesh_bench::runner::{self, FleetOptions, Plan};
 use kvmesh_bench::workload::{self, Scale, WorkloadOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs P2P integration"]
 async fn quick_fork_ab_moves_kv_only_with_p2p() {
     let out = tempfile::tempdir().unwrap();
     let plan = Plan {
