@@ -70,6 +70,13 @@ fn smollm2_tokenizer_template_and_restored_prefix() {
     let ids = tok.encode(text).unwrap();
     assert_eq!(tok.decode(&ids).unwrap(), text);
     assert!(ids.len() < text.len() / 2, "BPE merges applied: {ids:?}");
+    // SmolLM2's pre-tokenizer splits digits one by one.
+    assert_eq!(tok.encode("2024").unwrap().len(), 4);
+    assert_eq!(
+        tok.encode(" Paris").unwrap().len(),
+        1,
+        "common word with its leading space is one token"
+    );
 
     let prompt = chat_prompt(tok.as_ref(), "What is the capital of France?");
     assert_eq!(prompt[0], 1, "<|im_start|> is one special token");
