@@ -714,7 +714,10 @@ impl Core {
         let seq = self.seqs.get(&id)?;
         let total = seq.tokens.len();
         let max_hit_blocks = (total.saturating_sub(1)) / bs;
-        self.extend_digests(id, max_hit_blocks);
+        // Digests of every full prompt block: the last one is never a hit, but it is still
+        // computed here and peers may wait for it (PENDING).
+        let prompt_blocks = seq.prompt_len / bs;
+        self.extend_digests(id, max_hit_blocks.max(prompt_blocks));
         let seq = self.seqs.get(&id)?;
         let hashes: Vec<BlockHash> = seq.digests[..max_hit_blocks.min(seq.digests.len())]
             .iter()
@@ -784,11 +787,11 @@ impl Core {
         let first_time = seq.cached_tokens.is_none();
         let prompt_len = seq.prompt_len;
         let pending: Vec<BlockHash> = if first_time {
-            hashes
+            seq.digests
                 .iter()
-                .skip(hit_blocks)
                 .take(prompt_len / bs)
-                .copied()
+                .skip(hit_blocks)
+                .map(|d| d.event_hash())
                 .collect()
         } else {
             Vec::new()
