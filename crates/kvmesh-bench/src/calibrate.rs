@@ -82,6 +82,23 @@ pub fn crossover(rows: &[LadderRow]) -> Option<f64> {
     }
 }
 
+/// Whether pull already won at the shortest measured prefix (the crossover is then only an
+/// extrapolation, and the threshold stays at the shortest length where a win was measured).
+pub fn wins_everywhere(rows: &[LadderRow]) -> bool {
+    !rows.is_empty() && rows.iter().all(|r| r.pull_ms < r.recompute_ms)
+}
+
+/// The threshold to configure: above the measured crossover by `margin`; when pull won at every
+/// measured length, the shortest measured length (never an extrapolation below the data).
+pub fn recommend(rows: &[LadderRow], block_size: usize, margin: f64) -> usize {
+    let max_len = rows.iter().map(|r| r.prefix_tokens).max().unwrap_or(0);
+    if wins_everywhere(rows) {
+        let min_len = rows.iter().map(|r| r.prefix_tokens).min().unwrap_or(0);
+        return recommend_delta(Some(min_len as f64), max_len, block_size, 1.0);
+    }
+    recommend_delta(crossover(rows), max_len, block_size, margin)
+}
+
 /// Threshold above the crossover with a multiplicative margin, rounded up to whole blocks
 /// (at least one block, llm-d requires ≥ 1).
 pub fn recommend_delta(
@@ -303,9 +320,8 @@ pub async fn calibrate(
         rows.push(row);
     }
     let x = crossover(&rows);
-    let max_len = cfg.lengths.iter().copied().max().unwrap_or(0);
     Ok(Calibration {
-        recommended_min_cached_token_delta: recommend_delta(x, max_len, cfg.block_size, cfg.margin),
+        recommended_min_cached_token_delta: recommend(&rows, cfg.block_size, cfg.margin),
         crossover_tokens: x,
         margin: cfg.margin,
         rows,
@@ -350,13 +366,23 @@ impl Calibration {
             ));
         }
         match self.crossover_tokens {
+            Some(_) if wins_everywhere(&self.rows) => s.push_str(&format!(
+                "\nCrossover: below the shortest measured prefix ({} tokens): pull won at every length \
+                 (measure shorter prefixes to locate it).",
+                self.rows.iter().map(|r| r.prefix_tokens).min().unwrap_or(0)
+            )),
             Some(x) => s.push_str(&format!("\nCrossover (interpolated): {x:.0} tokens.")),
             None => s.push_str("\nCrossover: pull never beats recompute in the measured range."),
         }
         if self.verified {
             s.push_str(&format!(
-                "\nRecommended `min_cached_token_delta`: {} (crossover × {:.2} margin, whole blocks).\n",
-                self.recommended_min_cached_token_delta, self.margin
+                "\nRecommended `min_cached_token_delta`: {} ({}, whole blocks).\n",
+                self.recommended_min_cached_token_delta,
+                if wins_everywhere(&self.rows) {
+                    "shortest length with a measured win".to_owned()
+                } else {
+                    format!("crossover × {:.2} margin", self.margin)
+                }
             ));
         } else {
             s.push_str("\nNo recommendation: the pulls were not verified (see warnings), so the pull column may be recomputes.\n");
@@ -400,6 +426,9 @@ mod tests {
         assert!(x < 2048.0, "{x}");
         let d = recommend_delta(Some(x), 49152, 16, 1.5);
         assert!(d.is_multiple_of(16) && (16..=3072).contains(&d), "{d}");
+        // ...but the recommendation never extrapolates below the data: 2048, llm-d's own setting.
+        assert!(wins_everywhere(&published()));
+        assert_eq!(recommend(&published(), 16, 1.5), 2048);
     }
 
     #[test]
