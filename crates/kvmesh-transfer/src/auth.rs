@@ -4,16 +4,16 @@
 //! knowledge of the secret with `HMAC-SHA256(secret, "kvmesh-p2p/consumer" | producer_nonce |
 //! consumer_nonce)`, the producer answers with the same construction under the label
 //! `"kvmesh-p2p/producer"` and the nonces swapped, so neither proof can be replayed or reflected.
-//! Proofs are compared in constant time. HMAC is RFC 2104 over `sha2::Sha256` (checked against the
-//! RFC 4231 test vectors below).
+//! Proofs are compared in constant time. HMAC-SHA256 comes from the `hmac` crate (checked against
+//! the RFC 4231 test vectors below).
 
 use std::fmt;
 
-use sha2::{Digest, Sha256};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 
 use crate::message::Nonce;
 
-const BLOCK: usize = 64;
 const CONSUMER_LABEL: &[u8] = b"kvmesh-p2p/consumer";
 const PRODUCER_LABEL: &[u8] = b"kvmesh-p2p/producer";
 
@@ -56,21 +56,14 @@ pub fn nonce() -> Nonce {
 
 /// HMAC-SHA256 of the concatenation of `parts`.
 pub fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    let mut k = [0u8; BLOCK];
-    if key.len() > BLOCK {
-        k[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
-    }
-    let mut inner = Sha256::new();
-    inner.update(k.map(|b| b ^ 0x36));
+    // HMAC accepts keys of any length; `new_from_slice` cannot fail for it.
+    let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(key) else {
+        unreachable!("HMAC takes keys of any length")
+    };
     for p in parts {
-        inner.update(p);
+        mac.update(p);
     }
-    let mut outer = Sha256::new();
-    outer.update(k.map(|b| b ^ 0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
+    mac.finalize().into_bytes().into()
 }
 
 /// Equality whose running time does not depend on where the inputs differ.
