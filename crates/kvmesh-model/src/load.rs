@@ -267,6 +267,15 @@ pub(crate) fn splitmix64(mut z: u64) -> u64 {
 
 /// A random-weight Llama of the given shape (tied embeddings), for tests.
 pub(crate) fn random_llama(cfg: LlamaConfig, seed: u64) -> Result<Llama, ModelError> {
+    let (embed, layers, norm) = random_weights(&cfg, seed)?;
+    Llama::new(cfg, embed.clone(), layers, norm, embed)
+}
+
+/// Random weights in HF orientation: (embedding, layers, final norm).
+pub(crate) fn random_weights(
+    cfg: &LlamaConfig,
+    seed: u64,
+) -> Result<(Tensor, Vec<RawLayer>, Tensor), ModelError> {
     let mut state = splitmix64(seed);
     let mut rand = |shape: &[usize], scale: f32, base: f32| -> Result<Tensor, ModelError> {
         let n: usize = shape.iter().product();
@@ -305,5 +314,162 @@ pub(crate) fn random_llama(cfg: LlamaConfig, seed: u64) -> Result<Llama, ModelEr
         });
     }
     let norm = rand(&[hid], 0.1, 1.0)?;
-    Llama::new(cfg, embed.clone(), layers, norm, embed)
+    Ok((embed, layers, norm))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::collections::HashMap;
+
+    use kvmesh_engine::compute::{BlockId, KvArena};
+
+    use super::*;
+    use crate::model::SeqInput;
+    use crate::paged::{BlockGeometry, KvDtype};
+
+    fn cfg() -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 40,
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-5,
+            max_position: 512,
+            rope_style: RopeStyle::Half,
+        }
+    }
+
+    fn logits(m: &Llama, tokens: &[u32]) -> Vec<f32> {
+        let c = &m.cfg;
+        let geo = BlockGeometry {
+            block_size: 4,
+            num_layers: c.num_layers,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            dtype: KvDtype::F32,
+        };
+        let blocks = tokens.len().div_ceil(4);
+        let mut arena = KvArena::new(blocks, geo.bytes_per_block());
+        let table: Vec<BlockId> = (0..blocks as BlockId).collect();
+        let seq = SeqInput {
+            tokens,
+            start_pos: 0,
+            table: &table,
+        };
+        m.forward(&[seq], &geo, &mut arena, &[true])
+            .unwrap()
+            .remove(0)
+            .unwrap()
+    }
+
+    /// llama.cpp's converter permutes Q/K rows so interleaved RoPE reproduces HF's rotate-half.
+    fn permute(w: &Tensor, heads: usize) -> Tensor {
+        let (rows, cols) = w.dims2().unwrap();
+        w.reshape((heads, 2, rows / heads / 2, cols))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((rows, cols))
+            .unwrap()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    const TOKENS: [u32; 23] = [
+        3, 17, 5, 9, 39, 0, 12, 12, 7, 30, 2, 8, 21, 33, 4, 6, 19, 25, 1, 11, 38, 14, 10,
+    ];
+
+    #[test]
+    fn hf_layout_with_rotate_half_equals_gguf_layout_with_interleaved_rope() {
+        let c = cfg();
+        let (embed, layers, norm) = random_weights(&c, 9).unwrap();
+        let gguf_layers: Vec<RawLayer> = layers
+            .iter()
+            .map(|l| RawLayer {
+                attn_norm: l.attn_norm.clone(),
+                wq: permute(&l.wq, c.num_heads),
+                wk: permute(&l.wk, c.num_kv_heads),
+                wv: l.wv.clone(),
+                wo: l.wo.clone(),
+                ffn_norm: l.ffn_norm.clone(),
+                w_gate: l.w_gate.clone(),
+                w_up: l.w_up.clone(),
+                w_down: l.w_down.clone(),
+            })
+            .collect();
+        let hf = Llama::new(
+            c.clone(),
+            embed.clone(),
+            layers,
+            norm.clone(),
+            embed.clone(),
+        )
+        .unwrap();
+        let gg_cfg = LlamaConfig {
+            rope_style: RopeStyle::Interleaved,
+            ..c
+        };
+        let gg = Llama::new(gg_cfg, embed.clone(), gguf_layers, norm, embed).unwrap();
+        let (a, b) = (logits(&hf, &TOKENS), logits(&gg, &TOKENS));
+        assert!(max_diff(&a, &b) < 1e-4, "diff {}", max_diff(&a, &b));
+        // And the RoPE style matters (the check above can fail).
+        let mut wrong = hf;
+        wrong.cfg.rope_style = RopeStyle::Interleaved;
+        assert!(max_diff(&a, &logits(&wrong, &TOKENS)) > 1e-3);
+    }
+
+    #[test]
+    fn loads_an_hf_safetensors_directory() {
+        let c = cfg();
+        let (embed, layers, norm) = random_weights(&c, 4).unwrap();
+        let mut tensors: HashMap<String, Tensor> = HashMap::new();
+        tensors.insert("model.embed_tokens.weight".into(), embed.clone());
+        tensors.insert("model.norm.weight".into(), norm.clone());
+        for (i, l) in layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            for (n, t) in [
+                ("input_layernorm", &l.attn_norm),
+                ("self_attn.q_proj", &l.wq),
+                ("self_attn.k_proj", &l.wk),
+                ("self_attn.v_proj", &l.wv),
+                ("self_attn.o_proj", &l.wo),
+                ("post_attention_layernorm", &l.ffn_norm),
+                ("mlp.gate_proj", &l.w_gate),
+                ("mlp.up_proj", &l.w_up),
+                ("mlp.down_proj", &l.w_down),
+            ] {
+                tensors.insert(format!("{p}.{n}.weight"), t.clone());
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors")).unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"architectures":["LlamaForCausalLM"],"vocab_size":40,"hidden_size":32,"intermediate_size":48,
+               "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"rope_theta":10000.0,
+               "rms_norm_eps":1e-5,"max_position_embeddings":512,"tie_word_embeddings":true}"#,
+        )
+        .unwrap();
+        let loaded = load_safetensors_dir(dir.path()).unwrap();
+        assert_eq!(loaded.cfg, c);
+        let reference = Llama::new(c, embed.clone(), layers, norm, embed).unwrap();
+        assert_eq!(logits(&loaded, &TOKENS), logits(&reference, &TOKENS));
+        // A missing tensor is a clear error.
+        tensors.remove("model.layers.1.mlp.up_proj.weight");
+        candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors")).unwrap();
+        let err = load_safetensors_dir(dir.path()).err().unwrap().to_string();
+        assert!(err.contains("model.layers.1.mlp.up_proj.weight"), "{err}");
+    }
 }
