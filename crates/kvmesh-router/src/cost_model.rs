@@ -3,10 +3,13 @@
 //! Per endpoint a prefill rate (tokens/s) and per (source, destination) pair a pull rate
 //! (tokens/s) plus a fixed per-pull floor (connection, lookup, first frame). Rates start at the
 //! configured defaults (DESIGN §6: gpt-oss-120b on H200 recomputes ≈25K tok/s; pulls cost ≈26 ms +
-//! 235K tok/s) and follow observations with an EWMA. Observations are the engines' own reported
-//! timings as the router sees them: time to first byte of a streamed response (prefill-dominated)
-//! for requests sent to an otherwise idle endpoint, so queueing does not pollute the sample. A pull
-//! request's TTFT minus the predicted recompute of what it still computed is its pull time.
+//! 235K tok/s) and follow observations with an EWMA. Observations are the engines' own timings:
+//! (1) prefill rates from each engine's reported counters between two scrapes — computed prompt
+//! tokens (`vllm:prompt_tokens_by_source_total{source="local_compute"}`) per second of reported
+//! TTFT minus queue time, in intervals without pulled tokens; (2) per request, the time to first
+//! byte of a streamed response on an otherwise idle endpoint (so queueing does not pollute it). A
+//! pull request's TTFT minus the predicted recompute of what it still computed, minus the floor, is
+//! a per-pair pull-rate sample (the only source that knows the pair).
 //! Plain data structure; the gateway feeds it and `/metrics` exports the learned rates.
 
 use std::collections::HashMap;
@@ -108,6 +111,24 @@ impl CostModel {
         self.params.pull_floor_ms + tokens as f64 / self.pull_rate(source, dest).max(1e-9) * 1000.0
     }
 
+    /// Learns a prefill-rate sample: `tokens` computed in `time` (from the router's view of a
+    /// request, or from the engine's own counters between two scrapes).
+    pub fn observe_prefill_rate(&self, endpoint: EndpointId, tokens: u64, time: Duration) -> bool {
+        let secs = time.as_secs_f64();
+        if tokens < self.params.min_sample_tokens || secs <= 0.0 {
+            return false;
+        }
+        let default = self.params.prefill_tokens_per_second;
+        update(
+            &mut self.prefill.write(),
+            endpoint,
+            tokens as f64 / secs,
+            default,
+            self.params.ewma_alpha,
+        );
+        true
+    }
+
     /// Learns from one observed prefill. Returns whether a rate was updated.
     pub fn observe(&self, obs: Observation) -> bool {
         let ttft_ms = obs.ttft.as_secs_f64() * 1000.0;
@@ -115,21 +136,7 @@ impl CostModel {
             return false;
         }
         match obs.pulled {
-            None => {
-                if obs.computed_tokens < self.params.min_sample_tokens {
-                    return false;
-                }
-                let sample = obs.computed_tokens as f64 / (ttft_ms / 1000.0);
-                let default = self.params.prefill_tokens_per_second;
-                update(
-                    &mut self.prefill.write(),
-                    obs.endpoint,
-                    sample,
-                    default,
-                    self.params.ewma_alpha,
-                );
-                true
-            }
+            None => self.observe_prefill_rate(obs.endpoint, obs.computed_tokens, obs.ttft),
             Some((source, pulled)) => {
                 if pulled < self.params.min_sample_tokens {
                     return false;

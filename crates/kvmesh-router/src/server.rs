@@ -165,6 +165,7 @@ pub async fn start(
         Arc::clone(&endpoints),
         client.clone(),
         state.config.metrics_scrape_interval,
+        Arc::clone(&state.cost_model),
         cancel.clone(),
     ));
     tracker.spawn(health_loop(

@@ -93,14 +93,17 @@ async fn affinity_sends_a_repeated_prefix_to_its_holder() {
             start_engine("e1", 100.0, 1024).await,
         ];
         let refs: Vec<&SimEngine> = engines.iter().collect();
-        let yaml = format!("seed: 1\n{}", engines_yaml(&refs));
+        let yaml = format!(
+            "seed: 1\nmetrics_scrape_interval: 50ms\n{}",
+            engines_yaml(&refs)
+        );
         let r = start_router(&yaml, None).await;
         for i in 0..3 {
             let prefix = doc(i, 1600);
-            let (holder, _) = complete(&r, None, &prefix, 1).await;
+            let (holder, _) = complete(&r, None, &prefix, 2).await;
             wait_for_prefix(&r, &prefix, &holder, "gpu_tokens", 1584).await;
             for q in 0..4 {
-                let (ep, body) = complete(&r, None, &format!("{prefix} question {q}"), 1).await;
+                let (ep, body) = complete(&r, None, &format!("{prefix} question {q}"), 2).await;
                 assert_eq!(ep, holder, "request {q} on prefix {i} left the holder");
                 assert!(
                     body["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -120,6 +123,13 @@ async fn affinity_sends_a_repeated_prefix_to_its_holder() {
             .await
             .unwrap();
         assert_eq!(decisions[0]["outcome"], "local_hit");
+        // The engines' own TTFT / computed-token counters taught the cost model their prefill rate.
+        common::eventually(
+            5,
+            "prefill rate learned from scraped engine counters",
+            || !r.state.cost_model.prefill_rates().is_empty(),
+        )
+        .await;
         stop(r, engines).await;
     })
     .await
