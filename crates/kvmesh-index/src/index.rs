@@ -1,8 +1,7 @@
 //! The fast prefix index: sharded block table + per-endpoint engine-hash maps.
 //!
-//! Concurrency: block entries live in `shards` hash tables, each behind a `parking_lot::RwLock`
-//! held for one block operation at a time, so a lookup waits at most for one block write (or one
-//! eviction pass over one shard). Each endpoint's state (its engine-hash map) sits behind its own
+//! Concurrency: block entries live in `shards` lock-free-readable tables (`crate::table`):
+//! lookups never wait for writers; writers are serialised per shard. Each endpoint's state (its engine-hash map) sits behind its own
 //! mutex, held for a whole event, which serialises that endpoint's events in arrival order while
 //! different endpoints ingest in parallel.
 
@@ -14,29 +13,8 @@ use kvmesh_core::events::{BlockRemoved, BlockStored, KvEvent};
 use kvmesh_core::{BlockHash, ChainKey};
 use parking_lot::{Mutex, RwLock};
 
-use crate::members::Members;
+use crate::table::Shard;
 use crate::{EndpointId, EndpointMatch, IndexConfig, IndexError, IndexStats, Tier};
-
-/// One router block: who holds it, and when it was last stored or looked up (for eviction).
-#[derive(Debug)]
-struct Block {
-    members: Members,
-    last_used: AtomicU32,
-}
-
-#[derive(Debug, Default)]
-struct ShardInner {
-    blocks: HashMap<ChainKey, Block>,
-    /// Sum of `members.count()` over `blocks`.
-    memberships: u64,
-    /// Sum of `members.heap_bytes()` over `blocks`.
-    extra_bytes: u64,
-}
-
-/// Padded so neighbouring shard locks do not share a cache line.
-#[repr(align(128))]
-#[derive(Debug, Default)]
-struct Shard(RwLock<ShardInner>);
 
 /// What the index knows about one endpoint's engine hashes.
 #[derive(Debug, Default)]
@@ -100,13 +78,15 @@ impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         let n_shards = config.shards.clamp(1, 1 << 16).next_power_of_two();
         let shard_cap = (config.max_blocks / n_shards).max(16);
-        let shards = (0..n_shards).map(|_| Shard::default()).collect();
         let shard_seed = {
             use std::hash::{BuildHasher, Hasher};
             let mut h = hashbrown::DefaultHashBuilder::default().build_hasher();
             h.write_u64(0x6b76_6d65_7368);
             h.finish() | 1
         };
+        let shards = (0..n_shards as u64)
+            .map(|i| Shard::new(shard_seed ^ (i << 32)))
+            .collect();
         PrefixIndex {
             shard_bits: n_shards.trailing_zeros(),
             config,
@@ -252,16 +232,7 @@ impl PrefixIndex {
         let mut block = vec![0u64; 2 * words];
         let mut matched = keys.len();
         for (i, key) in keys.iter().enumerate() {
-            {
-                let shard = self.shard(*key).0.read();
-                match shard.blocks.get(key) {
-                    Some(b) => {
-                        b.members.copy_into(&mut block);
-                        b.last_used.store(now, Ordering::Relaxed);
-                    }
-                    None => block.fill(0),
-                }
-            }
+            self.shard(*key).read(*key, &mut block, now);
             let mut still = 0u64;
             for w in 0..words {
                 let (g, c) = (block[2 * w], block[2 * w + 1]);
@@ -314,10 +285,10 @@ impl PrefixIndex {
     pub fn stats(&self) -> IndexStats {
         let (mut blocks, mut memberships, mut bytes) = (0u64, 0u64, 0u64);
         for shard in self.shards.iter() {
-            let s = shard.0.read();
-            blocks += s.blocks.len() as u64;
-            memberships += s.memberships;
-            bytes += (s.blocks.allocation_size() as u64) + s.extra_bytes;
+            let (b, m, by) = shard.stats();
+            blocks += b;
+            memberships += m;
+            bytes += by;
         }
         let entries: Vec<Arc<EndpointEntry>> =
             self.registry.read().by_id.values().cloned().collect();
@@ -546,81 +517,18 @@ impl PrefixIndex {
     }
 
     fn add_member(&self, key: ChainKey, slot: u32, tier: Tier, now: u32) {
-        let mut shard = self.shard(key).0.write();
-        let inner = &mut *shard;
-        let before_len = inner.blocks.len();
-        let block = inner.blocks.entry(key).or_insert_with(|| Block {
-            members: Members::default(),
-            last_used: AtomicU32::new(now),
-        });
-        *block.last_used.get_mut() = now;
-        let heap_before = block.members.heap_bytes();
-        if block.members.set(slot, tier) {
-            inner.memberships += 1;
-        }
-        inner.extra_bytes =
-            inner.extra_bytes + block.members.heap_bytes() as u64 - heap_before as u64;
-        if inner.blocks.len() > before_len && inner.blocks.len() > self.shard_cap {
-            self.evict(inner, now);
+        let out = self.shard(key).add(key, slot, tier, now, self.shard_cap);
+        if out.evicted > 0 {
+            self.counters
+                .evictions
+                .fetch_add(out.evicted, Ordering::Relaxed);
         }
     }
 
     /// Removes `slot` from `key` in `tier` (both tiers if `None`). Returns whether the slot still
     /// holds the block in some tier afterwards.
     fn remove_member(&self, key: ChainKey, slot: u32, tier: Option<Tier>) -> bool {
-        let mut shard = self.shard(key).0.write();
-        let inner = &mut *shard;
-        let Some(block) = inner.blocks.get_mut(&key) else {
-            return false;
-        };
-        let heap_before = block.members.heap_bytes() as u64;
-        let removed = match tier {
-            Some(t) => u64::from(block.members.clear(slot, t)),
-            None => block.members.clear_slot(slot),
-        };
-        inner.memberships -= removed;
-        inner.extra_bytes = inner.extra_bytes + block.members.heap_bytes() as u64 - heap_before;
-        let still = block.members.has_any(slot);
-        if block.members.is_empty() {
-            inner.blocks.remove(&key);
-        }
-        still
-    }
-
-    /// Drops about 1/16 of the shard, oldest first. The age threshold is estimated from a sample of
-    /// entries (hash-table order is unrelated to age), then one `retain` pass removes entries at
-    /// least that old until the quota is met.
-    fn evict(&self, inner: &mut ShardInner, now: u32) {
-        let quota = (self.shard_cap / 16).max(1);
-        let len = inner.blocks.len();
-        let mut sample: Vec<u32> = inner
-            .blocks
-            .values()
-            .take(256)
-            .map(|b| now.wrapping_sub(b.last_used.load(Ordering::Relaxed)))
-            .collect();
-        sample.sort_unstable_by(|a, b| b.cmp(a));
-        let idx = (sample.len() * quota)
-            .div_ceil(len)
-            .min(sample.len().saturating_sub(1));
-        let threshold = sample.get(idx).copied().unwrap_or(0);
-        let mut removed = 0usize;
-        let (mut lost_members, mut lost_heap) = (0u64, 0u64);
-        inner.blocks.retain(|_, b| {
-            if removed >= quota || now.wrapping_sub(b.last_used.load(Ordering::Relaxed)) < threshold
-            {
-                return true;
-            }
-            removed += 1;
-            lost_members += b.members.count();
-            lost_heap += b.members.heap_bytes() as u64;
-            false
-        });
-        inner.memberships -= lost_members;
-        inner.extra_bytes -= lost_heap;
-        self.counters
-            .evictions
-            .fetch_add(removed as u64, Ordering::Relaxed);
+        self.shard(key).remove(key, slot, tier)
     }
 }
 

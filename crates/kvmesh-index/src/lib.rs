@@ -33,8 +33,8 @@
 //! ```
 
 mod index;
-mod members;
 pub mod reference;
+mod table;
 
 use std::fmt;
 
