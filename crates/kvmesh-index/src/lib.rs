@@ -100,11 +100,11 @@ pub struct IndexConfig {
     /// The router's block size in tokens; lookups pass `chain_keys(tokens, block_size)`. Engine
     /// block sizes must be a multiple of it.
     pub block_size: usize,
-    /// Upper bound on distinct blocks held; beyond it the least recently stored/looked-up blocks
-    /// are evicted (about 1/16 of a shard at a time).
+    /// Upper bound on distinct blocks held; beyond it each insert evicts the least recently
+    /// stored/looked-up of a small sample (approximate LRU).
     pub max_blocks: usize,
-    /// Number of lock shards (rounded up to a power of two). More shards = shorter eviction passes
-    /// and less writer/reader contention.
+    /// Number of table shards (rounded up to a power of two). Writers are serialised per shard;
+    /// more shards = less writer contention and smaller table rebuilds.
     pub shards: usize,
     /// Maximum number of endpoints the index accepts at once.
     pub max_endpoints: usize,
