@@ -108,6 +108,11 @@ tokenizer: byte
 metrics_scrape_interval: 200ms
 ",
     );
+    // A saturated engine on an oversubscribed benchmark host answers /health slowly; ejecting it
+    // would turn queueing into 503s and measure the health checker instead of the policy.
+    y.push_str(
+        "health_check: {interval: 2s, timeout: 10s, unhealthy_threshold: 10, healthy_threshold: 1}\n",
+    );
     let _ = writeln!(y, "seed: {seed}");
     let _ = writeln!(y, "default_profile: {}", arm.name());
     y.push_str("endpoints:\n");
