@@ -1096,8 +1096,9 @@ impl Core {
         if seq.cached_tokens.is_none() && was_waiting {
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
         }
-        if reason == FinishReason::Abort {
-            // Blocks it promised to compute will not come: peers waiting on them stop waiting.
+        if seq.num_finalized < seq.prompt_len / bs {
+            // Blocks it promised to compute will not come (aborted, or ended early by
+            // `length`): peers waiting on them stop waiting.
             let promised: Vec<BlockHash> = seq
                 .digests
                 .iter()
