@@ -209,19 +209,36 @@ async fn load_p2p_spreads_a_burst_and_names_the_holder_as_source() {
             .unwrap();
         let decisions = decisions.as_array().unwrap();
         assert_eq!(decisions.len(), 12);
-        let mut pulls = 0;
+        let (mut pulls, mut from_seed) = (0, 0);
         for d in decisions {
             if d["endpoint"] == "e0" {
                 assert_eq!(d["outcome"], "local_hit", "{d}");
                 assert_eq!(d["p2p"]["skipped"], "self_source", "{d}");
             } else {
                 assert_eq!(d["outcome"], "pull_named", "{d}");
-                assert_eq!(d["p2p"]["source_endpoint"], "e0", "{d}");
-                assert!(d["p2p"]["delta_tokens"].as_i64().unwrap() >= 4096, "{d}");
+                // The source holds the whole prefix in its CPU tier at decision time: e0, or a peer
+                // that already pulled it during the burst.
+                let src = d["p2p"]["source_endpoint"].as_str().unwrap();
+                let held = d["candidates"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|c| c["endpoint"] == src)
+                    .unwrap()["cpu_tokens"]
+                    .as_u64()
+                    .unwrap();
+                assert!(src != d["endpoint"] && held >= 4096, "{d}");
+                from_seed += usize::from(src == "e0");
+                // The target may already hold part of the prefix (a pull for an earlier request of
+                // the burst landing); the delta still clears the threshold.
+                assert!(d["p2p"]["delta_tokens"].as_i64().unwrap() >= 2048, "{d}");
                 pulls += 1;
             }
         }
-        assert!(pulls > 0);
+        assert!(
+            pulls > 0 && from_seed > 0,
+            "pulls {pulls}, from the seeded holder {from_seed}"
+        );
         let metrics = client()
             .get(format!("http://{}/metrics", r.addr))
             .send()
@@ -242,19 +259,45 @@ async fn load_p2p_spreads_a_burst_and_names_the_holder_as_source() {
     .unwrap();
 }
 
-/// Once engines pull (P2P consumer), the external-hit counters of the non-holders prove it.
+/// The engines' counters prove the named pulls happened: every non-holder that served part of the
+/// burst received P2P blocks and computed only the short per-request suffixes, never the
+/// 4096-token prefix; the non-holders together report external (P2P) prefix-cache hits. (How one
+/// engine splits the prefix between `external_kv_transfer` and `local_cache_hit` depends on which
+/// of its concurrent requests landed the pulled blocks first, so it is checked over the fleet.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "needs the engine's P2P consumer (issue 4) wired to remote_kv_source"]
 async fn load_p2p_pulls_show_up_as_external_hits() {
     tokio::time::timeout(LIMIT, async {
         let (r, engines) = burst_after_seeding().await;
+        let mut external = 0.0;
         for e in &engines[1..] {
-            let placed_here = r.state.decisions.last(12).iter().filter(|d| d.decision.endpoint.as_deref() == Some(e.name.as_str())).count();
-            if placed_here > 0 {
-                let hits = engine_metric(&e.url, "vllm:external_prefix_cache_hits_total").await;
-                assert!(hits >= 4096.0 - 16.0, "{} served {placed_here} pulled requests but reports {hits} external hit tokens", e.name);
-            }
+            let placed_here = r
+                .state
+                .decisions
+                .last(12)
+                .iter()
+                .filter(|d| d.decision.endpoint.as_deref() == Some(e.name.as_str()))
+                .count();
+            external += engine_metric(&e.url, "vllm:external_prefix_cache_hits_total").await;
+            let text = reqwest::get(format!("{}/metrics", e.url)).await.unwrap().text().await.unwrap();
+            let sum = |name: &str, label: &str| -> f64 {
+                text.lines()
+                    .filter(|l| l.starts_with(name) && l.contains(label))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum()
+            };
+            let computed = sum("vllm:prompt_tokens_by_source_total", "local_compute");
+            let blocks_in = sum("kvmesh_p2p_blocks_total", "direction=\"in\"");
+            assert!(placed_here > 0, "burst_after_seeding spreads over every endpoint");
+            assert!(blocks_in >= 1.0, "{} served {placed_here} requests named to pull but received no P2P blocks", e.name);
+            assert!(
+                computed <= 32.0 * placed_here as f64,
+                "{} computed {computed} prompt tokens for {placed_here} requests: the prefix was recomputed, not pulled",
+                e.name
+            );
         }
+        assert!(external > 0.0, "no external prefix-cache hits on any puller");
+        // The holder pulled nothing.
+        assert_eq!(engine_metric(&engines[0].url, "vllm:external_prefix_cache_hits_total").await, 0.0);
         stop(r, engines).await;
     })
     .await
