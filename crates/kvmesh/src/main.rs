@@ -12,7 +12,11 @@ mod cmd_router;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "kvmesh", version, about = "Move the KV, not the work: a KV-cache-aware router and P2P-pulling engine for vLLM fleets")]
+#[command(
+    name = "kvmesh",
+    version,
+    about = "Move the KV, not the work: a KV-cache-aware router and P2P-pulling engine for vLLM fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -47,7 +51,9 @@ fn main() -> anyhow::Result<()> {
         // Pure CPU commands stay off the async runtime.
         Command::Hash(args) => cmd_hash::run(args),
         other => {
-            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
             runtime.block_on(async move {
                 match other {
                     Command::Hash(_) => unreachable!("handled above"),
@@ -68,5 +74,8 @@ fn main() -> anyhow::Result<()> {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
