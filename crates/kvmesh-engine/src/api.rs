@@ -810,6 +810,7 @@ async fn drive(
                         cached_tokens: 0,
                         created_cache_tokens: 0,
                         kv_transfer_params: None,
+                        block_hashes: Vec::new(),
                     };
                     return Ok((info, completion_tokens));
                 }
@@ -911,7 +912,7 @@ fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
                         break Ok(FinishInfo {
                             reason: crate::engine::FinishReason::Stop, stop_token: None, prompt_tokens: job.prompt.len(),
                             completion_tokens, cached_tokens: stream.cached_tokens().unwrap_or(0), created_cache_tokens: 0,
-                            kv_transfer_params: None,
+                            kv_transfer_params: None, block_hashes: Vec::new(),
                         });
                     }
                     // Hold the text until we know whether the next output is the finish, so the

@@ -93,6 +93,9 @@ pub struct FinishInfo {
     pub created_cache_tokens: usize,
     /// What the response's `kv_transfer_params` should carry (None → null).
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// Hashes of every full block the sequence computed, prompt and generated tokens (P/D
+    /// bi-directional retention); empty when the HTTP layer ended it on a stop string.
+    pub block_hashes: Vec<BlockHash>,
 }
 
 /// What the compute loop sends back for one sequence.
@@ -1121,6 +1124,12 @@ impl Core {
             cached_tokens: seq.cached_tokens.unwrap_or(0),
             created_cache_tokens: seq.created_cache_tokens,
             kv_transfer_params: None,
+            block_hashes: seq
+                .digests
+                .iter()
+                .take(seq.num_finalized)
+                .map(|d| d.event_hash())
+                .collect(),
         };
         let _ = seq.tx.send(SeqOutput::Finished(Box::new(info)));
     }

@@ -9,6 +9,7 @@ pub mod config;
 pub mod cpu_tier;
 pub mod outbox;
 pub mod p2p;
+pub mod pd;
 pub mod pool;
 
 pub use config::{EngineConfig, KvEventsConfig, P2pConfig, Role};

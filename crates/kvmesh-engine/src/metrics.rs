@@ -59,6 +59,8 @@ pub struct EngineMetrics {
     pub step_seconds: Histogram,
     /// P2P transfer counters (`kvmesh_p2p_*`), shared by this engine's producer and pull client.
     pub p2p: kvmesh_transfer::TransferMetrics,
+    /// P/D counters (`vllm:nixl_num_kv_expired_reqs`, `kvmesh_engine_pd_*`).
+    pub pd: crate::pd::PdMetrics,
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -106,6 +108,7 @@ impl EngineMetrics {
             cpu_restored_blocks: Counter::default(),
             step_seconds: Histogram::new(TTFT_BUCKETS.iter().copied()),
             p2p: kvmesh_transfer::TransferMetrics::new(),
+            pd: crate::pd::PdMetrics::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -235,6 +238,7 @@ impl EngineMetrics {
             m.step_seconds.clone(),
         );
         m.p2p.register(r);
+        m.pd.register(r);
         Self { registry, ..m }
     }
 

@@ -14,7 +14,8 @@ use crate::compute::profiles;
 use crate::compute::sim::{SimBackend, SimConfig};
 use crate::config::{ConfigError, EngineConfig};
 use crate::engine::{Engine, EngineHandle, build_engine};
-use crate::p2p::{P2pAdmission, P2pConsumer, start_producer};
+use crate::p2p::{P2pConsumer, start_producer};
+use crate::pd::PdAdmission;
 use crate::publish::start_event_publisher;
 
 /// Why a server could not start.
@@ -36,7 +37,8 @@ pub enum ServerError {
 }
 
 /// Extra wiring for a server. Without an `admission_hook` the server installs
-/// [`P2pAdmission`] (requests naming a `remote_kv_source` pull their missing prefix); a custom
+/// [`PdAdmission`] (P/D params; requests naming a `remote_kv_source` pull their missing prefix
+/// through `P2pAdmission`); a custom
 /// hook can wrap [`RunningServer::p2p`] itself.
 #[derive(Default, Clone)]
 pub struct ServerOptions {
@@ -133,23 +135,37 @@ pub async fn start_server(
     let host = config.host.clone();
     let core = build_engine(config, backend, tokenizer, publishing.sink)?;
     let engine = core.handle.clone();
-    let consumer = Arc::new(P2pConsumer::new(&engine)?);
-    let producer = match p2p_port {
-        Some(port) => Some(
-            start_producer(&engine, &host, port, cancel.child_token())
-                .await
-                .map_err(|source| ServerError::Bind {
-                    addr: format!("{host}:{port} (p2p)"),
-                    source,
-                })?,
-        ),
-        None => None,
+    let p2p = async {
+        let consumer = Arc::new(P2pConsumer::new(&engine)?);
+        let producer = match p2p_port {
+            Some(port) => Some(
+                start_producer(&engine, &host, port, cancel.child_token())
+                    .await
+                    .map_err(|source| ServerError::Bind {
+                        addr: format!("{host}:{port} (p2p)"),
+                        source,
+                    })?,
+            ),
+            None => None,
+        };
+        Ok::<_, ServerError>((consumer, producer))
+    };
+    let (consumer, producer) = match p2p.await {
+        Ok(x) => x,
+        Err(e) => {
+            // Do not leave the compute thread and the publisher running behind a failed start.
+            cancel.cancel();
+            let _ = tokio::task::spawn_blocking(move || core.shutdown()).await;
+            return Err(e);
+        }
     };
     let mut state = ApiState::new(engine.clone());
+    // P/D hook: handles NIXL-style P/D params and delegates `remote_kv_source` to P2pAdmission.
     state.admission_hook = Some(options.admission_hook.unwrap_or_else(|| {
-        Arc::new(P2pAdmission {
-            consumer: consumer.clone(),
-        })
+        Arc::new(PdAdmission::new(
+            consumer.clone(),
+            producer.as_ref().map(|p| p.addr),
+        ))
     }));
     let app = router(state);
     let stop = cancel.clone();

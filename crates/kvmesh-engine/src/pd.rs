@@ -1,0 +1,467 @@
+//! P/D disaggregation and bi-directional KV transfer (protocols §3, DESIGN §4), on top of the
+//! P2P pull of [`crate::p2p`].
+//!
+//! [`PdAdmission`] is the engine's default [`AdmissionHook`]. It reads `kv_transfer_params`:
+//!
+//! - `remote_kv_source` (llm-d P2P) → delegated to [`P2pAdmission`] unchanged.
+//! - **Decode leg** (`do_remote_prefill: true` + `remote_host`/`remote_port`): pull the prompt KV
+//!   from the prefiller's P2P producer (allow-list applies) so only the last partial block / last
+//!   token is computed here. Any failure → recompute, never an error.
+//! - **History read** (`do_remote_decode: true` + `remote_host`/`remote_port`, i.e. a decoder's
+//!   bi-directional params attached to the next turn's prefill leg; needs
+//!   `--bidirectional-kv-xfer` here): load `min(remote_num_tokens, prompt) − local` tokens from the
+//!   decoder unless fewer than `--kv-recompute-threshold`; an expired entry is declined ("Declining
+//!   expired remote read", `vllm:nixl_num_kv_expired_reqs`). Prefix equality is by block hash: our
+//!   prompt's block hashes are compared with the `remote_block_ids` the decoder returned, and only
+//!   the leading run that matches is read (a template that dropped earlier generated text
+//!   mismatches at the first differing block; the rest is computed).
+//!
+//! On finish:
+//! - a **prefill leg** (`do_remote_decode: true`, not itself a decode leg) pins its full prompt
+//!   blocks in the CPU tier for `--decoder-kv-blocks-ttl` and returns the decoder's params
+//!   (`do_remote_prefill: true`, `remote_block_ids`, `remote_host`/`remote_port` = this engine's
+//!   P2P producer, `remote_request_id`, `remote_num_tokens`, `tp_size`, `remote_blocks_expiry_time`);
+//! - with `--bidirectional-kv-xfer`, a **decode leg** (or any request on a `--role decode`
+//!   engine) pins every computed full block — prompt and generated tokens — for the TTL and
+//!   returns `do_remote_decode: true` with their ids, `remote_num_tokens`, expiry and address.
+//!
+//! `remote_block_ids` are the engine's block hashes (`BlockHash`, the KV-event value, as JSON
+//! integers): peers identify blocks by hash, never by slot id. Blocks were already offloaded to
+//! the CPU tier (write-through) and published as `BlockStored` CPU when computed; the pin keeps
+//! them there. Pins simply expire (a decoder that already pulled does not release them early).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use futures::future::BoxFuture;
+use kvmesh_core::{BlockHash, KvTransferParams, RemoteKvSource};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+use crate::api::AdmissionHook;
+use crate::config::Role;
+use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
+use crate::p2p::{P2pAdmission, P2pConsumer, local_prefix_blocks, release_pulled};
+
+/// Labels of `kvmesh_engine_pd_remote_reads_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PdReadLabel {
+    /// `decode` (P→D prompt pull) or `history` (D→P bi-directional read).
+    pub leg: &'static str,
+    pub outcome: &'static str,
+}
+
+/// Labels of `kvmesh_engine_pd_retained_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PdRetainLabel {
+    /// `prefill` (prompt kept for a decoder) or `decode` (history kept for the next turn).
+    pub role: &'static str,
+}
+
+/// P/D counters on the engine registry.
+#[derive(Debug, Clone, Default)]
+pub struct PdMetrics {
+    /// vLLM's `vllm:nixl_num_kv_expired_reqs`: remote reads declined because the entry expired.
+    pub expired_reqs: Counter,
+    pub remote_reads: Family<PdReadLabel, Counter>,
+    pub remote_read_tokens: Family<PdReadLabel, Counter>,
+    pub retained: Family<PdRetainLabel, Counter>,
+    pub retained_blocks: Family<PdRetainLabel, Counter>,
+}
+
+impl PdMetrics {
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "vllm:nixl_num_kv_expired_reqs",
+            "Remote KV reads declined because the remote blocks had expired",
+            self.expired_reqs.clone(),
+        );
+        r.register(
+            "kvmesh_engine_pd_remote_reads",
+            "P/D remote KV reads by leg (decode: prompt from the prefiller; history: from a decoder) and outcome",
+            self.remote_reads.clone(),
+        );
+        r.register(
+            "kvmesh_engine_pd_remote_read_tokens",
+            "Tokens landed by P/D remote reads, by leg",
+            self.remote_read_tokens.clone(),
+        );
+        r.register(
+            "kvmesh_engine_pd_retained",
+            "Requests whose blocks were pinned for a remote reader, by role",
+            self.retained.clone(),
+        );
+        r.register(
+            "kvmesh_engine_pd_retained_blocks",
+            "Blocks pinned for remote readers, by role",
+            self.retained_blocks.clone(),
+        );
+    }
+
+    fn read(&self, leg: &'static str, outcome: &'static str) {
+        self.remote_reads
+            .get_or_create(&PdReadLabel { leg, outcome })
+            .inc();
+    }
+}
+
+/// What kind of P/D request the params describe.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PdLeg {
+    /// Not a P/D request (or nothing we act on).
+    None,
+    /// Prefill leg: compute, keep the prompt blocks for the decoder, return its params.
+    /// `history` is the previous turn's decoder params when the router attached them.
+    Prefill { history: Option<RemoteRead> },
+    /// Decode leg: read the prompt KV from the prefiller first.
+    Decode { read: Option<RemoteRead> },
+}
+
+/// A remote block set named by P/D params.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteRead {
+    pub source: RemoteKvSource,
+    pub block_ids: Option<Vec<BlockHash>>,
+    pub num_tokens: Option<u64>,
+    pub expiry_unix: Option<f64>,
+}
+
+/// The remote set a P/D params object names (needs a string host and a port).
+fn remote_read(p: &KvTransferParams) -> Option<RemoteRead> {
+    let host = p.remote_host_str()?;
+    let port = p.remote_port_u16()?;
+    let block_ids = p.remote_block_ids.as_ref().and_then(|v| {
+        v.as_array().map(|a| {
+            a.iter()
+                .map_while(|x| x.as_u64().map(BlockHash))
+                .collect::<Vec<_>>()
+        })
+    });
+    Some(RemoteRead {
+        source: RemoteKvSource {
+            kv_request_id: p.remote_request_id.clone().unwrap_or_default(),
+            remote_host: host.to_owned(),
+            remote_port: port,
+        },
+        block_ids,
+        num_tokens: p.remote_num_tokens,
+        expiry_unix: p.remote_blocks_expiry_time,
+    })
+}
+
+/// Classifies a request's params (pure; unit-tested).
+pub fn classify(p: &KvTransferParams) -> PdLeg {
+    if p.do_remote_prefill == Some(true) {
+        PdLeg::Decode {
+            read: remote_read(p),
+        }
+    } else if p.do_remote_decode == Some(true) {
+        PdLeg::Prefill {
+            history: remote_read(p),
+        }
+    } else {
+        PdLeg::None
+    }
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Leading blocks of `ours` equal to `theirs` (prefix equality by chained block hash).
+pub fn matching_prefix(ours: &[BlockHash], theirs: &[BlockHash]) -> usize {
+    ours.iter().zip(theirs).take_while(|(a, b)| a == b).count()
+}
+
+/// The P/D admission hook (the engine's default): see the module docs.
+#[derive(Debug, Clone)]
+pub struct PdAdmission {
+    p2p: P2pAdmission,
+    /// This engine's P2P producer address as advertised in returned params (None: no producer,
+    /// nothing can be served, so no params are returned).
+    advertised: Option<SocketAddr>,
+    engine_id: String,
+}
+
+impl PdAdmission {
+    pub fn new(consumer: Arc<P2pConsumer>, p2p_addr: Option<SocketAddr>) -> Self {
+        let advertised = p2p_addr.map(|a| {
+            if a.ip().is_unspecified() {
+                // Bound on all interfaces: loopback is the only address we know works.
+                SocketAddr::from(([127, 0, 0, 1], a.port()))
+            } else {
+                a
+            }
+        });
+        let engine_id = advertised.map_or_else(|| "kvmesh".to_owned(), |a| format!("kvmesh-{a}"));
+        Self {
+            p2p: P2pAdmission { consumer },
+            advertised,
+            engine_id,
+        }
+    }
+
+    /// Reads blocks of `req.prompt` from `read.source`: at most `limit_tokens` tokens, only the
+    /// leading run matching `read.block_ids` (when given), skipping what is local, and not at
+    /// all if fewer than `threshold` tokens would be read. Sets the external accounting and
+    /// holds for the modelled pull time on the sim. Returns the outcome label.
+    async fn read_remote(
+        &self,
+        engine: &EngineHandle,
+        req: &mut EngineRequest,
+        read: &RemoteRead,
+        leg: &'static str,
+        threshold: usize,
+    ) -> &'static str {
+        let m = &engine.metrics().pd;
+        if let Some(exp) = read.expiry_unix
+            && exp <= unix_now()
+        {
+            tracing::info!(
+                request_id = %req.request_id,
+                peer = %format!("{}:{}", read.source.remote_host, read.source.remote_port),
+                expired_s_ago = unix_now() - exp,
+                "Declining expired remote read"
+            );
+            m.expired_reqs.inc();
+            return "expired";
+        }
+        let bs = engine.kv_layout().block_size.max(1);
+        let mut hashes = engine.block_hashes(&req.prompt);
+        // The last prompt token is never served from cache.
+        hashes.truncate(req.prompt.len().saturating_sub(1) / bs);
+        if let Some(n) = read.num_tokens {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            hashes.truncate(n.min(req.prompt.len()) / bs);
+        }
+        let mut mismatch = false;
+        if let Some(theirs) = &read.block_ids {
+            let same = matching_prefix(&hashes, theirs);
+            if same < hashes.len() && same < theirs.len() {
+                tracing::debug!(
+                    request_id = %req.request_id,
+                    first_differing_block = same,
+                    "remote block hashes differ from the prompt's: reading the matching prefix only"
+                );
+                mismatch = true;
+            }
+            hashes.truncate(same);
+        }
+        let local = local_prefix_blocks(engine, &hashes).await;
+        if local >= hashes.len() {
+            return if mismatch {
+                "mismatch"
+            } else {
+                "nothing_missing"
+            };
+        }
+        if (hashes.len() - local) * bs < threshold {
+            return "below_threshold";
+        }
+        req.external_query_tokens = req.prompt.len();
+        let pull = self
+            .p2p
+            .consumer
+            .pull_prefix(engine, &read.source, &req.prompt, &hashes, local)
+            .await;
+        req.external_hashes.extend_from_slice(&pull.external);
+        m.remote_read_tokens
+            .get_or_create(&PdReadLabel {
+                leg,
+                outcome: "pulled",
+            })
+            .inc_by((pull.report.blocks * bs) as u64);
+        tracing::debug!(
+            request_id = %req.request_id,
+            leg,
+            local_blocks = local,
+            wanted = hashes.len() - local,
+            pulled = pull.report.blocks,
+            outcome = %pull.report.outcome.label(),
+            "pd remote read"
+        );
+        if pull.report.blocks > 0
+            && let Some(modelled) = engine.modelled_pull_time(pull.report.blocks * bs)
+        {
+            tokio::time::sleep_until(pull.started + modelled).await;
+        }
+        if pull.report.blocks == 0 {
+            "failed"
+        } else if pull.report.blocks < hashes.len() - local {
+            "partial"
+        } else if mismatch {
+            "mismatch_partial_read"
+        } else {
+            "pulled"
+        }
+    }
+
+    /// Pins `hashes` (leading stored run) for the TTL and builds the params naming them.
+    fn retain(
+        &self,
+        engine: &EngineHandle,
+        req: &EngineRequest,
+        hashes: &[BlockHash],
+        num_tokens: usize,
+        role: &'static str,
+    ) -> Option<KvTransferParams> {
+        let addr = self.advertised?;
+        let ttl = engine.config().p2p.decoder_kv_blocks_ttl;
+        let n = engine.cpu_tier().pin(hashes, Instant::now() + ttl);
+        let m = &engine.metrics().pd;
+        m.retained.get_or_create(&PdRetainLabel { role }).inc();
+        m.retained_blocks
+            .get_or_create(&PdRetainLabel { role })
+            .inc_by(n as u64);
+        let ids: Vec<serde_json::Value> = hashes[..n].iter().map(|h| h.0.into()).collect();
+        Some(KvTransferParams {
+            remote_engine_id: Some(self.engine_id.clone().into()),
+            remote_block_ids: Some(ids.into()),
+            remote_request_id: Some(req.request_id.clone()),
+            remote_host: Some(addr.ip().to_string().into()),
+            remote_port: Some(addr.port().into()),
+            tp_size: Some(1),
+            remote_num_tokens: Some(num_tokens as u64),
+            remote_blocks_expiry_time: Some(unix_now() + ttl.as_secs_f64()),
+            ..Default::default()
+        })
+    }
+}
+
+impl AdmissionHook for PdAdmission {
+    fn before_submit<'a>(
+        &'a self,
+        engine: &'a EngineHandle,
+        req: &'a mut EngineRequest,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(params) = req.kv_transfer_params.clone() else {
+                return;
+            };
+            if params.remote_kv_source.is_some() {
+                return self.p2p.before_submit(engine, req).await;
+            }
+            let cfg = &engine.config().p2p;
+            let (leg, read, threshold) = match classify(&params) {
+                PdLeg::None => return,
+                // P→D: the decoder computes nothing it was given (no threshold).
+                PdLeg::Decode { read } => ("decode", read, 0),
+                PdLeg::Prefill { history: None } => return,
+                PdLeg::Prefill { history: Some(_) } if !cfg.bidirectional_kv_xfer => {
+                    engine.metrics().pd.read("history", "bidirectional_off");
+                    return;
+                }
+                PdLeg::Prefill { history } => ("history", history, cfg.kv_recompute_threshold),
+            };
+            let outcome = match read {
+                Some(read) => self.read_remote(engine, req, &read, leg, threshold).await,
+                None => "no_address",
+            };
+            engine.metrics().pd.read(leg, outcome);
+        })
+    }
+
+    fn on_finish(&self, engine: &EngineHandle, req: &EngineRequest, info: &mut FinishInfo) {
+        release_pulled(engine, req);
+        let Some(params) = &req.kv_transfer_params else {
+            return;
+        };
+        if params.remote_kv_source.is_some() {
+            return;
+        }
+        let cfg = &engine.config().p2p;
+        let bs = engine.kv_layout().block_size.max(1);
+        let leg = classify(params);
+        if matches!(leg, PdLeg::Prefill { .. }) && cfg.role != Role::Decode {
+            let mut hashes = engine.block_hashes(&req.prompt);
+            hashes.truncate(req.prompt.len() / bs);
+            if let Some(mut p) = self.retain(engine, req, &hashes, req.prompt.len(), "prefill") {
+                p.do_remote_prefill = Some(true);
+                p.do_remote_decode = Some(false);
+                info.kv_transfer_params = Some(p);
+            }
+        } else if cfg.bidirectional_kv_xfer
+            && (matches!(leg, PdLeg::Decode { .. }) || cfg.role == Role::Decode)
+        {
+            // Prompt and generated tokens: every full block this request computed.
+            let hashes = if info.block_hashes.is_empty() {
+                let mut h = engine.block_hashes(&req.prompt);
+                h.truncate(req.prompt.len() / bs);
+                h
+            } else {
+                info.block_hashes.clone()
+            };
+            let tokens = info.prompt_tokens.max(req.prompt.len()) + info.completion_tokens;
+            if let Some(mut p) = self.retain(engine, req, &hashes, tokens, "decode") {
+                p.do_remote_decode = Some(true);
+                p.do_remote_prefill = Some(false);
+                info.kv_transfer_params = Some(p);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn params(v: serde_json::Value) -> KvTransferParams {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn prefill_leg_without_history_is_a_plain_prefill() {
+        let p = KvTransferParams::prefill_leg();
+        assert_eq!(classify(&p), PdLeg::Prefill { history: None });
+        assert_eq!(classify(&KvTransferParams::default()), PdLeg::None);
+    }
+
+    #[test]
+    fn decode_leg_names_the_prefiller() {
+        let p = params(json!({"do_remote_prefill": true, "do_remote_decode": false,
+            "remote_host": "127.0.0.1", "remote_port": 7000, "remote_request_id": "r1",
+            "remote_block_ids": [5, 6], "remote_num_tokens": 40, "remote_blocks_expiry_time": 9.0}));
+        let PdLeg::Decode { read: Some(r) } = classify(&p) else {
+            panic!("not a decode leg");
+        };
+        assert_eq!(r.source.remote_port, 7000);
+        assert_eq!(r.source.kv_request_id, "r1");
+        assert_eq!(r.block_ids, Some(vec![BlockHash(5), BlockHash(6)]));
+        assert_eq!(r.num_tokens, Some(40));
+    }
+
+    #[test]
+    fn prefill_leg_merged_with_decoder_history_reads_it() {
+        let mut p = KvTransferParams::prefill_leg();
+        p.remote_host = Some(json!("10.0.0.2"));
+        p.remote_port = Some(json!(7777));
+        assert!(matches!(
+            classify(&p),
+            PdLeg::Prefill {
+                history: Some(RemoteRead { .. })
+            }
+        ));
+        // A bad port is no address: nothing is read.
+        p.remote_port = Some(json!(70000));
+        assert_eq!(classify(&p), PdLeg::Prefill { history: None });
+    }
+
+    #[test]
+    fn prefix_equality_is_by_hash() {
+        let a = [BlockHash(1), BlockHash(2), BlockHash(3)];
+        assert_eq!(matching_prefix(&a, &[BlockHash(1), BlockHash(2)]), 2);
+        assert_eq!(
+            matching_prefix(&a, &[BlockHash(1), BlockHash(9), BlockHash(3)]),
+            1
+        );
+        assert_eq!(matching_prefix(&a, &[]), 0);
+    }
+}
