@@ -444,3 +444,40 @@ async fn sim_ttft_with_a_pull_is_the_modelled_pull_plus_the_suffix() {
     .await
     .expect("test timed out");
 }
+
+/// A bad allow-list entry or a taken P2P port fails the start with a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_p2p_settings_fail_the_start() {
+    timeout(Duration::from_secs(30), async {
+        let mut cfg = p2p_config();
+        cfg.p2p.allowed_peers = vec!["not a host!".into()];
+        let backend = sim_backend(&cfg, PROFILE, 1000.0, 32).unwrap();
+        let err = start_server(
+            cfg,
+            backend,
+            Arc::new(ByteTokenizer),
+            ServerOptions::default(),
+        )
+        .await
+        .err()
+        .expect("bad allow-list refused");
+        assert!(err.to_string().contains("--p2p-allowed-peers"), "{err}");
+
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut cfg = p2p_config();
+        cfg.p2p.port = Some(taken.local_addr().unwrap().port());
+        let backend = sim_backend(&cfg, PROFILE, 1000.0, 32).unwrap();
+        let err = start_server(
+            cfg,
+            backend,
+            Arc::new(ByteTokenizer),
+            ServerOptions::default(),
+        )
+        .await
+        .err()
+        .expect("taken port refused");
+        assert!(err.to_string().contains("(p2p)"), "{err}");
+    })
+    .await
+    .expect("test timed out");
+}
