@@ -19,7 +19,7 @@ use kvmesh_text::ByteTokenizer;
 use kvmesh_transfer::Direction;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::time::timeout;
 
 const PROFILE: &str = "gpt-oss-120b-h200";
@@ -269,7 +269,13 @@ async fn throttling_proxy(target: SocketAddr, free: usize, rate: f64) -> SocketA
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = TcpStream::connect(target).await else {
+            // A small receive buffer on our side keeps the bytes in flight bounded, so a
+            // producer killed mid-stream has really not sent the rest.
+            let Ok(socket) = tokio::net::TcpSocket::new_v4() else {
+                continue;
+            };
+            let _ = socket.set_recv_buffer_size(64 * 1024);
+            let Ok(server) = socket.connect(target).await else {
                 continue;
             };
             let (mut cr, mut cw) = client.into_split();
@@ -343,9 +349,9 @@ async fn producer_killed_mid_pull_leaves_a_correct_answer() {
         });
         let (a_http, a_p2p, a_engine) = rx.await.unwrap();
         let b = start(p2p_config(), PROFILE, 1000.0, 2048).await;
-        let prompt = tokens(30, 4096 + 17); // 256 blocks of 32 KiB = 8 MiB
+        let prompt = tokens(30, 8192 + 17); // 512 blocks of 32 KiB = 16 MiB
         complete(a_http, &prompt, 1, None).await;
-        // ~4 MiB/s: the pull would take ~2 s.
+        // ~4 MiB/s: the pull would take ~4 s.
         let proxy = throttling_proxy(a_p2p, 0, 4.0 * 1024.0 * 1024.0).await;
         let b_engine = b.engine.clone();
         let killer = tokio::spawn(async move {
@@ -357,6 +363,7 @@ async fn producer_killed_mid_pull_leaves_a_correct_answer() {
         let got = pull_fails_gracefully(&b, proxy.port(), &prompt, "peer_closed").await;
         killer.await.unwrap();
         let cached = cached_tokens(&got);
+        eprintln!("producer killed after {cached} of 8192 prefix tokens arrived");
         assert!(
             (8 * 16..4096).contains(&cached),
             "partial pull kept: {cached}"
@@ -385,12 +392,21 @@ async fn pending_blocks_are_received_as_the_producer_computes_them() {
         let a_p2p = a.p2p_addr.unwrap().port();
         let b = start(p2p_config(), PROFILE, 1000.0, 32).await;
         let prefix = tokens(40, 8192);
+        let a_engine = a.engine.clone();
+        let last = *a_engine.block_hashes(&prefix).last().unwrap();
         let warming = tokio::spawn(async move {
             complete(a.addr, &prefix, 1, None).await;
             a
         });
-        // Let A schedule the prefill (its blocks become PENDING).
-        tokio::time::sleep(Duration::from_millis(120)).await;
+        // Wait until A has scheduled the prefill: its blocks are announced PENDING.
+        let t0 = Instant::now();
+        while !a_engine.cpu_tier().is_pending(last) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "A never marked the prefix pending"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         let mut prompt = tokens(40, 8192);
         prompt.extend(tokens(41, 50));
         assert!(
