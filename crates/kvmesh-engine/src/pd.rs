@@ -3,7 +3,8 @@
 //!
 //! [`PdAdmission`] is the engine's default [`AdmissionHook`]. It reads `kv_transfer_params`:
 //!
-//! - `remote_kv_source` (llm-d P2P) → delegated to [`P2pAdmission`] unchanged.
+//! - `remote_kv_source` (llm-d P2P) → delegated to [`P2pAdmission`] first (it may come with P/D
+//!   keys: a prefill leg whose router named a decoder's CPU tier as source).
 //! - **Decode leg** (`do_remote_prefill: true` + `remote_host`/`remote_port`): pull the prompt KV
 //!   from the prefiller's P2P producer (allow-list applies) so only the last partial block / last
 //!   token is computed here. Any failure → recompute, never an error.
@@ -344,7 +345,9 @@ impl AdmissionHook for PdAdmission {
                 return;
             };
             if params.remote_kv_source.is_some() {
-                return self.p2p.before_submit(engine, req).await;
+                // llm-d P2P (e.g. a router naming a decoder's CPU tier as source for a prefill
+                // leg): pull first; the P/D handling below then finds those blocks local.
+                self.p2p.before_submit(engine, req).await;
             }
             let cfg = &engine.config().p2p;
             let (leg, read, threshold) = match classify(&params) {
@@ -371,9 +374,6 @@ impl AdmissionHook for PdAdmission {
         let Some(params) = &req.kv_transfer_params else {
             return;
         };
-        if params.remote_kv_source.is_some() {
-            return;
-        }
         let cfg = &engine.config().p2p;
         let bs = engine.kv_layout().block_size.max(1);
         let leg = classify(params);

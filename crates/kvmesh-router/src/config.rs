@@ -284,6 +284,9 @@ pub struct RouterConfig {
     /// Largest accepted request body.
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
+    /// P/D disaggregation (prefill + decode profiles, decider, bi-directional conversations).
+    #[serde(default)]
+    pub pd: Option<crate::pd::PdConfig>,
 }
 
 impl Default for RouterConfig {

@@ -64,6 +64,8 @@ pub struct RouterState {
     pub registry: Registry,
     pub client: reqwest::Client,
     pub tokenizer: Arc<dyn Tokenizer>,
+    /// P/D disaggregation, when the config has a `pd:` section.
+    pub pd: Option<Arc<crate::pd::PdRouter>>,
 }
 
 /// The axum app.
@@ -97,7 +99,7 @@ async fn chat_completions(
     route(s, ApiKind::Chat, headers, body).await
 }
 
-fn request_id(headers: &HeaderMap) -> String {
+pub(crate) fn request_id(headers: &HeaderMap) -> String {
     headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
@@ -123,7 +125,7 @@ fn eligible(list: &[Arc<Endpoint>]) -> Vec<Arc<Endpoint>> {
     if both.is_empty() { healthy } else { both }
 }
 
-fn candidate(e: &Endpoint, m: kvmesh_index::EndpointMatch) -> Candidate {
+pub(crate) fn candidate(e: &Endpoint, m: kvmesh_index::EndpointMatch) -> Candidate {
     let load = e.load.snapshot();
     let scraped = e.metrics();
     Candidate {
@@ -165,6 +167,12 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
         }
     };
     let profile_name = headers.get(PROFILE_HEADER).and_then(|v| v.to_str().ok());
+    // P/D: requests not pinned to a profile take the prefill + decode path.
+    if profile_name.is_none()
+        && let Some(pd) = s.pd.clone()
+    {
+        return crate::pd::route_pd(s, pd, kind, headers, parsed).await;
+    }
     let Some(profile) = s.scheduler.profile(profile_name) else {
         s.metrics.error("bad_request");
         return ApiError::bad_request(format!(
@@ -410,7 +418,7 @@ fn tracked_body(
     Body::from_stream(stream)
 }
 
-fn is_hop_by_hop(name: &HeaderName) -> bool {
+pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"
@@ -466,8 +474,14 @@ async fn health(State(s): State<Arc<RouterState>>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, axum::Json(json!({"status": if healthy > 0 {"ok"} else {"no healthy endpoint"}, "healthy_endpoints": healthy, "endpoints": list.len()})))
-        .into_response()
+    let mut body = json!({"status": if healthy > 0 {"ok"} else {"no healthy endpoint"}, "healthy_endpoints": healthy, "endpoints": list.len()});
+    if let Some(pd) = &s.pd {
+        // vLLM's multi-turn proxy reports these two.
+        let (cached, evicted) = pd.health();
+        body["cached_conversations"] = json!(cached);
+        body["evicted_stale"] = json!(evicted);
+    }
+    (status, axum::Json(body)).into_response()
 }
 
 async fn metrics(State(s): State<Arc<RouterState>>) -> Response {

@@ -15,6 +15,7 @@ pub mod gateway;
 pub mod indexer;
 pub mod load;
 pub mod metrics;
+pub mod pd;
 pub mod plugins;
 pub mod prefix;
 pub mod request;

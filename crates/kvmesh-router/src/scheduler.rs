@@ -145,6 +145,19 @@ impl Profile {
         self.p2p.is_some()
     }
 
+    /// Runs only the profile's P2P source selection over `candidates` with `computing` as the
+    /// computing endpoint (P/D: a prefill pick, sources among prefill and decode endpoints).
+    pub fn select_source(
+        &self,
+        ctx: &SchedulingContext<'_>,
+        candidates: &[Candidate],
+        computing: usize,
+    ) -> Option<P2pDecision> {
+        let (_, p) = self.p2p.as_ref()?;
+        let all: Vec<&Candidate> = candidates.iter().collect();
+        Some(p.select(ctx, &all, computing))
+    }
+
     /// Runs the pipeline over `candidates` (healthy endpoints able to serve the request).
     pub fn schedule(
         &self,

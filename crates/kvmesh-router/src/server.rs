@@ -147,7 +147,16 @@ pub async fn start(
         .build()
         .map_err(|e| RouterError::Http(e.to_string()))?;
     let endpoints = Arc::new(EndpointSet::default());
+    let pd = match &config.pd {
+        Some(c) => Some(Arc::new(crate::pd::PdRouter::new(
+            c.clone(),
+            &scheduler,
+            &mut registry,
+        )?)),
+        None => None,
+    };
     let state = Arc::new(RouterState {
+        pd,
         decisions: DecisionLog::new(config.decisions_capacity),
         config,
         endpoints: Arc::clone(&endpoints),

@@ -1,0 +1,750 @@
+//! P/D disaggregation in the gateway (protocols §3, DESIGN §4), NixlConnector-compatible.
+//!
+//! For each request (when `pd:` is configured and no `x-kvmesh-profile` header names a profile):
+//! 1. the conversation key is the top-level body field `conversation_id` (removed before
+//!    forwarding) or the `X-Session-ID` header; with `bidirectional: true` the decoder params
+//!    cached for it (single use, `conversation_ttl_s` < the engines' `--decoder-kv-blocks-ttl`)
+//!    are taken;
+//! 2. the decider picks P/D (`always`, or `{min_uncached_tokens: N}`: only when the prompt's
+//!    best prefill-side cache match leaves at least N tokens to compute) or decode-only;
+//! 3. prefill leg on the `prefill_profile`'s pick among `role: prefill` endpoints: body with
+//!    `stream=false`, `max_tokens=1` (and `max_completion_tokens=1` if present), no
+//!    `stream_options`, `kv_transfer_params` = [`KvTransferParams::prefill_leg`] merged with the
+//!    conversation's decoder params; without those, the prefill profile's `p2p-source-producer`
+//!    may name any endpoint (a decoder publishes its CPU-tier history) as `remote_kv_source`;
+//! 4. decode leg on the `decode_profile`'s pick among `role: decode` endpoints with the prefill
+//!    response's `kv_transfer_params` verbatim; the decoder's answer streams to the client while
+//!    its final `kv_transfer_params` (last chunk / non-stream body) is cached for the
+//!    conversation. A failed prefill leg falls back to decode-only (the decoder computes).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use kvmesh_core::chain::chain_keys;
+use kvmesh_core::{KvTransferParams, RemoteKvSource};
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::config::{ConfigError, Role};
+use crate::endpoints::Endpoint;
+use crate::error::ApiError;
+use crate::gateway::{ENDPOINT_HEADER, RouterState, candidate, is_hop_by_hop, request_id};
+use crate::load::LoadGuard;
+use crate::plugins::{Candidate, SchedulingContext};
+use crate::prefix::match_of;
+use crate::request::{ApiKind, ParsedRequest};
+use crate::scheduler::Scheduler;
+
+/// Response header naming the endpoint that ran the prefill leg.
+pub const PREFILL_ENDPOINT_HEADER: &str = "x-kvmesh-prefill-endpoint";
+/// Request header carrying a conversation id (vLLM's multi-turn benchmark sends it).
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// When to disaggregate.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Decider {
+    /// `always`.
+    Named(String),
+    /// Disaggregate only when at least this many prompt tokens are uncached on the prefill side;
+    /// otherwise the decoder serves the whole request.
+    MinUncached { min_uncached_tokens: u64 },
+}
+
+impl Default for Decider {
+    fn default() -> Self {
+        Decider::Named("always".to_owned())
+    }
+}
+
+fn default_ttl() -> f64 {
+    450.0
+}
+
+/// The `pd:` section of the router config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PdConfig {
+    pub prefill_profile: String,
+    pub decode_profile: String,
+    #[serde(default)]
+    pub decider: Decider,
+    /// Cache decoders' returned params per conversation and attach them to the next prefill leg.
+    #[serde(default)]
+    pub bidirectional: bool,
+    /// Lifetime of a cached conversation entry (keep it below the engines' 480 s TTL).
+    #[serde(default = "default_ttl")]
+    pub conversation_ttl_s: f64,
+}
+
+impl PdConfig {
+    pub fn validate(&self, scheduler: &Scheduler) -> Result<(), ConfigError> {
+        for p in [&self.prefill_profile, &self.decode_profile] {
+            if scheduler.profile(Some(p)).is_none() {
+                return Err(ConfigError::Invalid(format!(
+                    "pd: unknown scheduling profile {p:?}"
+                )));
+            }
+        }
+        if let Decider::Named(n) = &self.decider
+            && n != "always"
+        {
+            return Err(ConfigError::Invalid(format!(
+                "pd.decider: `always` or {{min_uncached_tokens: N}}, not {n:?}"
+            )));
+        }
+        if !(self.conversation_ttl_s.is_finite() && self.conversation_ttl_s > 0.0) {
+            return Err(ConfigError::Invalid(
+                "pd.conversation_ttl_s must be > 0".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Result of a conversation-cache lookup.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Lookup {
+    Hit(KvTransferParams),
+    Miss,
+    Expired,
+}
+
+/// Decoder params per conversation: single use, TTL-bounded (pure; clock passed in).
+#[derive(Debug, Default)]
+pub struct ConversationCache {
+    map: HashMap<String, (KvTransferParams, Instant)>,
+    evicted_stale: u64,
+}
+
+impl ConversationCache {
+    pub fn store(&mut self, key: String, params: KvTransferParams, now: Instant, ttl: Duration) {
+        self.evict_stale(now, ttl);
+        self.map.insert(key, (params, now));
+    }
+
+    /// Takes the entry (single use); an entry older than `ttl` is dropped and reported expired.
+    pub fn take(&mut self, key: &str, now: Instant, ttl: Duration) -> Lookup {
+        match self.map.remove(key) {
+            None => Lookup::Miss,
+            Some((_, at)) if now.saturating_duration_since(at) >= ttl => {
+                self.evicted_stale += 1;
+                Lookup::Expired
+            }
+            Some((p, _)) => Lookup::Hit(p),
+        }
+    }
+
+    pub fn evict_stale(&mut self, now: Instant, ttl: Duration) {
+        let before = self.map.len();
+        self.map
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
+        self.evicted_stale += (before - self.map.len()) as u64;
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn evicted_stale(&self) -> u64 {
+        self.evicted_stale
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LegLabel {
+    pub leg: &'static str,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConvLabel {
+    pub result: &'static str,
+}
+
+/// The router's P/D state.
+pub struct PdRouter {
+    pub config: PdConfig,
+    conversations: Mutex<ConversationCache>,
+    pub legs: Family<LegLabel, Counter>,
+    pub conversation_lookups: Family<ConvLabel, Counter>,
+    pub cached_conversations: Gauge,
+}
+
+impl PdRouter {
+    pub fn new(
+        config: PdConfig,
+        scheduler: &Scheduler,
+        registry: &mut Registry,
+    ) -> Result<Self, ConfigError> {
+        config.validate(scheduler)?;
+        let r = PdRouter {
+            config,
+            conversations: Mutex::new(ConversationCache::default()),
+            legs: Family::default(),
+            conversation_lookups: Family::default(),
+            cached_conversations: Gauge::default(),
+        };
+        registry.register(
+            "kvmesh_router_pd_legs",
+            "P/D legs by leg (prefill, decode, decode_only) and outcome",
+            r.legs.clone(),
+        );
+        registry.register(
+            "kvmesh_router_pd_conversations",
+            "Conversation-cache lookups and stores by result (hit, miss, expired, stored)",
+            r.conversation_lookups.clone(),
+        );
+        registry.register(
+            "kvmesh_router_pd_cached_conversations",
+            "Conversations with cached decoder params",
+            r.cached_conversations.clone(),
+        );
+        Ok(r)
+    }
+
+    fn ttl(&self) -> Duration {
+        Duration::from_secs_f64(self.config.conversation_ttl_s)
+    }
+
+    fn leg(&self, leg: &'static str, outcome: &'static str) {
+        self.legs.get_or_create(&LegLabel { leg, outcome }).inc();
+    }
+
+    fn conv(&self, result: &'static str) {
+        self.conversation_lookups
+            .get_or_create(&ConvLabel { result })
+            .inc();
+    }
+
+    pub fn take(&self, key: &str) -> Option<KvTransferParams> {
+        let (r, n) = {
+            let mut c = self.conversations.lock();
+            let r = c.take(key, Instant::now(), self.ttl());
+            (r, c.len())
+        };
+        self.cached_conversations.set(n as i64);
+        match r {
+            Lookup::Hit(p) => {
+                self.conv("hit");
+                Some(p)
+            }
+            Lookup::Miss => {
+                self.conv("miss");
+                None
+            }
+            Lookup::Expired => {
+                self.conv("expired");
+                None
+            }
+        }
+    }
+
+    pub fn store(&self, key: String, params: KvTransferParams) {
+        let n = {
+            let mut c = self.conversations.lock();
+            c.store(key, params, Instant::now(), self.ttl());
+            c.len()
+        };
+        self.cached_conversations.set(n as i64);
+        self.conv("stored");
+    }
+
+    /// `(cached_conversations, evicted_stale)` for `/health`, after evicting stale entries.
+    pub fn health(&self) -> (usize, u64) {
+        let mut c = self.conversations.lock();
+        c.evict_stale(Instant::now(), self.ttl());
+        (c.len(), c.evicted_stale())
+    }
+}
+
+/// The prefill leg's body fields (protocols §3), given the client's request.
+pub fn prefill_leg_body(
+    parsed: &ParsedRequest,
+    history: Option<&KvTransferParams>,
+    source: Option<RemoteKvSource>,
+) -> Result<ParsedRequest, serde_json::Error> {
+    let mut p = parsed.clone();
+    p.set_field("stream", &false)?;
+    p.set_field("max_tokens", &1)?;
+    if p.fields.contains_key("max_completion_tokens") {
+        p.set_field("max_completion_tokens", &1)?;
+    }
+    p.fields.remove("stream_options");
+    let mut kv = KvTransferParams::prefill_leg();
+    if let Some(h) = history {
+        // The decoder's location of the conversation so far: the prefill engine reads it.
+        kv.remote_engine_id = h.remote_engine_id.clone();
+        kv.remote_block_ids = h.remote_block_ids.clone();
+        kv.remote_host = h.remote_host.clone();
+        kv.remote_port = h.remote_port.clone();
+        kv.remote_request_id = h.remote_request_id.clone();
+        kv.remote_num_tokens = h.remote_num_tokens;
+        kv.remote_blocks_expiry_time = h.remote_blocks_expiry_time;
+        kv.tp_size = h.tp_size;
+    }
+    kv.remote_kv_source = source;
+    p.set_field("kv_transfer_params", &kv)?;
+    Ok(p)
+}
+
+/// Takes the conversation key out of the request (`conversation_id` is never forwarded).
+fn conversation_key(parsed: &mut ParsedRequest, headers: &HeaderMap) -> Option<String> {
+    let from_body = parsed.fields.remove("conversation_id").map(|raw| {
+        parsed.modified = true;
+        serde_json::from_str::<Value>(raw.get())
+            .ok()
+            .map(|v| match v {
+                Value::String(s) => s,
+                other => other.to_string(),
+            })
+    });
+    from_body.flatten().or_else(|| {
+        headers
+            .get(SESSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|s| !s.is_empty() && s.len() <= 256)
+            .map(str::to_owned)
+    })
+}
+
+fn with_role(list: &[Arc<Endpoint>], role: Role) -> Vec<Arc<Endpoint>> {
+    list.iter()
+        .filter(|e| e.is_healthy() && e.spec.role == role)
+        .cloned()
+        .collect()
+}
+
+/// The P/D path of the gateway (see the module docs).
+pub async fn route_pd(
+    s: Arc<RouterState>,
+    pd: Arc<PdRouter>,
+    kind: ApiKind,
+    headers: HeaderMap,
+    mut parsed: ParsedRequest,
+) -> Response {
+    let conv = conversation_key(&mut parsed, &headers);
+    let rid = request_id(&headers);
+    let bs = s.config.block_size;
+    let keys = chain_keys(&parsed.tokens, bs);
+    let matches = s.prefix.find_matches(&keys);
+    let list = s.endpoints.list();
+    let mut decoders = with_role(&list, Role::Decode);
+    if decoders.is_empty() {
+        decoders = with_role(&list, Role::Both);
+    }
+    let prefillers = with_role(&list, Role::Prefill);
+    if decoders.is_empty() {
+        s.metrics.error("no_endpoint");
+        return ApiError::service_unavailable("no healthy decode endpoint").into_response();
+    }
+    let history = match (&conv, pd.config.bidirectional) {
+        (Some(c), true) => pd.take(c),
+        _ => None,
+    };
+    let ctx = SchedulingContext {
+        request_id: &rid,
+        prompt_tokens: parsed.tokens.len(),
+        total_blocks: keys.len(),
+        block_size: bs,
+        max_tokens: parsed.max_tokens,
+    };
+    let pcands: Vec<Candidate> = prefillers
+        .iter()
+        .map(|e| candidate(e, match_of(&matches, e.id)))
+        .collect();
+    let best_prefill_hit = pcands.iter().map(|c| c.any_blocks * bs).max().unwrap_or(0);
+    let uncached = parsed.tokens.len().saturating_sub(best_prefill_hit) as u64;
+    let disaggregate = !prefillers.is_empty()
+        && match &pd.config.decider {
+            Decider::MinUncached {
+                min_uncached_tokens,
+            } => uncached >= *min_uncached_tokens,
+            Decider::Named(_) => true,
+        };
+
+    // Prefill leg.
+    let mut prefill_name: Option<Arc<str>> = None;
+    let mut decode_params: Option<Value> = None;
+    if disaggregate && let Some(profile) = s.scheduler.profile(Some(&pd.config.prefill_profile)) {
+        let decision = s.scheduler.schedule(&profile, &ctx, &pcands);
+        if let Some(pi) = decision.chosen {
+            let pep = Arc::clone(&prefillers[pi]);
+            // Without conversation history, any endpoint holding more of the prefix in its CPU
+            // tier (decoders publish theirs) may be named as the prefill leg's P2P source.
+            let source = if history.is_none() {
+                p2p_source(&s, &profile, &ctx, &pcands, pi, &list, &matches)
+            } else {
+                None
+            };
+            match prefill_leg_body(&parsed, history.as_ref(), source) {
+                Ok(body) => {
+                    let guard = pep.load.acquire(uncached, 1);
+                    match run_prefill(&s, &pep, kind, &headers, &rid, body).await {
+                        Ok(params) => {
+                            pd.leg("prefill", "ok");
+                            decode_params = Some(params);
+                            prefill_name = Some(Arc::clone(&pep.name));
+                        }
+                        Err(e) => {
+                            pd.leg("prefill", "error");
+                            tracing::warn!(endpoint = %pep.name, error = %e, "prefill leg failed; decoding without it");
+                        }
+                    }
+                    drop(guard);
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot encode prefill leg"),
+            }
+        }
+    }
+
+    // Decode leg.
+    let dcands: Vec<Candidate> = decoders
+        .iter()
+        .map(|e| candidate(e, match_of(&matches, e.id)))
+        .collect();
+    let dprofile = s
+        .scheduler
+        .profile(Some(&pd.config.decode_profile))
+        .or_else(|| s.scheduler.profile(None));
+    let Some(dprofile) = dprofile else {
+        return ApiError::service_unavailable("no decode profile").into_response();
+    };
+    let decision = s.scheduler.schedule(&dprofile, &ctx, &dcands);
+    let Some(di) = decision.chosen else {
+        s.metrics.error("no_endpoint");
+        return ApiError::service_unavailable("no decode endpoint chosen").into_response();
+    };
+    let dep = Arc::clone(&decoders[di]);
+    let leg = if decode_params.is_some() {
+        "decode"
+    } else {
+        "decode_only"
+    };
+    if let Some(p) = &decode_params
+        && let Err(e) = parsed.set_field("kv_transfer_params", p)
+    {
+        tracing::warn!(error = %e, "cannot encode decode-leg params");
+    }
+    let payload = match parsed.body() {
+        Ok(p) => p,
+        Err(e) => {
+            s.metrics.error("internal");
+            return ApiError::bad_request(format!("cannot re-encode body: {e}")).into_response();
+        }
+    };
+    let local = dcands[di].any_blocks as u64 * bs as u64;
+    let pulled = if decode_params.is_some() {
+        parsed.tokens.len() as u64
+    } else {
+        local
+    };
+    let guard = dep.load.acquire(
+        (parsed.tokens.len() as u64).saturating_sub(pulled),
+        parsed.max_tokens.unwrap_or(16),
+    );
+    let mut req = s
+        .client
+        .post(dep.url(kind.path()))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("x-request-id", &rid)
+        .body(payload);
+    if let Some(auth) = headers.get(header::AUTHORIZATION) {
+        req = req.header(header::AUTHORIZATION, auth);
+    }
+    let upstream = match tokio::time::timeout(s.config.request_timeout, req.send()).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            pd.leg(leg, "error");
+            s.metrics.error("upstream_connect");
+            return ApiError::bad_gateway(format!("endpoint {} failed: {e}", dep.name))
+                .into_response();
+        }
+        Err(_) => {
+            pd.leg(leg, "error");
+            s.metrics.error("upstream_timeout");
+            return ApiError::gateway_timeout(format!(
+                "endpoint {} did not answer in time",
+                dep.name
+            ))
+            .into_response();
+        }
+    };
+    let status = upstream.status();
+    pd.leg(leg, if status.is_success() { "ok" } else { "error" });
+    let mut resp_headers = HeaderMap::new();
+    for (k, v) in upstream.headers() {
+        if !is_hop_by_hop(k) {
+            resp_headers.append(k.clone(), v.clone());
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(&dep.name) {
+        resp_headers.insert(HeaderName::from_static(ENDPOINT_HEADER), v);
+    }
+    if let Some(p) = &prefill_name
+        && let Ok(v) = HeaderValue::from_str(p)
+    {
+        resp_headers.insert(HeaderName::from_static(PREFILL_ENDPOINT_HEADER), v);
+    }
+    let store = (pd.config.bidirectional && status.is_success())
+        .then_some(conv)
+        .flatten()
+        .map(|c| (pd, c));
+    let mut resp = Response::new(tapped_body(upstream, guard, parsed.stream, store));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = resp_headers;
+    resp
+}
+
+/// The prefill profile's P2P source over prefill + decode candidates (computing = the prefill
+/// pick), as `remote_kv_source` for the prefill leg.
+fn p2p_source(
+    s: &RouterState,
+    profile: &crate::scheduler::Profile,
+    ctx: &SchedulingContext<'_>,
+    pcands: &[Candidate],
+    computing: usize,
+    list: &[Arc<Endpoint>],
+    matches: &[kvmesh_index::EndpointMatch],
+) -> Option<RemoteKvSource> {
+    let others: Vec<Arc<Endpoint>> = list
+        .iter()
+        .filter(|e| e.is_healthy() && e.spec.role != Role::Prefill)
+        .cloned()
+        .collect();
+    let mut all: Vec<Candidate> = pcands.to_vec();
+    all.extend(others.iter().map(|e| candidate(e, match_of(matches, e.id))));
+    let d = profile.select_source(ctx, &all, computing)?;
+    let si = d.source?;
+    let ep = if si < pcands.len() {
+        s.endpoints
+            .list()
+            .iter()
+            .find(|e| e.id == all[si].endpoint)
+            .cloned()
+    } else {
+        others.get(si - pcands.len()).cloned()
+    }?;
+    let (host, port) = ep.spec.p2p_host_port()?;
+    Some(RemoteKvSource {
+        kv_request_id: ctx.request_id.to_owned(),
+        remote_host: host,
+        remote_port: port,
+    })
+}
+
+/// Sends the prefill leg and returns the engine's `kv_transfer_params` (must be an object).
+async fn run_prefill(
+    s: &RouterState,
+    ep: &Endpoint,
+    kind: ApiKind,
+    headers: &HeaderMap,
+    rid: &str,
+    body: ParsedRequest,
+) -> Result<Value, String> {
+    let payload = body.body().map_err(|e| e.to_string())?;
+    let mut req = s
+        .client
+        .post(ep.url(kind.path()))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("x-request-id", rid)
+        .body(payload);
+    if let Some(auth) = headers.get(header::AUTHORIZATION) {
+        req = req.header(header::AUTHORIZATION, auth);
+    }
+    let fut = async {
+        let r = req.send().await.map_err(|e| e.to_string())?;
+        let status = r.status();
+        let bytes = r.bytes().await.map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!("status {status}"));
+        }
+        let v: Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+        match v.get("kv_transfer_params") {
+            Some(p @ Value::Object(_)) => Ok(p.clone()),
+            _ => Err("no kv_transfer_params in the prefill response".to_owned()),
+        }
+    };
+    tokio::time::timeout(s.config.request_timeout, fut)
+        .await
+        .map_err(|_| "timeout".to_owned())?
+}
+
+/// Largest non-stream body kept to read its `kv_transfer_params`.
+const MAX_TAP_BYTES: usize = 16 << 20;
+
+/// Finds a non-null `kv_transfer_params` in one JSON document.
+fn params_in(doc: &[u8]) -> Option<KvTransferParams> {
+    let v: Value = serde_json::from_slice(doc).ok()?;
+    let p = v.get("kv_transfer_params")?;
+    if p.is_null() {
+        return None;
+    }
+    serde_json::from_value(p.clone()).ok()
+}
+
+/// The decoder's body passed through unchanged, owning the load guard, watching for the final
+/// `kv_transfer_params` (SSE `data:` lines, or the whole non-stream body) to cache.
+fn tapped_body(
+    upstream: reqwest::Response,
+    mut guard: LoadGuard,
+    stream: bool,
+    store: Option<(Arc<PdRouter>, String)>,
+) -> Body {
+    let out = async_stream::stream! {
+        let mut chunks = upstream.bytes_stream();
+        let mut first = true;
+        let mut buf: Vec<u8> = Vec::new();
+        let mut found: Option<KvTransferParams> = None;
+        while let Some(chunk) = chunks.next().await {
+            match chunk {
+                Ok(bytes) => {
+                    if first {
+                        first = false;
+                        guard.prefill_done();
+                    }
+                    if store.is_some() {
+                        buf.extend_from_slice(&bytes);
+                        if stream {
+                            while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+                                let line: Vec<u8> = buf.drain(..=nl).collect();
+                                if let Some(doc) = line.strip_prefix(b"data: ")
+                                    && let Some(p) = params_in(doc.trim_ascii())
+                                {
+                                    found = Some(p);
+                                }
+                            }
+                        } else if buf.len() > MAX_TAP_BYTES {
+                            buf = Vec::new();
+                        }
+                    }
+                    yield Ok::<Bytes, std::io::Error>(bytes);
+                }
+                Err(e) => {
+                    yield Err(std::io::Error::other(e));
+                    break;
+                }
+            }
+        }
+        if let Some((pd, key)) = store {
+            if !stream {
+                found = params_in(&buf);
+            }
+            if let Some(p) = found {
+                pd.store(key, p);
+            }
+        }
+        drop(guard);
+    };
+    Body::from_stream(out)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use kvmesh_text::ByteTokenizer;
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn conversation_cache_is_single_use_and_expires() {
+        let mut c = ConversationCache::default();
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(450);
+        let p = KvTransferParams {
+            remote_num_tokens: Some(7),
+            ..Default::default()
+        };
+        c.store("a".into(), p.clone(), t0, ttl);
+        assert_eq!(
+            c.take("a", t0 + Duration::from_secs(1), ttl),
+            Lookup::Hit(p.clone())
+        );
+        assert_eq!(c.take("a", t0, ttl), Lookup::Miss, "single use");
+        c.store("b".into(), p.clone(), t0, ttl);
+        assert_eq!(c.take("b", t0 + ttl, ttl), Lookup::Expired);
+        c.store("c".into(), p, t0, ttl);
+        c.evict_stale(t0 + ttl * 2, ttl);
+        assert!(c.is_empty());
+        assert_eq!(c.evicted_stale(), 2);
+    }
+
+    #[test]
+    fn prefill_leg_body_follows_the_protocol() {
+        let raw = Bytes::from(
+            json!({"model": "m", "prompt": "hello", "stream": true, "max_tokens": 50,
+                   "max_completion_tokens": 50, "stream_options": {"include_usage": true}})
+            .to_string(),
+        );
+        let parsed = crate::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
+        let hist = KvTransferParams {
+            do_remote_decode: Some(true),
+            remote_host: Some(json!("10.0.0.9")),
+            remote_port: Some(json!(7777)),
+            remote_block_ids: Some(json!([1, 2])),
+            remote_num_tokens: Some(40),
+            remote_blocks_expiry_time: Some(1.0e10),
+            ..Default::default()
+        };
+        let body = prefill_leg_body(&parsed, Some(&hist), None).unwrap();
+        let v: Value = serde_json::from_slice(&body.body().unwrap()).unwrap();
+        assert_eq!(v["stream"], json!(false));
+        assert_eq!(v["max_tokens"], json!(1));
+        assert_eq!(v["max_completion_tokens"], json!(1));
+        assert!(v.get("stream_options").is_none());
+        let kv = &v["kv_transfer_params"];
+        assert_eq!(kv["do_remote_decode"], json!(true));
+        assert_eq!(kv["do_remote_prefill"], json!(false));
+        assert_eq!(kv["remote_host"], json!("10.0.0.9"));
+        assert_eq!(kv["remote_num_tokens"], json!(40));
+        let plain = prefill_leg_body(&parsed, None, None).unwrap();
+        let v: Value = serde_json::from_slice(&plain.body().unwrap()).unwrap();
+        assert_eq!(
+            v["kv_transfer_params"],
+            serde_json::to_value(KvTransferParams::prefill_leg()).unwrap()
+        );
+    }
+
+    #[test]
+    fn conversation_id_is_removed_before_forwarding() {
+        let raw =
+            Bytes::from(json!({"model": "m", "prompt": "x", "conversation_id": "c-1"}).to_string());
+        let mut parsed = crate::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
+        let key = conversation_key(&mut parsed, &HeaderMap::new());
+        assert_eq!(key.as_deref(), Some("c-1"));
+        let v: Value = serde_json::from_slice(&parsed.body().unwrap()).unwrap();
+        assert!(v.get("conversation_id").is_none());
+        let mut h = HeaderMap::new();
+        h.insert(SESSION_HEADER, HeaderValue::from_static("s-9"));
+        assert_eq!(conversation_key(&mut parsed, &h).as_deref(), Some("s-9"));
+    }
+
+    #[test]
+    fn decider_parses_both_forms() {
+        let d: Decider = serde_norway::from_str("always").unwrap();
+        assert_eq!(d, Decider::Named("always".into()));
+        let d: Decider = serde_norway::from_str("{min_uncached_tokens: 256}").unwrap();
+        assert_eq!(
+            d,
+            Decider::MinUncached {
+                min_uncached_tokens: 256
+            }
+        );
+    }
+}
