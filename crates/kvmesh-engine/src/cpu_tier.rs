@@ -88,6 +88,11 @@ pub struct CpuStore {
     lru: BTreeMap<u64, BlockHash>,
     tick: u64,
     stats: CpuTierStats,
+    /// Set when an eviction scan found every block pinned: until this instant (the earliest
+    /// lease expiry seen) or the next unpin/insert/clear, evictions fail at once instead of
+    /// rescanning the whole tier for every block offered (that rescan, under the tier's lock,
+    /// stalled the compute loop and the producer when pulled blocks filled the tier).
+    all_pinned_until: Option<Instant>,
 }
 
 impl CpuStore {
@@ -103,6 +108,7 @@ impl CpuStore {
                 capacity_bytes,
                 ..Default::default()
             },
+            all_pinned_until: None,
         }
     }
 
@@ -162,22 +168,41 @@ impl CpuStore {
             .count()
     }
 
+    /// Evicts the least recently used unpinned block. Pinned blocks met on the way are in use
+    /// (a queued request or a peer's fetch holds them): they move to the recent end, so each
+    /// is stepped over once per pass instead of once per eviction (amortised O(log n); the old
+    /// scan from the LRU end was O(pinned) per evicted block).
     fn evict_one(&mut self, now: Instant, removed: &mut Vec<BlockHash>) -> bool {
-        let victim = self
-            .lru
-            .iter()
-            .find(|(_, h)| self.entries.get(*h).is_some_and(|e| !e.pinned(now)))
-            .map(|(&t, &h)| (t, h));
-        let Some((tick, hash)) = victim else {
+        if self.all_pinned_until.is_some_and(|t| now < t) {
             return false;
-        };
-        self.lru.remove(&tick);
-        if let Some(e) = self.entries.remove(&hash) {
-            self.used -= e.payload.len() as u64;
         }
-        self.stats.evicted_blocks += 1;
-        removed.push(hash);
-        true
+        let mut earliest_expiry: Option<Instant> = None;
+        for _ in 0..self.lru.len() {
+            let Some((tick, hash)) = self.lru.pop_first() else {
+                break;
+            };
+            let Some(e) = self.entries.get_mut(&hash) else {
+                continue;
+            };
+            let live = e.leases.iter().copied().filter(|&t| t > now).min();
+            if let Some(expiry) = live {
+                earliest_expiry = Some(earliest_expiry.map_or(expiry, |x| x.min(expiry)));
+                self.tick += 1;
+                e.tick = self.tick;
+                self.lru.insert(self.tick, hash);
+                continue;
+            }
+            debug_assert_eq!(e.tick, tick);
+            if let Some(e) = self.entries.remove(&hash) {
+                self.used -= e.payload.len() as u64;
+            }
+            self.stats.evicted_blocks += 1;
+            removed.push(hash);
+            return true;
+        }
+        // Everything is pinned: fail fast until a lease expires or something changes.
+        self.all_pinned_until = earliest_expiry;
+        false
     }
 
     /// Stores a run of consecutive blocks, evicting LRU unpinned blocks to make room. Pushes, in
@@ -227,6 +252,7 @@ impl CpuStore {
                 },
             );
             self.used += need;
+            self.all_pinned_until = None;
             self.stats.stored_blocks += 1;
             stored += 1;
             let r = run.get_or_insert_with(|| BlockStored {
@@ -277,6 +303,7 @@ impl CpuStore {
     /// Releases one pin per hash (the one expiring soonest; already expired pins are ignored).
     pub fn unpin(&mut self, hashes: &[BlockHash]) {
         let now = Instant::now();
+        self.all_pinned_until = None;
         for h in hashes {
             if let Some(e) = self.entries.get_mut(h) {
                 e.leases.retain(|&t| t > now);
@@ -314,6 +341,7 @@ impl CpuStore {
         self.entries.clear();
         self.lru.clear();
         self.used = 0;
+        self.all_pinned_until = None;
     }
 }
 
@@ -683,6 +711,50 @@ mod tests {
         s.unpin(&[BlockHash(2)]);
         assert_eq!(s.insert_run(&[blk(4, None, 10)], t0, &mut ev), 1);
         assert!(s.used_bytes() <= 20);
+    }
+
+    #[test]
+    fn eviction_steps_over_many_pinned_blocks_cheaply() {
+        // 20,000 pinned blocks at the LRU end (pulled blocks of queued requests) and 1,000
+        // evictable ones: offloading 20,000 more blocks must not rescan the pinned ones per
+        // eviction (that was 400M steps under the tier lock), and once everything is pinned,
+        // offers are refused without a rescan each.
+        let pinned = 20_000u64;
+        let mut s = CpuStore::new(pinned + 1_000, 1);
+        let mut ev = Vec::new();
+        let t0 = Instant::now();
+        let far = t0 + Duration::from_secs(600);
+        let run: Vec<OffloadBlock> = (0..pinned).map(|h| blk(h, None, 1)).collect();
+        s.insert_run(&run, t0, &mut ev);
+        let hashes: Vec<BlockHash> = (0..pinned).map(BlockHash).collect();
+        assert_eq!(s.pin(&hashes, far), pinned as usize);
+        let free: Vec<OffloadBlock> = (pinned..pinned + 1_000).map(|h| blk(h, None, 1)).collect();
+        s.insert_run(&free, t0, &mut ev);
+        let started = Instant::now();
+        for h in 0..20_000u64 {
+            ev.clear();
+            assert_eq!(s.insert_run(&[blk(1_000_000 + h, None, 1)], t0, &mut ev), 1);
+        }
+        for h in 0..hashes.len() {
+            assert!(s.contains(hashes[h]), "pinned block {h} evicted");
+        }
+        assert_eq!(s.len() as u64, pinned + 1_000);
+        // Now fill the unpinned rest with pinned blocks: every further offer is refused.
+        let tail: Vec<BlockHash> = (1_019_000..1_020_000).map(BlockHash).collect();
+        assert_eq!(s.pin(&tail, far), 1_000);
+        assert_eq!(s.lookup_prefix(&tail), 1_000);
+        for h in 0..20_000u64 {
+            assert_eq!(s.insert_run(&[blk(2_000_000 + h, None, 1)], t0, &mut ev), 0);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "evictions past pinned blocks took {:?}",
+            started.elapsed()
+        );
+        // A released pin makes room again at once.
+        s.unpin(&hashes[..1]);
+        assert_eq!(s.insert_run(&[blk(3_000_000, None, 1)], t0, &mut ev), 1);
+        assert!(!s.contains(hashes[0]));
     }
 
     #[test]
