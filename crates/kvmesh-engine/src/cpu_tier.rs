@@ -50,12 +50,6 @@ struct Entry {
     leases: Vec<Instant>,
 }
 
-impl Entry {
-    fn pinned(&self, now: Instant) -> bool {
-        self.leases.iter().any(|&t| t > now)
-    }
-}
-
 /// Per-block answer to a peer's lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockStatus {
