@@ -1,0 +1,472 @@
+//! P/D through the router with real in-process sim engines on loopback: a 4-turn conversation
+//! (`conversation_id`) over 4 prefill engines (round-robin, so each turn lands on a prefiller
+//! that never saw the conversation) and 1 decode engine. With bi-directional transfer the
+//! prefiller of turn k ≥ 2 loads the whole previous conversation (prompt + generated, minus the
+//! partial block) from the decoder and its TTFT drops; with it off, it recomputes. Also: the
+//! decider, `/health`, the reasoning-style template (dropped assistant text) and expiry.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::engines::engine_metric;
+use common::start_router;
+use futures::StreamExt;
+use kvmesh_engine::config::KvEventsConfig;
+use kvmesh_engine::server::{RunningServer, ServerOptions, sim_backend, start_server};
+use kvmesh_engine::{EngineConfig, Role};
+use kvmesh_router::RouterHandle;
+use kvmesh_text::ByteTokenizer;
+use serde_json::{Value, json};
+
+const LIMIT: Duration = Duration::from_secs(30);
+const BS: usize = 16;
+const USER_TOKENS: usize = 1500;
+const GEN_TOKENS: usize = 200;
+const PROFILE: &str = "gpt-oss-120b-h200";
+/// Slows the sim down 2× so turn-4 prefills model a few hundred ms.
+const TIME_SCALE: f64 = 0.5;
+
+struct Eng {
+    name: String,
+    role: &'static str,
+    url: String,
+    events: String,
+    p2p: u16,
+    server: RunningServer,
+}
+
+async fn engine(
+    name: &str,
+    role: Role,
+    bidirectional: bool,
+    ttl: Duration,
+    time_scale: f64,
+) -> Eng {
+    let mut config = EngineConfig {
+        port: 0,
+        num_gpu_blocks: 4096,
+        block_size: BS,
+        kv_events: Some(
+            KvEventsConfig::parse(r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","topic":"kv-events"}"#)
+                .unwrap(),
+        ),
+        ..EngineConfig::default()
+    };
+    config.p2p.port = Some(0);
+    config.p2p.allowed_peers = vec!["127.0.0.1".to_owned()];
+    config.p2p.role = role;
+    config.p2p.bidirectional_kv_xfer = bidirectional;
+    config.p2p.decoder_kv_blocks_ttl = ttl;
+    let backend = sim_backend(&config, PROFILE, time_scale, 32).unwrap();
+    let server = start_server(
+        config,
+        backend,
+        Arc::new(ByteTokenizer),
+        ServerOptions::default(),
+    )
+    .await
+    .unwrap();
+    let bound = server.events_endpoint.clone().unwrap();
+    let port = bound.rsplit(':').next().unwrap();
+    Eng {
+        name: name.to_owned(),
+        role: match role {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        },
+        url: format!("http://{}", server.addr),
+        events: format!("tcp://127.0.0.1:{port}"),
+        p2p: server.p2p_addr.unwrap().port(),
+        server,
+    }
+}
+
+fn yaml(engines: &[Eng], bidirectional: bool, decider: &str) -> String {
+    let mut s = format!(
+        "seed: 1\nmetrics_scrape_interval: 50ms\nplugins:\n  - {{type: round-robin-picker, name: rr}}\n  - {{type: prefix-cache-scorer, name: prefix}}\n\
+         schedulingProfiles:\n  - {{name: prefill, plugins: [{{pluginRef: rr}}]}}\n  - {{name: decode, plugins: [{{pluginRef: prefix}}]}}\n\
+         pd: {{prefill_profile: prefill, decode_profile: decode, decider: {decider}, bidirectional: {bidirectional}}}\nendpoints:\n"
+    );
+    for e in engines {
+        s.push_str(&format!(
+            "  - {{name: {}, role: {}, url: \"{}\", p2p: \"127.0.0.1:{}\", kv_events: {{endpoint: \"{}\", topic: kv-events}}}}\n",
+            e.name, e.role, e.url, e.p2p, e.events
+        ));
+    }
+    s
+}
+
+fn doc(seed: u32, len: usize) -> String {
+    let mut s = String::with_capacity(len);
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    while s.len() < len {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        s.push((b'a' + (x % 26) as u8) as char);
+    }
+    s
+}
+
+struct Turn {
+    text: String,
+    ttft: Duration,
+    prefill_endpoint: Option<String>,
+    decode_endpoint: String,
+    final_params: Value,
+}
+
+/// One streamed request through the router; TTFT = first text chunk.
+async fn stream_turn(r: &RouterHandle, prompt: &str, conversation: Option<&str>) -> Turn {
+    let mut body = json!({"model": "sim", "prompt": prompt, "max_tokens": GEN_TOKENS, "stream": true,
+                          "temperature": 0, "ignore_eos": true});
+    if let Some(c) = conversation {
+        body["conversation_id"] = json!(c);
+    }
+    let t0 = Instant::now();
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", r.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let header = |k: &str| {
+        resp.headers()
+            .get(k)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let prefill_endpoint = header("x-kvmesh-prefill-endpoint");
+    let decode_endpoint = header("x-kvmesh-endpoint").unwrap();
+    let mut stream = resp.bytes_stream();
+    let mut buf = String::new();
+    let mut text = String::new();
+    let mut ttft = None;
+    let mut final_params = Value::Null;
+    while let Some(chunk) = stream.next().await {
+        buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        while let Some(nl) = buf.find('\n') {
+            let line: String = buf.drain(..=nl).collect();
+            let Some(data) = line.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap();
+            assert!(v.get("error").is_none(), "{v}");
+            if let Some(t) = v["choices"][0]["text"].as_str()
+                && !t.is_empty()
+            {
+                ttft.get_or_insert_with(|| t0.elapsed());
+                text.push_str(t);
+            }
+            if v.get("kv_transfer_params").is_some_and(|p| !p.is_null()) {
+                final_params = v["kv_transfer_params"].clone();
+            }
+        }
+    }
+    Turn {
+        text,
+        ttft: ttft.unwrap(),
+        prefill_endpoint,
+        decode_endpoint,
+        final_params,
+    }
+}
+
+async fn router_metric(r: &RouterHandle, name: &str, label: &str) -> f64 {
+    let text = reqwest::get(format!("http://{}/metrics", r.addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Runs a 4-turn conversation; returns per turn (ttft, external hits on the turn's prefiller,
+/// expected history tokens, modelled pull time of that history).
+async fn conversation(
+    bidirectional: bool,
+    time_scale: f64,
+) -> Vec<(Duration, f64, usize, Duration)> {
+    let mut engines = Vec::new();
+    for i in 0..4 {
+        engines.push(
+            engine(
+                &format!("p{i}"),
+                Role::Prefill,
+                bidirectional,
+                Duration::from_secs(480),
+                time_scale,
+            )
+            .await,
+        );
+    }
+    engines.push(
+        engine(
+            "d0",
+            Role::Decode,
+            bidirectional,
+            Duration::from_secs(480),
+            time_scale,
+        )
+        .await,
+    );
+    let r = start_router(&yaml(&engines, bidirectional, "always"), None).await;
+    let mut history = String::new();
+    let mut out = Vec::new();
+    for k in 0..4u32 {
+        let prompt = format!("{history}{}", doc(100 + k, USER_TOKENS));
+        let before: Vec<f64> = futures::future::join_all(
+            engines
+                .iter()
+                .map(|e| engine_metric(&e.url, "vllm:external_prefix_cache_hits_total")),
+        )
+        .await;
+        let t = stream_turn(&r, &prompt, Some("conv-1")).await;
+        assert_eq!(t.decode_endpoint, "d0");
+        let pname = t.prefill_endpoint.clone().expect("a prefill leg ran");
+        let pi = engines.iter().position(|e| e.name == pname).unwrap();
+        let ext = engine_metric(&engines[pi].url, "vllm:external_prefix_cache_hits_total").await
+            - before[pi];
+        // The decoder pulled from the prefiller everything it did not hold.
+        assert_eq!(t.text.len(), GEN_TOKENS);
+        if bidirectional {
+            assert_eq!(
+                t.final_params["do_remote_decode"],
+                json!(true),
+                "{}",
+                t.final_params
+            );
+        } else {
+            assert!(t.final_params.is_null(), "{}", t.final_params);
+        }
+        // What the previous turns left on the decoder: prompt + generated, full blocks.
+        let expected = if history.is_empty() {
+            0
+        } else {
+            (history.len() - 1) / BS * BS
+        };
+        eprintln!(
+            "bidirectional={bidirectional} turn {} prefill {pname}: ttft {:?}, external hits {ext} (history {} tokens, expected {expected})",
+            k + 1,
+            t.ttft,
+            history.len()
+        );
+        let pull = engines[0]
+            .server
+            .engine
+            .modelled_pull_time(expected)
+            .unwrap_or_default();
+        out.push((t.ttft, ext, expected, pull));
+        history = format!("{prompt}{}", t.text);
+    }
+    let health: Value = reqwest::get(format!("http://{}/health", r.addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(health["status"], json!("ok"));
+    assert_eq!(
+        health["cached_conversations"],
+        json!(if bidirectional { 1 } else { 0 }),
+        "{health}"
+    );
+    assert_eq!(health["evicted_stale"], json!(0));
+    assert_eq!(
+        router_metric(
+            &r,
+            "kvmesh_router_pd_legs_total",
+            "leg=\"prefill\",outcome=\"ok\""
+        )
+        .await,
+        4.0
+    );
+    assert_eq!(
+        router_metric(
+            &r,
+            "kvmesh_router_pd_legs_total",
+            "leg=\"decode\",outcome=\"ok\""
+        )
+        .await,
+        4.0
+    );
+    if bidirectional {
+        assert_eq!(
+            router_metric(&r, "kvmesh_router_pd_conversations_total", "result=\"hit\"").await,
+            3.0
+        );
+    }
+    // The decoder computed only what it was not given: its external hits are the prompts'
+    // new parts pulled from the prefillers.
+    let d_ext = engine_metric(&engines[4].url, "vllm:external_prefix_cache_hits_total").await;
+    assert!(
+        d_ext >= (4 * (USER_TOKENS - BS)) as f64,
+        "decoder external hits {d_ext}"
+    );
+    r.shutdown().await.unwrap();
+    for e in engines {
+        e.server.shutdown().await;
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_turn_conversation_reads_history_from_the_decoder() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let on = conversation(true, TIME_SCALE).await;
+        let off = conversation(false, TIME_SCALE).await;
+        for k in 1..4 {
+            let (_, ext_on, expected, _) = on[k];
+            assert_eq!(
+                ext_on,
+                expected as f64,
+                "turn {}: history loaded from the decoder",
+                k + 1
+            );
+            assert_eq!(
+                off[k].1,
+                0.0,
+                "turn {}: bidirectional off recomputes",
+                k + 1
+            );
+        }
+        // Turn 4 prefills 6.6K tokens of which 5.1K are history: the profile predicts the TTFT
+        // drop = prefill(all) − (prefill(suffix after history) + modelled pull(history)).
+        let profile = kvmesh_engine::compute::profiles::profile(PROFILE).unwrap();
+        for k in 1..4 {
+            let hist = on[k].2;
+            let prompt = (USER_TOKENS + GEN_TOKENS) * k + USER_TOKENS;
+            // Already divided by the time scale.
+            let pull_ms = on[k].3.as_secs_f64() * 1000.0;
+            let predicted = (profile.prefill_total_ms(prompt)
+                - profile.prefill_chunk_ms(hist, prompt - hist))
+                / TIME_SCALE
+                - pull_ms;
+            let measured = (off[k].0.as_secs_f64() - on[k].0.as_secs_f64()) * 1000.0;
+            eprintln!(
+                "turn {}: TTFT on {:?} off {:?}: measured drop {measured:.0} ms, profile predicts {predicted:.0} ms",
+                k + 1,
+                on[k].0,
+                off[k].0
+            );
+            if k == 3 {
+                assert!(
+                    measured > 0.5 * predicted - 20.0 && measured < 1.5 * predicted + 60.0,
+                    "turn 4 TTFT drop {measured:.0} ms vs predicted {predicted:.0} ms"
+                );
+            }
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// The reasoning-style template drops turn 1's answer from turn 2's prompt: the decoder's block
+/// hashes differ after the old prompt, the prefiller reads only the matching prefix and computes
+/// the rest — same answer as a cold aggregated run, no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_answer_text_is_recomputed_without_error() {
+    tokio::time::timeout(LIMIT, async {
+        let ttl = Duration::from_secs(480);
+        let engines = vec![
+            engine("p0", Role::Prefill, true, ttl, 1000.0).await,
+            engine("p1", Role::Prefill, true, ttl, 1000.0).await,
+            engine("d0", Role::Decode, true, ttl, 1000.0).await,
+        ];
+        let r = start_router(&yaml(&engines, true, "always"), None).await;
+        let q1 = doc(7, 1000);
+        let t1 = stream_turn(&r, &q1, Some("c-r")).await;
+        let prompt2 = format!("{q1}{}", doc(8, 500)); // no assistant text
+        let t2 = stream_turn(&r, &prompt2, Some("c-r")).await;
+        assert_eq!(t2.text.len(), GEN_TOKENS);
+        let p2 = engines
+            .iter()
+            .find(|e| Some(&e.name) == t2.prefill_endpoint.as_ref())
+            .unwrap();
+        assert_ne!(t1.prefill_endpoint, t2.prefill_endpoint);
+        let mismatches = engine_metric(&p2.url, "kvmesh_engine_pd_remote_reads_total").await;
+        assert_eq!(mismatches, 1.0);
+        // Only the matching prefix (turn 1's prompt, full blocks) came from the decoder.
+        assert_eq!(
+            engine_metric(&p2.url, "vllm:external_prefix_cache_hits_total").await,
+            (1000 / BS * BS) as f64
+        );
+        // Same text as an aggregated engine computing it all.
+        let agg = engine("agg", Role::Both, false, ttl, 1000.0).await;
+        let want: Value = reqwest::Client::new()
+            .post(format!("{}/v1/completions", agg.url))
+            .json(&json!({"model": "sim", "prompt": prompt2, "max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(json!(t2.text), want["choices"][0]["text"]);
+        r.shutdown().await.unwrap();
+        for e in engines.into_iter().chain([agg]) {
+            e.server.shutdown().await;
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// Decoder blocks expire (short engine TTL): the next prefill leg declines the read, counts it,
+/// recomputes, and answers correctly. Also: `min_uncached_tokens` sends a short request
+/// decode-only, and the router's conversation entry is single use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expired_history_is_declined_and_short_requests_go_decode_only() {
+    tokio::time::timeout(LIMIT, async {
+        let engines = vec![
+            engine("p0", Role::Prefill, true, Duration::from_secs(480), 1000.0).await,
+            engine("d0", Role::Decode, true, Duration::from_millis(300), 1000.0).await,
+        ];
+        let r = start_router(&yaml(&engines, true, "{min_uncached_tokens: 256}"), None).await;
+        let q1 = doc(9, 1000);
+        let t1 = stream_turn(&r, &q1, Some("c-e")).await;
+        assert!(t1.prefill_endpoint.is_some());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let prompt2 = format!("{q1}{}{}", t1.text, doc(10, 600));
+        let t2 = stream_turn(&r, &prompt2, Some("c-e")).await;
+        assert_eq!(t2.text.len(), GEN_TOKENS);
+        assert_eq!(
+            engine_metric(&engines[0].url, "vllm:nixl_num_kv_expired_reqs_total").await,
+            1.0
+        );
+        assert_eq!(
+            engine_metric(&engines[0].url, "vllm:external_prefix_cache_hits_total").await,
+            0.0
+        );
+        // A short new conversation: fewer than 256 uncached tokens → decode only.
+        let t3 = stream_turn(&r, &doc(11, 100), Some("c-short")).await;
+        assert!(t3.prefill_endpoint.is_none());
+        assert_eq!(t3.decode_endpoint, "d0");
+        assert_eq!(
+            router_metric(
+                &r,
+                "kvmesh_router_pd_legs_total",
+                "leg=\"decode_only\",outcome=\"ok\""
+            )
+            .await,
+            1.0
+        );
+        r.shutdown().await.unwrap();
+        for e in engines {
+            e.server.shutdown().await;
+        }
+    })
+    .await
+    .unwrap();
+}
