@@ -729,8 +729,8 @@ mod tests {
             ev.clear();
             assert_eq!(s.insert_run(&[blk(1_000_000 + h, None, 1)], t0, &mut ev), 1);
         }
-        for h in 0..hashes.len() {
-            assert!(s.contains(hashes[h]), "pinned block {h} evicted");
+        for h in &hashes {
+            assert!(s.contains(*h), "pinned block {h:?} evicted");
         }
         assert_eq!(s.len() as u64, pinned + 1_000);
         // Now fill the unpinned rest with pinned blocks: every further offer is refused.

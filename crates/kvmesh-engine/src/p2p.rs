@@ -16,6 +16,7 @@
 //! A pull never fails a request: whatever did not arrive is computed. Every outcome is counted
 //! by reason in `kvmesh_p2p_pulls_total` (the engine's [`crate::metrics::EngineMetrics::p2p`]).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +28,7 @@ use kvmesh_transfer::{
     AllowList, AllowListError, BlockSink, BlockSource, BlockStatus as WireStatus, ClientConfig,
     PeerAddr, ProducerServer, PullClient, PullReport, ServerConfig, SinkError,
 };
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -198,6 +200,30 @@ pub struct P2pConsumer {
     client: PullClient,
     timeout: Duration,
     pending_deadline: Duration,
+    /// Pulls in flight, by the first block they fetch. Concurrent requests for one prefix (a
+    /// burst on a popular prefix) would each move the whole prefix; the second waits for the
+    /// first's blocks instead (they become local) and pulls only what is still missing.
+    inflight: parking_lot::Mutex<HashMap<BlockHash, watch::Receiver<()>>>,
+}
+
+/// Holds a claim on an in-flight pull; dropping it wakes the requests waiting for it.
+struct InflightClaim<'a> {
+    map: &'a parking_lot::Mutex<HashMap<BlockHash, watch::Receiver<()>>>,
+    key: BlockHash,
+    _done: watch::Sender<()>,
+}
+
+impl Drop for InflightClaim<'_> {
+    fn drop(&mut self) {
+        self.map.lock().remove(&self.key);
+        // `_done` drops right after: waiters' `changed()` returns.
+    }
+}
+
+/// Either we pull (holding the claim) or someone else already is (wait on the receiver).
+enum Inflight<'a> {
+    Claimed(InflightClaim<'a>),
+    Busy(watch::Receiver<()>),
 }
 
 impl P2pConsumer {
@@ -221,7 +247,27 @@ impl P2pConsumer {
             client,
             timeout: cfg.timeout,
             pending_deadline: cfg.pending_deadline,
+            inflight: parking_lot::Mutex::default(),
         })
+    }
+
+    fn claim(&self, first: BlockHash) -> Inflight<'_> {
+        let mut map = self.inflight.lock();
+        if let Some(rx) = map.get(&first) {
+            return Inflight::Busy(rx.clone());
+        }
+        let (tx, rx) = watch::channel(());
+        map.insert(first, rx);
+        Inflight::Claimed(InflightClaim {
+            map: &self.inflight,
+            key: first,
+            _done: tx,
+        })
+    }
+
+    /// Pulls in flight right now (for tests and debugging).
+    pub fn inflight_pulls(&self) -> usize {
+        self.inflight.lock().len()
     }
 
     pub fn client(&self) -> &PullClient {
@@ -288,11 +334,43 @@ impl P2pConsumer {
         let mut hashes = engine.block_hashes(&req.prompt);
         // vLLM never serves the last prompt token from cache: blocks beyond that are useless.
         hashes.truncate(req.prompt.len().saturating_sub(1) / bs);
-        let local = local_prefix_blocks(engine, &hashes).await;
+        let mut local = local_prefix_blocks(engine, &hashes).await;
         if local >= hashes.len() {
             return None;
         }
         req.external_query_tokens = req.prompt.len();
+        // One pull per prefix at a time: a request whose first missing block is already being
+        // pulled waits for that pull (bounded by the same deadline as its own pull would be),
+        // then takes what landed as a local hit and pulls only the rest.
+        let deadline = tokio::time::Instant::now() + self.timeout + self.pending_deadline;
+        let _claim = loop {
+            match self.claim(hashes[local]) {
+                Inflight::Claimed(c) => break Some(c),
+                Inflight::Busy(mut rx) => {
+                    if tokio::time::timeout_at(deadline, rx.changed())
+                        .await
+                        .is_err()
+                    {
+                        // The other pull is slow: do not wait longer than our own would.
+                        break None;
+                    }
+                    let before = local;
+                    local = local_prefix_blocks(engine, &hashes).await;
+                    if local > before {
+                        // Landed by the other pull: keep them until we are scheduled, and
+                        // count them as what they are (KV moved from a peer, once).
+                        let n = engine
+                            .cpu_tier()
+                            .pin(&hashes[before..local], Instant::now() + LANDED_LEASE);
+                        req.external_hashes
+                            .extend_from_slice(&hashes[before..before + n]);
+                    }
+                    if local >= hashes.len() {
+                        return None;
+                    }
+                }
+            }
+        };
         let pull = self
             .pull_prefix(engine, source, &req.prompt, &hashes, local)
             .await;
