@@ -116,7 +116,7 @@ impl PdConfig {
 /// Result of a conversation-cache lookup.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Lookup {
-    Hit(KvTransferParams),
+    Hit(Box<KvTransferParams>),
     Miss,
     Expired,
 }
@@ -142,7 +142,7 @@ impl ConversationCache {
                 self.evicted_stale += 1;
                 Lookup::Expired
             }
-            Some((p, _)) => Lookup::Hit(p),
+            Some((p, _)) => Lookup::Hit(Box::new(p)),
         }
     }
 
@@ -242,7 +242,7 @@ impl PdRouter {
         match r {
             Lookup::Hit(p) => {
                 self.conv("hit");
-                Some(p)
+                Some(*p)
             }
             Lookup::Miss => {
                 self.conv("miss");
@@ -674,7 +674,7 @@ mod tests {
         c.store("a".into(), p.clone(), t0, ttl);
         assert_eq!(
             c.take("a", t0 + Duration::from_secs(1), ttl),
-            Lookup::Hit(p.clone())
+            Lookup::Hit(Box::new(p.clone()))
         );
         assert_eq!(c.take("a", t0, ttl), Lookup::Miss, "single use");
         c.store("b".into(), p.clone(), t0, ttl);
