@@ -470,3 +470,63 @@ async fn expired_history_is_declined_and_short_requests_go_decode_only() {
     .await
     .unwrap();
 }
+
+/// Without a conversation id the decoder's published CPU-tier history still helps: the prefill
+/// profile's `p2p-source-producer` (over prefill + decode endpoints) names the decoder as
+/// source for a prefiller that lacks the prefix (llm-d's path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn p2p_source_producer_names_the_decoder_for_a_prefiller() {
+    tokio::time::timeout(LIMIT, async {
+        let ttl = Duration::from_secs(480);
+        let engines = vec![
+            engine("p0", Role::Prefill, false, ttl, 1000.0).await,
+            engine("p1", Role::Prefill, false, ttl, 1000.0).await,
+            engine("d0", Role::Decode, false, ttl, 1000.0).await,
+        ];
+        let cfg = yaml(&engines, false, "always").replace(
+            "  - {type: prefix-cache-scorer, name: prefix}\n",
+            "  - {type: prefix-cache-scorer, name: prefix}\n  - {type: p2p-source-producer, name: p2p}\n",
+        ).replace(
+            "{name: prefill, plugins: [{pluginRef: rr}]}",
+            "{name: prefill, plugins: [{pluginRef: rr}, {pluginRef: p2p}]}",
+        );
+        let r = start_router(&cfg, None).await;
+        let q1 = doc(12, 1000);
+        let t1 = stream_turn(&r, &q1, None).await;
+        assert_eq!(t1.prefill_endpoint.as_deref(), Some("p0"));
+        let prompt2 = format!("{q1}{}{}", t1.text, doc(13, 300));
+        let held = (q1.len() + GEN_TOKENS - 1) / BS * BS;
+        // Wait until the index shows the decoder's CPU tier holding the conversation.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v: Value = reqwest::Client::new()
+                .post(format!("http://{}/debug/prefix", r.addr))
+                .json(&json!({"prompt": prompt2}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if v["endpoints"]["d0"]["cpu_tokens"].as_u64().unwrap_or(0) >= held as u64 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "decoder's CPU tier never indexed: {v}");
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        let t2 = stream_turn(&r, &prompt2, None).await;
+        assert_eq!(t2.prefill_endpoint.as_deref(), Some("p1"));
+        assert_eq!(t2.text.len(), GEN_TOKENS);
+        assert_eq!(
+            engine_metric(&engines[1].url, "vllm:external_prefix_cache_hits_total").await,
+            held as f64,
+            "p1 pulled the conversation from the decoder"
+        );
+        r.shutdown().await.unwrap();
+        for e in engines {
+            e.server.shutdown().await;
+        }
+    })
+    .await
+    .unwrap();
+}
