@@ -736,6 +736,36 @@ mod tests {
     }
 
     #[test]
+    fn example_config_is_valid() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/router-pd.yaml");
+        let cfg = crate::config::RouterConfig::load(std::path::Path::new(path)).unwrap();
+        let pd = cfg.pd.clone().unwrap();
+        assert!(pd.bidirectional);
+        assert_eq!(
+            pd.decider,
+            Decider::MinUncached {
+                min_uncached_tokens: 512
+            }
+        );
+        let cm = Arc::new(crate::cost_model::CostModel::new(cfg.cost_model.clone()));
+        let s = Scheduler::build(
+            &cfg.plugins,
+            &cfg.scheduling_profiles,
+            cfg.default_profile.as_deref(),
+            cfg.seed,
+            &cm,
+        )
+        .unwrap();
+        pd.validate(&s).unwrap();
+        let mut bad = pd.clone();
+        bad.decode_profile = "nope".into();
+        assert!(bad.validate(&s).is_err());
+        bad = pd;
+        bad.decider = Decider::Named("sometimes".into());
+        assert!(bad.validate(&s).is_err());
+    }
+
+    #[test]
     fn decider_parses_both_forms() {
         let d: Decider = serde_norway::from_str("always").unwrap();
         assert_eq!(d, Decider::Named("always".into()));
