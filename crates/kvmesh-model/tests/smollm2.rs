@@ -17,6 +17,11 @@ fn smollm2() -> Option<(ModelBackend, Arc<dyn Tokenizer>)> {
         .map(PathBuf::from)
         .or_else(|| find_smollm2(&default_cache_dir()));
     let Some(path) = path else {
+        // CI fetches the model (scripts/setup.sh) and sets KVMESH_REQUIRE_EXTERNAL: missing is a failure there.
+        assert!(
+            std::env::var_os("KVMESH_REQUIRE_EXTERNAL").is_none(),
+            "SmolLM2 is required (KVMESH_REQUIRE_EXTERNAL is set) but was not found; run `kvmesh model fetch smollm2`"
+        );
         eprintln!(
             "SKIPPED: SmolLM2 GGUF not found in {} (run `kvmesh model fetch smollm2`)",
             default_cache_dir().display()
