@@ -530,3 +530,64 @@ async fn p2p_source_producer_names_the_decoder_for_a_prefiller() {
     .await
     .unwrap();
 }
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A/B measurement for docs/benchmarks.md (`## P/D`): mean TTFT per turn of N sequential 4-turn
+/// conversations through the router, bi-directional on vs off (4 round-robin prefillers, 1
+/// decoder; each turn lands on a prefiller that never saw the conversation).
+/// `KVMESH_PD_CONVS` (8), `KVMESH_PD_USER_TOKENS` (4000), `KVMESH_PD_TIME_SCALE` (1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "measurement; run with --ignored --nocapture"]
+async fn pd_multiturn_ttft_ab() {
+    let convs = env_or("KVMESH_PD_CONVS", 8);
+    let user = env_or("KVMESH_PD_USER_TOKENS", 4000);
+    let scale: f64 = std::env::var("KVMESH_PD_TIME_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1.0);
+    let ttl = Duration::from_secs(480);
+    for bidirectional in [false, true] {
+        let mut engines = Vec::new();
+        for i in 0..4 {
+            engines.push(engine(&format!("p{i}"), Role::Prefill, bidirectional, ttl, scale).await);
+        }
+        engines.push(engine("d0", Role::Decode, bidirectional, ttl, scale).await);
+        let r = start_router(&yaml(&engines, bidirectional, "always"), None).await;
+        let mut sums = [0.0f64; 4];
+        for c in 0..convs {
+            let mut history = String::new();
+            for (k, sum) in sums.iter_mut().enumerate() {
+                let prompt = format!("{history}{}", doc((1000 * c + k) as u32, user));
+                let t = stream_turn(&r, &prompt, Some(&format!("bench-{c}"))).await;
+                *sum += t.ttft.as_secs_f64() * 1000.0;
+                history = format!("{prompt}{}", t.text);
+            }
+        }
+        let ext: f64 = futures::future::join_all(
+            engines[..4]
+                .iter()
+                .map(|e| engine_metric(&e.url, "vllm:external_prefix_cache_hits_total")),
+        )
+        .await
+        .iter()
+        .sum();
+        let means: Vec<String> = sums
+            .iter()
+            .map(|s| format!("{:.0}", s / convs as f64))
+            .collect();
+        println!(
+            "bidirectional={bidirectional}: mean TTFT ms per turn [{}], prefillers' external hits {ext}",
+            means.join(", ")
+        );
+        r.shutdown().await.unwrap();
+        for e in engines {
+            e.server.shutdown().await;
+        }
+    }
+}
