@@ -371,12 +371,13 @@ impl AdmissionHook for PdAdmission {
 
     fn on_finish(&self, engine: &EngineHandle, req: &EngineRequest, info: &mut FinishInfo) {
         release_pulled(engine, req);
-        let Some(params) = &req.kv_transfer_params else {
-            return;
-        };
         let cfg = &engine.config().p2p;
         let bs = engine.kv_layout().block_size.max(1);
-        let leg = classify(params);
+        // No params: a decode-only request (a `--role decode` engine still retains it).
+        let leg = req
+            .kv_transfer_params
+            .as_ref()
+            .map_or(PdLeg::None, classify);
         if matches!(leg, PdLeg::Prefill { .. }) && cfg.role != Role::Decode {
             let mut hashes = engine.block_hashes(&req.prompt);
             hashes.truncate(req.prompt.len() / bs);

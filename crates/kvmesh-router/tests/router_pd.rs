@@ -453,6 +453,13 @@ async fn expired_history_is_declined_and_short_requests_go_decode_only() {
         let t3 = stream_turn(&r, &doc(11, 100), Some("c-short")).await;
         assert!(t3.prefill_endpoint.is_none());
         assert_eq!(t3.decode_endpoint, "d0");
+        // The decode engine retains decode-only requests too: the conversation is cached.
+        assert_eq!(
+            t3.final_params["do_remote_decode"],
+            json!(true),
+            "{}",
+            t3.final_params
+        );
         assert_eq!(
             router_metric(
                 &r,
