@@ -396,3 +396,40 @@ async fn dropped_generated_text_mismatches_and_recomputes() {
     .await
     .expect("test timed out");
 }
+
+/// Fewer reusable tokens than `--kv-recompute-threshold` (64): no remote read, recomputed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_below_the_recompute_threshold_is_recomputed() {
+    timeout(Duration::from_secs(30), async {
+        let p = start(cfg(Role::Prefill, true)).await;
+        let d = start(cfg(Role::Decode, true)).await;
+        let prompt1 = tokens(8, 1000);
+        // 20 generated tokens: the decoder holds one block (16 tokens) beyond the prompt the
+        // prefiller already has.
+        let (_, dec1) = turn(&p, &d, &prompt1, None, 20).await;
+        let hist = dec1["kv_transfer_params"].clone();
+        let mut prompt2 = prompt1.clone();
+        prompt2.extend(text_tokens(&dec1));
+        prompt2.extend(tokens(9, 100));
+        let got = complete(p.addr, &prompt2, 4, Some(merge(&hist))).await;
+        assert_eq!(
+            metric(
+                p.addr,
+                "kvmesh_engine_pd_remote_reads_total",
+                "outcome=\"below_threshold\""
+            )
+            .await,
+            1.0
+        );
+        assert_eq!(
+            metric(p.addr, "vllm:external_prefix_cache_hits_total", "").await,
+            0.0
+        );
+        assert_eq!(cached_tokens(&got), (1000 / BS * BS) as u64);
+        for s in [p, d] {
+            s.shutdown().await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
