@@ -4,17 +4,27 @@
 //! Why: lookups sweep every shard (3,750 keys of a 240K-token prompt touch all of them), so with
 //! reader/writer locks a lookup stalls whenever a writer thread is descheduled while holding any
 //! shard — measured at 20–40 ms p99 on a busy host. Here a reader never waits: it loads the
-//! current table (`arc-swap`), probes, copies the masks and re-checks the key.
+//! current table (`arc-swap`), probes, copies the membership and re-checks the key.
+//!
+//! Memberships: most blocks are held by one to three endpoints, so a slot's membership is one
+//! word (`mem`) holding up to [`INLINE`] `(endpoint slot, tiers)` entries. A block held by more
+//! endpoints (or by an endpoint slot too large to encode) *overflows*: `mem` then holds the index
+//! of a record of `2 × words` mask words in the table's `arena`. Why: with full per-slot masks
+//! (16 B per 64 endpoints per tier pair) a block held by one of 96 endpoints cost 44 B of slot
+//! before load factor; inline it costs 20 B.
 //!
 //! Slot protocol (the only unsynchronised sharing):
 //! - keys: `EMPTY` (never used; ends a probe), `TOMB` (deleted; probes continue), else the key.
-//! - insert: masks are written first (slot masks are zero while free), then the key is published
-//!   with `Release`; a reader that sees the key (`Acquire`) sees the masks.
-//! - delete: the key becomes `TOMB` first, then the masks are zeroed; a reader that copied masks
-//!   of a slot being recycled sees a different key on its re-check (after an `Acquire` fence) and
-//!   retries.
-//! - growth (or more endpoint words) builds a new table under the writer mutex and swaps it in;
-//!   readers still holding the old one see a consistent, slightly older snapshot.
+//! - insert: `mem` is written first (it is zero while free), then the key is published with
+//!   `Release`; a reader that sees the key (`Acquire`) sees the membership.
+//! - an inline change is one atomic store of `mem`; an overflow conversion fills a zeroed arena
+//!   record and then publishes its index in `mem` (`Release`).
+//! - delete: the key becomes `TOMB` first, then `mem` and the arena record are zeroed (the record
+//!   goes back to the free list); a reader re-checks key and `mem` after an `Acquire` fence and
+//!   retries if either changed.
+//! - growth (more slots, more endpoint words or a larger arena) builds a new table under the
+//!   writer mutex and swaps it in; readers still holding the old one see a consistent, slightly
+//!   older snapshot.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
@@ -32,25 +42,95 @@ const EVICTION_SAMPLE: usize = 16;
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
 
+/// Inline entries per `mem` word: 21 bits each, `(endpoint slot + 1) << 2 | tiers`
+/// (bit 0 GPU, bit 1 CPU); 0 is a free entry. Bit 63 marks an overflow (`mem` low 32 bits =
+/// arena record).
+const INLINE: usize = 3;
+const ENTRY_BITS: u32 = 21;
+const ENTRY_MASK: u64 = (1 << ENTRY_BITS) - 1;
+/// Largest endpoint slot an inline entry can name.
+const MAX_INLINE_SLOT: u32 = (1 << (ENTRY_BITS - 2)) - 2;
+const OVERFLOW: u64 = 1 << 63;
+
 /// The stored form of a key: 0 and 1 are reserved, so they fold onto 2 and 3 (a 2⁻⁶³ collision,
 /// the same order as any 64-bit chain-key collision, and equally harmless).
 fn stored(key: ChainKey) -> u64 {
     if key.0 < 2 { key.0 + 2 } else { key.0 }
 }
 
-fn tier_off(tier: Tier) -> usize {
+fn tier_bit(tier: Tier) -> u64 {
     match tier {
-        Tier::Gpu => 0,
-        Tier::Cpu => 1,
+        Tier::Gpu => 1,
+        Tier::Cpu => 2,
     }
+}
+
+/// The inline entries of `mem` as `(endpoint slot, tiers)`; free entries are skipped.
+fn entries(mem: u64) -> impl Iterator<Item = (u32, u64)> {
+    (0..INLINE).filter_map(move |e| {
+        let v = (mem >> (ENTRY_BITS * e as u32)) & ENTRY_MASK;
+        (v != 0).then(|| ((v >> 2) as u32 - 1, v & 3))
+    })
+}
+
+fn entry(slot: u32, tiers: u64) -> u64 {
+    (u64::from(slot + 1) << 2) | tiers
+}
+
+/// Memberships (set tier bits) of an inline `mem`.
+fn inline_count(mem: u64) -> u64 {
+    entries(mem).map(|(_, t)| u64::from(t.count_ones())).sum()
+}
+
+/// Writes the inline entries of `mem` into `[gpu_w0, cpu_w0, gpu_w1, ...]` masks (ORed in;
+/// slots beyond `out` are dropped).
+fn inline_to_masks(mem: u64, out: &mut [u64]) {
+    for (slot, tiers) in entries(mem) {
+        let w = 2 * (slot as usize / 64);
+        let bit = 1u64 << (slot % 64);
+        if tiers & 1 != 0
+            && let Some(o) = out.get_mut(w)
+        {
+            *o |= bit;
+        }
+        if tiers & 2 != 0
+            && let Some(o) = out.get_mut(w + 1)
+        {
+            *o |= bit;
+        }
+    }
+}
+
+/// Encodes masks inline if they fit.
+fn masks_to_inline(masks: &[u64]) -> Option<u64> {
+    let mut mem = 0u64;
+    let mut n = 0;
+    for w in 0..masks.len() / 2 {
+        let (g, c) = (masks[2 * w], masks[2 * w + 1]);
+        let mut both = g | c;
+        while both != 0 {
+            let b = both.trailing_zeros();
+            both &= both - 1;
+            let slot = (w * 64) as u32 + b;
+            if n == INLINE || slot > MAX_INLINE_SLOT {
+                return None;
+            }
+            let tiers = (g >> b & 1) | ((c >> b & 1) << 1);
+            mem |= entry(slot, tiers) << (ENTRY_BITS * n as u32);
+            n += 1;
+        }
+    }
+    Some(mem)
 }
 
 #[derive(Debug)]
 struct Table {
     keys: Box<[AtomicU64]>,
     used: Box<[AtomicU32]>,
-    /// Per slot `2 × words` masks: `[gpu_w0, cpu_w0, gpu_w1, cpu_w1, ...]`.
-    bits: Box<[AtomicU64]>,
+    /// Per slot: inline entries, or `OVERFLOW | record`.
+    mem: Box<[AtomicU64]>,
+    /// Overflow records of `2 × words` masks: `[gpu_w0, cpu_w0, gpu_w1, cpu_w1, ...]`.
+    arena: Box<[AtomicU64]>,
     words: usize,
     mask: usize,
     /// Per-shard random value mixed into probe positions, so crafted prompts cannot build long
@@ -64,12 +144,15 @@ impl Table {
         (h ^ (h >> 29)) as usize
     }
 
-    fn new(cap: usize, words: usize, seed: u64) -> Table {
+    fn new(cap: usize, words: usize, records: usize, seed: u64) -> Table {
         let cap = cap.next_power_of_two().max(8);
         Table {
             keys: (0..cap).map(|_| AtomicU64::new(EMPTY)).collect(),
             used: (0..cap).map(|_| AtomicU32::new(0)).collect(),
-            bits: (0..cap * 2 * words).map(|_| AtomicU64::new(0)).collect(),
+            mem: (0..cap).map(|_| AtomicU64::new(0)).collect(),
+            arena: (0..records * 2 * words)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             words,
             mask: cap - 1,
             seed,
@@ -80,12 +163,18 @@ impl Table {
         self.mask + 1
     }
 
-    fn bytes(&self) -> usize {
-        self.cap() * (8 + 4 + 16 * self.words)
+    fn records(&self) -> usize {
+        self.arena.len() / (2 * self.words)
     }
 
-    fn slot_bits(&self, i: usize) -> &[AtomicU64] {
-        &self.bits[i * 2 * self.words..(i + 1) * 2 * self.words]
+    fn bytes(&self) -> usize {
+        self.cap() * (8 + 4 + 8) + self.arena.len() * 8
+    }
+
+    fn record(&self, r: usize) -> &[AtomicU64] {
+        self.arena
+            .get(r * 2 * self.words..(r + 1) * 2 * self.words)
+            .unwrap_or(&[])
     }
 
     /// Slot holding `key`, if any (writer side: no concurrent mutation).
@@ -99,6 +188,15 @@ impl Table {
             }
         }
     }
+
+    /// First free slot (tombstone or empty) on `key`'s probe path.
+    fn free_slot(&self, key: u64) -> usize {
+        let mut i = self.home(key) & self.mask;
+        while !matches!(self.keys[i].load(Ordering::Relaxed), EMPTY | TOMB) {
+            i = (i + 1) & self.mask;
+        }
+        i
+    }
 }
 
 #[derive(Debug, Default)]
@@ -106,8 +204,18 @@ struct Writer {
     live: usize,
     tombs: usize,
     memberships: u64,
+    /// Arena records handed out so far in the current table (the rest are never used).
+    next_record: usize,
+    /// Records freed since (reused first).
+    free_records: Vec<u32>,
     /// xorshift state for eviction sampling.
     rng: u64,
+}
+
+impl Writer {
+    fn overflowed(&self) -> usize {
+        self.next_record - self.free_records.len()
+    }
 }
 
 /// One shard. Padded so neighbouring shards' mutexes do not share a cache line.
@@ -127,7 +235,7 @@ pub(crate) struct WriteOutcome {
 impl Shard {
     pub(crate) fn new(seed: u64) -> Shard {
         Shard {
-            table: ArcSwap::from_pointee(Table::new(8, 1, seed)),
+            table: ArcSwap::from_pointee(Table::new(8, 1, 0, seed)),
             writer: Mutex::new(Writer {
                 rng: seed | 1,
                 ..Writer::default()
@@ -148,12 +256,20 @@ impl Shard {
                     break 'retry;
                 }
                 if k == key {
-                    let bits = t.slot_bits(i);
-                    for (j, o) in out.iter_mut().enumerate() {
-                        *o = bits.get(j).map_or(0, |b| b.load(Ordering::Relaxed));
+                    let m = t.mem[i].load(Ordering::Acquire);
+                    out.fill(0);
+                    if m & OVERFLOW == 0 {
+                        inline_to_masks(m, out);
+                    } else {
+                        let rec = t.record((m & u64::from(u32::MAX)) as usize);
+                        for (o, b) in out.iter_mut().zip(rec) {
+                            *o = b.load(Ordering::Relaxed);
+                        }
                     }
                     fence(Ordering::Acquire);
-                    if t.keys[i].load(Ordering::Relaxed) != key {
+                    if t.keys[i].load(Ordering::Relaxed) != key
+                        || t.mem[i].load(Ordering::Relaxed) != m
+                    {
                         continue 'retry;
                     }
                     t.used[i].store(now, Ordering::Relaxed);
@@ -177,45 +293,113 @@ impl Shard {
         cap: usize,
     ) -> WriteOutcome {
         let key = stored(key);
+        let tb = tier_bit(tier);
         let mut w = self.writer.lock();
         let need_words = slot as usize / 64 + 1;
         let mut t = self.table.load_full();
-        let i = match t.find(key) {
-            Some(i) => i,
-            None => {
-                if t.words < need_words || (w.live + w.tombs + 1) * 4 > t.cap() * 3 {
-                    t = self.rebuild(&mut w, &t, need_words.max(t.words));
-                }
-                // First free slot on the probe path (a tombstone or the ending empty slot).
-                let mut i = t.home(key) & t.mask;
-                while !matches!(t.keys[i].load(Ordering::Relaxed), EMPTY | TOMB) {
-                    i = (i + 1) & t.mask;
-                }
-                if t.keys[i].load(Ordering::Relaxed) == TOMB {
-                    w.tombs -= 1;
-                }
-                w.live += 1;
-                t.used[i].store(now, Ordering::Relaxed);
-                set_bit(&t, i, slot, tier, &mut w);
-                t.keys[i].store(key, Ordering::Release);
-                let mut out = WriteOutcome::default();
-                while w.live > cap.max(1) {
-                    if self.evict_one(&mut w, &t, now, i) {
-                        out.evicted += 1;
-                    } else {
-                        break;
-                    }
-                }
-                return out;
-            }
-        };
-        if t.words < need_words {
-            t = self.rebuild(&mut w, &t, need_words);
+        if t.find(key).is_none() && (w.live + w.tombs + 1) * 4 > t.cap() * 3 {
+            let (grown, records) = ((w.live + 1) * 2, t.records());
+            t = self.rebuild(&mut w, &t, grown, t.words, records);
         }
-        let i = t.find(key).unwrap_or(i);
-        t.used[i].store(now, Ordering::Relaxed);
-        set_bit(&t, i, slot, tier, &mut w);
-        WriteOutcome::default()
+        // At most two passes: a rebuild for overflow room guarantees the second succeeds.
+        loop {
+            let found = t.find(key);
+            let i = found.unwrap_or_else(|| t.free_slot(key));
+            let m = if found.is_some() {
+                t.mem[i].load(Ordering::Relaxed)
+            } else {
+                0
+            };
+            if m & OVERFLOW != 0 {
+                if t.words < need_words {
+                    let records = t.records();
+                    t = self.rebuild(&mut w, &t, t.cap(), need_words, records);
+                    continue;
+                }
+                let rec = t.record((m & u64::from(u32::MAX)) as usize);
+                let word = 2 * (slot as usize / 64) + (tb as usize - 1);
+                let bit = 1u64 << (slot % 64);
+                if let Some(b) = rec.get(word)
+                    && b.fetch_or(bit, Ordering::Relaxed) & bit == 0
+                {
+                    w.memberships += 1;
+                }
+                t.used[i].store(now, Ordering::Relaxed);
+                return WriteOutcome::default();
+            }
+            // Inline: update the slot's entry or take a free one.
+            let mut new = None;
+            let mut free_pos = None;
+            for e in 0..INLINE {
+                let v = (m >> (ENTRY_BITS * e as u32)) & ENTRY_MASK;
+                if v == 0 {
+                    free_pos.get_or_insert(e);
+                } else if (v >> 2) as u32 - 1 == slot {
+                    if v & tb != 0 {
+                        t.used[i].store(now, Ordering::Relaxed);
+                        return WriteOutcome::default();
+                    }
+                    new = Some(m | (tb << (ENTRY_BITS * e as u32)));
+                }
+            }
+            if new.is_none()
+                && slot <= MAX_INLINE_SLOT
+                && let Some(e) = free_pos
+            {
+                new = Some(m | (entry(slot, tb) << (ENTRY_BITS * e as u32)));
+            }
+            let publish = match new {
+                Some(new) => new,
+                None => {
+                    // Overflow: needs a record wide enough for every member.
+                    let words = entries(m)
+                        .map(|(s, _)| s as usize / 64 + 1)
+                        .fold(need_words.max(t.words), usize::max);
+                    let room = !w.free_records.is_empty() || w.next_record < t.records();
+                    if t.words < words || !room {
+                        let records = (w.overflowed() + 1) * 2;
+                        let records = records.max(t.cap() / 16).max(8);
+                        t = self.rebuild(&mut w, &t, t.cap(), words, records);
+                        continue;
+                    }
+                    let r = match w.free_records.pop() {
+                        Some(r) => r as usize,
+                        None => {
+                            w.next_record += 1;
+                            w.next_record - 1
+                        }
+                    };
+                    let rec = t.record(r);
+                    let mut masks = vec![0u64; 2 * t.words];
+                    inline_to_masks(m, &mut masks);
+                    masks[2 * (slot as usize / 64) + (tb as usize - 1)] |= 1 << (slot % 64);
+                    for (d, s) in rec.iter().zip(&masks) {
+                        d.store(*s, Ordering::Relaxed);
+                    }
+                    OVERFLOW | r as u64
+                }
+            };
+            w.memberships += 1;
+            t.used[i].store(now, Ordering::Relaxed);
+            t.mem[i].store(publish, Ordering::Release);
+            if found.is_some() {
+                return WriteOutcome::default();
+            }
+            if t.keys[i].load(Ordering::Relaxed) == TOMB {
+                w.tombs -= 1;
+            }
+            w.live += 1;
+            t.keys[i].store(key, Ordering::Release);
+            let mut out = WriteOutcome::default();
+            while w.live > cap.max(1) {
+                if self.evict_one(&mut w, &t, now, i) {
+                    out.evicted += 1;
+                } else {
+                    break;
+                }
+            }
+            return out;
+        }
     }
 
     /// Clears `slot` from `key` in `tier` (both if `None`), deleting the block once nobody holds
@@ -225,28 +409,50 @@ impl Shard {
         let mut w = self.writer.lock();
         let t = self.table.load_full();
         let Some(i) = t.find(key) else { return false };
+        let clear = tier.map_or(3, tier_bit);
+        let m = t.mem[i].load(Ordering::Relaxed);
+        if m & OVERFLOW == 0 {
+            let mut new = m;
+            let mut still = false;
+            for e in 0..INLINE {
+                let shift = ENTRY_BITS * e as u32;
+                let v = (m >> shift) & ENTRY_MASK;
+                if v == 0 || (v >> 2) as u32 - 1 != slot {
+                    continue;
+                }
+                let left = v & 3 & !clear;
+                w.memberships -= u64::from((v & 3 & clear).count_ones());
+                still = left != 0;
+                new &= !(ENTRY_MASK << shift);
+                if still {
+                    new |= entry(slot, left) << shift;
+                }
+            }
+            if new == 0 {
+                delete(&t, i, &mut w);
+            } else if new != m {
+                t.mem[i].store(new, Ordering::Release);
+            }
+            return still;
+        }
+        let rec = t.record((m & u64::from(u32::MAX)) as usize);
         let word = slot as usize / 64;
         if word >= t.words {
             return false;
         }
         let bit = 1u64 << (slot % 64);
-        let bits = t.slot_bits(i);
-        let tiers: &[Tier] = match tier {
-            Some(Tier::Gpu) => &[Tier::Gpu],
-            Some(Tier::Cpu) => &[Tier::Cpu],
-            None => &[Tier::Gpu, Tier::Cpu],
-        };
-        for t2 in tiers {
-            let prev = bits[2 * word + tier_off(*t2)].fetch_and(!bit, Ordering::Relaxed);
-            if prev & bit != 0 {
+        for off in 0..2 {
+            if clear & (1 << off) != 0
+                && let Some(b) = rec.get(2 * word + off)
+                && b.fetch_and(!bit, Ordering::Relaxed) & bit != 0
+            {
                 w.memberships -= 1;
             }
         }
-        let still = (bits[2 * word].load(Ordering::Relaxed)
-            | bits[2 * word + 1].load(Ordering::Relaxed))
-            & bit
-            != 0;
-        if bits.iter().all(|b| b.load(Ordering::Relaxed) == 0) {
+        let still = rec.get(2 * word..2 * word + 2).is_some_and(|b| {
+            (b[0].load(Ordering::Relaxed) | b[1].load(Ordering::Relaxed)) & bit != 0
+        });
+        if rec.iter().all(|b| b.load(Ordering::Relaxed) == 0) {
             delete(&t, i, &mut w);
         }
         still
@@ -256,29 +462,61 @@ impl Shard {
     pub(crate) fn stats(&self) -> (u64, u64, u64) {
         let w = self.writer.lock();
         let t = self.table.load();
-        (w.live as u64, w.memberships, t.bytes() as u64)
+        let bytes = t.bytes() + w.free_records.capacity() * 4;
+        (w.live as u64, w.memberships, bytes as u64)
     }
 
-    /// A new table sized for twice the live blocks, with `words` mask words, holding every live
-    /// block; swapped in for readers.
-    fn rebuild(&self, w: &mut Writer, old: &Table, words: usize) -> Arc<Table> {
-        let new = Table::new((w.live + 1) * 2, words, old.seed);
+    /// A new table of `cap` slots (at least 4/3 of the live blocks), `words` mask words and room
+    /// for `records` overflow records (at least those in use), holding every live block; swapped
+    /// in for readers. Overflowed blocks that fit inline again are moved back inline.
+    fn rebuild(
+        &self,
+        w: &mut Writer,
+        old: &Table,
+        cap: usize,
+        words: usize,
+        records: usize,
+    ) -> Arc<Table> {
+        let records = records.max(w.overflowed());
+        // Never above 3/4 full (probe chains must end).
+        let new = Table::new(cap.max((w.live + 1) * 4 / 3 + 1), words, records, old.seed);
+        let mut next = 0usize;
+        let mut masks = vec![0u64; 2 * words];
         for i in 0..old.cap() {
             let k = old.keys[i].load(Ordering::Relaxed);
             if k == EMPTY || k == TOMB {
                 continue;
             }
-            let mut j = new.home(k) & new.mask;
-            while new.keys[j].load(Ordering::Relaxed) != EMPTY {
-                j = (j + 1) & new.mask;
-            }
+            let j = new.free_slot(k);
             new.used[j].store(old.used[i].load(Ordering::Relaxed), Ordering::Relaxed);
-            for (d, s) in new.slot_bits(j).iter().zip(old.slot_bits(i)) {
-                d.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
-            }
+            let m = old.mem[i].load(Ordering::Relaxed);
+            let m = if m & OVERFLOW == 0 {
+                m
+            } else {
+                masks.fill(0);
+                for (d, s) in masks
+                    .iter_mut()
+                    .zip(old.record((m & u64::from(u32::MAX)) as usize))
+                {
+                    *d = s.load(Ordering::Relaxed);
+                }
+                match masks_to_inline(&masks) {
+                    Some(inline) => inline,
+                    None => {
+                        for (d, s) in new.record(next).iter().zip(&masks) {
+                            d.store(*s, Ordering::Relaxed);
+                        }
+                        next += 1;
+                        OVERFLOW | (next - 1) as u64
+                    }
+                }
+            };
+            new.mem[j].store(m, Ordering::Relaxed);
             new.keys[j].store(k, Ordering::Relaxed);
         }
         w.tombs = 0;
+        w.next_record = next;
+        w.free_records = Vec::new();
         let new = Arc::new(new);
         self.table.store(Arc::clone(&new));
         new
@@ -309,30 +547,30 @@ impl Shard {
             }
         }
         let Some((i, _)) = victim else { return false };
-        let lost: u64 = t
-            .slot_bits(i)
-            .iter()
-            .map(|b| u64::from(b.load(Ordering::Relaxed).count_ones()))
-            .sum();
+        let m = t.mem[i].load(Ordering::Relaxed);
+        let lost = if m & OVERFLOW == 0 {
+            inline_count(m)
+        } else {
+            t.record((m & u64::from(u32::MAX)) as usize)
+                .iter()
+                .map(|b| u64::from(b.load(Ordering::Relaxed).count_ones()))
+                .sum()
+        };
         w.memberships -= lost;
         delete(t, i, w);
         true
     }
 }
 
-fn set_bit(t: &Table, i: usize, slot: u32, tier: Tier, w: &mut Writer) {
-    let bit = 1u64 << (slot % 64);
-    let prev =
-        t.slot_bits(i)[2 * (slot as usize / 64) + tier_off(tier)].fetch_or(bit, Ordering::Relaxed);
-    if prev & bit == 0 {
-        w.memberships += 1;
-    }
-}
-
 fn delete(t: &Table, i: usize, w: &mut Writer) {
     t.keys[i].store(TOMB, Ordering::Release);
-    for b in t.slot_bits(i) {
-        b.store(0, Ordering::Relaxed);
+    let m = t.mem[i].swap(0, Ordering::Relaxed);
+    if m & OVERFLOW != 0 {
+        let r = (m & u64::from(u32::MAX)) as usize;
+        for b in t.record(r) {
+            b.store(0, Ordering::Relaxed);
+        }
+        w.free_records.push(r as u32);
     }
     w.live -= 1;
     w.tombs += 1;
@@ -367,6 +605,63 @@ mod tests {
             s.remove(ChainKey(k), (k % 3) as u32, None);
         }
         assert_eq!(s.stats().0, 0);
+    }
+
+    /// Blocks held by more endpoints than fit inline overflow into the arena and keep exact
+    /// masks through growth, widening, removals and record reuse; once they fit again a rebuild
+    /// moves them back inline.
+    #[test]
+    fn overflow_records_hold_exact_masks() {
+        let s = Shard::new(9);
+        let mut out = [0u64; 6];
+        let slots = [0u32, 5, 63, 64, 130];
+        for k in 4..504u64 {
+            for (n, &slot) in slots.iter().enumerate() {
+                let tier = if n % 2 == 0 { Tier::Gpu } else { Tier::Cpu };
+                s.add(ChainKey(k), slot, tier, 1, usize::MAX);
+            }
+            s.add(ChainKey(k), 5, Tier::Gpu, 1, usize::MAX);
+        }
+        let gpu = [1u64 | 1 << 5 | 1 << 63, 0, 1 << 2];
+        let cpu = [1u64 << 5, 1, 0];
+        for k in 4..504u64 {
+            assert!(s.read(ChainKey(k), &mut out, 2));
+            assert_eq!(
+                out,
+                [gpu[0], cpu[0], gpu[1], cpu[1], gpu[2], cpu[2]],
+                "key {k}"
+            );
+        }
+        assert_eq!(s.stats().1, 500 * 6);
+        // Down to two members: still exact, and a rebuild (forced by growth) moves them inline.
+        for k in 4..504u64 {
+            assert!(!s.remove(ChainKey(k), 63, None));
+            assert!(!s.remove(ChainKey(k), 64, Some(Tier::Cpu)));
+            assert!(s.remove(ChainKey(k), 5, Some(Tier::Cpu)), "5 still in GPU");
+        }
+        for k in 1000..3000u64 {
+            s.add(ChainKey(k), 1, Tier::Gpu, 3, usize::MAX);
+        }
+        for k in 4..504u64 {
+            assert!(s.read(ChainKey(k), &mut out, 4));
+            assert_eq!(out, [1 | 1 << 5, 0, 0, 0, 1 << 2, 0], "key {k}");
+        }
+        assert_eq!(s.stats().1, 500 * 3 + 2000);
+        // Records freed by deletion are reused.
+        for k in 4..504u64 {
+            for slot in [0u32, 5, 130] {
+                s.remove(ChainKey(k), slot, None);
+            }
+            assert!(!s.read(ChainKey(k), &mut out, 5));
+        }
+        for k in 4..504u64 {
+            for slot in 0..5u32 {
+                s.add(ChainKey(k), slot, Tier::Cpu, 6, usize::MAX);
+            }
+        }
+        assert!(s.read(ChainKey(7), &mut out, 7));
+        assert_eq!(out, [0, 0b11111, 0, 0, 0, 0]);
+        assert_eq!(s.stats(), (2500, 2000 + 2500, s.stats().2));
     }
 
     #[test]
@@ -410,6 +705,50 @@ mod concurrency_tests {
     /// different endpoint slots; a lock-free reader must never attribute one key's masks to
     /// another. A stress test: it catches stale masks on recycled slots; the narrower race the
     /// key re-check guards against is rarely hit on a 2-core machine.
+    /// Same with every block overflowing (5 endpoint slots per key): arena records are freed
+    /// and handed to other keys constantly.
+    #[test]
+    fn readers_never_see_another_keys_overflow_records() {
+        let shard = Shard::new(5);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let slots = |k: u64| (0..5u32).map(move |j| (k as u32 * 7 + j) % 40);
+        let expect = |k: u64| slots(k).fold(0u64, |m, s| m | 1 << s);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for round in 0..8_000u64 {
+                    for k in 10..40u64 {
+                        for s in slots(k) {
+                            shard.add(ChainKey(k), s, Tier::Gpu, round as u32, 8);
+                        }
+                    }
+                    if round % 2 == 0 {
+                        for k in 10..40u64 {
+                            for s in slots(k) {
+                                shard.remove(ChainKey(k), s, None);
+                            }
+                        }
+                    }
+                }
+                stop.store(true, Ordering::Relaxed);
+            });
+            scope.spawn(|| {
+                let mut out = [0u64; 2];
+                let mut seen = 0u64;
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
+                    for k in 10..40u64 {
+                        if shard.read(ChainKey(k), &mut out, 0) {
+                            assert_eq!(out[0] & !expect(k), 0, "key {k} read masks {out:?}");
+                            assert_eq!(out[1], 0);
+                            seen += 1;
+                        }
+                    }
+                }
+                assert!(seen > 0, "reader saw the writer's blocks at least once");
+            });
+        });
+    }
+
     #[test]
     fn readers_never_see_another_keys_masks() {
         let shard = Shard::new(3);
