@@ -382,8 +382,11 @@ pub async fn route_pd(
     let mut prefill_name: Option<Arc<str>> = None;
     let mut decode_params: Option<Value> = None;
     if disaggregate && let Some(profile) = s.scheduler.profile(Some(&pd.config.prefill_profile)) {
+        let t0 = Instant::now();
         let decision = s.scheduler.schedule(&profile, &ctx, &pcands);
-        if let Some(pi) = decision.chosen {
+        let chosen = decision.chosen;
+        record(&s, &rid, kind, &ctx, t0, "pd_prefill", decision);
+        if let Some(pi) = chosen {
             let pep = Arc::clone(&prefillers[pi]);
             // Without conversation history, any endpoint holding more of the prefix in its CPU
             // tier (decoders publish theirs) may be named as the prefill leg's P2P source.
@@ -425,17 +428,32 @@ pub async fn route_pd(
     let Some(dprofile) = dprofile else {
         return ApiError::service_unavailable("no decode profile").into_response();
     };
+    let t0 = Instant::now();
     let decision = s.scheduler.schedule(&dprofile, &ctx, &dcands);
-    let Some(di) = decision.chosen else {
-        s.metrics.error("no_endpoint");
-        return ApiError::service_unavailable("no decode endpoint chosen").into_response();
-    };
-    let dep = Arc::clone(&decoders[di]);
+    let chosen = decision.chosen;
     let leg = if decode_params.is_some() {
         "decode"
     } else {
         "decode_only"
     };
+    record(
+        &s,
+        &rid,
+        kind,
+        &ctx,
+        t0,
+        if leg == "decode" {
+            "pd_decode"
+        } else {
+            "decode_only"
+        },
+        decision,
+    );
+    let Some(di) = chosen else {
+        s.metrics.error("no_endpoint");
+        return ApiError::service_unavailable("no decode endpoint chosen").into_response();
+    };
+    let dep = Arc::clone(&decoders[di]);
     if let Some(p) = &decode_params
         && let Err(e) = parsed.set_field("kv_transfer_params", p)
     {
@@ -509,6 +527,32 @@ pub async fn route_pd(
     *resp.status_mut() = status;
     *resp.headers_mut() = resp_headers;
     resp
+}
+
+/// Adds a P/D leg's decision to `/debug/decisions` (outcome `pd_prefill`, `pd_decode` or
+/// `decode_only`).
+fn record(
+    s: &RouterState,
+    rid: &str,
+    kind: ApiKind,
+    ctx: &SchedulingContext<'_>,
+    t0: Instant,
+    outcome: &'static str,
+    decision: crate::scheduler::Decision,
+) {
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    s.decisions.push(Arc::new(crate::decisions::DecisionRecord {
+        request_id: rid.to_owned(),
+        at,
+        path: kind.path().to_owned(),
+        prompt_tokens: ctx.prompt_tokens,
+        blocks: ctx.total_blocks,
+        scheduling_us: t0.elapsed().as_micros() as u64,
+        outcome,
+        decision,
+    }));
 }
 
 /// The prefill profile's P2P source over prefill + decode candidates (computing = the prefill

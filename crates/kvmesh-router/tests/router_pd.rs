@@ -395,6 +395,22 @@ async fn dropped_answer_text_is_recomputed_without_error() {
             .find(|e| Some(&e.name) == t2.prefill_endpoint.as_ref())
             .unwrap();
         assert_ne!(t1.prefill_endpoint, t2.prefill_endpoint);
+        let decisions: Value = reqwest::get(format!("http://{}/debug/decisions?last=2", r.addr))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let outcomes: Vec<&str> = decisions
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["outcome"].as_str().unwrap())
+            .collect();
+        assert!(
+            outcomes.contains(&"pd_prefill") && outcomes.contains(&"pd_decode"),
+            "{decisions}"
+        );
         let mismatches = engine_metric(&p2.url, "kvmesh_engine_pd_remote_reads_total").await;
         assert_eq!(mismatches, 1.0);
         // Only the matching prefix (turn 1's prompt, full blocks) came from the decoder.
