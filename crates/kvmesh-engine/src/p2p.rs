@@ -287,6 +287,22 @@ impl P2pConsumer {
         hashes: &[BlockHash],
         first: usize,
     ) -> PrefixPull {
+        let deadline = tokio::time::Instant::now() + self.timeout + self.pending_deadline;
+        self.pull_prefix_until(engine, source, prompt, hashes, first, deadline)
+            .await
+    }
+
+    /// [`P2pConsumer::pull_prefix`] bounded by an overall `deadline` (a request that already
+    /// spent part of its budget waiting for another pull does not get a fresh one).
+    async fn pull_prefix_until(
+        &self,
+        engine: &EngineHandle,
+        source: &RemoteKvSource,
+        prompt: &[TokenId],
+        hashes: &[BlockHash],
+        first: usize,
+        deadline: tokio::time::Instant,
+    ) -> PrefixPull {
         let started = tokio::time::Instant::now();
         let want = hashes.get(first..).unwrap_or_default();
         let mut sink = TierSink {
@@ -301,7 +317,6 @@ impl P2pConsumer {
             external: Vec::new(),
         };
         // The whole pull is bounded too (per-step timeouts alone could add up on a long prefix).
-        let deadline = started + self.timeout + self.pending_deadline;
         let report = self
             .client
             .pull_with_deadline(
@@ -340,19 +355,20 @@ impl P2pConsumer {
         }
         req.external_query_tokens = req.prompt.len();
         // One pull per prefix at a time: a request whose first missing block is already being
-        // pulled waits for that pull (bounded by the same deadline as its own pull would be),
-        // then takes what landed as a local hit and pulls only the rest.
+        // pulled waits for that pull, then takes what landed as a local hit and pulls only the
+        // rest — all within one budget (timeout + pending deadline), so waits never compound.
         let deadline = tokio::time::Instant::now() + self.timeout + self.pending_deadline;
         let _claim = loop {
             match self.claim(hashes[local]) {
-                Inflight::Claimed(c) => break Some(c),
+                Inflight::Claimed(c) => break c,
                 Inflight::Busy(mut rx) => {
                     if tokio::time::timeout_at(deadline, rx.changed())
                         .await
                         .is_err()
                     {
-                        // The other pull is slow: do not wait longer than our own would.
-                        break None;
+                        // The other pull is slow and our budget is spent: compute the rest
+                        // (a fresh pull now would double the wait).
+                        return None;
                     }
                     let before = local;
                     local = local_prefix_blocks(engine, &hashes).await;
@@ -372,7 +388,7 @@ impl P2pConsumer {
             }
         };
         let pull = self
-            .pull_prefix(engine, source, &req.prompt, &hashes, local)
+            .pull_prefix_until(engine, source, &req.prompt, &hashes, local, deadline)
             .await;
         tracing::debug!(
             request_id = %req.request_id,

@@ -146,6 +146,15 @@ async fn a_pull_stuck_on_a_silent_peer_delays_no_other_request() {
             tokio::spawn(async move { complete(addr, &prompt, Some(source(silent_port))).await })
         };
         tokio::time::sleep(Duration::from_millis(100)).await;
+        // A second request for the same prefix from the same silent peer waits for the first
+        // pull, but within one budget (timeout 3 s + pending 0.5 s): waits never compound.
+        let follower_started = Instant::now();
+        let follower = {
+            let mut prompt = prefix.clone();
+            prompt.extend(tokens(11, 32));
+            let addr = b.addr;
+            tokio::spawn(async move { complete(addr, &prompt, Some(source(silent_port))).await })
+        };
         // Same prefix (same first missing block), and an unrelated prompt: both are served
         // long before the stuck pull gives up.
         let t0 = Instant::now();
@@ -160,6 +169,13 @@ async fn a_pull_stuck_on_a_silent_peer_delays_no_other_request() {
         );
         let got = stuck.await.unwrap();
         assert_eq!(got["usage"]["completion_tokens"], 2);
+        let got = follower.await.unwrap();
+        assert_eq!(got["usage"]["completion_tokens"], 2);
+        assert!(
+            follower_started.elapsed() < Duration::from_millis(4_500),
+            "waiting for another pull and then pulling again took {:?}",
+            follower_started.elapsed()
+        );
         assert!(
             stuck_started.elapsed() < Duration::from_secs(6),
             "the stuck pull itself is bounded (timeout + pending deadline)"
