@@ -171,7 +171,23 @@ impl FleetSpec {
             }
         }
         if let Some(r) = &self.router {
-            r.profile.parse::<Arm>().map_err(FleetError::Spec)?;
+            let arm = r.profile.parse::<Arm>().map_err(FleetError::Spec)?;
+            let has = |role: Role| self.engines.iter().any(|g| g.count > 0 && g.role == role);
+            let disaggregated = has(Role::Prefill) || has(Role::Decode);
+            if arm.is_pd() && !(has(Role::Prefill) && has(Role::Decode)) {
+                return Err(FleetError::Spec(format!(
+                    "router profile {arm:?} needs engines with role: prefill and role: decode",
+                    arm = arm.name()
+                )));
+            }
+            if !arm.is_pd() && disaggregated {
+                return Err(FleetError::Spec(format!(
+                    "router profile {:?} does not disaggregate, but the fleet has prefill/decode \
+                     engines; use `pd` (P/D, history recomputed) or `pd-bidir` (P/D with \
+                     bi-directional history pulls)",
+                    arm.name()
+                )));
+            }
         }
         Ok(())
     }

@@ -145,6 +145,9 @@ pub struct EngineEvidence {
     pub prompt_tokens_by_source: BTreeMap<String, f64>,
     /// Every `kvmesh_p2p_*` counter (by name and direction label).
     pub p2p: BTreeMap<String, f64>,
+    /// Every P/D counter (`kvmesh_engine_pd_*`, `vllm:nixl_num_kv_expired_reqs`).
+    #[serde(default)]
+    pub pd: BTreeMap<String, f64>,
 }
 
 impl EngineEvidence {
@@ -165,6 +168,11 @@ impl EngineEvidence {
             local_hit_tokens: sum(&samples, "vllm:prefix_cache_hits_total"),
             prompt_tokens_by_source: by_source,
             p2p: totals_by_prefix(&samples, "kvmesh_p2p_"),
+            pd: {
+                let mut pd = totals_by_prefix(&samples, "kvmesh_engine_pd_");
+                pd.extend(totals_by_prefix(&samples, "vllm:nixl_num_kv_expired_reqs"));
+                pd
+            },
         }
     }
 }
@@ -184,6 +192,15 @@ pub struct Evidence {
     pub p2p_counters: BTreeMap<String, f64>,
     /// Engines whose `/metrics` could not be read (evidence incomplete).
     pub scrape_errors: Vec<String>,
+    /// All P/D counters summed over engines.
+    #[serde(default)]
+    pub pd_counters: BTreeMap<String, f64>,
+    /// Tokens of conversation history read decoder → prefiller (bi-directional P/D).
+    #[serde(default)]
+    pub pd_history_tokens: f64,
+    /// Prompt tokens read prefiller → decoder (the P/D handoff).
+    #[serde(default)]
+    pub pd_decode_tokens: f64,
 }
 
 impl Evidence {
@@ -214,7 +231,28 @@ impl Evidence {
             })
             .map(|(_, v)| *v)
             .sum();
+        let mut pd_counters: BTreeMap<String, f64> = BTreeMap::new();
+        for e in &engines {
+            for (k, v) in &e.pd {
+                *pd_counters.entry(k.clone()).or_insert(0.0) += v;
+            }
+        }
+        let read_tokens = |leg: &str| -> f64 {
+            pd_counters
+                .iter()
+                .filter(|(k, _)| {
+                    k.starts_with("kvmesh_engine_pd_remote_read_tokens")
+                        && k.contains(&format!("leg={leg}"))
+                })
+                .map(|(_, v)| *v)
+                .sum()
+        };
+        let pd_history_tokens = read_tokens("history");
+        let pd_decode_tokens = read_tokens("decode");
         Self {
+            pd_counters,
+            pd_history_tokens,
+            pd_decode_tokens,
             external_hit_tokens: engines.iter().map(|e| e.external_hit_tokens).sum(),
             engines,
             p2p_bytes,
@@ -268,6 +306,33 @@ weird line without value
         assert_eq!(
             e[0].labels,
             vec![("x".into(), "q\"uo,te".into()), ("y".into(), "2".into())]
+        );
+    }
+
+    #[test]
+    fn pd_reads_are_split_by_leg() {
+        let prefill = EngineEvidence::from_exposition(
+            "p",
+            "kvmesh_engine_pd_remote_read_tokens_total{leg=\"history\",outcome=\"pulled\",engine=\"0\"} 4096\n\
+             kvmesh_engine_pd_remote_reads_total{leg=\"history\",outcome=\"complete\"} 2\n\
+             vllm:nixl_num_kv_expired_reqs_total 1\n",
+        );
+        let decoder = EngineEvidence::from_exposition(
+            "d",
+            "kvmesh_engine_pd_remote_read_tokens_total{leg=\"decode\",outcome=\"pulled\"} 8192\n\
+             kvmesh_engine_pd_retained_total{role=\"decode\"} 3\n",
+        );
+        let ev = Evidence::from_engines(vec![prefill, decoder], vec![]);
+        assert_eq!(ev.pd_history_tokens, 4096.0);
+        assert_eq!(ev.pd_decode_tokens, 8192.0);
+        assert_eq!(
+            ev.pd_counters
+                .get("kvmesh_engine_pd_remote_reads_total{leg=history,outcome=complete}"),
+            Some(&2.0)
+        );
+        assert_eq!(
+            ev.pd_counters.get("vllm:nixl_num_kv_expired_reqs_total"),
+            Some(&1.0)
         );
     }
 

@@ -74,6 +74,33 @@ pub fn flags_for(pulls: bool, pd: bool, stats: &ArmStats, ev: &Evidence) -> Vec<
     f
 }
 
+/// Flags of a P/D arm: `moves_history` arms (`pd-bidir`) must have read conversation history
+/// into prefill engines (verified twice: the engines' history-read counter and the prefill
+/// engines' external hits); the control (`pd`) must have read none.
+pub fn pd_flags(
+    moves_history: bool,
+    prefill_external_hit_tokens: f64,
+    ev: &Evidence,
+) -> Vec<String> {
+    let mut f = Vec::new();
+    if ev.pd_decode_tokens <= 0.0 {
+        f.push("MISCONFIGURED: P/D arm read no prompt KV into decoders (kvmesh_engine_pd_remote_read_tokens_total{leg=decode} = 0)".into());
+    }
+    if moves_history && ev.pd_history_tokens <= 0.0 {
+        f.push("MISCONFIGURED: bi-directional arm moved no history (kvmesh_engine_pd_remote_read_tokens_total{leg=history} = 0; conversation id sent? --bidirectional-kv-xfer on?)".into());
+    }
+    if moves_history && ev.pd_history_tokens > 0.0 && prefill_external_hit_tokens <= 0.0 {
+        f.push("UNVERIFIED: history read but no external hits on prefill engines".into());
+    }
+    if !moves_history && ev.pd_history_tokens > 0.0 {
+        f.push(format!(
+            "UNEXPECTED: P/D arm without bi-directional transfer read {:.0} history tokens",
+            ev.pd_history_tokens
+        ));
+    }
+    f
+}
+
 fn secs(v: f64) -> String {
     if v >= 10.0 {
         format!("{v:.1} s")
@@ -166,6 +193,14 @@ impl BenchReport {
                         line,
                         "; history tokens pulled into prefill {:.0}",
                         r.prefill_external_hit_tokens
+                    );
+                }
+                let ev = &r.evidence;
+                if ev.pd_decode_tokens > 0.0 || ev.pd_history_tokens > 0.0 {
+                    let _ = write!(
+                        line,
+                        "; P/D reads: prompt→decoder {:.0} tokens, history→prefill {:.0} tokens",
+                        ev.pd_decode_tokens, ev.pd_history_tokens
                     );
                 }
                 let _ = write!(line, "; achieved {:.2} req/s", st.achieved_rate);
@@ -605,6 +640,26 @@ mod tests {
         assert!(good.flags.is_empty(), "{:?}", good.flags);
         let control = result("load", false, 1.0, true);
         assert!(control.flags.iter().any(|f| f.starts_with("UNEXPECTED")));
+    }
+
+    #[test]
+    fn pd_flags_catch_a_bidirectional_arm_that_moved_no_history() {
+        let mut ev = Evidence {
+            pd_decode_tokens: 4096.0,
+            ..Default::default()
+        };
+        let none = pd_flags(true, 0.0, &ev);
+        assert!(
+            none.iter().any(|f| f.contains("moved no history")),
+            "{none:?}"
+        );
+        assert!(pd_flags(false, 0.0, &ev).is_empty());
+        ev.pd_history_tokens = 2048.0;
+        assert!(pd_flags(true, 2048.0, &ev).is_empty());
+        assert!(pd_flags(true, 0.0, &ev)[0].starts_with("UNVERIFIED"));
+        assert!(pd_flags(false, 0.0, &ev)[0].starts_with("UNEXPECTED"));
+        ev.pd_decode_tokens = 0.0;
+        assert!(pd_flags(true, 2048.0, &ev)[0].contains("no prompt KV"));
     }
 
     #[test]

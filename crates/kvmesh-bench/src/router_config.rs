@@ -26,6 +26,12 @@ pub enum Arm {
     AffinityP2p,
     /// `load` plus P2P decided by the cost model (pull iff predicted recompute > pull + margin).
     CostP2p,
+    /// P/D disaggregation (`pd:` with prefill/decode profiles, decider `always`): the decoder
+    /// pulls the prompt KV from the prefiller; each turn's prefill recomputes the history.
+    Pd,
+    /// `pd` plus bi-directional KV transfer: the router caches the decoder's returned params per
+    /// conversation and the next turn's prefill reads the history from the decoder.
+    PdBidir,
 }
 
 pub const ARM_NAMES: &[&str] = &[
@@ -35,6 +41,8 @@ pub const ARM_NAMES: &[&str] = &[
     "load-p2p",
     "affinity-p2p",
     "cost-p2p",
+    "pd",
+    "pd-bidir",
 ];
 
 impl Arm {
@@ -46,12 +54,28 @@ impl Arm {
             Self::LoadP2p => "load-p2p",
             Self::AffinityP2p => "affinity-p2p",
             Self::CostP2p => "cost-p2p",
+            Self::Pd => "pd",
+            Self::PdBidir => "pd-bidir",
         }
     }
 
     /// Whether this arm is meant to pull (a pull arm that moved nothing is misconfigured).
+    /// P/D arms pull too: the P→D handoff travels over the P2P service.
     pub fn pulls(self) -> bool {
-        matches!(self, Self::LoadP2p | Self::AffinityP2p | Self::CostP2p)
+        matches!(
+            self,
+            Self::LoadP2p | Self::AffinityP2p | Self::CostP2p | Self::Pd | Self::PdBidir
+        )
+    }
+
+    /// Whether this arm disaggregates prefill and decode (needs a fleet with both roles).
+    pub fn is_pd(self) -> bool {
+        matches!(self, Self::Pd | Self::PdBidir)
+    }
+
+    /// Whether this arm is meant to move conversation history decoder → prefiller.
+    pub fn moves_history(self) -> bool {
+        self == Self::PdBidir
     }
 }
 
@@ -71,6 +95,8 @@ impl std::str::FromStr for Arm {
             "load-p2p" => Self::LoadP2p,
             "affinity-p2p" => Self::AffinityP2p,
             "cost-p2p" => Self::CostP2p,
+            "pd" => Self::Pd,
+            "pd-bidir" => Self::PdBidir,
             other => {
                 return Err(format!(
                     "unknown arm {other:?}; known: {}",
@@ -114,7 +140,8 @@ metrics_scrape_interval: 200ms
         "health_check: {interval: 2s, timeout: 10s, unhealthy_threshold: 10, healthy_threshold: 1}\n",
     );
     let _ = writeln!(y, "seed: {seed}");
-    let _ = writeln!(y, "default_profile: {}", arm.name());
+    let default_profile = if arm.is_pd() { "decode" } else { arm.name() };
+    let _ = writeln!(y, "default_profile: {default_profile}");
     y.push_str("endpoints:\n");
     for e in endpoints {
         let _ = writeln!(y, "  - name: {}", e.name);
@@ -132,6 +159,10 @@ metrics_scrape_interval: 200ms
     // (type, name, parameters, weight in the profile; None = filter/picker/producer).
     let mut plugins: Vec<(&str, &str, String, Option<u32>)> = Vec::new();
     match arm {
+        Arm::Pd | Arm::PdBidir => {
+            render_pd(&mut y, arm);
+            return y;
+        }
         Arm::RoundRobin => plugins.push(("round-robin-picker", "picker", String::new(), None)),
         Arm::Affinity | Arm::AffinityP2p => {
             plugins.push(("prefix-cache-scorer", "prefix", String::new(), Some(3)));
@@ -189,6 +220,49 @@ metrics_scrape_interval: 200ms
     y
 }
 
+/// Name of the prefill / decode scheduling profiles of the P/D arms.
+pub const PD_PREFILL_PROFILE: &str = "prefill";
+pub const PD_DECODE_PROFILE: &str = "decode";
+
+/// P/D arms: the same affinity scoring in a `prefill` and a `decode` profile (the router restricts
+/// each leg to endpoints of its role) and a `pd:` section that disaggregates every request.
+/// `pd` and `pd-bidir` differ only in `bidirectional` (and the engines' `--bidirectional-kv-xfer`),
+/// so an A/B isolates the history pull. No `p2p-source-producer` in either: a prefill leg that
+/// reads history does so only through the conversation's cached decoder params.
+fn render_pd(y: &mut String, arm: Arm) {
+    y.push_str(
+        "plugins:
+  - {type: prefix-cache-scorer, name: prefix}
+  - {type: queue-scorer, name: queue}
+  - {type: kv-cache-utilization-scorer, name: kv-util}
+  - {type: max-score-picker, name: picker}
+schedulingProfiles:
+",
+    );
+    for profile in [PD_PREFILL_PROFILE, PD_DECODE_PROFILE] {
+        let _ = writeln!(
+            y,
+            "  - name: {profile}
+    plugins:
+      - {{pluginRef: prefix, weight: 3}}
+      - {{pluginRef: queue, weight: 2}}
+      - {{pluginRef: kv-util, weight: 2}}
+      - {{pluginRef: picker}}"
+        );
+    }
+    // TTL below the engines' default --decoder-kv-blocks-ttl (480 s), like vLLM's proxy.
+    let _ = writeln!(
+        y,
+        "pd:
+  prefill_profile: {PD_PREFILL_PROFILE}
+  decode_profile: {PD_DECODE_PROFILE}
+  decider: always
+  bidirectional: {}
+  conversation_ttl_s: 450",
+        arm.moves_history()
+    );
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -208,32 +282,71 @@ mod tests {
             .collect()
     }
 
+    /// P/D arms run on a prefill + decode pair, the others on aggregated engines.
+    fn eps_for(arm: Arm) -> Vec<EndpointInfo> {
+        if arm.is_pd() {
+            eps(&[Role::Prefill, Role::Decode])
+        } else {
+            eps(&[Role::Both, Role::Both])
+        }
+    }
+
+    #[test]
+    fn pd_arms_render_profiles_and_differ_only_in_bidirectional() {
+        let e = eps(&[Role::Prefill, Role::Decode]);
+        let path = tempfile::NamedTempFile::new().unwrap();
+        for (arm, bidir) in [(Arm::Pd, false), (Arm::PdBidir, true)] {
+            std::fs::write(path.path(), render(arm, &e, None, 1)).unwrap();
+            let cfg = kvmesh_router::RouterConfig::load(path.path()).unwrap();
+            let pd = cfg.pd.unwrap();
+            assert_eq!(
+                (pd.prefill_profile.as_str(), pd.decode_profile.as_str()),
+                (PD_PREFILL_PROFILE, PD_DECODE_PROFILE)
+            );
+            assert_eq!(pd.bidirectional, bidir);
+            assert_eq!(pd.decider, kvmesh_router::pd::Decider::default());
+            assert!(pd.conversation_ttl_s < 480.0);
+        }
+        let a: serde_json::Value = serde_norway::from_str(&render(Arm::Pd, &e, None, 1)).unwrap();
+        let mut b: serde_json::Value =
+            serde_norway::from_str(&render(Arm::PdBidir, &e, None, 1)).unwrap();
+        b["pd"]["bidirectional"] = false.into();
+        assert_eq!(a["pd"], b["pd"]);
+        assert_eq!(a["schedulingProfiles"], b["schedulingProfiles"]);
+        assert_eq!(a["endpoints"], b["endpoints"]);
+    }
+
     #[test]
     fn arms_round_trip_and_only_p2p_arms_pull() {
         for n in ARM_NAMES {
             let a: Arm = n.parse().unwrap();
             assert_eq!(a.name(), *n);
-            assert_eq!(a.pulls(), n.ends_with("-p2p"));
+            assert_eq!(a.pulls(), n.ends_with("-p2p") || n.starts_with("pd"));
+            assert_eq!(a.is_pd(), n.starts_with("pd"));
         }
         assert!("nope".parse::<Arm>().is_err());
     }
 
     #[test]
     fn rendered_yaml_is_a_valid_router_config_and_arms_differ_only_by_policy() {
-        let e = eps(&[Role::Both, Role::Both]);
         let path = tempfile::NamedTempFile::new().unwrap();
         for arm in ARM_NAMES {
             let arm: Arm = arm.parse().unwrap();
+            let e = eps_for(arm);
             std::fs::write(path.path(), render(arm, &e, None, 1)).unwrap();
             let cfg = kvmesh_router::RouterConfig::load(path.path())
                 .unwrap_or_else(|err| panic!("{arm}: {err}\n{}", render(arm, &e, None, 1)));
             assert_eq!(cfg.endpoints.len(), 2);
-            assert_eq!(cfg.default_profile.as_deref(), Some(arm.name()));
+            assert_eq!(cfg.pd.is_some(), arm.is_pd());
+            if !arm.is_pd() {
+                assert_eq!(cfg.default_profile.as_deref(), Some(arm.name()));
+            }
             assert_eq!(
                 cfg.plugins.iter().any(|p| p.kind == "p2p-source-producer"),
-                arm.pulls()
+                arm.pulls() && !arm.is_pd()
             );
         }
+        let e = eps(&[Role::Both, Role::Both]);
         let load: serde_json::Value =
             serde_norway::from_str(&render(Arm::Load, &e, None, 1)).unwrap();
         let p2p: serde_json::Value =
@@ -258,10 +371,10 @@ mod tests {
     /// The router accepts every arm's plugins and parameters (not just the YAML shape).
     #[tokio::test]
     async fn the_router_starts_with_every_arm() {
-        let e = eps(&[Role::Both, Role::Both]);
         let path = tempfile::NamedTempFile::new().unwrap();
         for arm in ARM_NAMES {
             let arm: Arm = arm.parse().unwrap();
+            let e = eps_for(arm);
             std::fs::write(path.path(), render(arm, &e, Some(1024), 3)).unwrap();
             let cfg = kvmesh_router::RouterConfig::load(path.path()).unwrap();
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

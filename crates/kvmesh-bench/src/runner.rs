@@ -9,7 +9,7 @@ use thiserror::Error;
 use crate::driver::{self, DriveConfig};
 use crate::fleet::{EngineGroup, Fleet, FleetError, FleetSpec, Role, RouterSpec};
 use crate::metrics::{EngineEvidence, Evidence};
-use crate::report::{ArmResult, BenchReport, flags_for};
+use crate::report::{ArmResult, BenchReport, flags_for, pd_flags};
 use crate::router_config::Arm;
 use crate::stats::summarize;
 use crate::workload::Workload;
@@ -57,7 +57,7 @@ pub fn fleet_for(w: &Workload, arm: Arm, o: &FleetOptions) -> FleetSpec {
     let cpu_bytes = 2 * gpu * block_size * o.sim_kv_bytes_per_token.max(1);
     let pd = w.fleet.prefill > 0;
     let mut extra = o.extra_engine_args.clone();
-    if pd && arm.pulls() {
+    if pd && arm.moves_history() {
         extra.push("--bidirectional-kv-xfer".into());
     }
     let group = |count: usize, role: Role| EngineGroup {
@@ -226,6 +226,9 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     let stats = summarize(&records, plan.fleet.time_scale, w.offered_rate);
     let pd = w.fleet.prefill > 0;
     let mut flags = flags_for(arm.pulls(), pd, &stats, &evidence);
+    if arm.is_pd() {
+        flags.extend(pd_flags(arm.moves_history(), prefill_hits, &evidence));
+    }
     if let Some(d) = died {
         flags.push(format!("CRASHED: {d}"));
     }
@@ -315,7 +318,8 @@ mod tests {
     #[test]
     fn pd_workloads_get_prefill_and_decode_groups() {
         let w = workload::agentic_pd(Scale::Full, 1);
-        let s = fleet_for(&w, Arm::LoadP2p, &FleetOptions::default());
+        let s = fleet_for(&w, Arm::PdBidir, &FleetOptions::default());
+        s.validate().unwrap();
         assert_eq!(s.engines.len(), 2);
         assert_eq!((s.engines[0].role, s.engines[0].count), (Role::Prefill, 2));
         assert_eq!((s.engines[1].role, s.engines[1].count), (Role::Decode, 4));
@@ -325,8 +329,22 @@ mod tests {
                 .iter()
                 .any(|a| a == "--bidirectional-kv-xfer")
         );
-        let c = fleet_for(&w, Arm::Load, &FleetOptions::default());
+        let c = fleet_for(&w, Arm::Pd, &FleetOptions::default());
+        c.validate().unwrap();
         assert!(c.engines[1].p2p && c.engines[1].extra_args.is_empty());
+        // Aggregated arms would spray P/D engines with ordinary requests: refused up front.
+        let err = fleet_for(&w, Arm::Load, &FleetOptions::default())
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("pd-bidir"), "{err}");
+        let err = fleet_for(
+            &workload::fork(Scale::Quick, 1),
+            Arm::Pd,
+            &FleetOptions::default(),
+        )
+        .validate()
+        .unwrap_err();
+        assert!(err.to_string().contains("prefill"), "{err}");
     }
 
     #[tokio::test]

@@ -39,7 +39,7 @@ pub struct BenchCmd {
     #[arg(long, value_delimiter = ',', required = true)]
     pub workload: Vec<String>,
     /// Router arms, compared in order (the first is the baseline): round-robin, affinity, load,
-    /// load-p2p, affinity-p2p, cost-p2p.
+    /// load-p2p, affinity-p2p, cost-p2p; P/D workloads (agentic-pd): pd, pd-bidir.
     #[arg(long, value_delimiter = ',', default_value = "load,load-p2p")]
     pub arms: Vec<String>,
     /// `quick` keeps each shape but shrinks counts/lengths/time; `full` is the published size.
@@ -273,6 +273,15 @@ pub async fn run_bench(args: BenchCmd) -> anyhow::Result<()> {
     let mut workloads = Vec::new();
     for w in &args.workload {
         workloads.extend(workload::build(w, scale, args.seed, &opts)?);
+    }
+    // A P/D workload under an aggregated arm (or the reverse) would not measure what it says:
+    // refuse before starting any fleet.
+    for w in &workloads {
+        for &arm in &arms {
+            runner::fleet_for(w, arm, &FleetOptions::default())
+                .validate()
+                .with_context(|| format!("workload {} / arm {}", w.name, arm.name()))?;
+        }
     }
     let plan = Plan {
         workloads,
