@@ -3,7 +3,10 @@
 //! with a counting global allocator).
 //!
 //! `cargo bench -p kvmesh-index --bench index` (the report runs only under `--bench`; set
-//! `KVMESH_INDEX_BENCH_SKIP_MEMORY=1` to skip the 10 M-membership builds).
+//! `KVMESH_INDEX_BENCH_SKIP_MEMORY=1` to skip the 10 M-membership builds,
+//! `KVMESH_INDEX_BENCH_SKIP_LOOKUP=1` to skip the lookup percentiles, and
+//! `KVMESH_INDEX_BENCH_MEMBERSHIPS=6000000,12600000` to measure memory at other sizes: tables
+//! grow in steps, so bytes per membership varies along the growth cycle).
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
@@ -291,9 +294,8 @@ fn report_lookup() {
 
 /// Builds 10 M memberships and reports allocator-measured and self-reported bytes per membership.
 /// `sharing` endpoints hold each block (1 = worst case, every block on one endpoint).
-fn report_memory(sharing: usize) {
+fn report_memory(sharing: usize, target: usize) {
     const BS: usize = 16;
-    const TARGET: usize = 10_000_000;
     let region = Region::new(GLOBAL);
     let index = PrefixIndex::new(IndexConfig {
         block_size: BS,
@@ -304,7 +306,7 @@ fn report_memory(sharing: usize) {
     let t = Instant::now();
     let mut events = 0usize;
     let mut prompt_id = 0u64;
-    while index.stats().memberships < TARGET as u64 {
+    while index.stats().memberships < target as u64 {
         // One 1,000-block prompt stored (in 100-block events) on `sharing` endpoints.
         let prompt = tokens(&mut rng, 1000 * BS);
         let hashes: Vec<u64> = (0..1000).map(|i| (prompt_id << 20) | i).collect();
@@ -331,7 +333,7 @@ fn report_memory(sharing: usize) {
     let live = st.bytes_allocated as i64 - st.bytes_deallocated as i64;
     let stats = index.stats();
     println!(
-        "REPORT memory sharing={sharing}: blocks={} memberships={} live bytes (allocator)={} -> {:.1} B/membership; index approx_bytes -> {:.1} B/membership; build {:.2} M block-events/s",
+        "REPORT memory sharing={sharing} target={target}: blocks={} memberships={} live bytes (allocator)={} -> {:.1} B/membership; index approx_bytes -> {:.1} B/membership; build {:.2} M block-events/s",
         stats.blocks,
         stats.memberships,
         live,
@@ -350,10 +352,16 @@ fn main() {
         c.final_summary();
     }
     if std::env::args().any(|a| a == "--bench") {
-        report_lookup();
+        if std::env::var_os("KVMESH_INDEX_BENCH_SKIP_LOOKUP").is_none() {
+            report_lookup();
+        }
         if std::env::var_os("KVMESH_INDEX_BENCH_SKIP_MEMORY").is_none() {
-            report_memory(4);
-            report_memory(1);
+            let targets = std::env::var("KVMESH_INDEX_BENCH_MEMBERSHIPS")
+                .unwrap_or_else(|_| "10000000".into());
+            for target in targets.split(',').filter_map(|t| t.trim().parse().ok()) {
+                report_memory(4, target);
+                report_memory(1, target);
+            }
         }
     }
 }

@@ -132,20 +132,33 @@ struct Table {
     /// Overflow records of `2 × words` masks: `[gpu_w0, cpu_w0, gpu_w1, cpu_w1, ...]`.
     arena: Box<[AtomicU64]>,
     words: usize,
-    mask: usize,
+    /// Slot count; not a power of two, so growth can be 1.5× (tables are 50–75 % full) rather
+    /// than 2× (37.5–75 %): the slots are most of the index's memory.
+    cap: usize,
     /// Per-shard random value mixed into probe positions, so crafted prompts cannot build long
     /// probe chains.
     seed: u64,
 }
 
 impl Table {
+    /// Home slot of `key`: a full 64-bit mix (the splitmix64 finaliser) then multiply-shift range
+    /// reduction. The mix must not share structure with the shard selection (which uses the high
+    /// bits of `key × φ`): a shard holds keys whose high product bits agree, and reusing them here
+    /// piled every key of a shard into a few probe clusters.
     fn home(&self, key: u64) -> usize {
-        let h = (key ^ self.seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        (h ^ (h >> 29)) as usize
+        let mut z = key ^ self.seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((u128::from(z) * self.cap as u128) >> 64) as usize
+    }
+
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.cap { 0 } else { i + 1 }
     }
 
     fn new(cap: usize, words: usize, records: usize, seed: u64) -> Table {
-        let cap = cap.next_power_of_two().max(8);
+        let cap = cap.max(8);
         Table {
             keys: (0..cap).map(|_| AtomicU64::new(EMPTY)).collect(),
             used: (0..cap).map(|_| AtomicU32::new(0)).collect(),
@@ -154,13 +167,13 @@ impl Table {
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             words,
-            mask: cap - 1,
+            cap,
             seed,
         }
     }
 
     fn cap(&self) -> usize {
-        self.mask + 1
+        self.cap
     }
 
     fn records(&self) -> usize {
@@ -179,21 +192,21 @@ impl Table {
 
     /// Slot holding `key`, if any (writer side: no concurrent mutation).
     fn find(&self, key: u64) -> Option<usize> {
-        let mut i = self.home(key) & self.mask;
+        let mut i = self.home(key);
         loop {
             match self.keys[i].load(Ordering::Relaxed) {
                 EMPTY => return None,
                 k if k == key => return Some(i),
-                _ => i = (i + 1) & self.mask,
+                _ => i = self.next(i),
             }
         }
     }
 
     /// First free slot (tombstone or empty) on `key`'s probe path.
     fn free_slot(&self, key: u64) -> usize {
-        let mut i = self.home(key) & self.mask;
+        let mut i = self.home(key);
         while !matches!(self.keys[i].load(Ordering::Relaxed), EMPTY | TOMB) {
-            i = (i + 1) & self.mask;
+            i = self.next(i);
         }
         i
     }
@@ -249,7 +262,7 @@ impl Shard {
         let key = stored(key);
         let t = self.table.load();
         'retry: for _ in 0..4 {
-            let mut i = t.home(key) & t.mask;
+            let mut i = t.home(key);
             loop {
                 let k = t.keys[i].load(Ordering::Acquire);
                 if k == EMPTY {
@@ -275,7 +288,7 @@ impl Shard {
                     t.used[i].store(now, Ordering::Relaxed);
                     return true;
                 }
-                i = (i + 1) & t.mask;
+                i = t.next(i);
             }
         }
         out.fill(0);
@@ -528,11 +541,11 @@ impl Shard {
         w.rng ^= w.rng << 13;
         w.rng ^= w.rng >> 7;
         w.rng ^= w.rng << 17;
-        let start = w.rng as usize & t.mask;
+        let start = (w.rng % t.cap as u64) as usize;
         let mut victim: Option<(usize, u32)> = None;
         let mut sampled = 0;
         for n in 0..t.cap() {
-            let i = (start + n) & t.mask;
+            let i = (start + n) % t.cap;
             let k = t.keys[i].load(Ordering::Relaxed);
             if k == EMPTY || k == TOMB || i == keep {
                 continue;
