@@ -382,13 +382,19 @@ impl Shard {
                             w.next_record - 1
                         }
                     };
+                    // Free records are zeroed; readers cannot see this one until `mem` names it.
                     let rec = t.record(r);
-                    let mut masks = vec![0u64; 2 * t.words];
-                    inline_to_masks(m, &mut masks);
-                    masks[2 * (slot as usize / 64) + (tb as usize - 1)] |= 1 << (slot % 64);
-                    for (d, s) in rec.iter().zip(&masks) {
-                        d.store(*s, Ordering::Relaxed);
-                    }
+                    let set = |slot: u32, tiers: u64| {
+                        for off in 0..2 {
+                            if tiers & (1 << off) != 0
+                                && let Some(b) = rec.get(2 * (slot as usize / 64) + off)
+                            {
+                                b.fetch_or(1 << (slot % 64), Ordering::Relaxed);
+                            }
+                        }
+                    };
+                    entries(m).for_each(|(s, tiers)| set(s, tiers));
+                    set(slot, tb);
                     OVERFLOW | r as u64
                 }
             };
