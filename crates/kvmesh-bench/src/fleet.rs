@@ -351,38 +351,51 @@ impl Fleet {
             served_model_name: spec.served_model_name.clone(),
         };
         let mut idx = 0usize;
+        let mut groups = Vec::new();
         for group in &spec.engines {
             for _ in 0..group.count {
                 let name = format!("engine-{idx}-{}", group.role.as_str());
-                let port = free_port()?;
-                let kv_events_port = free_port()?;
-                let p2p_port = if group.p2p { Some(free_port()?) } else { None };
-                let args = engine_args(
+                let log = log_dir.join(format!("{name}.log"));
+                fleet.engines.push(spawn_engine(
+                    exe,
                     group,
                     &spec.served_model_name,
                     idx,
-                    port,
-                    kv_events_port,
-                    p2p_port,
-                );
-                let log = log_dir.join(format!("{name}.log"));
-                let child = spawn(exe, &args, &log)?;
-                fleet.engines.push(EngineProc {
                     name,
-                    url: format!("http://127.0.0.1:{port}"),
-                    port,
-                    p2p_port,
-                    kv_events_port,
-                    role: group.role,
                     log,
-                    child,
-                });
+                )?);
+                groups.push(group);
                 idx += 1;
             }
         }
         let http = reqwest::Client::new();
-        for e in &mut fleet.engines {
-            wait_ready(&http, &e.url, &mut e.child, &e.name, &e.log, ready).await?;
+        for (i, (e, group)) in fleet.engines.iter_mut().zip(groups).enumerate() {
+            let mut attempt = 0;
+            loop {
+                match wait_ready(&http, &e.url, &mut e.child, &e.name, &e.log, ready).await {
+                    Ok(()) => break,
+                    // `free_port` releases the port before the engine binds it, so another
+                    // process on a busy machine can take it first: retry on fresh ports.
+                    Err(FleetError::Exited { .. })
+                        if attempt < PORT_RETRIES
+                            && std::fs::read_to_string(&e.log)
+                                .is_ok_and(|t| t.contains("Address already in use")) =>
+                    {
+                        attempt += 1;
+                        let _ =
+                            std::fs::rename(&e.log, e.log.with_extension(format!("log.{attempt}")));
+                        *e = spawn_engine(
+                            exe,
+                            group,
+                            &spec.served_model_name,
+                            i,
+                            e.name.clone(),
+                            e.log.clone(),
+                        )?;
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
         }
         if let Some(r) = &spec.router {
             let arm: Arm = r.profile.parse().map_err(FleetError::Spec)?;
@@ -532,6 +545,42 @@ async fn stop(child: &mut Child) {
     let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
 }
 
+/// Relaunches of an engine whose port was taken between `free_port` and its bind.
+const PORT_RETRIES: usize = 3;
+
+/// Picks fresh ports and starts engine number `idx` of `group`.
+fn spawn_engine(
+    exe: &Path,
+    group: &EngineGroup,
+    served_model_name: &str,
+    idx: usize,
+    name: String,
+    log: PathBuf,
+) -> Result<EngineProc, FleetError> {
+    let port = free_port()?;
+    let kv_events_port = free_port()?;
+    let p2p_port = if group.p2p { Some(free_port()?) } else { None };
+    let args = engine_args(
+        group,
+        served_model_name,
+        idx,
+        port,
+        kv_events_port,
+        p2p_port,
+    );
+    let child = spawn(exe, &args, &log)?;
+    Ok(EngineProc {
+        name,
+        url: format!("http://127.0.0.1:{port}"),
+        port,
+        p2p_port,
+        kv_events_port,
+        role: group.role,
+        log,
+        child,
+    })
+}
+
 async fn wait_ready(
     http: &reqwest::Client,
     url: &str,
@@ -674,5 +723,40 @@ mod tests {
         .unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("exited") && msg.contains("boom"), "{msg}");
+    }
+
+    /// An engine that lost its port to another process is relaunched on fresh ports (here it
+    /// always loses, so launch fails after the retries, each attempt's log kept).
+    #[tokio::test]
+    async fn a_port_collision_is_retried_on_fresh_ports() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("fake-kvmesh");
+        std::fs::write(
+            &exe,
+            "#!/bin/sh\necho 'Error: starting engine'\necho 'Address already in use (os error 98)'\nexit 1\n",
+        )
+        .unwrap();
+        std::process::Command::new("chmod")
+            .arg("+x")
+            .arg(&exe)
+            .status()
+            .unwrap();
+        let spec = FleetSpec::from_yaml("engines: [{count: 1}]\nready_timeout_s: 5\n").unwrap();
+        let err = tokio::time::timeout(
+            Duration::from_secs(60),
+            Fleet::launch(&spec, &exe, dir.path()),
+        )
+        .await
+        .unwrap()
+        .unwrap_err();
+        assert!(err.to_string().contains("Address already in use"), "{err}");
+        for attempt in 1..=PORT_RETRIES {
+            assert!(
+                dir.path()
+                    .join(format!("engine-0-both.log.{attempt}"))
+                    .exists(),
+                "attempt {attempt} log missing"
+            );
+        }
     }
 }
