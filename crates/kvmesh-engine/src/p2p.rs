@@ -200,22 +200,27 @@ pub struct P2pConsumer {
     client: PullClient,
     timeout: Duration,
     pending_deadline: Duration,
-    /// Pulls in flight, by the first block they fetch. Concurrent requests for one prefix (a
-    /// burst on a popular prefix) would each move the whole prefix; the second waits for the
-    /// first's blocks instead (they become local) and pulls only what is still missing.
+    /// Pulls in flight, by every block they fetch. Concurrent requests for one prefix (a
+    /// burst on a popular prefix) would each move the whole prefix; a later one waits for the
+    /// first's blocks instead (they become local) and pulls only what is still missing. Every
+    /// block is a key, not just the first, because a request arriving mid-pull already sees the
+    /// landed blocks as local: its first missing block is one the pull has not landed yet.
     inflight: parking_lot::Mutex<HashMap<BlockHash, watch::Receiver<()>>>,
 }
 
 /// Holds a claim on an in-flight pull; dropping it wakes the requests waiting for it.
 struct InflightClaim<'a> {
     map: &'a parking_lot::Mutex<HashMap<BlockHash, watch::Receiver<()>>>,
-    key: BlockHash,
+    keys: Vec<BlockHash>,
     _done: watch::Sender<()>,
 }
 
 impl Drop for InflightClaim<'_> {
     fn drop(&mut self) {
-        self.map.lock().remove(&self.key);
+        let mut map = self.map.lock();
+        for key in &self.keys {
+            map.remove(key);
+        }
         // `_done` drops right after: waiters' `changed()` returns.
     }
 }
@@ -251,21 +256,29 @@ impl P2pConsumer {
         })
     }
 
-    fn claim(&self, first: BlockHash) -> Inflight<'_> {
+    /// Claims the blocks `want` (non-empty) for one pull, unless its first block is already part
+    /// of another pull. Blocks further on that another pull holds are left to it (not re-keyed).
+    fn claim(&self, want: &[BlockHash]) -> Inflight<'_> {
         let mut map = self.inflight.lock();
-        if let Some(rx) = map.get(&first) {
+        if let Some(rx) = want.first().and_then(|first| map.get(first)) {
             return Inflight::Busy(rx.clone());
         }
         let (tx, rx) = watch::channel(());
-        map.insert(first, rx);
+        let mut keys = Vec::with_capacity(want.len());
+        for &hash in want {
+            if let std::collections::hash_map::Entry::Vacant(slot) = map.entry(hash) {
+                slot.insert(rx.clone());
+                keys.push(hash);
+            }
+        }
         Inflight::Claimed(InflightClaim {
             map: &self.inflight,
-            key: first,
+            keys,
             _done: tx,
         })
     }
 
-    /// Pulls in flight right now (for tests and debugging).
+    /// Blocks being pulled right now (for tests and debugging): 0 when no pull is in flight.
     pub fn inflight_pulls(&self) -> usize {
         self.inflight.lock().len()
     }
@@ -359,7 +372,7 @@ impl P2pConsumer {
         // rest — all within one budget (timeout + pending deadline), so waits never compound.
         let deadline = tokio::time::Instant::now() + self.timeout + self.pending_deadline;
         let _claim = loop {
-            match self.claim(hashes[local]) {
+            match self.claim(&hashes[local..]) {
                 Inflight::Claimed(c) => break c,
                 Inflight::Busy(mut rx) => {
                     if tokio::time::timeout_at(deadline, rx.changed())
@@ -468,5 +481,53 @@ impl AdmissionHook for P2pAdmission {
 pub fn release_pulled(engine: &EngineHandle, req: &EngineRequest) {
     if !req.external_hashes.is_empty() {
         engine.cpu_tier().unpin(&req.external_hashes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_core::HashAlgo;
+
+    fn consumer() -> P2pConsumer {
+        let fingerprint = Fingerprint {
+            model_id: "m".into(),
+            kv_dtype: "sim".into(),
+            block_size: 16,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 1,
+            hash_algo: HashAlgo::Sha256Cbor,
+            none_hash: "00".into(),
+        };
+        P2pConsumer {
+            client: PullClient::new(fingerprint, ClientConfig::default()),
+            timeout: Duration::from_secs(1),
+            pending_deadline: Duration::from_secs(1),
+            inflight: parking_lot::Mutex::default(),
+        }
+    }
+
+    #[test]
+    fn a_request_arriving_mid_pull_waits_for_the_blocks_still_on_the_wire() {
+        let c = consumer();
+        let prefix: Vec<BlockHash> = (1..=256).map(BlockHash).collect();
+        let Inflight::Claimed(first) = c.claim(&prefix) else {
+            panic!("nothing was in flight");
+        };
+        // 7 blocks have landed: a second request's first missing block is the 8th.
+        assert!(matches!(c.claim(&prefix[7..]), Inflight::Busy(_)));
+        // A prefix the pull does not cover is pulled independently.
+        assert!(matches!(
+            c.claim(&[BlockHash(1000), BlockHash(1001)]),
+            Inflight::Claimed(_)
+        ));
+        drop(first);
+        assert_eq!(
+            c.inflight_pulls(),
+            0,
+            "a finished pull releases all its blocks"
+        );
+        assert!(matches!(c.claim(&prefix[7..]), Inflight::Claimed(_)));
     }
 }
