@@ -711,3 +711,49 @@ async fn sleep_until_opt(at: Option<Instant>) {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use kvmesh_core::BlockHash;
+    use kvmesh_core::events::{BlockStored, Medium};
+    use kvmesh_index::IndexConfig;
+
+    #[tokio::test]
+    async fn index_size_in_metrics_follows_the_index_without_being_asked() {
+        let index = Arc::new(PrefixIndex::new(IndexConfig {
+            block_size: 16,
+            ..IndexConfig::default()
+        }));
+        let config = IndexerConfig {
+            stats_interval: Duration::from_millis(100),
+            ..IndexerConfig::default()
+        };
+        let cancel = CancellationToken::new();
+        let indexer =
+            Indexer::start_with_config(Arc::clone(&index), Vec::new(), config, cancel.clone());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let stored = BlockStored {
+            block_hashes: vec![BlockHash(1), BlockHash(2)],
+            parent_block_hash: None,
+            token_ids: (0..32).collect(),
+            block_size: 16,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            group_idx: None,
+            kv_cache_spec_kind: None,
+        };
+        index
+            .apply_event(EndpointId(0), &KvEvent::BlockStored(stored))
+            .unwrap();
+        let published = || indexer.shared.families.index_blocks.get();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while published() != 2 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(published(), 2, "kvmesh_index_blocks was not refreshed");
+        cancel.cancel();
+    }
+}

@@ -54,6 +54,9 @@ pub struct RouterHandle {
     cancel: CancellationToken,
     tracker: TaskTracker,
     server: JoinHandle<std::io::Result<()>>,
+    /// Kept for the router's lifetime: the feed owns the index-stats task (`kvmesh_index_*`
+    /// metrics stopped updating when it was dropped after start-up).
+    _feed: Arc<dyn EventFeed>,
 }
 
 impl RouterHandle {
@@ -185,7 +188,13 @@ pub async fn start(
         cancel.clone(),
     ));
     if let Some(path) = state.config.endpoints_file.clone() {
-        watch_endpoints_file(path, Arc::clone(&state), feed, &tracker, cancel.clone())?;
+        watch_endpoints_file(
+            path,
+            Arc::clone(&state),
+            Arc::clone(&feed),
+            &tracker,
+            cancel.clone(),
+        )?;
     }
     let addr = listener.local_addr()?;
     let router = app(Arc::clone(&state));
@@ -201,6 +210,7 @@ pub async fn start(
         cancel,
         tracker,
         server,
+        _feed: feed,
     })
 }
 
