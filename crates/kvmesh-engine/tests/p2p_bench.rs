@@ -11,12 +11,13 @@
 //! pull/recompute times, and the measured wire time of the pull.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::Arc;
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{PROFILE, salted_tokens, scrape_metric, start_engine};
 use kvmesh_engine::EngineConfig;
-use kvmesh_engine::server::{RunningServer, ServerOptions, sim_backend, start_server};
-use kvmesh_text::ByteTokenizer;
+use kvmesh_engine::server::RunningServer;
 use kvmesh_transfer::Direction;
 use serde_json::{Value, json};
 
@@ -41,27 +42,12 @@ async fn start(tokens: usize, kv_bytes: usize) -> RunningServer {
     cfg.p2p.port = Some(0);
     cfg.p2p.allowed_peers = vec!["127.0.0.1".into()];
     cfg.p2p.timeout = Duration::from_secs(30);
-    let backend = sim_backend(&cfg, "gpt-oss-120b-h200", 1.0, kv_bytes).unwrap();
-    start_server(
-        cfg,
-        backend,
-        Arc::new(ByteTokenizer),
-        ServerOptions::default(),
-    )
-    .await
-    .unwrap()
+    start_engine(cfg, PROFILE, 1.0, kv_bytes).await
 }
 
+/// The benchmark's own token streams (salt 99), unrelated to the tests' prompts.
 fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(99);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x % 256
-        })
-        .collect()
+    salted_tokens(seed, 99, n)
 }
 
 async fn timed(s: &RunningServer, prompt: &[u32], kvp: Option<Value>) -> (Duration, Value) {
@@ -83,16 +69,7 @@ async fn timed(s: &RunningServer, prompt: &[u32], kvp: Option<Value>) -> (Durati
 
 /// `kvmesh_p2p_pull_duration_seconds_sum` of an engine (connect to last block landed).
 async fn pull_seconds(s: &RunningServer) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", s.addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("kvmesh_p2p_pull_duration_seconds_sum"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    scrape_metric(s.addr, "kvmesh_p2p_pull_duration_seconds_sum", "").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,87 +7,20 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{TestServer, base_config, cached_tokens, tokens};
+use common::{
+    PROFILE, TestServer, base_config, cached_tokens, complete, p2p_config, scrape_metric, source,
+    start_engine, tokens, try_start_engine,
+};
 use kvmesh_core::{BlockHash, KvEvent, Medium};
-use kvmesh_engine::EngineConfig;
-use kvmesh_engine::server::{RunningServer, ServerOptions, sim_backend, start_server};
-use kvmesh_text::ByteTokenizer;
+use kvmesh_engine::server::RunningServer;
 use kvmesh_transfer::Direction;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::time::timeout;
-
-const PROFILE: &str = "gpt-oss-120b-h200";
-
-/// Engine config with a producer on a free port and loopback peers allowed.
-fn p2p_config() -> EngineConfig {
-    let mut cfg = base_config();
-    cfg.kv_events = None;
-    cfg.num_gpu_blocks = 4096;
-    cfg.p2p.port = Some(0);
-    cfg.p2p.allowed_peers = vec!["127.0.0.1".into()];
-    cfg
-}
-
-async fn start(
-    cfg: EngineConfig,
-    profile: &str,
-    time_scale: f64,
-    kv_bytes: usize,
-) -> RunningServer {
-    let backend = sim_backend(&cfg, profile, time_scale, kv_bytes).unwrap();
-    start_server(
-        cfg,
-        backend,
-        Arc::new(ByteTokenizer),
-        ServerOptions::default(),
-    )
-    .await
-    .unwrap()
-}
-
-fn source(port: u16) -> Value {
-    json!({"remote_kv_source": {"kv_request_id": "kv-1", "remote_host": "127.0.0.1", "remote_port": port}})
-}
-
-async fn complete(
-    addr: SocketAddr,
-    prompt: &[u32],
-    max_tokens: usize,
-    kvp: Option<Value>,
-) -> Value {
-    let mut body =
-        json!({"model": "sim-test", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
-    if let Some(p) = kvp {
-        body["kv_transfer_params"] = p;
-    }
-    let r = reqwest::Client::new()
-        .post(format!("http://{addr}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200, "P2P trouble must never reach the client");
-    r.json().await.unwrap()
-}
-
-async fn metric(addr: SocketAddr, name: &str) -> f64 {
-    let text = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 /// Same text and usage as the reference, cached tokens aside.
 fn assert_same_answer(got: &Value, reference: &Value) {
@@ -119,7 +52,7 @@ async fn pull_fails_gracefully(
 ) -> Value {
     let before = b.engine.metrics().p2p.pulls_by_reason(reason);
     let got = complete(b.addr, prompt, 4, Some(source(a_p2p))).await;
-    let fresh = start(p2p_config(), PROFILE, 1000.0, 32).await;
+    let fresh = start_engine(p2p_config(), PROFILE, 1000.0, 32).await;
     let reference = complete(fresh.addr, prompt, 4, None).await;
     fresh.shutdown().await;
     assert_same_answer(&got, &reference);
@@ -128,14 +61,14 @@ async fn pull_fails_gracefully(
         before + 1,
         "reason {reason}"
     );
-    assert!(metric(b.addr, "kvmesh_p2p_pulls_total").await >= 1.0);
+    assert!(scrape_metric(b.addr, "kvmesh_p2p_pulls_total", "").await >= 1.0);
     got
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pulled_prefix_counts_as_external_hits_and_is_republished() {
     timeout(Duration::from_secs(60), async {
-        let a = start(p2p_config(), PROFILE, 1000.0, 32).await;
+        let a = start_engine(p2p_config(), PROFILE, 1000.0, 32).await;
         let a_p2p = a.p2p_addr.unwrap().port();
         let mut cfg_b = base_config(); // with a KV-event subscriber
         cfg_b.p2p.allowed_peers = vec!["127.0.0.1".into()];
@@ -203,9 +136,9 @@ async fn pulled_prefix_counts_as_external_hits_and_is_republished() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn miss_checksum_fingerprint_and_not_allowed_fall_back_to_compute() {
     timeout(Duration::from_secs(90), async {
-        let a = start(p2p_config(), PROFILE, 1000.0, 32).await;
+        let a = start_engine(p2p_config(), PROFILE, 1000.0, 32).await;
         let a_p2p = a.p2p_addr.unwrap().port();
-        let b = start(p2p_config(), PROFILE, 1000.0, 32).await;
+        let b = start_engine(p2p_config(), PROFILE, 1000.0, 32).await;
 
         // MISS: A never saw this prefix.
         let cold = tokens(10, 300);
@@ -233,7 +166,7 @@ async fn miss_checksum_fingerprint_and_not_allowed_fall_back_to_compute() {
         // Peer not allowed: never contacted.
         let mut cfg = p2p_config();
         cfg.p2p.allowed_peers = vec!["10.255.0.1".into()];
-        let c = start(cfg, PROFILE, 1000.0, 32).await;
+        let c = start_engine(cfg, PROFILE, 1000.0, 32).await;
         let warm = tokens(13, 300);
         complete(a.addr, &warm, 1, None).await;
         let served = a.engine.metrics().p2p.fetches_served();
@@ -243,7 +176,7 @@ async fn miss_checksum_fingerprint_and_not_allowed_fall_back_to_compute() {
         c.shutdown().await;
 
         // Fingerprint mismatch: same block size and hashes, another model (profile).
-        let other = start(p2p_config(), "glm-5.2-wide-ep", 1000.0, 32).await;
+        let other = start_engine(p2p_config(), "glm-5.2-wide-ep", 1000.0, 32).await;
         complete(other.addr, &warm, 1, None).await;
         let port = other.p2p_addr.unwrap().port();
         let got = pull_fails_gracefully(&b, port, &warm, "fingerprint_mismatch").await;
@@ -309,10 +242,10 @@ async fn throttling_proxy(target: SocketAddr, free: usize, rate: f64) -> SocketA
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_peer_times_out_and_the_request_computes() {
     timeout(Duration::from_secs(60), async {
-        let a = start(p2p_config(), PROFILE, 1000.0, 1024).await;
+        let a = start_engine(p2p_config(), PROFILE, 1000.0, 1024).await;
         let mut cfg = p2p_config();
         cfg.p2p.timeout = Duration::from_millis(150);
-        let b = start(cfg, PROFILE, 1000.0, 1024).await;
+        let b = start_engine(cfg, PROFILE, 1000.0, 1024).await;
         let prompt = tokens(20, 800);
         complete(a.addr, &prompt, 1, None).await;
         // Handshake and lookup pass; then ~1 block per second.
@@ -340,7 +273,7 @@ async fn producer_killed_mid_pull_leaves_a_correct_answer() {
                 .enable_all()
                 .build()
                 .unwrap();
-            let a = rt.block_on(start(p2p_config(), PROFILE, 1000.0, 2048));
+            let a = rt.block_on(start_engine(p2p_config(), PROFILE, 1000.0, 2048));
             tx.send((a.addr, a.p2p_addr.unwrap(), a.engine.clone()))
                 .ok();
             kill_rx.recv().ok();
@@ -348,7 +281,7 @@ async fn producer_killed_mid_pull_leaves_a_correct_answer() {
             std::mem::forget(a); // its compute thread dies with the process
         });
         let (a_http, a_p2p, a_engine) = rx.await.unwrap();
-        let b = start(p2p_config(), PROFILE, 1000.0, 2048).await;
+        let b = start_engine(p2p_config(), PROFILE, 1000.0, 2048).await;
         let prompt = tokens(30, 8192 + 17); // 512 blocks of 32 KiB = 16 MiB
         complete(a_http, &prompt, 1, None).await;
         // ~4 MiB/s: the pull would take ~4 s.
@@ -369,7 +302,7 @@ async fn producer_killed_mid_pull_leaves_a_correct_answer() {
             "partial pull kept: {cached}"
         );
         assert_eq!(
-            metric(b.addr, "vllm:external_prefix_cache_hits_total").await,
+            scrape_metric(b.addr, "vllm:external_prefix_cache_hits_total", "").await,
             cached as f64
         );
         drop(a_engine);
@@ -388,9 +321,9 @@ async fn pending_blocks_are_received_as_the_producer_computes_them() {
         let mut cfg_a = p2p_config();
         cfg_a.max_num_batched_tokens = 512;
         // gpt-oss: 8K-token prefill ≈ 250 ms modelled; ×1/0.5 → ~0.5 s in 16 chunks.
-        let a = start(cfg_a, PROFILE, 0.5, 32).await;
+        let a = start_engine(cfg_a, PROFILE, 0.5, 32).await;
         let a_p2p = a.p2p_addr.unwrap().port();
-        let b = start(p2p_config(), PROFILE, 1000.0, 32).await;
+        let b = start_engine(p2p_config(), PROFILE, 1000.0, 32).await;
         let prefix = tokens(40, 8192);
         let a_engine = a.engine.clone();
         let last = *a_engine.block_hashes(&prefix).last().unwrap();
@@ -431,9 +364,9 @@ async fn pending_blocks_are_received_as_the_producer_computes_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sim_ttft_with_a_pull_is_the_modelled_pull_plus_the_suffix() {
     timeout(Duration::from_secs(60), async {
-        let a = start(p2p_config(), PROFILE, 1.0, 32).await;
-        let b = start(p2p_config(), PROFILE, 1.0, 32).await;
-        let c = start(p2p_config(), PROFILE, 1.0, 32).await;
+        let a = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        let b = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        let c = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
         let prefix = tokens(50, 16384);
         complete(a.addr, &prefix, 1, None).await;
         let mut prompt = prefix.clone();
@@ -467,31 +400,19 @@ async fn bad_p2p_settings_fail_the_start() {
     timeout(Duration::from_secs(30), async {
         let mut cfg = p2p_config();
         cfg.p2p.allowed_peers = vec!["not a host!".into()];
-        let backend = sim_backend(&cfg, PROFILE, 1000.0, 32).unwrap();
-        let err = start_server(
-            cfg,
-            backend,
-            Arc::new(ByteTokenizer),
-            ServerOptions::default(),
-        )
-        .await
-        .err()
-        .expect("bad allow-list refused");
+        let err = try_start_engine(cfg, PROFILE, 1000.0, 32)
+            .await
+            .err()
+            .expect("bad allow-list refused");
         assert!(err.to_string().contains("--p2p-allowed-peers"), "{err}");
 
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let mut cfg = p2p_config();
         cfg.p2p.port = Some(taken.local_addr().unwrap().port());
-        let backend = sim_backend(&cfg, PROFILE, 1000.0, 32).unwrap();
-        let err = start_server(
-            cfg,
-            backend,
-            Arc::new(ByteTokenizer),
-            ServerOptions::default(),
-        )
-        .await
-        .err()
-        .expect("taken port refused");
+        let err = try_start_engine(cfg, PROFILE, 1000.0, 32)
+            .await
+            .err()
+            .expect("taken port refused");
         assert!(err.to_string().contains("(p2p)"), "{err}");
     })
     .await

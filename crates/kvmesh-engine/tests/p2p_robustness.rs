@@ -5,75 +5,25 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{base_config, cached_tokens, tokens};
-use kvmesh_engine::EngineConfig;
-use kvmesh_engine::server::{RunningServer, ServerOptions, sim_backend, start_server};
-use kvmesh_text::ByteTokenizer;
+use common::{
+    PROFILE, cached_tokens, complete, p2p_config, scrape_metric, source, start_engine, tokens,
+};
 use kvmesh_transfer::Direction;
-use serde_json::{Value, json};
 use tokio::time::timeout;
-
-const PROFILE: &str = "gpt-oss-120b-h200";
-
-fn p2p_config() -> EngineConfig {
-    let mut cfg = base_config();
-    cfg.kv_events = None;
-    cfg.num_gpu_blocks = 4096;
-    cfg.p2p.port = Some(0);
-    cfg.p2p.allowed_peers = vec!["127.0.0.1".into()];
-    cfg
-}
-
-async fn start(cfg: EngineConfig, time_scale: f64) -> RunningServer {
-    start_kv(cfg, time_scale, 32).await
-}
-
-async fn start_kv(cfg: EngineConfig, time_scale: f64, kv_bytes: usize) -> RunningServer {
-    let backend = sim_backend(&cfg, PROFILE, time_scale, kv_bytes).unwrap();
-    start_server(
-        cfg,
-        backend,
-        Arc::new(ByteTokenizer),
-        ServerOptions::default(),
-    )
-    .await
-    .unwrap()
-}
-
-fn source(port: u16) -> Value {
-    json!({"remote_kv_source": {"kv_request_id": "kv-1", "remote_host": "127.0.0.1", "remote_port": port}})
-}
-
-async fn complete(addr: SocketAddr, prompt: &[u32], kvp: Option<Value>) -> Value {
-    let mut body =
-        json!({"model": "sim-test", "prompt": prompt, "max_tokens": 2, "temperature": 0});
-    if let Some(p) = kvp {
-        body["kv_transfer_params"] = p;
-    }
-    let r = reqwest::Client::new()
-        .post(format!("http://{addr}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200, "P2P trouble must never reach the client");
-    r.json().await.unwrap()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_for_one_prefix_move_its_bytes_once() {
     timeout(Duration::from_secs(60), async {
         // 8 MiB of KV for the prefix, so the first pull is still on the wire (and then in
         // its modelled hold: B runs at real time) when the others arrive.
-        let a = start_kv(p2p_config(), 1000.0, 2048).await;
+        let a = start_engine(p2p_config(), PROFILE, 1000.0, 2048).await;
         let a_p2p = a.p2p_addr.unwrap().port();
-        let b = start_kv(p2p_config(), 1.0, 2048).await;
+        let b = start_engine(p2p_config(), PROFILE, 1.0, 2048).await;
         let prefix = tokens(1, 4096); // 256 blocks
-        complete(a.addr, &prefix, None).await;
+        complete(a.addr, &prefix, 2, None).await;
 
         let go = Arc::new(tokio::sync::Barrier::new(4));
         let mut tasks = Vec::new();
@@ -84,7 +34,7 @@ async fn concurrent_requests_for_one_prefix_move_its_bytes_once() {
             let go = go.clone();
             tasks.push(tokio::spawn(async move {
                 go.wait().await;
-                complete(addr, &prompt, Some(source(a_p2p))).await
+                complete(addr, &prompt, 2, Some(source(a_p2p))).await
             }));
         }
         for t in tasks {
@@ -99,19 +49,12 @@ async fn concurrent_requests_for_one_prefix_move_its_bytes_once() {
         );
         assert_eq!(b.p2p.inflight_pulls(), 0);
         // Every request's prefix came from the peer (once), none recomputed it.
-        let m = reqwest::get(format!("http://{}/metrics", b.addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        let computed: f64 = m
-            .lines()
-            .filter(|l| {
-                l.starts_with("vllm:prompt_tokens_by_source_total") && l.contains("local_compute")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum();
+        let computed = scrape_metric(
+            b.addr,
+            "vllm:prompt_tokens_by_source_total",
+            "local_compute",
+        )
+        .await;
         assert_eq!(computed, 4.0 * 64.0, "only the suffixes were computed");
         b.shutdown().await;
         a.shutdown().await;
@@ -135,7 +78,7 @@ async fn a_pull_stuck_on_a_silent_peer_delays_no_other_request() {
         let mut cfg = p2p_config();
         cfg.p2p.timeout = Duration::from_secs(3);
         cfg.p2p.pending_deadline = Duration::from_millis(500);
-        let b = start(cfg, 1000.0).await;
+        let b = start_engine(cfg, PROFILE, 1000.0, 32).await;
         let prefix = tokens(7, 2048);
 
         let stuck_started = Instant::now();
@@ -143,7 +86,7 @@ async fn a_pull_stuck_on_a_silent_peer_delays_no_other_request() {
             let mut prompt = prefix.clone();
             prompt.extend(tokens(8, 32));
             let addr = b.addr;
-            tokio::spawn(async move { complete(addr, &prompt, Some(source(silent_port))).await })
+            tokio::spawn(async move { complete(addr, &prompt, 2, Some(source(silent_port))).await })
         };
         tokio::time::sleep(Duration::from_millis(100)).await;
         // A second request for the same prefix from the same silent peer waits for the first
@@ -153,15 +96,15 @@ async fn a_pull_stuck_on_a_silent_peer_delays_no_other_request() {
             let mut prompt = prefix.clone();
             prompt.extend(tokens(11, 32));
             let addr = b.addr;
-            tokio::spawn(async move { complete(addr, &prompt, Some(source(silent_port))).await })
+            tokio::spawn(async move { complete(addr, &prompt, 2, Some(source(silent_port))).await })
         };
         // Same prefix (same first missing block), and an unrelated prompt: both are served
         // long before the stuck pull gives up.
         let t0 = Instant::now();
         let mut same = prefix.clone();
         same.extend(tokens(9, 32));
-        complete(b.addr, &same, None).await;
-        complete(b.addr, &tokens(10, 1024), None).await;
+        complete(b.addr, &same, 2, None).await;
+        complete(b.addr, &tokens(10, 1024), 2, None).await;
         assert!(
             t0.elapsed() < Duration::from_secs(2),
             "other requests waited {:?} behind a stuck pull",

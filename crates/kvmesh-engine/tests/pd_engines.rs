@@ -7,77 +7,28 @@
 
 mod common;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::{base_config, cached_tokens, tokens};
+// P/D turns generate exactly the tokens asked for (EOS ignored).
+use common::complete_ignore_eos as complete;
+use common::{PROFILE, cached_tokens, p2p_config, scrape_metric, start_engine, tokens};
 use kvmesh_core::{BlockHash, KvTransferParams};
-use kvmesh_engine::server::{RunningServer, ServerOptions, sim_backend, start_server};
+use kvmesh_engine::server::RunningServer;
 use kvmesh_engine::{EngineConfig, Role};
-use kvmesh_text::ByteTokenizer;
 use serde_json::{Value, json};
 use tokio::time::timeout;
 
-const PROFILE: &str = "gpt-oss-120b-h200";
 const BS: usize = 16;
 
 fn cfg(role: Role, bidirectional: bool) -> EngineConfig {
-    let mut cfg = base_config();
-    cfg.kv_events = None;
-    cfg.num_gpu_blocks = 4096;
-    cfg.p2p.port = Some(0);
-    cfg.p2p.allowed_peers = vec!["127.0.0.1".into()];
+    let mut cfg = p2p_config();
     cfg.p2p.role = role;
     cfg.p2p.bidirectional_kv_xfer = bidirectional;
     cfg
 }
 
 async fn start(cfg: EngineConfig) -> RunningServer {
-    let backend = sim_backend(&cfg, PROFILE, 1000.0, 32).unwrap();
-    start_server(
-        cfg,
-        backend,
-        Arc::new(ByteTokenizer),
-        ServerOptions::default(),
-    )
-    .await
-    .unwrap()
-}
-
-async fn complete(
-    addr: SocketAddr,
-    prompt: &[u32],
-    max_tokens: usize,
-    kvp: Option<Value>,
-) -> Value {
-    let mut body = json!({"model": "sim-test", "prompt": prompt, "max_tokens": max_tokens,
-                          "temperature": 0, "ignore_eos": true});
-    if let Some(p) = kvp {
-        body["kv_transfer_params"] = p;
-    }
-    let r = reqwest::Client::new()
-        .post(format!("http://{addr}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200, "P/D trouble must never reach the client");
-    r.json().await.unwrap()
-}
-
-async fn metric(addr: SocketAddr, name: &str, label: &str) -> f64 {
-    let text = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter(|l| label.split(',').all(|part| l.contains(part)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    start_engine(cfg, PROFILE, 1000.0, 32).await
 }
 
 fn prefill_leg() -> Value {
@@ -145,11 +96,11 @@ async fn decode_leg_pulls_the_prompt_from_the_prefiller() {
         let pulled = 999 / BS * BS;
         assert_eq!(cached_tokens(&got), pulled as u64);
         assert_eq!(
-            metric(d.addr, "vllm:external_prefix_cache_hits_total", "").await,
+            scrape_metric(d.addr, "vllm:external_prefix_cache_hits_total", "").await,
             pulled as f64
         );
         assert_eq!(
-            metric(
+            scrape_metric(
                 d.addr,
                 "kvmesh_engine_pd_remote_reads_total",
                 "outcome=\"pulled\""
@@ -252,11 +203,11 @@ async fn bidirectional_history_is_read_by_the_next_prefill() {
         let pre2 = complete(p2.addr, &prompt2, 1, Some(merge(&hist))).await;
         assert_eq!(cached_tokens(&pre2), (n_blocks * BS) as u64);
         assert_eq!(
-            metric(p2.addr, "vllm:external_prefix_cache_hits_total", "").await,
+            scrape_metric(p2.addr, "vllm:external_prefix_cache_hits_total", "").await,
             (n_blocks * BS) as f64
         );
         assert_eq!(
-            metric(
+            scrape_metric(
                 p2.addr,
                 "kvmesh_engine_pd_remote_reads_total",
                 "leg=\"history\",outcome=\"pulled\""
@@ -268,14 +219,14 @@ async fn bidirectional_history_is_read_by_the_next_prefill() {
         let pre1 = complete(p1.addr, &prompt2, 1, Some(merge(&hist))).await;
         assert_eq!(cached_tokens(&pre1), (n_blocks * BS) as u64);
         assert_eq!(
-            metric(p1.addr, "vllm:external_prefix_cache_hits_total", "").await,
+            scrape_metric(p1.addr, "vllm:external_prefix_cache_hits_total", "").await,
             ((n_blocks - 1000 / BS) * BS) as f64
         );
         // Bi-directional off on the prefill engine: the history is ignored, recomputed.
         let off = complete(p_off.addr, &prompt2, 1, Some(merge(&hist))).await;
         assert_eq!(cached_tokens(&off), 0);
         assert_eq!(
-            metric(
+            scrape_metric(
                 p_off.addr,
                 "kvmesh_engine_pd_remote_reads_total",
                 "outcome=\"bidirectional_off\""
@@ -325,11 +276,11 @@ async fn expired_history_is_declined_and_recomputed() {
         prompt2.extend(tokens(5, 100));
         let got = complete(p.addr, &prompt2, 8, Some(merge(&hist))).await;
         assert_eq!(
-            metric(p.addr, "vllm:nixl_num_kv_expired_reqs_total", "").await,
+            scrape_metric(p.addr, "vllm:nixl_num_kv_expired_reqs_total", "").await,
             1.0
         );
         assert_eq!(
-            metric(p.addr, "vllm:external_prefix_cache_hits_total", "").await,
+            scrape_metric(p.addr, "vllm:external_prefix_cache_hits_total", "").await,
             0.0
         );
         // Only its own turn-1 prompt is local.
@@ -361,7 +312,7 @@ async fn dropped_generated_text_mismatches_and_recomputes() {
         prompt2.extend(tokens(7, 300)); // no assistant text
         let got = complete(p.addr, &prompt2, 8, Some(merge(&hist))).await;
         assert_eq!(
-            metric(
+            scrape_metric(
                 p.addr,
                 "kvmesh_engine_pd_remote_reads_total",
                 "outcome=\"mismatch\""
@@ -370,7 +321,7 @@ async fn dropped_generated_text_mismatches_and_recomputes() {
             1.0
         );
         assert_eq!(
-            metric(p.addr, "vllm:external_prefix_cache_hits_total", "").await,
+            scrape_metric(p.addr, "vllm:external_prefix_cache_hits_total", "").await,
             0.0
         );
         assert_eq!(cached_tokens(&got), (1000 / BS * BS) as u64);
@@ -378,7 +329,7 @@ async fn dropped_generated_text_mismatches_and_recomputes() {
         let got_fresh = complete(fresh.addr, &prompt2, 8, Some(merge(&hist))).await;
         assert_eq!(cached_tokens(&got_fresh), (1000 / BS * BS) as u64);
         assert_eq!(
-            metric(
+            scrape_metric(
                 fresh.addr,
                 "kvmesh_engine_pd_remote_reads_total",
                 "outcome=\"mismatch_partial_read\""
@@ -413,7 +364,7 @@ async fn history_below_the_recompute_threshold_is_recomputed() {
         prompt2.extend(tokens(9, 100));
         let got = complete(p.addr, &prompt2, 4, Some(merge(&hist))).await;
         assert_eq!(
-            metric(
+            scrape_metric(
                 p.addr,
                 "kvmesh_engine_pd_remote_reads_total",
                 "outcome=\"below_threshold\""
@@ -422,7 +373,7 @@ async fn history_below_the_recompute_threshold_is_recomputed() {
             1.0
         );
         assert_eq!(
-            metric(p.addr, "vllm:external_prefix_cache_hits_total", "").await,
+            scrape_metric(p.addr, "vllm:external_prefix_cache_hits_total", "").await,
             0.0
         );
         assert_eq!(cached_tokens(&got), (1000 / BS * BS) as u64);

@@ -1,13 +1,16 @@
-//! Shared helpers: an in-process engine server on loopback port 0 with a KV-event subscriber.
+//! Shared helpers: an in-process engine server on loopback port 0 with a KV-event subscriber,
+//! plain sim engines for P2P and P/D tests (started, asked, scraped by address), and
+//! deterministic token streams.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_core::{EventBatch, KvEvent};
 use kvmesh_engine::EngineConfig;
 use kvmesh_engine::config::KvEventsConfig;
-use kvmesh_engine::server::{RunningServer, ServerOptions, sim_backend, start_server};
+use kvmesh_engine::server::{RunningServer, ServerError, ServerOptions, sim_backend, start_server};
 use kvmesh_events::{SubscriberConfig, SubscriberItem, subscribe};
 use kvmesh_text::ByteTokenizer;
 use serde_json::{Value, json};
@@ -72,8 +75,7 @@ impl TestServer {
             }
             None => None,
         };
-        let backend = sim_backend(&cfg, "gpt-oss-120b-h200", time_scale, 32).unwrap();
-        let server = start_server(cfg, backend, Arc::new(ByteTokenizer), options)
+        let server = try_start_engine_with(cfg, PROFILE, time_scale, 32, options)
             .await
             .unwrap();
         let base = format!("http://{}", server.addr);
@@ -187,7 +189,12 @@ impl TestServer {
 
 /// Deterministic token ids in 0..256 (byte tokenizer range) from a seed.
 pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(12345);
+    salted_tokens(seed, 12345, n)
+}
+
+/// [`tokens`] with another salt: a second, unrelated family of streams (the benchmark's).
+pub fn salted_tokens(seed: u32, salt: u32, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(salt);
     (0..n)
         .map(|_| {
             x ^= x << 13;
@@ -202,4 +209,115 @@ pub fn cached_tokens(body: &Value) -> u64 {
     body["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .expect("cached_tokens present")
+}
+
+/// The sim profile every engine test runs unless it compares models.
+pub const PROFILE: &str = "gpt-oss-120b-h200";
+
+/// Engine config with a P2P producer on a free port, loopback peers allowed and no KV events.
+pub fn p2p_config() -> EngineConfig {
+    let mut cfg = base_config();
+    cfg.kv_events = None;
+    cfg.num_gpu_blocks = 4096;
+    cfg.p2p.port = Some(0);
+    cfg.p2p.allowed_peers = vec!["127.0.0.1".into()];
+    cfg
+}
+
+/// Starts a sim engine (no event subscriber) with `kv_bytes` of KV per token; the error is
+/// returned so tests can check that bad settings fail the start.
+pub async fn try_start_engine(
+    cfg: EngineConfig,
+    profile: &str,
+    time_scale: f64,
+    kv_bytes: usize,
+) -> Result<RunningServer, ServerError> {
+    try_start_engine_with(cfg, profile, time_scale, kv_bytes, ServerOptions::default()).await
+}
+
+async fn try_start_engine_with(
+    cfg: EngineConfig,
+    profile: &str,
+    time_scale: f64,
+    kv_bytes: usize,
+    options: ServerOptions,
+) -> Result<RunningServer, ServerError> {
+    let backend = sim_backend(&cfg, profile, time_scale, kv_bytes)?;
+    start_server(cfg, backend, Arc::new(ByteTokenizer), options).await
+}
+
+/// [`try_start_engine`] that must succeed.
+pub async fn start_engine(
+    cfg: EngineConfig,
+    profile: &str,
+    time_scale: f64,
+    kv_bytes: usize,
+) -> RunningServer {
+    try_start_engine(cfg, profile, time_scale, kv_bytes)
+        .await
+        .unwrap()
+}
+
+/// `kv_transfer_params` naming the engine whose P2P port is `port` as the prefix source.
+pub fn source(port: u16) -> Value {
+    json!({"remote_kv_source": {"kv_request_id": "kv-1", "remote_host": "127.0.0.1", "remote_port": port}})
+}
+
+/// Greedy non-streaming completion on `addr`, with `kvp` as `kv_transfer_params`; returns the
+/// body. Peer trouble (P2P or P/D) must never reach the client, so anything but 200 fails.
+pub async fn complete(
+    addr: SocketAddr,
+    prompt: &[u32],
+    max_tokens: usize,
+    kvp: Option<Value>,
+) -> Value {
+    let body =
+        json!({"model": "sim-test", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    send_completion(addr, body, kvp).await
+}
+
+/// [`complete`] generating exactly `max_tokens` (EOS ignored), as P/D turns need.
+pub async fn complete_ignore_eos(
+    addr: SocketAddr,
+    prompt: &[u32],
+    max_tokens: usize,
+    kvp: Option<Value>,
+) -> Value {
+    let body = json!({"model": "sim-test", "prompt": prompt, "max_tokens": max_tokens,
+                      "temperature": 0, "ignore_eos": true});
+    send_completion(addr, body, kvp).await
+}
+
+async fn send_completion(addr: SocketAddr, mut body: Value, kvp: Option<Value>) -> Value {
+    if let Some(p) = kvp {
+        body["kv_transfer_params"] = p;
+    }
+    let r = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        200,
+        "P2P and P/D trouble must never reach the client"
+    );
+    r.json().await.unwrap()
+}
+
+/// Sum of every sample of metric `name` on `addr` whose line contains each comma-separated part
+/// of `labels` (`""`: all samples, e.g. every reason of a counter).
+pub async fn scrape_metric(addr: SocketAddr, name: &str, labels: &str) -> f64 {
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.split(',').all(|part| l.contains(part)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
