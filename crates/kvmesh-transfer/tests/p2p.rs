@@ -3,153 +3,32 @@
 //! speaking the real codec).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::future::Future;
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::{
+    BLOCK_BYTES, VerifySink, allow_only, bounded, client_for, eventually, fp, handshake_raw,
+    hashes, lookup_raw, memory_source, payload_for, pull, send_lookup, start_producer,
+    start_with_source,
+};
 use futures::future::BoxFuture;
-use kvmesh_core::{BlockHash, Fingerprint, HashAlgo};
+use kvmesh_core::{BlockHash, Fingerprint};
 use kvmesh_transfer::connection::Connection;
 use kvmesh_transfer::message::{
-    BlockFrame, BlockStatus, Done, FetchEnd, Hello, HelloOk, Lookup, LookupReply, Message,
-    PROTOCOL_VERSION,
+    BlockFrame, BlockStatus, Done, FetchEnd, Hello, HelloOk, LookupReply, Message, PROTOCOL_VERSION,
 };
 use kvmesh_transfer::{
-    AllowList, BlockSink, BlockSource, ClientConfig, MemorySource, ProducerServer, PullClient,
-    PullOutcome, PullReason, PullReport, Secret, ServerConfig, SinkError, TransferMetrics,
+    BlockSink, BlockSource, ClientConfig, MemorySource, ProducerServer, PullClient, PullOutcome,
+    PullReason, Secret, ServerConfig, SinkError,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-
-const BLOCK_BYTES: usize = 4096;
-
-fn fp() -> Fingerprint {
-    Fingerprint {
-        model_id: "sim-test".into(),
-        kv_dtype: "sim".into(),
-        block_size: 16,
-        num_layers: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        hash_algo: HashAlgo::Sha256Cbor,
-        none_hash: "abcd".into(),
-    }
-}
-
-/// Deterministic content derived from the hash, as the sim backend does.
-fn payload_for(hash: BlockHash) -> Bytes {
-    let seed = hash.0.to_le_bytes();
-    Bytes::from(
-        (0..BLOCK_BYTES)
-            .map(|i| seed[i % 8] ^ (i as u8))
-            .collect::<Vec<u8>>(),
-    )
-}
-
-fn hashes(n: u64) -> Vec<BlockHash> {
-    (0..n).map(|i| BlockHash(0x1000 + i)).collect()
-}
-
-/// A sink that verifies content against the hash and keeps the blocks.
-#[derive(Default)]
-struct VerifySink {
-    got: Vec<BlockHash>,
-}
-
-impl BlockSink for VerifySink {
-    fn accept(&mut self, index: usize, hash: BlockHash, payload: Bytes) -> Result<(), SinkError> {
-        assert_eq!(index, self.got.len(), "blocks arrive in order");
-        if payload != payload_for(hash) {
-            return Err(SinkError {
-                index,
-                reason: "content does not match hash".into(),
-            });
-        }
-        self.got.push(hash);
-        Ok(())
-    }
-}
-
-async fn bounded<F: Future>(f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(20), f)
-        .await
-        .expect("test took too long")
-}
-
-struct Producer {
-    addr: SocketAddr,
-    source: MemorySource,
-    metrics: TransferMetrics,
-    cancel: CancellationToken,
-    handle: JoinHandle<()>,
-}
-
-async fn start_producer(populate: &[BlockHash], config: ServerConfig) -> Producer {
-    let source = MemorySource::new(fp());
-    for h in populate {
-        source.insert(*h, payload_for(*h));
-    }
-    start_with_source(source.clone(), Arc::new(source), config).await
-}
-
-async fn start_with_source(
-    source: MemorySource,
-    served: Arc<dyn BlockSource>,
-    config: ServerConfig,
-) -> Producer {
-    let metrics = config.metrics.clone();
-    let cancel = CancellationToken::new();
-    let (addr, handle) = ProducerServer::bind("127.0.0.1:0", served, config, cancel.clone())
-        .await
-        .unwrap();
-    Producer {
-        addr,
-        source,
-        metrics,
-        cancel,
-        handle,
-    }
-}
-
-fn client_for(addr: SocketAddr, tweak: impl FnOnce(&mut ClientConfig)) -> PullClient {
-    let mut allowed = AllowList::none();
-    allowed.add_socket(addr);
-    let mut cfg = ClientConfig {
-        allowed_peers: allowed,
-        timeout: Duration::from_secs(2),
-        pending_deadline: Duration::from_secs(2),
-        ..ClientConfig::default()
-    };
-    tweak(&mut cfg);
-    PullClient::new(fp(), cfg)
-}
-
-async fn pull(client: &PullClient, addr: SocketAddr, hs: &[BlockHash]) -> (PullReport, VerifySink) {
-    let mut sink = VerifySink::default();
-    let report = bounded(client.pull(addr, "req-1", hs, &mut sink)).await;
-    assert_eq!(
-        report.blocks,
-        sink.got.len(),
-        "report counts exactly the blocks the sink accepted"
-    );
-    assert_eq!(&sink.got[..], &hs[..sink.got.len()], "a prefix, in order");
-    (report, sink)
-}
-
-async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 #[tokio::test]
 async fn complete_pull_delivers_verified_blocks_and_reuses_the_connection() {
@@ -224,15 +103,7 @@ async fn evicted_between_lookup_and_fetch_cannot_happen_while_pinned() {
     let p = start_producer(&hs, ServerConfig::default()).await;
     // Raw consumer: Lookup pins the leading run; eviction must be refused until Done.
     let mut conn = handshake_raw(p.addr).await;
-    conn.write_message(&Message::Lookup(Lookup {
-        kv_request_id: "r".into(),
-        hashes: hs.clone(),
-    }))
-    .await
-    .unwrap();
-    let Some(Message::LookupReply(r)) = conn.read_message().await.unwrap() else {
-        panic!("expected reply")
-    };
+    let r = lookup_raw(&mut conn, &hs).await;
     assert_eq!(r.statuses, vec![BlockStatus::Hit; 4]);
     assert_eq!(p.source.pinned_blocks(), 4);
     assert!(!p.source.evict(hs[0]), "pinned block survives eviction");
@@ -270,15 +141,7 @@ async fn lease_expiry_releases_pins_of_a_consumer_that_never_fetches() {
     };
     let p = start_producer(&hs, cfg).await;
     let mut conn = handshake_raw(p.addr).await;
-    conn.write_message(&Message::Lookup(Lookup {
-        kv_request_id: "r".into(),
-        hashes: hs.clone(),
-    }))
-    .await
-    .unwrap();
-    let Some(Message::LookupReply(r)) = conn.read_message().await.unwrap() else {
-        panic!("expected reply")
-    };
+    let r = lookup_raw(&mut conn, &hs).await;
     assert_eq!(r.lease_ms, 200);
     assert_eq!(p.source.pinned_blocks(), 5);
     // Connection stays open and idle: only the lease can free the blocks.
@@ -292,12 +155,7 @@ async fn pins_are_released_when_the_consumer_disconnects_after_lookup() {
     let hs = hashes(3);
     let p = start_producer(&hs, ServerConfig::default()).await; // 10 s lease
     let mut conn = handshake_raw(p.addr).await;
-    conn.write_message(&Message::Lookup(Lookup {
-        kv_request_id: "r".into(),
-        hashes: hs.clone(),
-    }))
-    .await
-    .unwrap();
+    send_lookup(&mut conn, &hs).await;
     let _ = conn.read_message().await.unwrap();
     assert_eq!(p.source.pinned_blocks(), 3);
     drop(conn);
@@ -389,10 +247,7 @@ impl BlockSource for CorruptingSource {
 #[tokio::test]
 async fn a_sink_that_rejects_content_stops_the_pull() {
     let hs = hashes(8);
-    let mem = MemorySource::new(fp());
-    for h in &hs {
-        mem.insert(*h, payload_for(*h));
-    }
+    let mem = memory_source(&hs);
     let served = Arc::new(CorruptingSource {
         inner: mem.clone(),
         corrupt_from: 5,
@@ -587,10 +442,7 @@ async fn real_producer_shut_down_mid_stream_gives_partial() {
         }
     }
     let hs = hashes(8);
-    let mem = MemorySource::new(fp());
-    for h in &hs {
-        mem.insert(*h, payload_for(*h));
-    }
+    let mem = memory_source(&hs);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -743,8 +595,6 @@ async fn garbled_bytes_from_a_consumer_close_only_that_connection() {
 async fn fingerprint_mismatch_is_refused_naming_the_field() {
     let hs = hashes(2);
     let p = start_producer(&hs, ServerConfig::default()).await;
-    let mut allowed = AllowList::none();
-    allowed.add_socket(p.addr);
     let theirs = Fingerprint {
         block_size: 32,
         head_dim: 1,
@@ -753,7 +603,7 @@ async fn fingerprint_mismatch_is_refused_naming_the_field() {
     let client = PullClient::new(
         theirs,
         ClientConfig {
-            allowed_peers: allowed,
+            allowed_peers: allow_only(p.addr),
             ..ClientConfig::default()
         },
     );
@@ -970,21 +820,6 @@ async fn hello_with_another_protocol_version_is_refused() {
     eventually("refusal counted", || p.metrics.refused("version") == 1).await;
 }
 
-async fn handshake_raw(addr: SocketAddr) -> Connection {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    let mut conn = Connection::new(stream, 1 << 20);
-    conn.write_message(&Message::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        fingerprint: fp(),
-        nonce: [7; 16],
-    }))
-    .await
-    .unwrap();
-    let reply = bounded(conn.read_message()).await.unwrap();
-    assert!(matches!(reply, Some(Message::HelloOk(_))), "{reply:?}");
-    conn
-}
-
 #[tokio::test]
 async fn block_checksum_is_verified_however_the_bytes_are_chunked() {
     use tokio::io::AsyncWriteExt;
@@ -1105,12 +940,10 @@ async fn with_a_secret_the_fingerprint_is_compared_only_after_authentication() {
         ..fp()
     };
     let mk = |secret: &str| {
-        let mut allowed = AllowList::none();
-        allowed.add_socket(p.addr);
         PullClient::new(
             other_fp.clone(),
             ClientConfig {
-                allowed_peers: allowed,
+                allowed_peers: allow_only(p.addr),
                 secret: Some(Secret::from(secret)),
                 ..ClientConfig::default()
             },
