@@ -644,6 +644,12 @@ fn params_in(doc: &[u8]) -> Option<KvTransferParams> {
 
 /// The decoder's body passed through unchanged, owning the load guard, watching for the final
 /// `kv_transfer_params` (SSE `data:` lines, or the whole non-stream body) to cache.
+///
+/// The entry is stored before the chunk that completes it is handed on: a non-stream body comes
+/// with the engine's `Content-Length`, and hyper drops the body stream as soon as that many
+/// bytes are written, so code after the last chunk never runs. A non-stream body therefore holds
+/// back its latest chunk until the next one (or the end) arrives — its client reads the whole
+/// document anyway — and an SSE stream stores the params as soon as their line is complete.
 fn tapped_body(
     upstream: reqwest::Response,
     mut guard: LoadGuard,
@@ -654,7 +660,8 @@ fn tapped_body(
         let mut chunks = upstream.bytes_stream();
         let mut first = true;
         let mut buf: Vec<u8> = Vec::new();
-        let mut found: Option<KvTransferParams> = None;
+        let mut overflow = false;
+        let mut held: Option<Bytes> = None;
         while let Some(chunk) = chunks.next().await {
             match chunk {
                 Ok(bytes) => {
@@ -662,36 +669,52 @@ fn tapped_body(
                         first = false;
                         guard.prefill_done();
                     }
-                    if store.is_some() {
+                    let Some((pd, key)) = &store else {
+                        yield Ok::<Bytes, std::io::Error>(bytes);
+                        continue;
+                    };
+                    if stream {
                         buf.extend_from_slice(&bytes);
-                        if stream {
-                            while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
-                                let line: Vec<u8> = buf.drain(..=nl).collect();
-                                if let Some(doc) = line.strip_prefix(b"data: ")
-                                    && let Some(p) = params_in(doc.trim_ascii())
-                                {
-                                    found = Some(p);
-                                }
+                        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+                            let line: Vec<u8> = buf.drain(..=nl).collect();
+                            if let Some(doc) = line.strip_prefix(b"data: ")
+                                && let Some(p) = params_in(doc.trim_ascii())
+                            {
+                                pd.store(key.clone(), p);
                             }
-                        } else if buf.len() > MAX_TAP_BYTES {
-                            buf = Vec::new();
+                        }
+                        yield Ok(bytes);
+                    } else {
+                        if !overflow {
+                            buf.extend_from_slice(&bytes);
+                            if buf.len() > MAX_TAP_BYTES {
+                                overflow = true;
+                                buf = Vec::new();
+                            }
+                        }
+                        if let Some(prev) = held.replace(bytes) {
+                            yield Ok(prev);
                         }
                     }
-                    yield Ok::<Bytes, std::io::Error>(bytes);
                 }
                 Err(e) => {
+                    // The body is cut short: hand on what arrived, cache nothing.
+                    if let Some(prev) = held.take() {
+                        yield Ok(prev);
+                    }
                     yield Err(std::io::Error::other(e));
                     break;
                 }
             }
         }
-        if let Some((pd, key)) = store {
-            if !stream {
-                found = params_in(&buf);
+        if let Some(last) = held.take() {
+            if let Some((pd, key)) = &store
+                && !overflow
+                && let Some(p) = params_in(&buf)
+            {
+                pd.store(key.clone(), p);
             }
-            if let Some(p) = found {
-                pd.store(key, p);
-            }
+            yield Ok(last);
         }
         drop(guard);
     };
