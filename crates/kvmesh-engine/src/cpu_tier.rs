@@ -6,10 +6,22 @@
 //! adds the *pending* registry: blocks a running request is computing right now, which a peer may
 //! wait for ([`CpuTier::wait_ready`]).
 //!
+//! Pins come in three kinds ([`PinKind`]): `Use` (a peer's fetch in progress), `Pull` (landed by
+//! a pull for a request not yet scheduled) and `Retain` (kept for a P/D remote reader until its
+//! expiry). `Use` and `Pull` are hard: such a block is never evicted. `Retain` is soft: retained
+//! blocks live in their own LRU and are evicted, oldest retention first, only once no unprotected
+//! block is left — a retention is a promise to a reader that may never come (or already came: a
+//! peer's read of a retained block releases one retention), and must not make the tier refuse the
+//! blocks a pull is landing for a request being served now. Blocks held by `Pull` leases are
+//! capped at a fraction of the capacity ([`DEFAULT_PULL_PIN_FRACTION`]); beyond it a pulled block
+//! lands unpinned.
+//!
 //! Invariants: `used_bytes` = sum of stored payload lengths ≤ capacity; a block holding at least
-//! one unexpired pin is never evicted; pins are counted (each `pin` adds a lease with its own
-//! expiry, each `unpin` releases one), so two peers pinning the same block cannot release each
-//! other's protection; every stored payload keeps the CRC32 taken when it was stored (a peer
+//! one unexpired hard pin is never evicted; pins are counted (each `pin` adds a lease with its own
+//! expiry, each `unpin` releases one of that kind), so two peers pinning the same block cannot
+//! release each other's protection; a block landed by a pull carries an *external* flag until
+//! the first request that asked for it restores it ([`CpuTier::take_external`]), so pulled tokens
+//! count as external hits exactly once whatever the order of the requests sharing them; every stored payload keeps the CRC32 taken when it was stored (a peer
 //! serving it sends that checksum, so corruption at rest is caught by the receiver); every
 //! store/evict publishes `BlockStored`/`BlockRemoved` with medium CPU, in order (published under
 //! the lock).
@@ -46,8 +58,81 @@ struct Entry {
     tick: u64,
     /// CRC32 of `payload`, taken at store time.
     crc: u32,
-    /// Expiry of each live pin (one entry per pin; expired entries are dropped lazily).
+    /// Expiry of each live `Use` pin (one entry per pin; expired entries are dropped lazily).
     leases: Vec<Instant>,
+    /// Expiry of each live `Pull` pin.
+    pulled: Vec<Instant>,
+    /// Expiry of each live `Retain` pin (soft).
+    retained: Vec<Instant>,
+    /// Key in `CpuStore::retained_lru` while indexed there (instead of in `lru` at `tick`).
+    rkey: Option<u64>,
+    /// Counted in `CpuStore::pull_pinned_bytes`.
+    pull_counted: bool,
+    /// Landed by a pull and not yet counted as an external hit.
+    external: bool,
+}
+
+impl Entry {
+    fn new(b: &OffloadBlock, tick: u64) -> Self {
+        Self {
+            payload: b.payload.clone(),
+            parent: b.parent,
+            tokens: b.tokens.as_slice().into(),
+            tick,
+            crc: crc32fast::hash(&b.payload),
+            leases: Vec::new(),
+            pulled: Vec::new(),
+            retained: Vec::new(),
+            rkey: None,
+            pull_counted: false,
+            external: false,
+        }
+    }
+
+    /// Earliest expiry among live hard (`Use`, `Pull`) pins; None when no hard pin is live.
+    fn hard_expiry(&self, now: Instant) -> Option<Instant> {
+        self.leases
+            .iter()
+            .chain(&self.pulled)
+            .copied()
+            .filter(|&t| t > now)
+            .min()
+    }
+
+    fn leases_mut(&mut self, kind: PinKind) -> &mut Vec<Instant> {
+        match kind {
+            PinKind::Use => &mut self.leases,
+            PinKind::Pull => &mut self.pulled,
+            PinKind::Retain => &mut self.retained,
+        }
+    }
+}
+
+/// Why a block is pinned (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinKind {
+    /// A peer's fetch (or a waiting request) uses the block: hard.
+    Use,
+    /// Landed by a pull for a request not yet scheduled: hard, capped.
+    Pull,
+    /// Kept for a P/D remote reader: soft (evicted after unprotected blocks).
+    Retain,
+}
+
+/// Default share of the tier's capacity that `Pull` pins may hold.
+pub const DEFAULT_PULL_PIN_FRACTION: f64 = 0.5;
+
+/// What [`CpuTier::insert_external_pinned`] did with a pulled block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Landed {
+    /// Stored and pinned (`Pull`) until the request is scheduled.
+    Pinned,
+    /// Stored without a pin: `Pull` pins already hold their share of the tier.
+    Unpinned,
+    /// Already here (computed or landed meanwhile): a local hit, not pinned.
+    Present,
+    /// Could not be stored: hard pins fill the tier.
+    Rejected,
 }
 
 /// Per-block answer to a peer's lookup.
@@ -70,6 +155,10 @@ pub struct CpuTierStats {
     /// Inserts refused because pinned blocks filled the tier (or a payload exceeded capacity).
     pub rejected_blocks: u64,
     pub hits: u64,
+    /// Retained (`Retain`-pinned) blocks evicted under pressure before their retention expired.
+    pub retained_evicted_blocks: u64,
+    /// Pulled blocks stored without a pin because `Pull` pins held their share of the tier.
+    pub pull_pin_capped_blocks: u64,
 }
 
 /// Byte-capped LRU store of block payloads (pure data structure).
@@ -80,8 +169,17 @@ pub struct CpuStore {
     used: u64,
     entries: HashMap<BlockHash, Entry>,
     lru: BTreeMap<u64, BlockHash>,
+    /// Blocks with a (possibly expired) retention, by when they were retained: evicted only
+    /// when `lru` has nothing evictable, oldest retention first.
+    retained_lru: BTreeMap<u64, BlockHash>,
     tick: u64,
     stats: CpuTierStats,
+    /// Bytes of blocks holding a `Pull` pin (expired pins counted until the next recount).
+    pull_pinned_bytes: u64,
+    /// Cap on `pull_pinned_bytes`.
+    pull_pin_cap: u64,
+    /// No recount of `pull_pinned_bytes` is useful before this (earliest `Pull` expiry seen).
+    pull_recount_after: Option<Instant>,
     /// Set when an eviction scan found every block pinned: until this instant (the earliest
     /// lease expiry seen) or the next unpin/insert/clear, evictions fail at once instead of
     /// rescanning the whole tier for every block offered (that rescan, under the tier's lock,
@@ -97,13 +195,22 @@ impl CpuStore {
             used: 0,
             entries: HashMap::new(),
             lru: BTreeMap::new(),
+            retained_lru: BTreeMap::new(),
             tick: 0,
             stats: CpuTierStats {
                 capacity_bytes,
                 ..Default::default()
             },
+            pull_pinned_bytes: 0,
+            pull_pin_cap: (capacity_bytes as f64 * DEFAULT_PULL_PIN_FRACTION) as u64,
+            pull_recount_after: None,
             all_pinned_until: None,
         }
+    }
+
+    /// Sets the share (0..=1) of the capacity that `Pull` pins may hold.
+    pub fn set_pull_pin_fraction(&mut self, fraction: f64) {
+        self.pull_pin_cap = (self.capacity as f64 * fraction.clamp(0.0, 1.0)) as u64;
     }
 
     pub fn contains(&self, hash: BlockHash) -> bool {
@@ -132,10 +239,31 @@ impl CpuStore {
 
     fn touch(&mut self, hash: BlockHash) {
         if let Some(e) = self.entries.get_mut(&hash) {
-            self.lru.remove(&e.tick);
             self.tick += 1;
+            if e.rkey.is_none() {
+                self.lru.remove(&e.tick);
+                self.lru.insert(self.tick, hash);
+            }
+            // A retained block keeps its retention order; `tick` is where it rejoins `lru`.
             e.tick = self.tick;
-            self.lru.insert(self.tick, hash);
+        }
+    }
+
+    /// Moves blocks whose retentions all expired from `retained_lru` back to `lru` (at their
+    /// last-use position), oldest retention first; stops at the first still retained.
+    fn expire_retentions(&mut self, now: Instant) {
+        while let Some((&k, &hash)) = self.retained_lru.first_key_value() {
+            let Some(e) = self.entries.get_mut(&hash) else {
+                self.retained_lru.remove(&k);
+                continue;
+            };
+            e.retained.retain(|&t| t > now);
+            if !e.retained.is_empty() {
+                break;
+            }
+            self.retained_lru.remove(&k);
+            e.rkey = None;
+            self.lru.insert(e.tick, hash);
         }
     }
 
@@ -162,39 +290,62 @@ impl CpuStore {
             .count()
     }
 
-    /// Evicts the least recently used unpinned block. Pinned blocks met on the way are in use
-    /// (a queued request or a peer's fetch holds them): they move to the recent end, so each
-    /// is stepped over once per pass instead of once per eviction (amortised O(log n); the old
-    /// scan from the LRU end was O(pinned) per evicted block).
+    /// Evicts the least recently used unprotected block, else the oldest retained block without
+    /// a hard pin. Hard-pinned blocks met on the way are in use (a queued request or a peer's
+    /// fetch holds them): they move to the recent end, so each is stepped over once per pass
+    /// instead of once per eviction (amortised O(log n); the old scan from the LRU end was
+    /// O(pinned) per evicted block).
     fn evict_one(&mut self, now: Instant, removed: &mut Vec<BlockHash>) -> bool {
         if self.all_pinned_until.is_some_and(|t| now < t) {
             return false;
         }
+        self.expire_retentions(now);
         let mut earliest_expiry: Option<Instant> = None;
-        for _ in 0..self.lru.len() {
-            let Some((tick, hash)) = self.lru.pop_first() else {
-                break;
+        for retained in [false, true] {
+            let len = if retained {
+                self.retained_lru.len()
+            } else {
+                self.lru.len()
             };
-            let Some(e) = self.entries.get_mut(&hash) else {
-                continue;
-            };
-            let live = e.leases.iter().copied().filter(|&t| t > now).min();
-            if let Some(expiry) = live {
-                earliest_expiry = Some(earliest_expiry.map_or(expiry, |x| x.min(expiry)));
-                self.tick += 1;
-                e.tick = self.tick;
-                self.lru.insert(self.tick, hash);
-                continue;
+            for _ in 0..len {
+                let map = if retained {
+                    &mut self.retained_lru
+                } else {
+                    &mut self.lru
+                };
+                let Some((_, hash)) = map.pop_first() else {
+                    break;
+                };
+                let Some(e) = self.entries.get_mut(&hash) else {
+                    continue;
+                };
+                if let Some(expiry) = e.hard_expiry(now) {
+                    earliest_expiry = Some(earliest_expiry.map_or(expiry, |x| x.min(expiry)));
+                    self.tick += 1;
+                    if retained {
+                        e.rkey = Some(self.tick);
+                        self.retained_lru.insert(self.tick, hash);
+                    } else {
+                        e.tick = self.tick;
+                        self.lru.insert(self.tick, hash);
+                    }
+                    continue;
+                }
+                if retained && e.retained.iter().any(|&t| t > now) {
+                    self.stats.retained_evicted_blocks += 1;
+                }
+                if let Some(e) = self.entries.remove(&hash) {
+                    self.used -= e.payload.len() as u64;
+                    if e.pull_counted {
+                        self.pull_pinned_bytes -= e.payload.len() as u64;
+                    }
+                }
+                self.stats.evicted_blocks += 1;
+                removed.push(hash);
+                return true;
             }
-            debug_assert_eq!(e.tick, tick);
-            if let Some(e) = self.entries.remove(&hash) {
-                self.used -= e.payload.len() as u64;
-            }
-            self.stats.evicted_blocks += 1;
-            removed.push(hash);
-            return true;
         }
-        // Everything is pinned: fail fast until a lease expires or something changes.
+        // Everything is hard-pinned: fail fast until a lease expires or something changes.
         self.all_pinned_until = earliest_expiry;
         false
     }
@@ -234,17 +385,7 @@ impl CpuStore {
             }
             self.tick += 1;
             self.lru.insert(self.tick, b.hash);
-            self.entries.insert(
-                b.hash,
-                Entry {
-                    payload: b.payload.clone(),
-                    parent: b.parent,
-                    tokens: b.tokens.as_slice().into(),
-                    tick: self.tick,
-                    crc: crc32fast::hash(&b.payload),
-                    leases: Vec::new(),
-                },
-            );
+            self.entries.insert(b.hash, Entry::new(b, self.tick));
             self.used += need;
             self.all_pinned_until = None;
             self.stats.stored_blocks += 1;
@@ -277,48 +418,180 @@ impl CpuStore {
         stored
     }
 
-    /// Adds one pin (lease until `until`) to each block of the leading run of stored `hashes`.
-    /// Returns the run length. Pins are counted: each needs its own [`CpuStore::unpin`] (or
-    /// expires on its own).
+    /// Adds one `Use` pin (lease until `until`) to each block of the leading run of stored
+    /// `hashes`. Returns the run length. Pins are counted: each needs its own
+    /// [`CpuStore::unpin`] (or expires on its own).
     pub fn pin(&mut self, hashes: &[BlockHash], until: Instant) -> usize {
+        self.pin_as(PinKind::Use, hashes, until)
+    }
+
+    /// [`CpuStore::pin`] with a pin kind. `Pull` pins are not capped here (they protect blocks
+    /// already stored); the cap applies when a pull lands a new block.
+    pub fn pin_as(&mut self, kind: PinKind, hashes: &[BlockHash], until: Instant) -> usize {
         let now = Instant::now();
         let mut n = 0;
         for h in hashes {
             let Some(e) = self.entries.get_mut(h) else {
                 break;
             };
-            e.leases.retain(|&t| t > now);
-            e.leases.push(until);
+            let leases = e.leases_mut(kind);
+            leases.retain(|&t| t > now);
+            leases.push(until);
+            match kind {
+                PinKind::Pull if !e.pull_counted => {
+                    e.pull_counted = true;
+                    self.pull_pinned_bytes += e.payload.len() as u64;
+                }
+                PinKind::Retain => {
+                    // (Re)retained: joins the retained LRU at its recent end.
+                    self.tick += 1;
+                    match e.rkey.replace(self.tick) {
+                        Some(k) => self.retained_lru.remove(&k),
+                        None => self.lru.remove(&e.tick),
+                    };
+                    self.retained_lru.insert(self.tick, *h);
+                }
+                _ => {}
+            }
             n += 1;
         }
         n
     }
 
-    /// Releases one pin per hash (the one expiring soonest; already expired pins are ignored).
+    /// Releases one `Use` pin per hash (the one expiring soonest; already expired pins are
+    /// ignored).
     pub fn unpin(&mut self, hashes: &[BlockHash]) {
+        self.unpin_as(PinKind::Use, hashes);
+    }
+
+    /// [`CpuStore::unpin`] of one pin kind.
+    pub fn unpin_as(&mut self, kind: PinKind, hashes: &[BlockHash]) {
         let now = Instant::now();
         self.all_pinned_until = None;
         for h in hashes {
             if let Some(e) = self.entries.get_mut(h) {
-                e.leases.retain(|&t| t > now);
-                if let Some(i) = e
-                    .leases
+                let leases = e.leases_mut(kind);
+                leases.retain(|&t| t > now);
+                if let Some(i) = leases
                     .iter()
                     .enumerate()
                     .min_by_key(|(_, t)| **t)
                     .map(|(i, _)| i)
                 {
-                    e.leases.swap_remove(i);
+                    leases.swap_remove(i);
+                }
+                if kind == PinKind::Pull && e.pull_counted && e.pulled.is_empty() {
+                    e.pull_counted = false;
+                    self.pull_pinned_bytes -= e.payload.len() as u64;
+                }
+                if kind == PinKind::Retain
+                    && e.retained.is_empty()
+                    && let Some(k) = e.rkey.take()
+                {
+                    self.retained_lru.remove(&k);
+                    self.lru.insert(e.tick, *h);
                 }
             }
         }
     }
 
-    /// Live (unexpired) pins on a block.
+    /// Live (unexpired) pins of every kind on a block.
     pub fn pin_count(&self, hash: BlockHash, now: Instant) -> usize {
-        self.entries
+        self.entries.get(&hash).map_or(0, |e| {
+            e.leases
+                .iter()
+                .chain(&e.pulled)
+                .chain(&e.retained)
+                .filter(|&&t| t > now)
+                .count()
+        })
+    }
+
+    /// Whether `Pull` pins may hold `more` more bytes. At the cap, recounts once (dropping
+    /// expired pull pins) unless no pull pin can have expired since the last recount.
+    fn pull_pin_room(&mut self, more: u64, now: Instant) -> bool {
+        if self.pull_pinned_bytes + more <= self.pull_pin_cap {
+            return true;
+        }
+        if self.pull_recount_after.is_some_and(|t| now < t) {
+            return false;
+        }
+        let mut bytes = 0;
+        let mut earliest: Option<Instant> = None;
+        for e in self.entries.values_mut() {
+            e.pulled.retain(|&t| t > now);
+            e.pull_counted = !e.pulled.is_empty();
+            if e.pull_counted {
+                bytes += e.payload.len() as u64;
+                if let Some(first) = e.pulled.iter().copied().min() {
+                    earliest = Some(earliest.map_or(first, |x| x.min(first)));
+                }
+            }
+        }
+        self.pull_pinned_bytes = bytes;
+        self.pull_recount_after = earliest;
+        bytes + more <= self.pull_pin_cap
+    }
+
+    /// Stores one pulled block and pins it (`Pull`, until `until`) when the pull-pin cap allows;
+    /// flags it external. See [`Landed`].
+    pub fn insert_pulled(
+        &mut self,
+        block: &OffloadBlock,
+        until: Instant,
+        now: Instant,
+        events: &mut Vec<KvEvent>,
+    ) -> Landed {
+        if self.entries.contains_key(&block.hash) {
+            self.touch(block.hash);
+            return Landed::Present;
+        }
+        if self.insert_run(std::slice::from_ref(block), now, events) != 1 {
+            return Landed::Rejected;
+        }
+        if let Some(e) = self.entries.get_mut(&block.hash) {
+            e.external = true;
+        }
+        if self.pull_pin_room(block.payload.len() as u64, now) {
+            self.pin_as(PinKind::Pull, &[block.hash], until);
+            Landed::Pinned
+        } else {
+            self.stats.pull_pin_capped_blocks += 1;
+            Landed::Unpinned
+        }
+    }
+
+    /// Clears the external flag of each of `hashes` that has it; returns how many had it (the
+    /// caller counts those as external hits, once).
+    pub fn take_external(&mut self, hashes: &[BlockHash]) -> usize {
+        let mut n = 0;
+        for h in hashes {
+            if let Some(e) = self.entries.get_mut(h)
+                && std::mem::take(&mut e.external)
+            {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Flags a stored block as landed by a pull (external, not yet counted).
+    pub fn flag_external(&mut self, hash: BlockHash) {
+        if let Some(e) = self.entries.get_mut(&hash) {
+            e.external = true;
+        }
+    }
+
+    /// A peer read a block: the reader a retention was kept for has been served, so one
+    /// retention (the soonest expiring) is released.
+    pub fn release_one_retention(&mut self, hash: BlockHash) {
+        let retained = self
+            .entries
             .get(&hash)
-            .map_or(0, |e| e.leases.iter().filter(|&&t| t > now).count())
+            .is_some_and(|e| e.rkey.is_some() || !e.retained.is_empty());
+        if retained {
+            self.unpin_as(PinKind::Retain, &[hash]);
+        }
     }
 
     /// The payload and the CRC32 taken when it was stored (marks it recently used).
@@ -334,7 +607,10 @@ impl CpuStore {
     pub fn clear(&mut self) {
         self.entries.clear();
         self.lru.clear();
+        self.retained_lru.clear();
         self.used = 0;
+        self.pull_pinned_bytes = 0;
+        self.pull_recount_after = None;
         self.all_pinned_until = None;
     }
 }
@@ -417,9 +693,36 @@ impl CpuTier {
         self.inner.lock().store.pin(hashes, lease_until)
     }
 
-    /// Releases one pin per hash.
+    /// [`CpuTier::pin`] with a pin kind (see [`PinKind`]).
+    pub fn pin_as(&self, kind: PinKind, hashes: &[BlockHash], lease_until: Instant) -> usize {
+        self.inner.lock().store.pin_as(kind, hashes, lease_until)
+    }
+
+    /// Releases one `Use` pin per hash.
     pub fn unpin(&self, hashes: &[BlockHash]) {
         self.inner.lock().store.unpin(hashes);
+    }
+
+    /// Releases one pin of `kind` per hash.
+    pub fn unpin_as(&self, kind: PinKind, hashes: &[BlockHash]) {
+        self.inner.lock().store.unpin_as(kind, hashes);
+    }
+
+    /// Sets the share (0..=1) of the capacity that `Pull` pins may hold (default
+    /// [`DEFAULT_PULL_PIN_FRACTION`]).
+    pub fn set_pull_pin_fraction(&self, fraction: f64) {
+        self.inner.lock().store.set_pull_pin_fraction(fraction);
+    }
+
+    /// Clears the external flag of those of `hashes` that carry it (blocks a pull landed, not
+    /// yet counted); returns how many did. Called once per request at its first scheduling, with
+    /// the hit blocks it pulled or waited for: the first such request counts them as external
+    /// hits, later ones as local hits.
+    pub fn take_external(&self, hashes: &[BlockHash]) -> usize {
+        if hashes.is_empty() {
+            return 0;
+        }
+        self.inner.lock().store.take_external(hashes)
     }
 
     /// Live pins on a block.
@@ -455,6 +758,16 @@ impl CpuTier {
     /// The payload with the CRC32 taken when it was stored.
     pub fn get_with_checksum(&self, hash: BlockHash) -> Option<(Bytes, u32)> {
         self.inner.lock().store.get_with_checksum(hash)
+    }
+
+    /// As [`CpuTier::get_with_checksum`], for a peer's fetch: the read serves the reader a
+    /// retention was kept for, so one retention on the block is released (vLLM's prefiller frees
+    /// a request's blocks once its decoder has read them).
+    pub fn read_for_peer(&self, hash: BlockHash) -> Option<(Bytes, u32)> {
+        let mut g = self.inner.lock();
+        let out = g.store.get_with_checksum(hash)?;
+        g.store.release_one_retention(hash);
+        Some(out)
     }
 
     /// Test hook: replaces a stored payload *without* updating its checksum, as bit rot or a
@@ -505,47 +818,36 @@ impl CpuTier {
             payload,
         }]) == 1;
         if stored {
+            self.inner.lock().store.flag_external(hash);
             self.external_inserts.fetch_add(1, Ordering::Relaxed);
         }
         stored
     }
 
-    /// As [`CpuTier::insert_external`], and pins the newly stored block (lease until
+    /// As [`CpuTier::insert_external`], and pins the newly stored block (`Pull`, lease until
     /// `lease_until`) under the same lock, so nothing evicts it before the request that pulled
-    /// it is scheduled. `Some(true)`: stored and pinned; `Some(false)`: already present (not
-    /// pinned); `None`: could not be stored (pinned blocks fill the tier).
-    pub fn insert_external_pinned(
-        &self,
-        block: OffloadBlock,
-        lease_until: Instant,
-    ) -> Option<bool> {
+    /// it is scheduled — unless `Pull` pins already hold their share of the tier, then it lands
+    /// unpinned. Unprotected, then retained, blocks are evicted to make room; only hard pins
+    /// filling the tier reject it. See [`Landed`].
+    pub fn insert_external_pinned(&self, block: OffloadBlock, lease_until: Instant) -> Landed {
         let hash = block.hash;
-        let result = {
+        let landed = {
             let mut g = self.inner.lock();
-            let present = g.store.contains(hash);
             let mut events = Vec::new();
-            let stored =
-                g.store
-                    .insert_run(std::slice::from_ref(&block), Instant::now(), &mut events)
-                    == 1;
-            if stored {
+            let landed = g
+                .store
+                .insert_pulled(&block, lease_until, Instant::now(), &mut events);
+            if matches!(landed, Landed::Pinned | Landed::Unpinned) {
                 g.pending.remove(&hash);
-                g.store.pin(&[hash], lease_until);
             }
             self.sink.publish(events);
-            if stored {
-                Some(true)
-            } else if present {
-                Some(false)
-            } else {
-                None
-            }
+            landed
         };
-        if result == Some(true) {
+        if matches!(landed, Landed::Pinned | Landed::Unpinned) {
             self.external_inserts.fetch_add(1, Ordering::Relaxed);
             self.changed.notify_waiters();
         }
-        result
+        landed
     }
 
     /// Marks blocks a running request is about to compute (peers see them as `Pending`).
@@ -799,6 +1101,190 @@ mod tests {
         let (p2, crc2) = tier.get_with_checksum(BlockHash(2)).unwrap();
         assert_eq!(crc2, crc, "checksum from store time survives corruption");
         assert_ne!(crc32fast::hash(&p2), crc2);
+    }
+
+    #[test]
+    fn a_pull_lands_in_a_tier_full_of_retained_blocks() {
+        // A prefiller: every prompt block retained for its decoder (480 s), the tier full.
+        // A history pull must still land: the oldest retention gives way, never the pull.
+        let tier = CpuTier::new(40, 2, Arc::new(CollectingSink::default()));
+        tier.insert_run(&[blk(1, None, 10), blk(2, Some(1), 10)]);
+        tier.insert_run(&[blk(3, None, 10), blk(4, Some(3), 10)]);
+        let ttl = Instant::now() + Duration::from_secs(480);
+        assert_eq!(
+            tier.pin_as(PinKind::Retain, &[BlockHash(1), BlockHash(2)], ttl),
+            2
+        );
+        assert_eq!(
+            tier.pin_as(PinKind::Retain, &[BlockHash(3), BlockHash(4)], ttl),
+            2
+        );
+        let lease = Instant::now() + Duration::from_secs(60);
+        assert_eq!(
+            tier.insert_external_pinned(blk(10, None, 10), lease),
+            Landed::Pinned
+        );
+        assert!(!tier.contains(BlockHash(1)), "oldest retention evicted");
+        assert!(tier.contains(BlockHash(3)) && tier.contains(BlockHash(10)));
+        assert_eq!(tier.stats().retained_evicted_blocks, 1);
+        assert_eq!(tier.stats().rejected_blocks, 0);
+        // Unprotected blocks go before retained ones.
+        tier.unpin_as(PinKind::Pull, &[BlockHash(10)]);
+        assert_eq!(
+            tier.insert_external_pinned(blk(11, None, 10), lease),
+            Landed::Pinned
+        );
+        assert!(!tier.contains(BlockHash(10)));
+        assert!(tier.contains(BlockHash(2)) && tier.contains(BlockHash(3)));
+        // Hard pins everywhere: refused (the only rejection left).
+        tier.pin(&[2, 3, 4].map(BlockHash), lease);
+        assert_eq!(
+            tier.insert_external_pinned(blk(12, None, 10), lease),
+            Landed::Rejected
+        );
+    }
+
+    #[test]
+    fn a_peer_read_releases_one_retention() {
+        let tier = CpuTier::new(100, 2, Arc::new(CollectingSink::default()));
+        tier.insert_run(&[blk(1, None, 10)]);
+        let ttl = Instant::now() + Duration::from_secs(480);
+        // Two prefill legs with this block: two retentions; one decoder reads it.
+        tier.pin_as(PinKind::Retain, &[BlockHash(1)], ttl);
+        tier.pin_as(PinKind::Retain, &[BlockHash(1)], ttl);
+        assert!(tier.read_for_peer(BlockHash(1)).is_some());
+        assert_eq!(tier.pin_count(BlockHash(1)), 1);
+        assert!(tier.read_for_peer(BlockHash(1)).is_some());
+        assert_eq!(tier.pin_count(BlockHash(1)), 0);
+        // A plain (non-retained) read changes no pin.
+        tier.pin(&[BlockHash(1)], ttl);
+        assert!(tier.read_for_peer(BlockHash(1)).is_some());
+        assert_eq!(tier.pin_count(BlockHash(1)), 1);
+    }
+
+    #[test]
+    fn expired_retentions_rejoin_the_lru_at_their_last_use() {
+        let mut s = CpuStore::new(30, 2);
+        let mut ev = Vec::new();
+        let t0 = Instant::now();
+        s.insert_run(
+            &[blk(1, None, 10), blk(2, None, 10), blk(3, None, 10)],
+            t0,
+            &mut ev,
+        );
+        s.pin_as(
+            PinKind::Retain,
+            &[BlockHash(1)],
+            t0 + Duration::from_millis(1),
+        );
+        // Retention over: 1 is the least recently used again and goes first.
+        s.insert_run(&[blk(4, None, 10)], t0 + Duration::from_secs(1), &mut ev);
+        assert!(!s.contains(BlockHash(1)));
+        assert_eq!(s.stats().retained_evicted_blocks, 0);
+    }
+
+    #[test]
+    fn pull_pins_hold_at_most_their_share_of_the_tier() {
+        let tier = CpuTier::new(100, 2, Arc::new(CollectingSink::default()));
+        let lease = Instant::now() + Duration::from_secs(60);
+        // Default: half of 10 blocks may be pinned by pulls; the rest land unpinned.
+        let landed: Vec<Landed> = (1..=10)
+            .map(|h| tier.insert_external_pinned(blk(h, None, 10), lease))
+            .collect();
+        assert_eq!(&landed[..5], &[Landed::Pinned; 5]);
+        assert_eq!(&landed[5..], &[Landed::Unpinned; 5]);
+        assert_eq!(tier.stats().pull_pin_capped_blocks, 5);
+        // The tier keeps taking new blocks (evicting the unpinned half), never refusing.
+        for h in 11..=20 {
+            assert_eq!(
+                tier.insert_external_pinned(blk(h, None, 10), lease),
+                Landed::Unpinned
+            );
+        }
+        assert_eq!(tier.stats().rejected_blocks, 0);
+        assert!((1..=5).all(|h| tier.contains(BlockHash(h))), "pinned kept");
+        // A released pull pin frees its share.
+        tier.unpin_as(PinKind::Pull, &[BlockHash(1)]);
+        assert_eq!(
+            tier.insert_external_pinned(blk(21, None, 10), lease),
+            Landed::Pinned
+        );
+        // Expired pull pins are recounted at the cap.
+        let mut s = CpuStore::new(100, 2);
+        let t0 = Instant::now();
+        let short = t0 + Duration::from_millis(1);
+        for h in 1..=5 {
+            assert_eq!(
+                s.insert_pulled(&blk(h, None, 10), short, t0, &mut ev()),
+                Landed::Pinned
+            );
+        }
+        let later = t0 + Duration::from_secs(1);
+        assert_eq!(
+            s.insert_pulled(
+                &blk(6, None, 10),
+                later + Duration::from_secs(60),
+                later,
+                &mut ev()
+            ),
+            Landed::Pinned
+        );
+        // A zero share: every pulled block lands unpinned.
+        s.set_pull_pin_fraction(0.0);
+        assert_eq!(
+            s.insert_pulled(&blk(7, None, 10), later, later, &mut ev()),
+            Landed::Unpinned
+        );
+    }
+
+    fn ev() -> Vec<KvEvent> {
+        Vec::new()
+    }
+
+    #[test]
+    fn pulled_blocks_count_as_external_once() {
+        let tier = CpuTier::new(100, 2, Arc::new(CollectingSink::default()));
+        let lease = Instant::now() + Duration::from_secs(60);
+        tier.insert_external_pinned(blk(1, None, 10), lease);
+        tier.insert_external_pinned(blk(2, Some(1), 10), lease);
+        tier.insert_run(&[blk(3, Some(2), 10)]);
+        let all = [1, 2, 3].map(BlockHash);
+        // Whichever request is scheduled first takes the flag; the next sees local blocks.
+        assert_eq!(tier.take_external(&all), 2);
+        assert_eq!(tier.take_external(&all), 0);
+        // Present already when the pull lands: a local hit, not flagged.
+        assert_eq!(
+            tier.insert_external_pinned(blk(3, Some(2), 10), lease),
+            Landed::Present
+        );
+        assert_eq!(tier.take_external(&all), 0);
+    }
+
+    #[test]
+    fn eviction_through_a_tier_of_retained_blocks_stays_cheap() {
+        // A prefiller's steady state: 20,000 retained blocks, new blocks keep coming.
+        let n = 20_000u64;
+        let mut s = CpuStore::new(n, 1);
+        let mut ev = Vec::new();
+        let t0 = Instant::now();
+        let ttl = t0 + Duration::from_secs(480);
+        let run: Vec<OffloadBlock> = (0..n).map(|h| blk(h, None, 1)).collect();
+        s.insert_run(&run, t0, &mut ev);
+        let hashes: Vec<BlockHash> = (0..n).map(BlockHash).collect();
+        s.pin_as(PinKind::Retain, &hashes, ttl);
+        let started = Instant::now();
+        for h in 0..n {
+            ev.clear();
+            assert_eq!(s.insert_run(&[blk(1_000_000 + h, None, 1)], t0, &mut ev), 1);
+            s.pin_as(PinKind::Retain, &[BlockHash(1_000_000 + h)], ttl);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "evictions through retained blocks took {:?}",
+            started.elapsed()
+        );
+        assert_eq!(s.stats().retained_evicted_blocks, n);
+        assert!(!s.contains(BlockHash(0)) && s.contains(BlockHash(1_000_000)));
     }
 
     #[tokio::test]

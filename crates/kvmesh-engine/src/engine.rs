@@ -814,7 +814,17 @@ impl Core {
         if first_time {
             let cached = hit_tokens.min(prompt_len);
             seq.cached_tokens = Some(cached);
-            let external_tokens = (restored_external * bs).min(cached);
+            // External exactly once: the hit blocks this request pulled (or waited for) that
+            // still carry the tier's external flag — whether restored from the CPU tier or
+            // already in the GPU tier because another request restored them first. The first
+            // request to be scheduled takes the flag; later users count a local hit.
+            let claimed: Vec<BlockHash> = hashes[..hit_blocks]
+                .iter()
+                .filter(|h| seq.external.contains(*h))
+                .copied()
+                .collect();
+            let external_blocks = self.cpu.take_external(&claimed);
+            let external_tokens = (external_blocks * bs).min(cached);
             let local = cached - external_tokens;
             let m = &self.metrics;
             m.prefix_cache_queries.inc_by(prompt_len as u64);
@@ -1283,6 +1293,61 @@ mod tests {
             .collect();
         assert!(stored_cpu >= 4);
         assert_eq!(stored_gpu, hashes);
+        e.shutdown();
+    }
+
+    #[tokio::test]
+    async fn pulled_tokens_count_as_external_once_whatever_the_order() {
+        let e = engine(
+            EngineConfig {
+                num_gpu_blocks: 64,
+                ..EngineConfig::default()
+            },
+            CollectingSink::default(),
+        );
+        let prompt: Vec<TokenId> = (0..100).map(|i| i % 200).collect();
+        let hashes = e.handle.block_hashes(&prompt);
+        let lease = Instant::now() + Duration::from_secs(60);
+        for (i, h) in hashes.iter().enumerate().take(4) {
+            let payload = crate::compute::sim::sim_block_payload(*h, 16 * 8);
+            let landed = e.handle.cpu_tier().insert_external_pinned(
+                OffloadBlock {
+                    hash: *h,
+                    parent: i.checked_sub(1).map(|p| hashes[p]),
+                    tokens: prompt[i * 16..(i + 1) * 16].to_vec(),
+                    payload: payload.into(),
+                },
+                lease,
+            );
+            assert_eq!(landed, crate::cpu_tier::Landed::Pinned);
+        }
+        let metric = |name: &str| {
+            let m = e.handle.metrics().encode();
+            let key = format!("{name}{{model_name=\"sim\",engine=\"0\"}} ");
+            m.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()))
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap()
+        };
+        // A request routed here as a local hit uses the pulled blocks first: a local hit for
+        // it (it did not cause the pull)...
+        let (cached, _, _) = run_to_end(e.handle.submit(request(prompt.clone(), 1)).unwrap()).await;
+        assert_eq!(cached, Some(64));
+        assert_eq!(metric("vllm:external_prefix_cache_hits_total"), 0);
+        assert_eq!(metric("vllm:prefix_cache_hits_total"), 64);
+        // ...and the request that pulled them still counts them external, though they are now
+        // a GPU-tier hit.
+        let mut puller = request(prompt.clone(), 1);
+        puller.external_hashes = hashes[..4].to_vec();
+        let (cached, _, _) = run_to_end(e.handle.submit(puller).unwrap()).await;
+        assert_eq!(cached, Some(96));
+        assert_eq!(metric("vllm:external_prefix_cache_hits_total"), 64);
+        // A request that waited on the same pull comes later: local, not counted twice.
+        let mut waiter = request(prompt, 1);
+        waiter.external_hashes = hashes[..4].to_vec();
+        run_to_end(e.handle.submit(waiter).unwrap()).await;
+        assert_eq!(metric("vllm:external_prefix_cache_hits_total"), 64);
+        assert_eq!(metric("vllm:prefix_cache_hits_total"), 64 + 32 + 96);
         e.shutdown();
     }
 

@@ -56,6 +56,10 @@ pub struct EngineMetrics {
     pub cpu_evicted_blocks: GaugeF,
     pub cpu_rejected_blocks: GaugeF,
     pub cpu_restored_blocks: Counter,
+    pub cpu_retained_evicted_blocks: GaugeF,
+    pub cpu_pull_pin_capped_blocks: GaugeF,
+    /// Pulls stopped because our own sink refused a block, by sink reason.
+    pub p2p_sink_rejected: Family<ErrorLabel, Counter>,
     pub step_seconds: Histogram,
     /// P2P transfer counters (`kvmesh_p2p_*`), shared by this engine's producer and pull client.
     pub p2p: kvmesh_transfer::TransferMetrics,
@@ -106,6 +110,9 @@ impl EngineMetrics {
             cpu_evicted_blocks: GaugeF::default(),
             cpu_rejected_blocks: GaugeF::default(),
             cpu_restored_blocks: Counter::default(),
+            cpu_retained_evicted_blocks: GaugeF::default(),
+            cpu_pull_pin_capped_blocks: GaugeF::default(),
+            p2p_sink_rejected: Family::default(),
             step_seconds: Histogram::new(TTFT_BUCKETS.iter().copied()),
             p2p: kvmesh_transfer::TransferMetrics::new(),
             pd: crate::pd::PdMetrics::default(),
@@ -233,6 +240,21 @@ impl EngineMetrics {
             m.cpu_restored_blocks.clone(),
         );
         r.register(
+            "kvmesh_engine_cpu_retained_evicted_blocks",
+            "Blocks retained for a P/D reader evicted under pressure before their retention expired",
+            m.cpu_retained_evicted_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_pull_pin_capped_blocks",
+            "Pulled blocks stored unpinned because pull pins held their share of the CPU tier",
+            m.cpu_pull_pin_capped_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_p2p_sink_rejected",
+            "P2P pulls stopped because this engine's sink refused a block, by reason",
+            m.p2p_sink_rejected.clone(),
+        );
+        r.register(
             "kvmesh_engine_step_seconds",
             "Wall time of one engine step",
             m.step_seconds.clone(),
@@ -250,6 +272,17 @@ impl EngineMetrics {
         self.cpu_stored_blocks.set(s.stored_blocks as f64);
         self.cpu_evicted_blocks.set(s.evicted_blocks as f64);
         self.cpu_rejected_blocks.set(s.rejected_blocks as f64);
+        self.cpu_retained_evicted_blocks
+            .set(s.retained_evicted_blocks as f64);
+        self.cpu_pull_pin_capped_blocks
+            .set(s.pull_pin_capped_blocks as f64);
+    }
+
+    /// Counts a pull our sink stopped (`reason` is the sink's label).
+    pub fn p2p_sink_rejected(&self, reason: &'static str) {
+        self.p2p_sink_rejected
+            .get_or_create(&ErrorLabel { reason })
+            .inc();
     }
 
     pub fn error(&self, reason: &'static str) {

@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::AdmissionHook;
 use crate::compute::sim::verify_sim_block_payload;
-use crate::cpu_tier::{BlockStatus, CpuTier, OffloadBlock};
+use crate::cpu_tier::{BlockStatus, CpuTier, Landed, OffloadBlock, PinKind};
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
 
 /// How long blocks a pull landed stay pinned in our CPU tier if the request never finishes
@@ -84,7 +84,8 @@ impl BlockSource for CpuTierSource {
     }
 
     fn read_with_checksum(&self, hash: BlockHash) -> Option<(Bytes, u32)> {
-        self.tier.get_with_checksum(hash)
+        // A peer's read: releases one P/D retention on the block (its reader came).
+        self.tier.read_for_peer(hash)
     }
 
     fn unpin(&self, hashes: &[BlockHash]) {
@@ -149,39 +150,47 @@ struct TierSink<'a> {
     verify_sim: bool,
     lease_until: Instant,
     external: Vec<BlockHash>,
+    /// Why the sink refused a block (the pull stops there), for the log and
+    /// `kvmesh_engine_p2p_sink_rejected_total{reason}`.
+    rejected: Option<&'static str>,
 }
 
 impl BlockSink for TierSink<'_> {
     fn accept(&mut self, index: usize, hash: BlockHash, payload: Bytes) -> Result<(), SinkError> {
-        let reject = |reason: &str| SinkError {
-            index,
-            reason: reason.to_owned(),
+        let mut reject = |reason: &'static str| {
+            self.rejected = Some(reason);
+            SinkError {
+                index,
+                reason: reason.to_owned(),
+            }
         };
         let i = self.first + index;
-        if self.hashes.get(i) != Some(&hash) {
+        let (hashes, prompt, bs) = (self.hashes, self.prompt, self.block_size);
+        if hashes.get(i) != Some(&hash) {
             return Err(reject("unexpected block hash"));
         }
         if payload.len() != self.bytes_per_block {
-            return Err(reject("payload size differs from our block size"));
+            return Err(reject("payload_size"));
         }
         if self.verify_sim && !verify_sim_block_payload(hash, &payload) {
-            return Err(reject("sim payload does not match its hash"));
+            return Err(reject("sim_payload_mismatch"));
         }
-        let bs = self.block_size;
-        let Some(tokens) = self.prompt.get(i * bs..(i + 1) * bs) else {
-            return Err(reject("block beyond the prompt"));
+        let Some(tokens) = prompt.get(i * bs..(i + 1) * bs) else {
+            return Err(reject("beyond_prompt"));
         };
         let block = OffloadBlock {
             hash,
-            parent: i.checked_sub(1).map(|p| self.hashes[p]),
+            parent: i.checked_sub(1).map(|p| hashes[p]),
             tokens: tokens.to_vec(),
             payload,
         };
         match self.tier.insert_external_pinned(block, self.lease_until) {
-            Some(true) => self.external.push(hash),
+            // Unpinned: pull pins hold their share of the tier; the block may be evicted before
+            // the request is scheduled (then it is computed), but it does not stop the pull.
+            Landed::Pinned | Landed::Unpinned => self.external.push(hash),
             // Computed here meanwhile: a local hit, nothing to do.
-            Some(false) => {}
-            None => return Err(reject("CPU tier full of pinned blocks")),
+            Landed::Present => {}
+            Landed::Rejected => return Err(reject("cpu_tier_hard_pinned")),
         }
         Ok(())
     }
@@ -328,6 +337,7 @@ impl P2pConsumer {
             verify_sim: engine.backend_name() == "sim",
             lease_until: Instant::now() + LANDED_LEASE,
             external: Vec::new(),
+            rejected: None,
         };
         // The whole pull is bounded too (per-step timeouts alone could add up on a long prefix).
         let report = self
@@ -340,6 +350,18 @@ impl P2pConsumer {
                 Some(deadline),
             )
             .await;
+        if let Some(reason) = sink.rejected {
+            let stats = engine.cpu_tier().stats();
+            tracing::warn!(
+                peer = %PeerAddr::from(source),
+                reason,
+                landed = sink.external.len(),
+                cpu_used_bytes = stats.used_bytes,
+                cpu_capacity_bytes = stats.capacity_bytes,
+                "p2p pull stopped: our sink refused a block"
+            );
+            engine.metrics().p2p_sink_rejected(reason);
+        }
         PrefixPull {
             report,
             external: sink.external,
@@ -388,9 +410,11 @@ impl P2pConsumer {
                     if local > before {
                         // Landed by the other pull: keep them until we are scheduled, and
                         // count them as what they are (KV moved from a peer, once).
-                        let n = engine
-                            .cpu_tier()
-                            .pin(&hashes[before..local], Instant::now() + LANDED_LEASE);
+                        let n = engine.cpu_tier().pin_as(
+                            PinKind::Pull,
+                            &hashes[before..local],
+                            Instant::now() + LANDED_LEASE,
+                        );
                         req.external_hashes
                             .extend_from_slice(&hashes[before..before + n]);
                     }
@@ -479,8 +503,12 @@ impl AdmissionHook for P2pAdmission {
 /// Releases the pins a pull took on the blocks it landed for `req` (its `external_hashes`).
 /// Call when the request finished (requests that never finish lose them at lease expiry).
 pub fn release_pulled(engine: &EngineHandle, req: &EngineRequest) {
+    // (A block that landed unpinned at the pull-pin cap releases nothing of its own here; it
+    // may drop another request's pull pin on the same block early, which only risks a recompute.)
     if !req.external_hashes.is_empty() {
-        engine.cpu_tier().unpin(&req.external_hashes);
+        engine
+            .cpu_tier()
+            .unpin_as(PinKind::Pull, &req.external_hashes);
     }
 }
 

@@ -29,7 +29,11 @@
 //! `remote_block_ids` are the engine's block hashes (`BlockHash`, the KV-event value, as JSON
 //! integers): peers identify blocks by hash, never by slot id. Blocks were already offloaded to
 //! the CPU tier (write-through) and published as `BlockStored` CPU when computed; the pin keeps
-//! them there. Pins simply expire (a decoder that already pulled does not release them early).
+//! them there. The pins are *retentions* ([`crate::cpu_tier::PinKind::Retain`]): a peer's read of
+//! a retained block releases one (the reader came, as vLLM frees a request's blocks once its
+//! decoder read them), the rest expire; under pressure retained blocks are evicted after
+//! unprotected ones, so a prefiller pinning every prompt never makes its own pulls (history reads)
+//! fail for want of room — a reader that comes too late recomputes.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,6 +48,7 @@ use prometheus_client::registry::Registry;
 
 use crate::api::AdmissionHook;
 use crate::config::Role;
+use crate::cpu_tier::PinKind;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
 use crate::p2p::{P2pAdmission, P2pConsumer, local_prefix_blocks, release_pulled};
 
@@ -313,7 +318,9 @@ impl PdAdmission {
     ) -> Option<KvTransferParams> {
         let addr = self.advertised?;
         let ttl = engine.config().p2p.decoder_kv_blocks_ttl;
-        let n = engine.cpu_tier().pin(hashes, Instant::now() + ttl);
+        let n = engine
+            .cpu_tier()
+            .pin_as(PinKind::Retain, hashes, Instant::now() + ttl);
         let m = &engine.metrics().pd;
         m.retained.get_or_create(&PdRetainLabel { role }).inc();
         m.retained_blocks
