@@ -184,7 +184,8 @@ impl FleetSpec {
                 return Err(FleetError::Spec(format!(
                     "router profile {:?} does not disaggregate, but the fleet has prefill/decode \
                      engines; use `pd` (P/D, history recomputed) or `pd-bidir` (P/D with \
-                     bi-directional history pulls)",
+                     bi-directional history pulls), or `pd-load` / `pd-load-bidir` (the same \
+                     with the prefill leg placed by load)",
                     arm.name()
                 )));
             }

@@ -74,9 +74,9 @@ pub fn flags_for(pulls: bool, pd: bool, stats: &ArmStats, ev: &Evidence) -> Vec<
     f
 }
 
-/// Flags of a P/D arm: `moves_history` arms (`pd-bidir`) must have read conversation history
-/// into prefill engines (verified twice: the engines' history-read counter and the prefill
-/// engines' external hits); the control (`pd`) must have read none.
+/// Flags of a P/D arm: `moves_history` arms (`pd-bidir`, `pd-load-bidir`) must have read
+/// conversation history into prefill engines (verified twice: the engines' history-read counter
+/// and the prefill engines' external hits); the controls (`pd`, `pd-load`) must have read none.
 pub fn pd_flags(
     moves_history: bool,
     prefill_external_hit_tokens: f64,

@@ -32,6 +32,14 @@ pub enum Arm {
     /// `pd` plus bi-directional KV transfer: the router caches the decoder's returned params per
     /// conversation and the next turn's prefill reads the history from the decoder.
     PdBidir,
+    /// P/D with the prefill leg placed by load (queue 3, kv-util 2, weighted-random picker; no
+    /// prefix affinity), as in the published agentic P/D setup: a conversation's next turn
+    /// usually lands on a prefiller that never saw it, so without history pulls it recomputes
+    /// the whole conversation. The decode profile is `pd`'s.
+    PdLoad,
+    /// `pd-load` plus bi-directional KV transfer: the next turn's prefiller reads the whole
+    /// history (prompt and generated tokens) from the decoder.
+    PdLoadBidir,
 }
 
 pub const ARM_NAMES: &[&str] = &[
@@ -43,6 +51,8 @@ pub const ARM_NAMES: &[&str] = &[
     "cost-p2p",
     "pd",
     "pd-bidir",
+    "pd-load",
+    "pd-load-bidir",
 ];
 
 impl Arm {
@@ -56,6 +66,8 @@ impl Arm {
             Self::CostP2p => "cost-p2p",
             Self::Pd => "pd",
             Self::PdBidir => "pd-bidir",
+            Self::PdLoad => "pd-load",
+            Self::PdLoadBidir => "pd-load-bidir",
         }
     }
 
@@ -64,18 +76,32 @@ impl Arm {
     pub fn pulls(self) -> bool {
         matches!(
             self,
-            Self::LoadP2p | Self::AffinityP2p | Self::CostP2p | Self::Pd | Self::PdBidir
+            Self::LoadP2p
+                | Self::AffinityP2p
+                | Self::CostP2p
+                | Self::Pd
+                | Self::PdBidir
+                | Self::PdLoad
+                | Self::PdLoadBidir
         )
     }
 
     /// Whether this arm disaggregates prefill and decode (needs a fleet with both roles).
     pub fn is_pd(self) -> bool {
-        matches!(self, Self::Pd | Self::PdBidir)
+        matches!(
+            self,
+            Self::Pd | Self::PdBidir | Self::PdLoad | Self::PdLoadBidir
+        )
     }
 
     /// Whether this arm is meant to move conversation history decoder → prefiller.
     pub fn moves_history(self) -> bool {
-        self == Self::PdBidir
+        matches!(self, Self::PdBidir | Self::PdLoadBidir)
+    }
+
+    /// Whether the P/D prefill leg is placed by load alone (no prefix affinity).
+    pub fn prefill_by_load(self) -> bool {
+        matches!(self, Self::PdLoad | Self::PdLoadBidir)
     }
 }
 
@@ -97,6 +123,8 @@ impl std::str::FromStr for Arm {
             "cost-p2p" => Self::CostP2p,
             "pd" => Self::Pd,
             "pd-bidir" => Self::PdBidir,
+            "pd-load" => Self::PdLoad,
+            "pd-load-bidir" => Self::PdLoadBidir,
             other => {
                 return Err(format!(
                     "unknown arm {other:?}; known: {}",
@@ -159,7 +187,7 @@ metrics_scrape_interval: 200ms
     // (type, name, parameters, weight in the profile; None = filter/picker/producer).
     let mut plugins: Vec<(&str, &str, String, Option<u32>)> = Vec::new();
     match arm {
-        Arm::Pd | Arm::PdBidir => {
+        Arm::Pd | Arm::PdBidir | Arm::PdLoad | Arm::PdLoadBidir => {
             render_pd(&mut y, arm);
             return y;
         }
@@ -224,11 +252,13 @@ metrics_scrape_interval: 200ms
 pub const PD_PREFILL_PROFILE: &str = "prefill";
 pub const PD_DECODE_PROFILE: &str = "decode";
 
-/// P/D arms: the same affinity scoring in a `prefill` and a `decode` profile (the router restricts
-/// each leg to endpoints of its role) and a `pd:` section that disaggregates every request.
-/// `pd` and `pd-bidir` differ only in `bidirectional` (and the engines' `--bidirectional-kv-xfer`),
-/// so an A/B isolates the history pull. No `p2p-source-producer` in either: a prefill leg that
-/// reads history does so only through the conversation's cached decoder params.
+/// P/D arms: a `prefill` and a `decode` profile (the router restricts each leg to endpoints of its
+/// role) and a `pd:` section that disaggregates every request. `pd`/`pd-bidir` use the same
+/// affinity scoring in both profiles; `pd-load`/`pd-load-bidir` place the prefill leg by load
+/// (queue 3, kv-util 2, weighted-random picker) with the same decode profile. Each pair differs
+/// only in `bidirectional` (and the engines' `--bidirectional-kv-xfer`), so an A/B isolates the
+/// history pull. No `p2p-source-producer`: a prefill leg that reads history does so only through
+/// the conversation's cached decoder params.
 fn render_pd(y: &mut String, arm: Arm) {
     y.push_str(
         "plugins:
@@ -236,19 +266,26 @@ fn render_pd(y: &mut String, arm: Arm) {
   - {type: queue-scorer, name: queue}
   - {type: kv-cache-utilization-scorer, name: kv-util}
   - {type: max-score-picker, name: picker}
-schedulingProfiles:
 ",
     );
-    for profile in [PD_PREFILL_PROFILE, PD_DECODE_PROFILE] {
-        let _ = writeln!(
-            y,
-            "  - name: {profile}
-    plugins:
-      - {{pluginRef: prefix, weight: 3}}
-      - {{pluginRef: queue, weight: 2}}
-      - {{pluginRef: kv-util, weight: 2}}
-      - {{pluginRef: picker}}"
-        );
+    if arm.prefill_by_load() {
+        y.push_str("  - {type: weighted-random-picker, name: random-picker}\n");
+    }
+    y.push_str("schedulingProfiles:\n");
+    let affinity = "      - {pluginRef: prefix, weight: 3}
+      - {pluginRef: queue, weight: 2}
+      - {pluginRef: kv-util, weight: 2}
+      - {pluginRef: picker}";
+    let by_load = "      - {pluginRef: queue, weight: 3}
+      - {pluginRef: kv-util, weight: 2}
+      - {pluginRef: random-picker}";
+    let prefill = if arm.prefill_by_load() {
+        by_load
+    } else {
+        affinity
+    };
+    for (profile, plugins) in [(PD_PREFILL_PROFILE, prefill), (PD_DECODE_PROFILE, affinity)] {
+        let _ = writeln!(y, "  - name: {profile}\n    plugins:\n{plugins}");
     }
     // TTL below the engines' default --decoder-kv-blocks-ttl (480 s), like vLLM's proxy.
     let _ = writeln!(
@@ -314,6 +351,82 @@ mod tests {
         assert_eq!(a["pd"], b["pd"]);
         assert_eq!(a["schedulingProfiles"], b["schedulingProfiles"]);
         assert_eq!(a["endpoints"], b["endpoints"]);
+    }
+
+    /// `pd-load`/`pd-load-bidir`: the prefill leg is placed by load (queue 3, kv-util 2,
+    /// weighted-random picker, no prefix scorer), the decode leg as in `pd`; the two differ
+    /// only in `bidirectional`.
+    #[test]
+    fn pd_load_arms_place_the_prefill_leg_by_load_and_differ_only_in_bidirectional() {
+        let e = eps(&[Role::Prefill, Role::Prefill, Role::Decode]);
+        let path = tempfile::NamedTempFile::new().unwrap();
+        for (arm, bidir) in [(Arm::PdLoad, false), (Arm::PdLoadBidir, true)] {
+            assert!(arm.is_pd() && arm.pulls() && arm.prefill_by_load());
+            assert_eq!(arm.moves_history(), bidir);
+            std::fs::write(path.path(), render(arm, &e, None, 1)).unwrap();
+            let cfg = kvmesh_router::RouterConfig::load(path.path()).unwrap();
+            let pd = cfg.pd.unwrap();
+            assert_eq!(pd.bidirectional, bidir);
+            assert_eq!(pd.decider, kvmesh_router::pd::Decider::default());
+            assert_eq!(cfg.default_profile.as_deref(), Some(PD_DECODE_PROFILE));
+        }
+        let v = |arm| -> serde_json::Value {
+            serde_norway::from_str(&render(arm, &e, None, 1)).unwrap()
+        };
+        let (load, mut load_bidir, aff) = (v(Arm::PdLoad), v(Arm::PdLoadBidir), v(Arm::Pd));
+        let profile = |y: &serde_json::Value, name: &str| -> serde_json::Value {
+            y["schedulingProfiles"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["name"] == name)
+                .unwrap()["plugins"]
+                .clone()
+        };
+        let refs = |plugins: serde_json::Value| -> Vec<(String, Option<u64>)> {
+            plugins
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| {
+                    (
+                        p["pluginRef"].as_str().unwrap().to_owned(),
+                        p["weight"].as_u64(),
+                    )
+                })
+                .collect()
+        };
+        let prefill = refs(profile(&load, PD_PREFILL_PROFILE));
+        assert_eq!(
+            prefill,
+            vec![
+                ("queue".to_owned(), Some(3)),
+                ("kv-util".to_owned(), Some(2)),
+                ("random-picker".to_owned(), None)
+            ]
+        );
+        let plugin_type = |name: &str| {
+            load["plugins"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["name"] == name)
+                .unwrap()["type"]
+                .clone()
+        };
+        assert_eq!(plugin_type("random-picker"), "weighted-random-picker");
+        assert_eq!(
+            profile(&load, PD_DECODE_PROFILE),
+            profile(&aff, PD_DECODE_PROFILE),
+            "decode leg unchanged"
+        );
+        assert_eq!(
+            refs(profile(&aff, PD_PREFILL_PROFILE))[0],
+            ("prefix".to_owned(), Some(3)),
+            "pd keeps prefix affinity on the prefill leg"
+        );
+        load_bidir["pd"]["bidirectional"] = false.into();
+        assert_eq!(load, load_bidir, "only `bidirectional` differs");
     }
 
     #[test]

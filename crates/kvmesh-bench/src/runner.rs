@@ -332,6 +332,22 @@ mod tests {
         let c = fleet_for(&w, Arm::Pd, &FleetOptions::default());
         c.validate().unwrap();
         assert!(c.engines[1].p2p && c.engines[1].extra_args.is_empty());
+        // The load-placed pair: same fleet, only the bidir arm's engines move history.
+        let lb = fleet_for(&w, Arm::PdLoadBidir, &FleetOptions::default());
+        lb.validate().unwrap();
+        assert_eq!(lb.router.as_ref().unwrap().profile, "pd-load-bidir");
+        assert!(
+            lb.engines
+                .iter()
+                .all(|g| g.p2p && g.extra_args.iter().any(|a| a == "--bidirectional-kv-xfer"))
+        );
+        let l = fleet_for(&w, Arm::PdLoad, &FleetOptions::default());
+        l.validate().unwrap();
+        assert!(l.engines.iter().all(|g| g.p2p && g.extra_args.is_empty()));
+        assert_eq!(
+            (l.engines[0].count, l.engines[1].count),
+            (lb.engines[0].count, lb.engines[1].count)
+        );
         // Aggregated arms would spray P/D engines with ordinary requests: refused up front.
         let err = fleet_for(&w, Arm::Load, &FleetOptions::default())
             .validate()

@@ -39,7 +39,9 @@ pub struct BenchCmd {
     #[arg(long, value_delimiter = ',', required = true)]
     pub workload: Vec<String>,
     /// Router arms, compared in order (the first is the baseline): round-robin, affinity, load,
-    /// load-p2p, affinity-p2p, cost-p2p; P/D workloads (agentic-pd): pd, pd-bidir.
+    /// load-p2p, affinity-p2p, cost-p2p; P/D workloads (agentic-pd): pd, pd-bidir (prefill leg
+    /// by prefix affinity), pd-load, pd-load-bidir (prefill leg by load, no affinity); `-bidir`
+    /// arms pull the conversation history from the decoder.
     #[arg(long, value_delimiter = ',', default_value = "load,load-p2p")]
     pub arms: Vec<String>,
     /// `quick` keeps each shape but shrinks counts/lengths/time; `full` is the published size.
