@@ -6,11 +6,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::eventually;
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::events::{EventBatch, EventEncoding, KvEvent, Medium, decode_batch, encode_batch};
 use kvmesh_events::{Publisher, PublisherConfig};
@@ -150,18 +153,6 @@ fn source_metrics(indexer: &Indexer) -> SourceMetricsSnapshot {
         .expect("source registered")
 }
 
-/// Polls `cond` every 10 ms for up to 10 s.
-async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 struct Rig {
     indexer: Indexer,
     publisher: Publisher,
@@ -199,7 +190,10 @@ async fn rig(block_size: usize, gap_grace: Duration) -> Rig {
         },
         cancel.clone(),
     );
-    wait_for("the subscriber to bind", || indexer.listening(EP).is_some()).await;
+    eventually(10, "the subscriber to bind", || {
+        indexer.listening(EP).is_some()
+    })
+    .await;
     let address = indexer.listening(EP).unwrap();
     let mut publisher = Publisher::start(PublisherConfig::new(address, TOPIC))
         .await
@@ -233,7 +227,7 @@ async fn publish_capture(rig: &mut Rig, frames: &[(String, u64, Vec<u8>)]) {
             .unwrap();
     }
     let want = before + frames.len() as u64;
-    wait_for("all captured batches to be applied", || {
+    eventually(10, "all captured batches to be applied", || {
         source_metrics(&rig.indexer).batches >= want
     })
     .await;
@@ -405,7 +399,7 @@ async fn lost_batches_make_the_endpoint_suspect_then_stale_entries_age_out() {
             .send_raw_parts(parts(TOPIC, 5, store(&c, 30)))
             .await
             .unwrap();
-        wait_for("batches", || {
+        eventually(10, "batches", || {
             source_metrics(&rig.indexer).last_seq == Some(5)
         })
         .await;
@@ -422,7 +416,7 @@ async fn lost_batches_make_the_endpoint_suspect_then_stale_entries_age_out() {
             ),
             (2, 2, 2)
         );
-        wait_for("age-out", || !source_metrics(&rig.indexer).suspect).await;
+        eventually(10, "age-out", || !source_metrics(&rig.indexer).suspect).await;
         // `b` was not confirmed after the loss: aged out. `a` and `c` were stored again: kept.
         assert_eq!(
             (
@@ -462,7 +456,10 @@ async fn publisher_restart_clears_and_malformed_frames_are_skipped() {
             .send_raw_parts(parts(TOPIC, 7, store(&b, 20)))
             .await
             .unwrap();
-        wait_for("seq 7", || source_metrics(&rig.indexer).last_seq == Some(7)).await;
+        eventually(10, "seq 7", || {
+            source_metrics(&rig.indexer).last_seq == Some(7)
+        })
+        .await;
         assert_eq!(
             (gpu_blocks(&rig.indexer, &a), gpu_blocks(&rig.indexer, &b)),
             (2, 2)
@@ -473,8 +470,11 @@ async fn publisher_restart_clears_and_malformed_frames_are_skipped() {
             .send_raw_parts(parts(TOPIC, 0, store(&b, 20)))
             .await
             .unwrap();
-        wait_for("restart", || source_metrics(&rig.indexer).restarts == 1).await;
-        wait_for("seq 0", || source_metrics(&rig.indexer).last_seq == Some(0)).await;
+        eventually(10, "restart", || source_metrics(&rig.indexer).restarts == 1).await;
+        eventually(10, "seq 0", || {
+            source_metrics(&rig.indexer).last_seq == Some(0)
+        })
+        .await;
         assert_eq!(
             (gpu_blocks(&rig.indexer, &a), gpu_blocks(&rig.indexer, &b)),
             (0, 2)
@@ -552,7 +552,7 @@ async fn gaps_are_filled_from_the_replay_endpoint() {
         }
         assert_eq!(publisher.next_seq(), 3);
         publisher.publish_payload(store(&c, 30)).await.unwrap();
-        wait_for("seq 3", || source_metrics(&indexer).last_seq == Some(3)).await;
+        eventually(10, "seq 3", || source_metrics(&indexer).last_seq == Some(3)).await;
         let m = source_metrics(&indexer);
         assert_eq!(
             (m.replays, m.replay_failures, m.gaps, m.suspect),

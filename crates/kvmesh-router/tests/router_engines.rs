@@ -7,42 +7,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::engines::{SimEngine, engine_metric, engines_yaml, start_engine};
-use common::start_router;
-use futures::StreamExt;
+use common::engines::{SimEngine, engine_metric, engines_yaml, start_engine, stop};
+use common::{
+    client, doc, eventually_async, get_json, get_text, post_json, scrape_metric, start_router,
+    wait_for_prefix,
+};
+use futures::{FutureExt, StreamExt};
 use kvmesh_router::RouterHandle;
 use serde_json::{Value, json};
 
 const LIMIT: Duration = Duration::from_secs(60);
-
-fn client() -> reqwest::Client {
-    reqwest::Client::new()
-}
-
-/// Polls `/debug/prefix` until `endpoint` holds at least `tokens` of `prompt` in `tier`.
-async fn wait_for_prefix(r: &RouterHandle, prompt: &str, endpoint: &str, tier: &str, tokens: u64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let v: Value = client()
-            .post(format!("http://{}/debug/prefix", r.addr))
-            .json(&json!({"prompt": prompt}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let got = v["endpoints"][endpoint][tier].as_u64().unwrap_or(0);
-        if got >= tokens {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "index never showed {endpoint} holding {tokens} {tier} (have {got}): {v}"
-        );
-        tokio::time::sleep(Duration::from_millis(30)).await;
-    }
-}
 
 async fn complete(
     r: &RouterHandle,
@@ -63,26 +37,6 @@ async fn complete(
         .unwrap()
         .to_owned();
     (ep, resp.json().await.unwrap())
-}
-
-fn doc(seed: u32, len: usize) -> String {
-    // Deterministic, distinct text per seed (ByteTokenizer: one token per byte).
-    let mut s = String::with_capacity(len);
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    while s.len() < len {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        s.push((b'a' + (x % 26) as u8) as char);
-    }
-    s
-}
-
-async fn stop(r: RouterHandle, engines: Vec<SimEngine>) {
-    r.shutdown().await.unwrap();
-    for e in engines {
-        e.server.shutdown().await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -114,14 +68,7 @@ async fn affinity_sends_a_repeated_prefix_to_its_holder() {
                 );
             }
         }
-        let decisions: Value = client()
-            .get(format!("http://{}/debug/decisions?last=1", r.addr))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let decisions = get_json(&format!("http://{}/debug/decisions?last=1", r.addr)).await;
         assert_eq!(decisions[0]["outcome"], "local_hit");
         // The engines' own TTFT / computed-token counters taught the cost model their prefill rate.
         common::eventually(
@@ -160,24 +107,18 @@ async fn burst_after_seeding() -> (RouterHandle, Vec<SimEngine>) {
     let r = start_router(&format!("{LOAD_P2P}{}", engines_yaml(&refs)), None).await;
     let prefix = doc(42, 4096);
     // Seed directly on e0 (bypassing the router), as a previous turn would have.
-    let seeded = client()
-        .post(format!("{}/v1/completions", engines[0].url))
-        .json(&json!({"prompt": prefix, "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
+    let seeded = post_json(
+        &format!("{}/v1/completions", engines[0].url),
+        &json!({"prompt": prefix, "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(seeded.status(), 200);
     wait_for_prefix(&r, &prefix, "e0", "cpu_tokens", 4096).await;
     let burst = (0..12).map(|i| {
         let url = format!("http://{}/v1/completions", r.addr);
         let prompt = format!("{prefix} child {i}");
         async move {
-            let resp = client()
-                .post(url)
-                .json(&json!({"prompt": prompt, "max_tokens": 4}))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_json(&url, &json!({"prompt": prompt, "max_tokens": 4})).await;
             assert_eq!(resp.status(), 200);
             resp.headers()["x-kvmesh-endpoint"]
                 .to_str()
@@ -199,14 +140,7 @@ async fn burst_after_seeding() -> (RouterHandle, Vec<SimEngine>) {
 async fn load_p2p_spreads_a_burst_and_names_the_holder_as_source() {
     tokio::time::timeout(LIMIT, async {
         let (r, engines) = burst_after_seeding().await;
-        let decisions: Value = client()
-            .get(format!("http://{}/debug/decisions?last=12", r.addr))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let decisions = get_json(&format!("http://{}/debug/decisions?last=12", r.addr)).await;
         let decisions = decisions.as_array().unwrap();
         assert_eq!(decisions.len(), 12);
         let (mut pulls, mut from_seed) = (0, 0);
@@ -239,14 +173,7 @@ async fn load_p2p_spreads_a_burst_and_names_the_holder_as_source() {
             pulls > 0 && from_seed > 0,
             "pulls {pulls}, from the seeded holder {from_seed}"
         );
-        let metrics = client()
-            .get(format!("http://{}/metrics", r.addr))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = get_text(&format!("http://{}/metrics", r.addr)).await;
         assert!(
             metrics.contains(&format!(
                 "kvmesh_router_decisions_total{{outcome=\"pull_named\"}} {pulls}"
@@ -268,7 +195,9 @@ async fn load_p2p_spreads_a_burst_and_names_the_holder_as_source() {
 async fn load_p2p_pulls_show_up_as_external_hits() {
     tokio::time::timeout(LIMIT, async {
         let (r, engines) = burst_after_seeding().await;
-        let mut external = 0.0;
+        // The pulls' counters can settle after the responses they served (a request that
+        // stopped waiting for a pull another request started): poll each engine's counters
+        // until its pull is in evidence, bounded, instead of reading them once.
         for e in &engines[1..] {
             let placed_here = r
                 .state
@@ -277,25 +206,37 @@ async fn load_p2p_pulls_show_up_as_external_hits() {
                 .iter()
                 .filter(|d| d.decision.endpoint.as_deref() == Some(e.name.as_str()))
                 .count();
-            external += engine_metric(&e.url, "vllm:external_prefix_cache_hits_total").await;
-            let text = reqwest::get(format!("{}/metrics", e.url)).await.unwrap().text().await.unwrap();
-            let sum = |name: &str, label: &str| -> f64 {
-                text.lines()
-                    .filter(|l| l.starts_with(name) && l.contains(label))
-                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                    .sum()
-            };
-            let computed = sum("vllm:prompt_tokens_by_source_total", "local_compute");
-            let blocks_in = sum("kvmesh_p2p_blocks_total", "direction=\"in\"");
             assert!(placed_here > 0, "burst_after_seeding spreads over every endpoint");
-            assert!(blocks_in >= 1.0, "{} served {placed_here} requests named to pull but received no P2P blocks", e.name);
+            let url = e.url.as_str();
+            let what = format!(
+                "{} served {placed_here} requests named to pull: P2P blocks received",
+                e.name
+            );
+            eventually_async(10, &what, move || {
+                scrape_metric(url, "kvmesh_p2p_blocks_total", "direction=\"in\"")
+                    .map(|blocks_in| blocks_in >= 1.0)
+            })
+            .await;
+            let computed =
+                scrape_metric(&e.url, "vllm:prompt_tokens_by_source_total", "local_compute").await;
             assert!(
                 computed <= 32.0 * placed_here as f64,
                 "{} computed {computed} prompt tokens for {placed_here} requests: the prefix was recomputed, not pulled",
                 e.name
             );
         }
-        assert!(external > 0.0, "no external prefix-cache hits on any puller");
+        let pullers = &engines[1..];
+        let fleet_external = move || async move {
+            let mut external = 0.0;
+            for e in pullers {
+                external += engine_metric(&e.url, "vllm:external_prefix_cache_hits_total").await;
+            }
+            external
+        };
+        eventually_async(10, "external prefix-cache hits on any puller", || {
+            fleet_external().map(|external| external > 0.0)
+        })
+        .await;
         // The holder pulled nothing.
         assert_eq!(engine_metric(&engines[0].url, "vllm:external_prefix_cache_hits_total").await, 0.0);
         stop(r, engines).await;
@@ -315,12 +256,7 @@ async fn malformed_request_never_reaches_the_engine_and_disconnect_cancels() {
         assert_eq!(resp.status(), 400);
         assert_eq!(engine_metric(&engines[0].url, "vllm:prompt_tokens_total").await, 0.0);
         // A long stream, abandoned after the first chunk.
-        let resp = client()
-            .post(format!("{base}/v1/completions"))
-            .json(&json!({"prompt": "tell me a long story", "max_tokens": 5000, "ignore_eos": true, "stream": true}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(&format!("{base}/v1/completions"), &json!({"prompt": "tell me a long story", "max_tokens": 5000, "ignore_eos": true, "stream": true})).await;
         assert_eq!(resp.status(), 200);
         let mut body = resp.bytes_stream();
         body.next().await.unwrap().unwrap();

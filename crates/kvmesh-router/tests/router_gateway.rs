@@ -9,17 +9,16 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{FakeEngine, FakePrefix, Mode, endpoints_yaml, eventually, start_router};
+use common::{
+    FakeEngine, FakePrefix, Mode, client, endpoints_yaml, eventually, get_json, get_text,
+    post_json, start_router,
+};
 use futures::StreamExt;
 use kvmesh_router::RouterHandle;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
 const LIMIT: Duration = Duration::from_secs(30);
-
-fn client() -> reqwest::Client {
-    reqwest::Client::new()
-}
 
 fn in_flight(r: &RouterHandle) -> Vec<u64> {
     r.state
@@ -76,14 +75,7 @@ async fn malformed_requests_get_400_without_reaching_an_engine() {
             .unwrap();
         assert_eq!(resp.status(), 400);
         assert_eq!(e0.count(), 0, "no malformed request may reach the engine");
-        let metrics = client()
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = get_text(&format!("{base}/metrics")).await;
         assert!(
             metrics.contains("kvmesh_router_errors_total{kind=\"bad_request\"} 7"),
             "{metrics}"
@@ -100,18 +92,13 @@ async fn json_and_sse_pass_through_and_engine_errors_are_passed_on() {
         let e0 = FakeEngine::start("e0").await;
         let r = start_router(&endpoints_yaml(&[&e0]), None).await;
         let base = format!("http://{}", r.addr);
-        let resp = client().post(format!("{base}/v1/completions")).json(&json!({"prompt": "hello", "max_tokens": 3})).send().await.unwrap();
+        let resp = post_json(&format!("{base}/v1/completions"), &json!({"prompt": "hello", "max_tokens": 3})).await;
         assert_eq!(resp.status(), 200);
         assert_eq!(resp.headers()["x-kvmesh-endpoint"], "e0");
         let v: Value = resp.json().await.unwrap();
         assert_eq!(v["engine"], "e0");
         // Forwarded body keeps unknown fields and the prompt verbatim.
-        let resp = client()
-            .post(format!("{base}/v1/chat/completions"))
-            .json(&json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "cache_salt": "s"}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(&format!("{base}/v1/chat/completions"), &json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "cache_salt": "s"})).await;
         assert_eq!(resp.headers()["content-type"], "text/event-stream");
         let text = resp.text().await.unwrap();
         assert_eq!(text.matches("data: ").count(), 4);
@@ -121,7 +108,7 @@ async fn json_and_sse_pass_through_and_engine_errors_are_passed_on() {
         assert_eq!(got.1["cache_salt"], "s");
         // Engine errors: status and body unchanged; load released.
         e0.set_mode(Mode::Error(422, r#"{"error":{"message":"engine says no","code":422}}"#.into()));
-        let resp = client().post(format!("{base}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+        let resp = post_json(&format!("{base}/v1/completions"), &json!({"prompt": "x"})).await;
         assert_eq!(resp.status(), 422);
         assert!(resp.text().await.unwrap().contains("engine says no"));
         assert!(load_zero(&r));
@@ -138,12 +125,11 @@ async fn streams_are_not_buffered_and_load_is_held_until_the_end() {
         let gate = Arc::new(Notify::new());
         e0.set_mode(Mode::Gated(Arc::clone(&gate)));
         let r = start_router(&endpoints_yaml(&[&e0]), None).await;
-        let resp = client()
-            .post(format!("http://{}/v1/completions", r.addr))
-            .json(&json!({"prompt": "a".repeat(100), "stream": true, "max_tokens": 7}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(
+            &format!("http://{}/v1/completions", r.addr),
+            &json!({"prompt": "a".repeat(100), "stream": true, "max_tokens": 7}),
+        )
+        .await;
         let mut body = resp.bytes_stream();
         let first = body.next().await.unwrap().unwrap();
         assert!(
@@ -176,12 +162,11 @@ async fn client_disconnect_releases_load_and_cancels_upstream() {
         let e0 = FakeEngine::start("e0").await;
         e0.set_mode(Mode::Hang);
         let r = start_router(&endpoints_yaml(&[&e0]), None).await;
-        let resp = client()
-            .post(format!("http://{}/v1/completions", r.addr))
-            .json(&json!({"prompt": "hang", "stream": true}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(
+            &format!("http://{}/v1/completions", r.addr),
+            &json!({"prompt": "hang", "stream": true}),
+        )
+        .await;
         let mut body = resp.bytes_stream();
         body.next().await.unwrap().unwrap();
         assert_eq!(in_flight(&r), vec![1]);
@@ -217,12 +202,11 @@ async fn upstream_timeout_and_dead_engine_release_load() {
         e0.set_mode(Mode::Slow(Duration::from_secs(30)));
         let yaml = format!("request_timeout: 200ms\n{}", endpoints_yaml(&[&e0]));
         let r = start_router(&yaml, None).await;
-        let resp = client()
-            .post(format!("http://{}/v1/completions", r.addr))
-            .json(&json!({"prompt": "x"}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(
+            &format!("http://{}/v1/completions", r.addr),
+            &json!({"prompt": "x"}),
+        )
+        .await;
         assert_eq!(resp.status(), 504);
         assert!(load_zero(&r));
         r.shutdown().await.unwrap();
@@ -235,12 +219,11 @@ async fn upstream_timeout_and_dead_engine_release_load() {
             None,
         )
         .await;
-        let resp = client()
-            .post(format!("http://{}/v1/completions", r.addr))
-            .json(&json!({"prompt": "x"}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(
+            &format!("http://{}/v1/completions", r.addr),
+            &json!({"prompt": "x"}),
+        )
+        .await;
         assert_eq!(resp.status(), 502);
         assert!(load_zero(&r));
         r.shutdown().await.unwrap();
@@ -330,14 +313,7 @@ async fn p2p_source_is_injected_and_explained() {
                 "inbound copies are stripped"
             );
         }
-        let decisions: Value = client()
-            .get(format!("{base}/debug/decisions?last=2"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let decisions: Value = get_json(&format!("{base}/debug/decisions?last=2")).await;
         let decisions = decisions.as_array().unwrap();
         assert_eq!(decisions.len(), 2);
         assert_eq!(decisions[1]["request_id"], "req-3");
@@ -348,14 +324,7 @@ async fn p2p_source_is_injected_and_explained() {
         assert!(d["candidates"][0]["scores"]["queue"].is_number());
         let d = decisions.iter().find(|d| d["endpoint"] == "e0").unwrap();
         assert_eq!(d["p2p"]["skipped"], "self_source");
-        let metrics = client()
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = get_text(&format!("{base}/metrics")).await;
         assert!(
             metrics.contains("kvmesh_router_decisions_total{outcome=\"pull_named\"} 2"),
             "{metrics}"
@@ -374,12 +343,8 @@ async fn p2p_source_is_injected_and_explained() {
             "{metrics}"
         );
         // /debug/prefix reports the index view per endpoint.
-        let p: Value = client()
-            .post(format!("{base}/debug/prefix"))
-            .json(&json!({"prompt": prompt}))
-            .send()
+        let p: Value = post_json(&format!("{base}/debug/prefix"), &json!({"prompt": prompt}))
             .await
-            .unwrap()
             .json()
             .await
             .unwrap();
@@ -405,7 +370,7 @@ async fn unhealthy_endpoints_are_ejected_and_readmitted() {
         let healthy = |r: &RouterHandle| r.state.endpoints.list().iter().map(|e| e.is_healthy()).collect::<Vec<_>>();
         eventually(5, "e1 ejected", || healthy(&r) == vec![true, false]).await;
         for _ in 0..6 {
-            let resp = client().post(format!("{base}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+            let resp = post_json(&format!("{base}/v1/completions"), &json!({"prompt": "x"})).await;
             assert_eq!(resp.headers()["x-kvmesh-endpoint"], "e0");
         }
         assert_eq!(e1.count(), 0);
@@ -415,12 +380,12 @@ async fn unhealthy_endpoints_are_ejected_and_readmitted() {
         eventually(5, "metrics scraped", || r.state.endpoints.list().iter().all(|e| e.metrics().is_some())).await;
         let m = r.state.endpoints.list()[0].metrics().unwrap();
         assert_eq!(m.kv_usage, 0.25);
-        let metrics = client().get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        let metrics = get_text(&format!("{base}/metrics")).await;
         assert!(metrics.contains("kvmesh_router_endpoint_changes_total{kind=\"ejected\"} 1"), "{metrics}");
         assert!(metrics.contains("kvmesh_router_endpoint_kv_usage_ratio{endpoint=\"e1\"} 0.25"), "{metrics}");
         let h = client().get(format!("{base}/health")).send().await.unwrap();
         assert_eq!(h.status(), 200);
-        let models: Value = client().get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+        let models: Value = get_json(&format!("{base}/v1/models")).await;
         assert_eq!(models["data"][0]["id"], "m");
         r.shutdown().await.unwrap();
     })
@@ -457,12 +422,11 @@ async fn endpoints_file_changes_apply_without_restart() {
         std::fs::write(&tmp, format!("- {{name: e1, url: \"{}\"}}\n", e1.url)).unwrap();
         std::fs::rename(&tmp, &file).unwrap();
         eventually(10, "e0 removed", || names(&r) == vec!["e1"]).await;
-        let resp = client()
-            .post(format!("http://{}/v1/completions", r.addr))
-            .json(&json!({"prompt": "x"}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(
+            &format!("http://{}/v1/completions", r.addr),
+            &json!({"prompt": "x"}),
+        )
+        .await;
         assert_eq!(resp.headers()["x-kvmesh-endpoint"], "e1");
         r.shutdown().await.unwrap();
     })
@@ -481,12 +445,11 @@ async fn cold_requests_spread_across_endpoints() {
         let refs: Vec<&FakeEngine> = engines.iter().collect();
         let r = start_router(&format!("seed: 3\n{}", endpoints_yaml(&refs)), None).await;
         for i in 0..30 {
-            client()
-                .post(format!("http://{}/v1/completions", r.addr))
-                .json(&json!({"prompt": format!("cold {i}")}))
-                .send()
-                .await
-                .unwrap();
+            post_json(
+                &format!("http://{}/v1/completions", r.addr),
+                &json!({"prompt": format!("cold {i}")}),
+            )
+            .await;
         }
         // Default affinity profile, all scores tied: random tie-break must use every endpoint.
         for e in &engines {
@@ -505,20 +468,18 @@ async fn streamed_ttft_on_an_idle_endpoint_teaches_the_cost_model() {
         let r = start_router(&endpoints_yaml(&[&e0]), None).await;
         let id = r.state.endpoints.list()[0].id;
         // Too short to be a clean prefill sample: ignored.
-        let resp = client()
-            .post(format!("http://{}/v1/completions", r.addr))
-            .json(&json!({"prompt": "short", "stream": true}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(
+            &format!("http://{}/v1/completions", r.addr),
+            &json!({"prompt": "short", "stream": true}),
+        )
+        .await;
         resp.text().await.unwrap();
         assert!(r.state.cost_model.prefill_rates().is_empty());
-        let resp = client()
-            .post(format!("http://{}/v1/completions", r.addr))
-            .json(&json!({"prompt": "x".repeat(2000), "stream": true}))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_json(
+            &format!("http://{}/v1/completions", r.addr),
+            &json!({"prompt": "x".repeat(2000), "stream": true}),
+        )
+        .await;
         resp.text().await.unwrap();
         let rates = r.state.cost_model.prefill_rates();
         assert_eq!(rates.len(), 1);
@@ -549,14 +510,9 @@ async fn hf_tokenizer_and_chat_template_from_config() {
         let yaml = format!("tokenizer: {{path: \"{}\", chat_template: \"{}\"}}\n{}", tok.display(), tpl.display(), endpoints_yaml(&[&e0]));
         let r = start_router(&yaml, None).await;
         let base = format!("http://{}", r.addr);
-        client().post(format!("{base}/v1/completions")).json(&json!({"prompt": "hello world hello"})).send().await.unwrap();
-        client()
-            .post(format!("{base}/v1/chat/completions"))
-            .json(&json!({"messages": [{"role": "user", "content": "hello world"}]}))
-            .send()
-            .await
-            .unwrap();
-        let d: Value = client().get(format!("{base}/debug/decisions?last=2")).send().await.unwrap().json().await.unwrap();
+        post_json(&format!("{base}/v1/completions"), &json!({"prompt": "hello world hello"})).await;
+        post_json(&format!("{base}/v1/chat/completions"), &json!({"messages": [{"role": "user", "content": "hello world"}]})).await;
+        let d: Value = get_json(&format!("{base}/debug/decisions?last=2")).await;
         assert_eq!(d[0]["prompt_tokens"], 3);
         // "user says hello world" = 4 words.
         assert_eq!(d[1]["prompt_tokens"], 4);

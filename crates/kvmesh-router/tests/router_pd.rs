@@ -8,35 +8,21 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::engines::engine_metric;
-use common::start_router;
+use common::engines::{PROFILE, SimEngine, engine_metric, sim_config, start_engine_with, stop};
+use common::{doc, get_json, post_json, scrape_metric, start_router, wait_for_prefix};
 use futures::StreamExt;
-use kvmesh_engine::config::KvEventsConfig;
-use kvmesh_engine::server::{RunningServer, ServerOptions, sim_backend, start_server};
-use kvmesh_engine::{EngineConfig, Role};
+use kvmesh_engine::Role;
 use kvmesh_router::RouterHandle;
-use kvmesh_text::ByteTokenizer;
 use serde_json::{Value, json};
 
 const LIMIT: Duration = Duration::from_secs(30);
 const BS: usize = 16;
 const USER_TOKENS: usize = 1500;
 const GEN_TOKENS: usize = 200;
-const PROFILE: &str = "gpt-oss-120b-h200";
 /// Slows the sim down 2× so turn-4 prefills model a few hundred ms.
 const TIME_SCALE: f64 = 0.5;
-
-struct Eng {
-    name: String,
-    role: &'static str,
-    url: String,
-    events: String,
-    p2p: u16,
-    server: RunningServer,
-}
 
 async fn engine(
     name: &str,
@@ -44,48 +30,24 @@ async fn engine(
     bidirectional: bool,
     ttl: Duration,
     time_scale: f64,
-) -> Eng {
-    let mut config = EngineConfig {
-        port: 0,
-        num_gpu_blocks: 4096,
-        block_size: BS,
-        kv_events: Some(
-            KvEventsConfig::parse(r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","topic":"kv-events"}"#)
-                .unwrap(),
-        ),
-        ..EngineConfig::default()
-    };
-    config.p2p.port = Some(0);
-    config.p2p.allowed_peers = vec!["127.0.0.1".to_owned()];
+) -> SimEngine {
+    let mut config = sim_config(4096);
+    config.block_size = BS;
     config.p2p.role = role;
     config.p2p.bidirectional_kv_xfer = bidirectional;
     config.p2p.decoder_kv_blocks_ttl = ttl;
-    let backend = sim_backend(&config, PROFILE, time_scale, 32).unwrap();
-    let server = start_server(
-        config,
-        backend,
-        Arc::new(ByteTokenizer),
-        ServerOptions::default(),
-    )
-    .await
-    .unwrap();
-    let bound = server.events_endpoint.clone().unwrap();
-    let port = bound.rsplit(':').next().unwrap();
-    Eng {
-        name: name.to_owned(),
-        role: match role {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Both => "both",
-        },
-        url: format!("http://{}", server.addr),
-        events: format!("tcp://127.0.0.1:{port}"),
-        p2p: server.p2p_addr.unwrap().port(),
-        server,
+    start_engine_with(name, config, time_scale).await
+}
+
+fn role_name(e: &SimEngine) -> &'static str {
+    match e.server.engine.config().p2p.role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Both => "both",
     }
 }
 
-fn yaml(engines: &[Eng], bidirectional: bool, decider: &str) -> String {
+fn yaml(engines: &[SimEngine], bidirectional: bool, decider: &str) -> String {
     let mut s = format!(
         "seed: 1\nmetrics_scrape_interval: 50ms\nplugins:\n  - {{type: round-robin-picker, name: rr}}\n  - {{type: prefix-cache-scorer, name: prefix}}\n\
          schedulingProfiles:\n  - {{name: prefill, plugins: [{{pluginRef: rr}}]}}\n  - {{name: decode, plugins: [{{pluginRef: prefix}}]}}\n\
@@ -94,20 +56,8 @@ fn yaml(engines: &[Eng], bidirectional: bool, decider: &str) -> String {
     for e in engines {
         s.push_str(&format!(
             "  - {{name: {}, role: {}, url: \"{}\", p2p: \"127.0.0.1:{}\", kv_events: {{endpoint: \"{}\", topic: kv-events}}}}\n",
-            e.name, e.role, e.url, e.p2p, e.events
+            e.name, role_name(e), e.url, e.p2p_port, e.events
         ));
-    }
-    s
-}
-
-fn doc(seed: u32, len: usize) -> String {
-    let mut s = String::with_capacity(len);
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    while s.len() < len {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        s.push((b'a' + (x % 26) as u8) as char);
     }
     s
 }
@@ -179,17 +129,8 @@ async fn stream_turn(r: &RouterHandle, prompt: &str, conversation: Option<&str>)
     }
 }
 
-async fn router_metric(r: &RouterHandle, name: &str, label: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", r.addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+async fn router_metric(r: &RouterHandle, name: &str, labels: &str) -> f64 {
+    scrape_metric(&format!("http://{}", r.addr), name, labels).await
 }
 
 /// Runs a 4-turn conversation; returns per turn (ttft, external hits on the turn's prefiller,
@@ -270,12 +211,7 @@ async fn conversation(
         out.push((t.ttft, ext, expected, pull));
         history = format!("{prompt}{}", t.text);
     }
-    let health: Value = reqwest::get(format!("http://{}/health", r.addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let health = get_json(&format!("http://{}/health", r.addr)).await;
     assert_eq!(health["status"], json!("ok"));
     assert_eq!(
         health["cached_conversations"],
@@ -314,10 +250,7 @@ async fn conversation(
         d_ext >= (4 * (USER_TOKENS - BS)) as f64,
         "decoder external hits {d_ext}"
     );
-    r.shutdown().await.unwrap();
-    for e in engines {
-        e.server.shutdown().await;
-    }
+    stop(r, engines).await;
     out
 }
 
@@ -379,7 +312,7 @@ async fn four_turn_conversation_reads_history_from_the_decoder() {
 async fn dropped_answer_text_is_recomputed_without_error() {
     tokio::time::timeout(LIMIT, async {
         let ttl = Duration::from_secs(480);
-        let engines = vec![
+        let mut engines = vec![
             engine("p0", Role::Prefill, true, ttl, 1000.0).await,
             engine("p1", Role::Prefill, true, ttl, 1000.0).await,
             engine("d0", Role::Decode, true, ttl, 1000.0).await,
@@ -395,12 +328,7 @@ async fn dropped_answer_text_is_recomputed_without_error() {
             .find(|e| Some(&e.name) == t2.prefill_endpoint.as_ref())
             .unwrap();
         assert_ne!(t1.prefill_endpoint, t2.prefill_endpoint);
-        let decisions: Value = reqwest::get(format!("http://{}/debug/decisions?last=2", r.addr))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let decisions = get_json(&format!("http://{}/debug/decisions?last=2", r.addr)).await;
         let outcomes: Vec<&str> = decisions
             .as_array()
             .unwrap()
@@ -420,20 +348,17 @@ async fn dropped_answer_text_is_recomputed_without_error() {
         );
         // Same text as an aggregated engine computing it all.
         let agg = engine("agg", Role::Both, false, ttl, 1000.0).await;
-        let want: Value = reqwest::Client::new()
-            .post(format!("{}/v1/completions", agg.url))
-            .json(&json!({"model": "sim", "prompt": prompt2, "max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": true}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let want: Value = post_json(
+            &format!("{}/v1/completions", agg.url),
+            &json!({"model": "sim", "prompt": prompt2, "max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": true}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
         assert_eq!(json!(t2.text), want["choices"][0]["text"]);
-        r.shutdown().await.unwrap();
-        for e in engines.into_iter().chain([agg]) {
-            e.server.shutdown().await;
-        }
+        engines.push(agg);
+        stop(r, engines).await;
     })
     .await
     .unwrap();
@@ -485,10 +410,7 @@ async fn expired_history_is_declined_and_short_requests_go_decode_only() {
             .await,
             1.0
         );
-        r.shutdown().await.unwrap();
-        for e in engines {
-            e.server.shutdown().await;
-        }
+        stop(r, engines).await;
     })
     .await
     .unwrap();
@@ -520,23 +442,7 @@ async fn p2p_source_producer_names_the_decoder_for_a_prefiller() {
         let prompt2 = format!("{q1}{}{}", t1.text, doc(13, 300));
         let held = (q1.len() + GEN_TOKENS - 1) / BS * BS;
         // Wait until the index shows the decoder's CPU tier holding the conversation.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let v: Value = reqwest::Client::new()
-                .post(format!("http://{}/debug/prefix", r.addr))
-                .json(&json!({"prompt": prompt2}))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if v["endpoints"]["d0"]["cpu_tokens"].as_u64().unwrap_or(0) >= held as u64 {
-                break;
-            }
-            assert!(Instant::now() < deadline, "decoder's CPU tier never indexed: {v}");
-            tokio::time::sleep(Duration::from_millis(30)).await;
-        }
+        wait_for_prefix(&r, &prompt2, "d0", "cpu_tokens", held as u64).await;
         let t2 = stream_turn(&r, &prompt2, None).await;
         assert_eq!(t2.prefill_endpoint.as_deref(), Some("p1"));
         assert_eq!(t2.text.len(), GEN_TOKENS);
@@ -545,10 +451,7 @@ async fn p2p_source_producer_names_the_decoder_for_a_prefiller() {
             held as f64,
             "p1 pulled the conversation from the decoder"
         );
-        r.shutdown().await.unwrap();
-        for e in engines {
-            e.server.shutdown().await;
-        }
+        stop(r, engines).await;
     })
     .await
     .unwrap();
@@ -608,9 +511,6 @@ async fn pd_multiturn_ttft_ab() {
             "bidirectional={bidirectional}: mean TTFT ms per turn [{}], prefillers' external hits {ext}",
             means.join(", ")
         );
-        r.shutdown().await.unwrap();
-        for e in engines {
-            e.server.shutdown().await;
-        }
+        stop(r, engines).await;
     }
 }

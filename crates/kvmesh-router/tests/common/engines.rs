@@ -6,7 +6,11 @@ use std::sync::Arc;
 use kvmesh_engine::EngineConfig;
 use kvmesh_engine::config::KvEventsConfig;
 use kvmesh_engine::server::{RunningServer, ServerOptions, sim_backend, start_server};
+use kvmesh_router::RouterHandle;
 use kvmesh_text::ByteTokenizer;
+
+/// The sim profile the router tests' engines run.
+pub const PROFILE: &str = "gpt-oss-120b-h200";
 
 pub struct SimEngine {
     pub name: String,
@@ -17,17 +21,9 @@ pub struct SimEngine {
     pub server: RunningServer,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts a sim engine (block 16, gpt-oss profile divided by `time_scale`).
-pub async fn start_engine(name: &str, time_scale: f64, num_gpu_blocks: usize) -> SimEngine {
-    let p2p_port = free_port();
+/// Sim engine config: block 16, `num_gpu_blocks`, KV events on a port the engine binds, and a
+/// P2P producer on a port it binds, open to loopback peers.
+pub fn sim_config(num_gpu_blocks: usize) -> EngineConfig {
     let mut config = EngineConfig {
         port: 0,
         num_gpu_blocks,
@@ -37,9 +33,20 @@ pub async fn start_engine(name: &str, time_scale: f64, num_gpu_blocks: usize) ->
         ),
         ..EngineConfig::default()
     };
-    config.p2p.port = Some(p2p_port);
+    config.p2p.port = Some(0);
     config.p2p.allowed_peers = vec!["127.0.0.1".to_owned()];
-    let backend = sim_backend(&config, "gpt-oss-120b-h200", time_scale, 32).unwrap();
+    config
+}
+
+/// Starts a sim engine (block 16, gpt-oss profile divided by `time_scale`).
+pub async fn start_engine(name: &str, time_scale: f64, num_gpu_blocks: usize) -> SimEngine {
+    start_engine_with(name, sim_config(num_gpu_blocks), time_scale).await
+}
+
+/// Starts a sim engine from `config` (see [`sim_config`]) with the gpt-oss profile divided by
+/// `time_scale`.
+pub async fn start_engine_with(name: &str, config: EngineConfig, time_scale: f64) -> SimEngine {
+    let backend = sim_backend(&config, PROFILE, time_scale, 32).unwrap();
     let server = start_server(
         config,
         backend,
@@ -54,8 +61,16 @@ pub async fn start_engine(name: &str, time_scale: f64, num_gpu_blocks: usize) ->
         name: name.to_owned(),
         url: format!("http://{}", server.addr),
         events: format!("tcp://127.0.0.1:{port}"),
-        p2p_port,
+        p2p_port: server.p2p_addr.unwrap().port(),
         server,
+    }
+}
+
+/// Shuts the router down, then every engine.
+pub async fn stop(r: RouterHandle, engines: Vec<SimEngine>) {
+    r.shutdown().await.unwrap();
+    for e in engines {
+        e.server.shutdown().await;
     }
 }
 
@@ -73,14 +88,5 @@ pub fn engines_yaml(engines: &[&SimEngine]) -> String {
 
 /// Sum of a metric's samples in an engine's `/metrics`.
 pub async fn engine_metric(url: &str, name: &str) -> f64 {
-    let text = reqwest::get(format!("{url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    super::scrape_metric(url, name, "").await
 }

@@ -1,5 +1,6 @@
 //! Test helpers: a fake OpenAI engine (axum) that records what it receives, a fake prefix index,
-//! and a router started on loopback port 0.
+//! a router started on loopback port 0, and the HTTP, text and metric helpers the router tests
+//! share (real sim engines are in [`engines`]).
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -280,6 +281,111 @@ pub async fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
             "timed out waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+/// POSTs `body` as JSON to `url` (a router's or an engine's API path).
+pub async fn post_json(url: &str, body: &Value) -> reqwest::Response {
+    client().post(url).json(body).send().await.unwrap()
+}
+
+/// GET `url`, the body as text.
+pub async fn get_text(url: &str) -> String {
+    client()
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// GET `url`, the body as JSON.
+pub async fn get_json(url: &str) -> Value {
+    client()
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Sum of every sample of metric `name` in `{base}/metrics` whose line contains each
+/// comma-separated part of `labels` (`""`: all samples).
+pub async fn scrape_metric(base: &str, name: &str, labels: &str) -> f64 {
+    get_text(&format!("{base}/metrics"))
+        .await
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.split(',').all(|part| l.contains(part)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Deterministic, distinct lowercase text per seed (ByteTokenizer: one token per byte).
+pub fn doc(seed: u32, len: usize) -> String {
+    let mut s = String::with_capacity(len);
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    while s.len() < len {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        s.push((b'a' + (x % 26) as u8) as char);
+    }
+    s
+}
+
+/// Polls the async condition `f` every 20 ms until it is true (panics after `secs`): for
+/// counters scraped over HTTP that settle after the responses that caused them.
+pub async fn eventually_async<F, Fut>(secs: u64, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while !f().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls `/debug/prefix` until `endpoint` holds at least `tokens` of `prompt` in `tier`.
+pub async fn wait_for_prefix(
+    r: &RouterHandle,
+    prompt: &str,
+    endpoint: &str,
+    tier: &str,
+    tokens: u64,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let v: Value = post_json(
+            &format!("http://{}/debug/prefix", r.addr),
+            &json!({"prompt": prompt}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+        let got = v["endpoints"][endpoint][tier].as_u64().unwrap_or(0);
+        if got >= tokens {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "index never showed {endpoint} holding {tokens} {tier} (have {got}): {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
     }
 }
 
