@@ -20,8 +20,10 @@ pub struct EngineCmd {
     /// HTTP port; 0 picks a free one (the startup line prints it).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    #[arg(long, default_value = "sim")]
-    served_model_name: String,
+    /// Model name in requests and responses; default `sim` for `--backend sim` and the model's
+    /// name (GGUF file stem or safetensors directory name) for `--backend model`.
+    #[arg(long)]
+    served_model_name: Option<String>,
     /// Compute backend: `sim` (time-modelled GPU profile) or `model` (real model on CPU).
     #[arg(long, default_value = "sim")]
     backend: String,
@@ -93,6 +95,25 @@ pub struct EngineCmd {
 }
 
 impl EngineCmd {
+    /// The model `--backend model` loads: `--model`, else the fetched SmolLM2.
+    fn model_path(&self) -> anyhow::Result<std::path::PathBuf> {
+        match &self.model {
+            Some(p) => Ok(std::path::PathBuf::from(p)),
+            None => kvmesh_model::find_smollm2(&kvmesh_model::default_cache_dir()).context(
+                "--backend model needs --model <gguf file or safetensors dir> (or fetch SmolLM2 first: `kvmesh model fetch`)",
+            ),
+        }
+    }
+
+    /// `--served-model-name`, else what clients of this backend expect to send.
+    fn served_model_name(&self) -> anyhow::Result<String> {
+        Ok(match &self.served_model_name {
+            Some(n) => n.clone(),
+            None if self.backend == "model" => model_name(&self.model_path()?),
+            None => "sim".to_owned(),
+        })
+    }
+
     /// The engine configuration these flags describe.
     pub fn to_config(&self) -> anyhow::Result<EngineConfig> {
         let kv_events = self
@@ -103,7 +124,7 @@ impl EngineCmd {
         let cfg = EngineConfig {
             host: self.host.clone(),
             port: self.port,
-            served_model_name: self.served_model_name.clone(),
+            served_model_name: self.served_model_name()?,
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
             cpu_offload_bytes: parse_byte_size(&self.cpu_offload_bytes)?,
@@ -140,6 +161,22 @@ impl EngineCmd {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// A model's name from its path: a GGUF file's stem or a safetensors directory's name; `model`
+/// when the path has no name.
+fn model_name(path: &std::path::Path) -> String {
+    let named = if path.is_dir() {
+        // Canonical, so `.` or `dir/` still names the directory.
+        path.canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+    } else {
+        path.file_stem().map(|n| n.to_string_lossy().into_owned())
+    };
+    named
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "model".to_owned())
 }
 
 /// The secret is the file's content without its trailing newline; an empty one is refused.
@@ -190,12 +227,7 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
             Arc::new(ByteTokenizer),
         ),
         "model" => {
-            let path = match &args.model {
-                Some(p) => std::path::PathBuf::from(p),
-                None => kvmesh_model::find_smollm2(&kvmesh_model::default_cache_dir()).context(
-                    "--backend model needs --model <gguf file or safetensors dir> (or fetch SmolLM2 first: `kvmesh model fetch`)",
-                )?,
-            };
+            let path = args.model_path()?;
             let opts = kvmesh_model::LoadOptions {
                 block_size: config.block_size,
                 kv_dtype: match args.kv_dtype.as_str() {
@@ -238,4 +270,62 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
     server.wait().await;
     server.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineCmd,
+    }
+
+    fn served(args: &[&str]) -> String {
+        let cli = Cli::try_parse_from(std::iter::once("kvmesh-engine").chain(args.iter().copied()))
+            .unwrap();
+        cli.engine.to_config().unwrap().served_model_name
+    }
+
+    /// Clients of a real model send its name (as with `vllm serve <model>`), not `sim`.
+    #[test]
+    fn model_backend_serves_the_models_name_unless_told_otherwise() {
+        assert_eq!(served(&[]), "sim");
+        assert_eq!(
+            served(&[
+                "--backend",
+                "model",
+                "--model",
+                "/m/SmolLM2-135M-Instruct-Q8_0.gguf"
+            ]),
+            "SmolLM2-135M-Instruct-Q8_0"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let model_dir = dir.path().join("Llama-3.2-1B");
+        std::fs::create_dir(&model_dir).unwrap();
+        let with_slash = format!("{}/", model_dir.display());
+        assert_eq!(
+            served(&["--backend", "model", "--model", &with_slash]),
+            "Llama-3.2-1B"
+        );
+        assert_eq!(
+            served(&[
+                "--backend",
+                "model",
+                "--model",
+                &with_slash,
+                "--served-model-name",
+                "mine"
+            ]),
+            "mine"
+        );
+        assert_eq!(
+            served(&["--served-model-name", "sim-gpt-oss"]),
+            "sim-gpt-oss"
+        );
+    }
 }
