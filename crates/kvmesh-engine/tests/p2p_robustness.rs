@@ -100,27 +100,29 @@ async fn a_pull_stuck_on_a_silent_peer_delays_no_other_request() {
         };
         // Same prefix (same first missing block), and an unrelated prompt: both are served
         // long before the stuck pull gives up.
-        let t0 = Instant::now();
         let mut same = prefix.clone();
         same.extend(tokens(9, 32));
         complete(b.addr, &same, 2, None).await;
         complete(b.addr, &tokens(10, 1024), 2, None).await;
+        // Evidence, not a stopwatch: both were served while the stuck pull was still stuck.
         assert!(
-            t0.elapsed() < Duration::from_secs(2),
-            "other requests waited {:?} behind a stuck pull",
-            t0.elapsed()
+            !stuck.is_finished(),
+            "other requests were served only after the stuck pull gave up ({:?})",
+            stuck_started.elapsed()
         );
         let got = stuck.await.unwrap();
         assert_eq!(got["usage"]["completion_tokens"], 2);
         let got = follower.await.unwrap();
         assert_eq!(got["usage"]["completion_tokens"], 2);
+        // One budget is 3.5 s; compounded waits would be at least 7 s (the margin absorbs a
+        // loaded machine).
         assert!(
-            follower_started.elapsed() < Duration::from_millis(4_500),
+            follower_started.elapsed() < Duration::from_millis(6_500),
             "waiting for another pull and then pulling again took {:?}",
             follower_started.elapsed()
         );
         assert!(
-            stuck_started.elapsed() < Duration::from_secs(6),
+            stuck_started.elapsed() < Duration::from_secs(10),
             "the stuck pull itself is bounded (timeout + pending deadline)"
         );
         b.shutdown().await;
