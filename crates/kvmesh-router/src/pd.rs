@@ -612,9 +612,9 @@ async fn run_prefill(
         req = req.header(header::AUTHORIZATION, auth);
     }
     let fut = async {
-        let r = req.send().await.map_err(|e| e.to_string())?;
+        let r = req.send().await.map_err(|e| error_chain(&e))?;
         let status = r.status();
-        let bytes = r.bytes().await.map_err(|e| e.to_string())?;
+        let bytes = r.bytes().await.map_err(|e| error_chain(&e))?;
         if !status.is_success() {
             return Err(format!("status {status}"));
         }
@@ -627,6 +627,19 @@ async fn run_prefill(
     tokio::time::timeout(s.config.request_timeout, fut)
         .await
         .map_err(|_| "timeout".to_owned())?
+}
+
+/// An error with its causes (`reqwest`'s message alone is "error sending request for url"; the
+/// cause — connect timeout, reset, closed connection — is in its source chain).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cur = c.source();
+    }
+    out
 }
 
 /// Largest non-stream body kept to read its `kv_transfer_params`.
@@ -830,6 +843,21 @@ mod tests {
         bad = pd;
         bad.decider = Decider::Named("sometimes".into());
         assert!(bad.validate(&s).is_err());
+    }
+
+    #[test]
+    fn prefill_leg_errors_name_their_cause() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("error sending request for url (http://p0/v1/completions)")]
+        struct Send(#[source] std::io::Error);
+        let e = Send(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection reset by peer",
+        ));
+        assert_eq!(
+            error_chain(&e),
+            "error sending request for url (http://p0/v1/completions): connection reset by peer"
+        );
     }
 
     #[test]
