@@ -267,6 +267,17 @@ impl CpuStore {
         }
     }
 
+    /// Marks the stored ones of `hashes` (a prefix, in order) recently used without reading
+    /// them: a request that hits these blocks in the GPU tier is using them, so their CPU copies
+    /// (the ones peers pull) must not age out meanwhile (vLLM's offloading manager `touch`).
+    /// Touched tail first, so the head ends most recent: LRU then evicts a prefix from its tail,
+    /// and what stays is still a usable prefix (a lost first block makes the rest unreachable).
+    pub fn touch_all(&mut self, hashes: &[BlockHash]) {
+        for &hash in hashes.iter().rev() {
+            self.touch(hash);
+        }
+    }
+
     /// The payload (cheap clone) and marks it recently used.
     pub fn get(&mut self, hash: BlockHash) -> Option<Bytes> {
         let payload = self.entries.get(&hash)?.payload.clone();
@@ -513,6 +524,10 @@ impl CpuStore {
         if self.pull_pinned_bytes + more <= self.pull_pin_cap {
             return true;
         }
+        // Never fits (a zero share): no recount can help.
+        if more > self.pull_pin_cap {
+            return false;
+        }
         if self.pull_recount_after.is_some_and(|t| now < t) {
             return false;
         }
@@ -654,6 +669,13 @@ impl CpuTier {
     /// The payload of a stored block (a cheap `Bytes` clone; stays valid after eviction).
     pub fn get(&self, hash: BlockHash) -> Option<Bytes> {
         self.inner.lock().store.get(hash)
+    }
+
+    /// [`CpuStore::touch_all`].
+    pub fn touch(&self, hashes: &[BlockHash]) {
+        if !hashes.is_empty() {
+            self.inner.lock().store.touch_all(hashes);
+        }
     }
 
     pub fn contains(&self, hash: BlockHash) -> bool {
@@ -1007,6 +1029,35 @@ mod tests {
         s.unpin(&[BlockHash(2)]);
         assert_eq!(s.insert_run(&[blk(4, None, 10)], t0, &mut ev), 1);
         assert!(s.used_bytes() <= 20);
+    }
+
+    #[test]
+    fn a_touched_block_outlives_newer_untouched_ones() {
+        // Capacity 3 blocks of 1 byte: A, B, C stored in that order; A is in use (touched, as a
+        // GPU hit does), so storing D evicts B, the least recently used, not A.
+        let mut s = CpuStore::new(3, 1);
+        let mut ev = Vec::new();
+        let t0 = Instant::now();
+        s.insert_run(&[blk(1, None, 1), blk(2, None, 1), blk(3, None, 1)], t0, &mut ev);
+        s.touch_all(&[BlockHash(1), BlockHash(99)]);
+        s.insert_run(&[blk(4, None, 1)], t0, &mut ev);
+        assert!(s.contains(BlockHash(1)), "the touched block was evicted");
+        assert!(!s.contains(BlockHash(2)));
+        assert!(s.contains(BlockHash(3)) && s.contains(BlockHash(4)));
+    }
+
+    #[test]
+    fn a_touched_prefix_is_evicted_from_its_tail() {
+        // A 3-block prefix stored head first is touched as a whole; two new blocks then evict
+        // its last two blocks, and its head stays usable.
+        let mut s = CpuStore::new(3, 1);
+        let mut ev = Vec::new();
+        let t0 = Instant::now();
+        let prefix = [blk(1, None, 1), blk(2, Some(1), 1), blk(3, Some(2), 1)];
+        s.insert_run(&prefix, t0, &mut ev);
+        s.touch_all(&[BlockHash(1), BlockHash(2), BlockHash(3)]);
+        s.insert_run(&[blk(10, None, 1), blk(11, Some(10), 1)], t0, &mut ev);
+        assert_eq!(s.lookup_prefix(&[BlockHash(1), BlockHash(2), BlockHash(3)]), 1);
     }
 
     #[test]
