@@ -253,24 +253,62 @@ impl Publisher {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(250));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut held: Option<EventBatch> = None;
             loop {
-                tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    b = rx.recv() => match b {
-                        Some(batch) => {
-                            if let Err(e) = self.publish(&batch).await {
-                                errors.fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!(error = %e, "kv-event publish failed");
-                            }
+                let next = match held.take() {
+                    Some(b) => Some(b),
+                    None => tokio::select! {
+                        _ = cancel.cancelled() => break,
+                        b = rx.recv() => match b {
+                            Some(b) => Some(b),
+                            None => break,
+                        },
+                        _ = tick.tick() => {
+                            self.ensure_connected().await;
+                            None
                         }
-                        None => break,
                     },
-                    _ = tick.tick() => self.ensure_connected().await,
+                };
+                let Some(first) = next else {
+                    continue;
+                };
+                let (batch, rest) = coalesce(first, &mut rx);
+                held = rest;
+                if let Err(e) = self.publish(&batch).await {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "kv-event publish failed");
                 }
             }
         });
         handle
     }
+}
+
+/// Most events merged into one message by [`coalesce`].
+pub const MAX_COALESCED_EVENTS: usize = 4096;
+
+/// Appends the batches already queued behind `first` (same data-parallel rank, up to
+/// [`MAX_COALESCED_EVENTS`] events) to it, in order, so a backlog leaves as a few large messages
+/// instead of one message each. Engines emit a batch per step and per CPU-tier change (a pull
+/// lands its blocks one by one); under load, per-message cost on both ends of the socket made
+/// subscribers fall seconds behind. The merged batch keeps the first one's timestamp (its
+/// oldest event), so subscribers' lag figures stay honest; vLLM subscribers read any number of
+/// events per batch. Returns the merged batch and, if one of another rank stopped the merge,
+/// that batch (it leads the next message).
+pub fn coalesce(
+    mut first: EventBatch,
+    rx: &mut mpsc::Receiver<EventBatch>,
+) -> (EventBatch, Option<EventBatch>) {
+    while first.events.len() < MAX_COALESCED_EVENTS {
+        let Ok(next) = rx.try_recv() else {
+            break;
+        };
+        if next.data_parallel_rank != first.data_parallel_rank {
+            return (first, Some(next));
+        }
+        first.events.extend(next.events);
+    }
+    (first, None)
 }
 
 /// Why [`PublisherHandle::send`] refused a batch.
@@ -309,5 +347,63 @@ impl PublisherHandle {
     /// Batches dropped because the queue was full or the socket failed.
     pub fn dropped(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use kvmesh_core::events::{BlockRemoved, KvEvent, Medium};
+    use kvmesh_core::hashing::BlockHash;
+
+    fn removed(tag: u64, rank: Option<i64>) -> EventBatch {
+        EventBatch {
+            ts: tag as f64,
+            events: vec![KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![BlockHash(tag)],
+                medium: Medium::Cpu,
+                group_idx: None,
+            })],
+            data_parallel_rank: rank,
+        }
+    }
+
+    fn tags(b: &EventBatch) -> Vec<u64> {
+        b.events
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockRemoved(r) => r.block_hashes[0].0,
+                _ => u64::MAX,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_backlog_leaves_as_one_batch_per_rank_run_in_order() {
+        let (tx, mut rx) = mpsc::channel(16);
+        for (tag, rank) in [(2, Some(0)), (3, Some(0)), (4, Some(1)), (5, Some(1))] {
+            tx.try_send(removed(tag, rank)).unwrap();
+        }
+        let (merged, held) = coalesce(removed(1, Some(0)), &mut rx);
+        assert_eq!(tags(&merged), vec![1, 2, 3]);
+        assert_eq!(merged.ts, 1.0, "the oldest event's time");
+        let held = held.expect("the rank-1 batch is kept for the next message");
+        let (merged, held) = coalesce(held, &mut rx);
+        assert_eq!(tags(&merged), vec![4, 5]);
+        assert_eq!(merged.data_parallel_rank, Some(1));
+        assert!(held.is_none());
+    }
+
+    #[test]
+    fn merging_stops_at_the_event_cap() {
+        let (tx, mut rx) = mpsc::channel(MAX_COALESCED_EVENTS + 8);
+        for tag in 1..=MAX_COALESCED_EVENTS as u64 + 4 {
+            tx.try_send(removed(tag, None)).unwrap();
+        }
+        let (merged, _) = coalesce(removed(0, None), &mut rx);
+        assert_eq!(merged.events.len(), MAX_COALESCED_EVENTS);
+        let (rest, _) = coalesce(rx.try_recv().unwrap(), &mut rx);
+        assert_eq!(rest.events.len(), 5, "the 5 batches left behind the cap");
     }
 }
