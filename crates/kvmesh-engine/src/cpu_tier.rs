@@ -1038,7 +1038,11 @@ mod tests {
         let mut s = CpuStore::new(3, 1);
         let mut ev = Vec::new();
         let t0 = Instant::now();
-        s.insert_run(&[blk(1, None, 1), blk(2, None, 1), blk(3, None, 1)], t0, &mut ev);
+        s.insert_run(
+            &[blk(1, None, 1), blk(2, None, 1), blk(3, None, 1)],
+            t0,
+            &mut ev,
+        );
         s.touch_all(&[BlockHash(1), BlockHash(99)]);
         s.insert_run(&[blk(4, None, 1)], t0, &mut ev);
         assert!(s.contains(BlockHash(1)), "the touched block was evicted");
@@ -1057,7 +1061,10 @@ mod tests {
         s.insert_run(&prefix, t0, &mut ev);
         s.touch_all(&[BlockHash(1), BlockHash(2), BlockHash(3)]);
         s.insert_run(&[blk(10, None, 1), blk(11, Some(10), 1)], t0, &mut ev);
-        assert_eq!(s.lookup_prefix(&[BlockHash(1), BlockHash(2), BlockHash(3)]), 1);
+        assert_eq!(
+            s.lookup_prefix(&[BlockHash(1), BlockHash(2), BlockHash(3)]),
+            1
+        );
     }
 
     #[test]

@@ -727,6 +727,9 @@ impl Core {
             .map(|d| d.event_hash())
             .collect();
         let gpu_hit = self.pool.lookup_prefix(&hashes);
+        // The prefix is in use: keep its CPU copies (what peers pull) from ageing out while the
+        // GPU copy serves it, or a hot prefix vanishes from the tier peers can see.
+        self.cpu.touch(&hashes[..gpu_hit]);
         let cpu_hit = self.cpu.lookup_prefix(&hashes[gpu_hit..]);
         let hit_blocks = gpu_hit + cpu_hit;
         let hit_tokens = hit_blocks * bs;
@@ -1109,6 +1112,15 @@ impl Core {
         if seq.cached_tokens.is_none() && was_waiting {
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
         }
+        // Its blocks were stored in the CPU tier head first, so plain LRU would evict the head
+        // first and leave peers an unreachable tail: touch them all, head ending newest.
+        let finalized: Vec<BlockHash> = seq
+            .digests
+            .iter()
+            .take(seq.num_finalized)
+            .map(|d| d.event_hash())
+            .collect();
+        self.cpu.touch(&finalized);
         if seq.num_finalized < seq.prompt_len / bs {
             // Blocks it promised to compute will not come (aborted, or ended early by
             // `length`): peers waiting on them stop waiting.
@@ -1134,12 +1146,7 @@ impl Core {
             cached_tokens: seq.cached_tokens.unwrap_or(0),
             created_cache_tokens: seq.created_cache_tokens,
             kv_transfer_params: None,
-            block_hashes: seq
-                .digests
-                .iter()
-                .take(seq.num_finalized)
-                .map(|d| d.event_hash())
-                .collect(),
+            block_hashes: finalized,
         };
         let _ = seq.tx.send(SeqOutput::Finished(Box::new(info)));
     }
