@@ -160,6 +160,8 @@ pub fn render(arm: Arm, endpoints: &[EndpointInfo], min_delta: Option<usize>, se
         "block_size: 16
 tokenizer: byte
 metrics_scrape_interval: 200ms
+# Kept for logs/router-decisions.json (every request of a full docqa arm).
+decisions_capacity: 2048
 ",
     );
     // A saturated engine on an oversubscribed benchmark host answers /health slowly; ejecting it

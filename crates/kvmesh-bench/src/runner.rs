@@ -222,6 +222,13 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     {
         let _ = std::fs::write(log_dir.join("router-metrics.txt"), text);
     }
+    // Why each request went where it did (the router keeps its last `decisions_capacity`).
+    if let Some(r) = &fleet.router
+        && let Ok(resp) = reqwest::get(format!("{}/debug/decisions?last=100000", r.url)).await
+        && let Ok(text) = resp.text().await
+    {
+        let _ = std::fs::write(log_dir.join("router-decisions.json"), text);
+    }
     fleet.shutdown().await;
     let stats = summarize(&records, plan.fleet.time_scale, w.offered_rate);
     let pd = w.fleet.prefill > 0;
