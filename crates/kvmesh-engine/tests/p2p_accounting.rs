@@ -9,11 +9,12 @@ mod common;
 use std::time::Duration;
 
 use common::complete_ignore_eos as complete;
-use common::{PROFILE, cached_tokens, p2p_config, scrape_metric, source, start_engine, tokens};
-use kvmesh_core::KvTransferParams;
+use common::{
+    PROFILE, cached_tokens, merge, p2p_config, prefill_leg, scrape_metric, source, start_engine,
+    tokens,
+};
 use kvmesh_engine::server::RunningServer;
 use kvmesh_engine::{EngineConfig, Role};
-use serde_json::Value;
 use tokio::time::timeout;
 
 const BS: usize = 16;
@@ -32,21 +33,6 @@ fn cfg(role: Role, cpu_blocks: usize) -> EngineConfig {
 
 async fn start(cfg: EngineConfig) -> RunningServer {
     start_engine(cfg, PROFILE, 1000.0, KV_BYTES).await
-}
-
-fn prefill_leg() -> Value {
-    serde_json::to_value(KvTransferParams::prefill_leg()).unwrap()
-}
-
-/// A prefill leg carrying the decoder's history params (as the router merges them).
-fn merge(hist: &Value) -> Value {
-    let mut leg = prefill_leg();
-    for (k, v) in hist.as_object().unwrap() {
-        if k != "do_remote_decode" && k != "do_remote_prefill" {
-            leg[k] = v.clone();
-        }
-    }
-    leg
 }
 
 /// The agentic P/D failure at small scale: the prefiller keeps every prompt for its decoder

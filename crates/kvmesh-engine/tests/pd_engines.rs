@@ -11,8 +11,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 // P/D turns generate exactly the tokens asked for (EOS ignored).
 use common::complete_ignore_eos as complete;
-use common::{PROFILE, cached_tokens, p2p_config, scrape_metric, start_engine, tokens};
-use kvmesh_core::{BlockHash, KvTransferParams};
+use common::{
+    PROFILE, cached_tokens, merge, p2p_config, prefill_leg, scrape_metric, start_engine, tokens,
+};
+use kvmesh_core::BlockHash;
 use kvmesh_engine::server::RunningServer;
 use kvmesh_engine::{EngineConfig, Role};
 use serde_json::{Value, json};
@@ -29,10 +31,6 @@ fn cfg(role: Role, bidirectional: bool) -> EngineConfig {
 
 async fn start(cfg: EngineConfig) -> RunningServer {
     start_engine(cfg, PROFILE, 1000.0, 32).await
-}
-
-fn prefill_leg() -> Value {
-    serde_json::to_value(KvTransferParams::prefill_leg()).unwrap()
 }
 
 fn text_tokens(resp: &Value) -> Vec<u32> {
@@ -244,16 +242,6 @@ async fn bidirectional_history_is_read_by_the_next_prefill() {
     })
     .await
     .expect("test timed out");
-}
-
-fn merge(hist: &Value) -> Value {
-    let mut leg = prefill_leg();
-    for (k, v) in hist.as_object().unwrap() {
-        if k != "do_remote_decode" && k != "do_remote_prefill" {
-            leg[k] = v.clone();
-        }
-    }
-    leg
 }
 
 /// An expired history entry is declined ("Declining expired remote read"), counted in

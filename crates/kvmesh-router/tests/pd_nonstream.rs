@@ -18,7 +18,6 @@ use axum::routing::{get, post};
 use common::start_router;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -68,16 +67,7 @@ async fn start_fake() -> Fake {
             }),
         )
         .with_state(Arc::clone(&received));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let cancel = CancellationToken::new();
-    let c = cancel.clone();
-    tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { c.cancelled().await })
-            .await
-            .unwrap();
-    });
+    let (url, cancel) = common::serve_on_loopback(app).await;
     Fake {
         url,
         received,

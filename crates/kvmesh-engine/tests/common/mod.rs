@@ -321,3 +321,19 @@ pub async fn scrape_metric(addr: SocketAddr, name: &str, labels: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// `kv_transfer_params` of a P/D prefill leg (what the router sends to a prefiller).
+pub fn prefill_leg() -> Value {
+    serde_json::to_value(kvmesh_core::KvTransferParams::prefill_leg()).unwrap()
+}
+
+/// A prefill leg carrying the decoder's history params (as the router merges them).
+pub fn merge(hist: &Value) -> Value {
+    let mut leg = prefill_leg();
+    for (k, v) in hist.as_object().unwrap() {
+        if k != "do_remote_decode" && k != "do_remote_prefill" {
+            leg[k] = v.clone();
+        }
+    }
+    leg
+}

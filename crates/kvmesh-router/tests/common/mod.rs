@@ -82,16 +82,7 @@ impl FakeEngine {
             .route("/metrics", get(metrics))
             .route("/v1/models", get(models))
             .with_state(Arc::clone(&state));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let cancel = CancellationToken::new();
-        let c = cancel.clone();
-        tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move { c.cancelled().await })
-                .await
-                .unwrap();
-        });
+        let (url, cancel) = serve_on_loopback(app).await;
         FakeEngine { url, state, cancel }
     }
 
@@ -255,6 +246,21 @@ pub fn endpoints_yaml(engines: &[&FakeEngine]) -> String {
         ));
     }
     s
+}
+
+/// Serves `app` on a loopback port until the returned token is cancelled; returns its base URL.
+pub async fn serve_on_loopback(app: axum::Router) -> (String, CancellationToken) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { c.cancelled().await })
+            .await
+            .unwrap();
+    });
+    (url, cancel)
 }
 
 pub async fn start_router(yaml: &str, prefix: Option<Arc<dyn PrefixLookup>>) -> RouterHandle {
