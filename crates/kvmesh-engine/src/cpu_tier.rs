@@ -161,6 +161,9 @@ pub struct CpuTierStats {
     pub pull_pin_capped_blocks: u64,
 }
 
+/// Hard-pinned blocks one eviction steps over before evicting a retained block instead.
+const MAX_PINNED_STEPS: usize = 64;
+
 /// Byte-capped LRU store of block payloads (pure data structure).
 #[derive(Debug)]
 pub struct CpuStore {
@@ -312,52 +315,80 @@ impl CpuStore {
         }
         self.expire_retentions(now);
         let mut earliest_expiry: Option<Instant> = None;
-        for retained in [false, true] {
-            let len = if retained {
-                self.retained_lru.len()
-            } else {
-                self.lru.len()
-            };
-            for _ in 0..len {
-                let map = if retained {
-                    &mut self.retained_lru
-                } else {
-                    &mut self.lru
-                };
-                let Some((_, hash)) = map.pop_first() else {
-                    break;
-                };
-                let Some(e) = self.entries.get_mut(&hash) else {
-                    continue;
-                };
-                if let Some(expiry) = e.hard_expiry(now) {
-                    earliest_expiry = Some(earliest_expiry.map_or(expiry, |x| x.min(expiry)));
-                    self.tick += 1;
-                    if retained {
-                        e.rkey = Some(self.tick);
-                        self.retained_lru.insert(self.tick, hash);
-                    } else {
-                        e.tick = self.tick;
-                        self.lru.insert(self.tick, hash);
-                    }
-                    continue;
-                }
-                if retained && e.retained.iter().any(|&t| t > now) {
-                    self.stats.retained_evicted_blocks += 1;
-                }
-                if let Some(e) = self.entries.remove(&hash) {
-                    self.used -= e.payload.len() as u64;
-                    if e.pull_counted {
-                        self.pull_pinned_bytes -= e.payload.len() as u64;
-                    }
-                }
-                self.stats.evicted_blocks += 1;
-                removed.push(hash);
-                return true;
-            }
+        // With retained blocks as a fallback, step over at most a few hard-pinned blocks of `lru`
+        // per eviction: a pull landing thousands of blocks pins each as it lands, and a full pass
+        // over them for every later block of the same pull cost O(pinned) per block (seconds per
+        // history read, stalling the runtime the pull runs on). The stepped-over ones move to the
+        // recent end, so later evictions reach the unpinned blocks behind them.
+        let bounded = if self.retained_lru.is_empty() {
+            usize::MAX
+        } else {
+            MAX_PINNED_STEPS
+        };
+        if self.evict_from(false, bounded, now, removed, &mut earliest_expiry)
+            || self.evict_from(true, usize::MAX, now, removed, &mut earliest_expiry)
+            || (bounded != usize::MAX
+                && self.evict_from(false, usize::MAX, now, removed, &mut earliest_expiry))
+        {
+            return true;
         }
         // Everything is hard-pinned: fail fast until a lease expires or something changes.
         self.all_pinned_until = earliest_expiry;
+        false
+    }
+
+    /// Evicts the first block of `lru` (or `retained_lru`) without a hard pin, looking at most
+    /// at `max_steps` entries; hard-pinned ones met on the way move to the recent end.
+    fn evict_from(
+        &mut self,
+        retained: bool,
+        max_steps: usize,
+        now: Instant,
+        removed: &mut Vec<BlockHash>,
+        earliest_expiry: &mut Option<Instant>,
+    ) -> bool {
+        let len = if retained {
+            self.retained_lru.len()
+        } else {
+            self.lru.len()
+        };
+        for _ in 0..len.min(max_steps) {
+            let map = if retained {
+                &mut self.retained_lru
+            } else {
+                &mut self.lru
+            };
+            let Some((_, hash)) = map.pop_first() else {
+                break;
+            };
+            let Some(e) = self.entries.get_mut(&hash) else {
+                continue;
+            };
+            if let Some(expiry) = e.hard_expiry(now) {
+                *earliest_expiry = Some(earliest_expiry.map_or(expiry, |x| x.min(expiry)));
+                self.tick += 1;
+                if retained {
+                    e.rkey = Some(self.tick);
+                    self.retained_lru.insert(self.tick, hash);
+                } else {
+                    e.tick = self.tick;
+                    self.lru.insert(self.tick, hash);
+                }
+                continue;
+            }
+            if retained && e.retained.iter().any(|&t| t > now) {
+                self.stats.retained_evicted_blocks += 1;
+            }
+            if let Some(e) = self.entries.remove(&hash) {
+                self.used -= e.payload.len() as u64;
+                if e.pull_counted {
+                    self.pull_pinned_bytes -= e.payload.len() as u64;
+                }
+            }
+            self.stats.evicted_blocks += 1;
+            removed.push(hash);
+            return true;
+        }
         false
     }
 
@@ -1065,6 +1096,38 @@ mod tests {
             s.lookup_prefix(&[BlockHash(1), BlockHash(2), BlockHash(3)]),
             1
         );
+    }
+
+    #[test]
+    fn a_pull_landing_among_retained_blocks_does_not_rescan_its_own_pins() {
+        // A P/D prefiller: its tier is full of retained prompts; a history read lands 10,000
+        // blocks, each hard-pinned (Pull) as it lands. Each landing evicts one retained block;
+        // it must not first step over every block the same pull already pinned (that was
+        // 50 M steps here, seconds per real history read, under the tier's lock).
+        let n = 10_000u64;
+        let mut s = CpuStore::new(n, 1);
+        s.set_pull_pin_fraction(1.0);
+        let mut ev = Vec::new();
+        let t0 = Instant::now();
+        let far = t0 + Duration::from_secs(600);
+        let run: Vec<OffloadBlock> = (0..n).map(|h| blk(h, None, 1)).collect();
+        s.insert_run(&run, t0, &mut ev);
+        let kept: Vec<BlockHash> = (0..n).map(BlockHash).collect();
+        assert_eq!(s.pin_as(PinKind::Retain, &kept, far), n as usize);
+        let started = Instant::now();
+        for h in 0..n {
+            ev.clear();
+            let hash = 1_000_000 + h;
+            assert_eq!(s.insert_run(&[blk(hash, None, 1)], t0, &mut ev), 1);
+            assert_eq!(s.pin_as(PinKind::Pull, &[BlockHash(hash)], far), 1);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "landing {n} pulled blocks took {:?}",
+            started.elapsed()
+        );
+        assert_eq!(s.stats().retained_evicted_blocks, n);
+        assert!((0..n).all(|h| s.contains(BlockHash(1_000_000 + h))));
     }
 
     #[test]
