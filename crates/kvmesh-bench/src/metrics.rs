@@ -244,8 +244,8 @@ impl Evidence {
                     k.starts_with("kvmesh_engine_pd_remote_read_tokens")
                         && k.contains(&format!("leg={leg}"))
                 })
-                .map(|(_, v)| *v)
-                .sum()
+                // `sum()` of no f64 is -0.0, which reports print as "-0 tokens".
+                .fold(0.0, |acc, (_, v)| acc + v)
         };
         let pd_history_tokens = read_tokens("history");
         let pd_decode_tokens = read_tokens("decode");
