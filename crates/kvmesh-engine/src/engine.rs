@@ -1112,15 +1112,6 @@ impl Core {
         if seq.cached_tokens.is_none() && was_waiting {
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
         }
-        // Its blocks were stored in the CPU tier head first, so plain LRU would evict the head
-        // first and leave peers an unreachable tail: touch them all, head ending newest.
-        let finalized: Vec<BlockHash> = seq
-            .digests
-            .iter()
-            .take(seq.num_finalized)
-            .map(|d| d.event_hash())
-            .collect();
-        self.cpu.touch(&finalized);
         if seq.num_finalized < seq.prompt_len / bs {
             // Blocks it promised to compute will not come (aborted, or ended early by
             // `length`): peers waiting on them stop waiting.
@@ -1146,7 +1137,12 @@ impl Core {
             cached_tokens: seq.cached_tokens.unwrap_or(0),
             created_cache_tokens: seq.created_cache_tokens,
             kv_transfer_params: None,
-            block_hashes: finalized,
+            block_hashes: seq
+                .digests
+                .iter()
+                .take(seq.num_finalized)
+                .map(|d| d.event_hash())
+                .collect(),
         };
         let _ = seq.tx.send(SeqOutput::Finished(Box::new(info)));
     }
