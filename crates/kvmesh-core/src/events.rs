@@ -62,6 +62,30 @@ pub struct BlockStored {
     pub kv_cache_spec_kind: Option<String>,
 }
 
+impl BlockStored {
+    /// A run of `block_hashes` stored in `medium` under `parent`, with their concatenated
+    /// `token_ids` (vLLM's optional LoRA / group / spec fields unset).
+    pub fn run(
+        medium: Medium,
+        parent: Option<BlockHash>,
+        block_size: u32,
+        block_hashes: Vec<BlockHash>,
+        token_ids: Vec<TokenId>,
+    ) -> Self {
+        Self {
+            block_hashes,
+            parent_block_hash: parent,
+            token_ids,
+            block_size,
+            lora_id: None,
+            medium,
+            lora_name: None,
+            group_idx: None,
+            kv_cache_spec_kind: None,
+        }
+    }
+}
+
 /// Blocks dropped from one tier.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockRemoved {

@@ -432,16 +432,14 @@ impl CpuStore {
             self.all_pinned_until = None;
             self.stats.stored_blocks += 1;
             stored += 1;
-            let r = run.get_or_insert_with(|| BlockStored {
-                block_hashes: Vec::new(),
-                parent_block_hash: b.parent,
-                token_ids: Vec::new(),
-                block_size: self.block_size,
-                lora_id: None,
-                medium: Medium::Cpu,
-                lora_name: None,
-                group_idx: None,
-                kv_cache_spec_kind: None,
+            let r = run.get_or_insert_with(|| {
+                BlockStored::run(
+                    Medium::Cpu,
+                    b.parent,
+                    self.block_size,
+                    Vec::new(),
+                    Vec::new(),
+                )
             });
             r.block_hashes.push(b.hash);
             r.token_ids.extend_from_slice(&b.tokens);

@@ -1149,17 +1149,7 @@ impl Core {
 }
 
 fn gpu_stored(parent: Option<BlockHash>, bs: usize) -> BlockStored {
-    BlockStored {
-        block_hashes: Vec::new(),
-        parent_block_hash: parent,
-        token_ids: Vec::new(),
-        block_size: bs as u32,
-        lora_id: None,
-        medium: Medium::Gpu,
-        lora_name: None,
-        group_idx: None,
-        kv_cache_spec_kind: None,
-    }
+    BlockStored::run(Medium::Gpu, parent, bs as u32, Vec::new(), Vec::new())
 }
 
 #[cfg(test)]

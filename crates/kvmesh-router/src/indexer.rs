@@ -734,17 +734,13 @@ mod tests {
         let indexer =
             Indexer::start_with_config(Arc::clone(&index), Vec::new(), config, cancel.clone());
         tokio::time::sleep(Duration::from_millis(150)).await;
-        let stored = BlockStored {
-            block_hashes: vec![BlockHash(1), BlockHash(2)],
-            parent_block_hash: None,
-            token_ids: (0..32).collect(),
-            block_size: 16,
-            lora_id: None,
-            medium: Medium::Gpu,
-            lora_name: None,
-            group_idx: None,
-            kv_cache_spec_kind: None,
-        };
+        let stored = BlockStored::run(
+            Medium::Gpu,
+            None,
+            16,
+            vec![BlockHash(1), BlockHash(2)],
+            (0..32).collect(),
+        );
         index
             .apply_event(EndpointId(0), &KvEvent::BlockStored(stored))
             .unwrap();

@@ -33,17 +33,13 @@ async fn index_size_metrics_follow_the_events() {
         let base = format!("http://{}", r.addr);
         let batch = EventBatch {
             ts: 0.0,
-            events: vec![KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![BlockHash(11), BlockHash(12)],
-                parent_block_hash: None,
-                token_ids: (0..32).collect(),
-                block_size: 16,
-                lora_id: None,
-                medium: Medium::Gpu,
-                lora_name: None,
-                group_idx: None,
-                kv_cache_spec_kind: None,
-            })],
+            events: vec![KvEvent::BlockStored(BlockStored::run(
+                Medium::Gpu,
+                None,
+                16,
+                vec![BlockHash(11), BlockHash(12)],
+                (0..32).collect(),
+            ))],
             data_parallel_rank: None,
         };
         // Publish until the subscriber has joined (ZMQ drops frames sent before it connects).
