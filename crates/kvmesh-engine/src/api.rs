@@ -537,6 +537,7 @@ fn build_job(
         kv_transfer_params: p.kv_transfer_params,
         arrival: std::time::Instant::now(),
         external_hashes: Vec::new(),
+        pull_pinned_hashes: Vec::new(),
         external_query_tokens: 0,
     };
     Ok(Job {

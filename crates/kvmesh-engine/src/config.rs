@@ -137,6 +137,9 @@ pub struct P2pConfig {
     /// How long a pull may wait, beyond `timeout`, for blocks the producer is computing right
     /// now (`PENDING`) before the consumer computes them itself.
     pub pending_deadline: Duration,
+    /// Share (0..=1) of the CPU tier that blocks landed by pulls for requests not yet scheduled
+    /// may hold pinned; beyond it pulled blocks land evictable (`--p2p-pull-pin-fraction`).
+    pub pull_pin_fraction: f64,
     /// Optional shared secret peers must prove (`--p2p-secret-file`; never on the command line).
     pub secret: Option<kvmesh_transfer::Secret>,
     pub role: Role,
@@ -154,6 +157,7 @@ impl Default for P2pConfig {
             allowed_peers: Vec::new(),
             timeout: Duration::from_millis(5_000),
             pending_deadline: Duration::from_millis(2_000),
+            pull_pin_fraction: crate::cpu_tier::DEFAULT_PULL_PIN_FRACTION,
             secret: None,
             role: Role::Both,
             bidirectional_kv_xfer: false,
@@ -226,6 +230,12 @@ impl EngineConfig {
         if self.max_model_len == 0 {
             return Err(ConfigError::Invalid("--max-model-len must be > 0".into()));
         }
+        if !(0.0..=1.0).contains(&self.p2p.pull_pin_fraction) {
+            return Err(ConfigError::Invalid(format!(
+                "--p2p-pull-pin-fraction must be between 0 and 1, got {}",
+                self.p2p.pull_pin_fraction
+            )));
+        }
         Ok(())
     }
 }
@@ -243,6 +253,16 @@ mod tests {
         assert_eq!(parse_byte_size("4096").unwrap(), 4096);
         assert!(parse_byte_size("2 parsecs").is_err());
         assert!(parse_byte_size("").is_err());
+    }
+
+    #[test]
+    fn a_pull_pin_share_outside_zero_to_one_is_refused_with_the_flag_named() {
+        let mut c = EngineConfig::default();
+        c.p2p.pull_pin_fraction = 1.5;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("--p2p-pull-pin-fraction"), "{err}");
+        c.p2p.pull_pin_fraction = 0.0;
+        assert!(c.validate().is_ok());
     }
 
     #[test]

@@ -74,6 +74,9 @@ pub struct EngineRequest {
     /// Blocks a pre-admission hook pulled into the CPU tier for this request from a peer: their
     /// restores count as external hits (`vllm:external_prefix_cache_hits`), not local ones.
     pub external_hashes: Vec<BlockHash>,
+    /// Those of `external_hashes` on which this request holds a `Pull` pin (blocks landed
+    /// unpinned at the pull-pin cap are not here): released when it finishes.
+    pub pull_pinned_hashes: Vec<BlockHash>,
     /// Prompt tokens that were queried against an external source (P2P), for
     /// `vllm:external_prefix_cache_queries`.
     pub external_query_tokens: usize,
@@ -403,6 +406,7 @@ pub fn build_engine(
         config.block_size,
         sink.clone(),
     ));
+    cpu.set_pull_pin_fraction(config.p2p.pull_pin_fraction);
     let counters = Arc::new(SharedCounters::default());
     let (tx, rx) = mpsc::unbounded_channel();
     let backend_name = backend.name().to_owned();
@@ -1158,6 +1162,7 @@ mod tests {
     use super::*;
     use crate::compute::profiles::GPT_OSS_120B_H200;
     use crate::compute::sim::{SimBackend, SimConfig};
+    use crate::cpu_tier::PinKind;
     use crate::outbox::CollectingSink;
 
     fn engine(cfg: EngineConfig, sink: CollectingSink) -> Engine {
@@ -1192,6 +1197,7 @@ mod tests {
             kv_transfer_params: None,
             arrival: Instant::now(),
             external_hashes: Vec::new(),
+            pull_pinned_hashes: Vec::new(),
             external_query_tokens: 0,
         }
     }
@@ -1341,6 +1347,49 @@ mod tests {
         run_to_end(e.handle.submit(waiter).unwrap()).await;
         assert_eq!(metric("vllm:external_prefix_cache_hits_total"), 64);
         assert_eq!(metric("vllm:prefix_cache_hits_total"), 64 + 32 + 96);
+        e.shutdown();
+    }
+
+    #[tokio::test]
+    async fn a_block_landed_unpinned_at_the_cap_leaves_other_requests_pull_pins_alone() {
+        let e = engine(
+            EngineConfig {
+                num_gpu_blocks: 64,
+                ..EngineConfig::default()
+            },
+            CollectingSink::default(),
+        );
+        let prompt: Vec<TokenId> = (0..32).map(|i| i % 200).collect();
+        let hashes = e.handle.block_hashes(&prompt);
+        let tier = e.handle.cpu_tier();
+        // Pull pins hold their whole share: the block lands unpinned.
+        tier.set_pull_pin_fraction(0.0);
+        let landed = tier.insert_external_pinned(
+            OffloadBlock {
+                hash: hashes[0],
+                parent: None,
+                tokens: prompt[..16].to_vec(),
+                payload: crate::compute::sim::sim_block_payload(hashes[0], 16 * 8).into(),
+            },
+            Instant::now() + Duration::from_secs(60),
+        );
+        assert_eq!(landed, crate::cpu_tier::Landed::Unpinned);
+        // A request that waited on that pull pins what landed until it is scheduled.
+        let mut waiter = request(prompt.clone(), 1);
+        let n = tier.pin_as(
+            PinKind::Pull,
+            &hashes[..1],
+            Instant::now() + Duration::from_secs(60),
+        );
+        waiter.external_hashes = hashes[..n].to_vec();
+        waiter.pull_pinned_hashes = hashes[..n].to_vec();
+        // The puller finishes first: the block counts external for it, but the pin is not its own.
+        let mut puller = request(prompt, 1);
+        puller.external_hashes = hashes[..1].to_vec();
+        crate::p2p::release_pulled(&e.handle, &puller);
+        assert_eq!(tier.pin_count(hashes[0]), 1, "the waiter's pin survives");
+        crate::p2p::release_pulled(&e.handle, &waiter);
+        assert_eq!(tier.pin_count(hashes[0]), 0);
         e.shutdown();
     }
 

@@ -131,9 +131,11 @@ pub async fn start_producer(
 #[derive(Debug, Clone)]
 pub struct PrefixPull {
     pub report: PullReport,
-    /// Blocks this pull newly stored (and pinned) in the CPU tier, in order: they count as
-    /// external hits; release them with [`CpuTier::unpin`] once the request is scheduled.
+    /// Blocks this pull newly stored in the CPU tier, in order: they count as external hits.
     pub external: Vec<BlockHash>,
+    /// Those of `external` it also pinned (`Pull`): release them with [`release_pulled`] once
+    /// the request is scheduled.
+    pub pinned: Vec<BlockHash>,
     /// When the pull started (the sim's modelled pull time runs from here).
     pub started: tokio::time::Instant,
 }
@@ -150,6 +152,7 @@ struct TierSink<'a> {
     verify_sim: bool,
     lease_until: Instant,
     external: Vec<BlockHash>,
+    pinned: Vec<BlockHash>,
     /// Why the sink refused a block (the pull stops there), for the log and
     /// `kvmesh_engine_p2p_sink_rejected_total{reason}`.
     rejected: Option<&'static str>,
@@ -185,9 +188,13 @@ impl BlockSink for TierSink<'_> {
             payload,
         };
         match self.tier.insert_external_pinned(block, self.lease_until) {
-            // Unpinned: pull pins hold their share of the tier; the block may be evicted before
-            // the request is scheduled (then it is computed), but it does not stop the pull.
-            Landed::Pinned | Landed::Unpinned => self.external.push(hash),
+            Landed::Pinned => {
+                self.external.push(hash);
+                self.pinned.push(hash);
+            }
+            // Pull pins hold their share of the tier; the block may be evicted before the
+            // request is scheduled (then it is computed), but it does not stop the pull.
+            Landed::Unpinned => self.external.push(hash),
             // Computed here meanwhile: a local hit, nothing to do.
             Landed::Present => {}
             Landed::Rejected => return Err(reject("cpu_tier_hard_pinned")),
@@ -337,6 +344,7 @@ impl P2pConsumer {
             verify_sim: engine.backend_name() == "sim",
             lease_until: Instant::now() + LANDED_LEASE,
             external: Vec::new(),
+            pinned: Vec::new(),
             rejected: None,
         };
         // The whole pull is bounded too (per-step timeouts alone could add up on a long prefix).
@@ -365,6 +373,7 @@ impl P2pConsumer {
         PrefixPull {
             report,
             external: sink.external,
+            pinned: sink.pinned,
             started,
         }
     }
@@ -417,6 +426,8 @@ impl P2pConsumer {
                         );
                         req.external_hashes
                             .extend_from_slice(&hashes[before..before + n]);
+                        req.pull_pinned_hashes
+                            .extend_from_slice(&hashes[before..before + n]);
                     }
                     if local >= hashes.len() {
                         return None;
@@ -438,6 +449,7 @@ impl P2pConsumer {
             "p2p pull"
         );
         req.external_hashes.extend_from_slice(&pull.external);
+        req.pull_pinned_hashes.extend_from_slice(&pull.pinned);
         if pull.report.blocks > 0
             && let Some(modelled) = engine.modelled_pull_time(pull.report.blocks * bs)
         {
@@ -500,15 +512,15 @@ impl AdmissionHook for P2pAdmission {
     }
 }
 
-/// Releases the pins a pull took on the blocks it landed for `req` (its `external_hashes`).
-/// Call when the request finished (requests that never finish lose them at lease expiry).
+/// Releases the pins a pull took on the blocks it landed for `req` (its
+/// `pull_pinned_hashes`: not the blocks that landed unpinned at the pull-pin cap, whose release
+/// would drop another request's pin on the same block). Call when the request finished
+/// (requests that never finish lose them at lease expiry).
 pub fn release_pulled(engine: &EngineHandle, req: &EngineRequest) {
-    // (A block that landed unpinned at the pull-pin cap releases nothing of its own here; it
-    // may drop another request's pull pin on the same block early, which only risks a recompute.)
-    if !req.external_hashes.is_empty() {
+    if !req.pull_pinned_hashes.is_empty() {
         engine
             .cpu_tier()
-            .unpin_as(PinKind::Pull, &req.external_hashes);
+            .unpin_as(PinKind::Pull, &req.pull_pinned_hashes);
     }
 }
 

@@ -276,6 +276,7 @@ impl PdAdmission {
             .pull_prefix(engine, &read.source, &req.prompt, &hashes, local)
             .await;
         req.external_hashes.extend_from_slice(&pull.external);
+        req.pull_pinned_hashes.extend_from_slice(&pull.pinned);
         m.remote_read_tokens
             .get_or_create(&PdReadLabel {
                 leg,

@@ -51,6 +51,7 @@ fn request(prompt: &[TokenId]) -> EngineRequest {
         kv_transfer_params: None,
         arrival: Instant::now(),
         external_hashes: Vec::new(),
+        pull_pinned_hashes: Vec::new(),
         external_query_tokens: 0,
     }
 }

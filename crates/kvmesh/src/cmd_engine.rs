@@ -79,6 +79,10 @@ pub struct EngineCmd {
     /// 2000 ms, divided by --time-scale on the sim backend.
     #[arg(long)]
     p2p_pending_deadline_ms: Option<u64>,
+    /// Share (0..=1) of the CPU tier that pulled blocks may keep pinned until their request is
+    /// scheduled; beyond it they land evictable (a pull never stalls on a full tier).
+    #[arg(long, default_value_t = kvmesh_engine::cpu_tier::DEFAULT_PULL_PIN_FRACTION)]
+    p2p_pull_pin_fraction: f64,
     /// File holding a shared secret P2P peers must prove (never pass it on the command line).
     #[arg(long)]
     p2p_secret_file: Option<std::path::PathBuf>,
@@ -147,6 +151,7 @@ impl EngineCmd {
                     }
                     None => Duration::from_millis(2000),
                 },
+                pull_pin_fraction: self.p2p_pull_pin_fraction,
                 secret: self
                     .p2p_secret_file
                     .as_deref()
