@@ -294,6 +294,36 @@ impl P2pConsumer {
         })
     }
 
+    /// Waits (until `deadline` at most) while any of `hashes` belongs to a pull in flight.
+    ///
+    /// For the sim backend: a pull's blocks land in the CPU tier at loopback speed, but the
+    /// pull holds its claim until the profile's modelled transfer time has passed. A request
+    /// that would use those blocks meanwhile (routed here as a local hit, say) must not get
+    /// them sooner than the modelled link delivers them, or P2P arms would win time no real
+    /// link gives.
+    pub async fn wait_for_pulls_in_flight(
+        &self,
+        hashes: &[BlockHash],
+        deadline: tokio::time::Instant,
+    ) {
+        loop {
+            let busy = {
+                let map = self.inflight.lock();
+                hashes.iter().find_map(|h| map.get(h).cloned())
+            };
+            let Some(mut rx) = busy else {
+                return;
+            };
+            // Err from `changed` is the claim's drop (the pull ended): look again.
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+
     /// Blocks being pulled right now (for tests and debugging): 0 when no pull is in flight.
     pub fn inflight_pulls(&self) -> usize {
         self.inflight.lock().len()
@@ -495,6 +525,17 @@ impl AdmissionHook for P2pAdmission {
         req: &'a mut EngineRequest,
     ) -> BoxFuture<'a, ()> {
         Box::pin(async move {
+            if engine.backend_name() == "sim" && self.consumer.inflight_pulls() > 0 {
+                let bs = engine.kv_layout().block_size.max(1);
+                let mut hashes = engine.block_hashes(&req.prompt);
+                hashes.truncate(req.prompt.len().saturating_sub(1) / bs);
+                let deadline = tokio::time::Instant::now()
+                    + self.consumer.timeout
+                    + self.consumer.pending_deadline;
+                self.consumer
+                    .wait_for_pulls_in_flight(&hashes, deadline)
+                    .await;
+            }
             let Some(source) = req
                 .kv_transfer_params
                 .as_ref()
@@ -569,5 +610,45 @@ mod tests {
             "a finished pull releases all its blocks"
         );
         assert!(matches!(c.claim(&prefix[7..]), Inflight::Claimed(_)));
+    }
+
+    #[tokio::test]
+    async fn a_request_using_blocks_of_a_pull_in_flight_waits_until_the_pull_ends() {
+        let c = consumer();
+        let prefix: Vec<BlockHash> = (1..=16).map(BlockHash).collect();
+        let far = tokio::time::Instant::now() + Duration::from_secs(30);
+        // Blocks nobody is pulling: no wait.
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            c.wait_for_pulls_in_flight(&[BlockHash(99)], far),
+        )
+        .await
+        .expect("waited on blocks no pull holds");
+        let Inflight::Claimed(pull) = c.claim(&prefix) else {
+            panic!("nothing was in flight");
+        };
+        let wait = c.wait_for_pulls_in_flight(&prefix[3..5], far);
+        tokio::pin!(wait);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), &mut wait)
+                .await
+                .is_err(),
+            "returned while the pull was still in flight"
+        );
+        drop(pull);
+        tokio::time::timeout(Duration::from_secs(5), wait)
+            .await
+            .expect("the pull ended, the wait did not");
+        // A pull that never ends holds a request no longer than its deadline.
+        let Inflight::Claimed(_stuck) = c.claim(&prefix) else {
+            panic!("nothing was in flight");
+        };
+        let soon = tokio::time::Instant::now() + Duration::from_millis(20);
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            c.wait_for_pulls_in_flight(&prefix, soon),
+        )
+        .await
+        .expect("waited past its deadline");
     }
 }
