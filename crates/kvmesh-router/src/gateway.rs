@@ -309,51 +309,22 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
             return ApiError::bad_request(format!("cannot re-encode body: {e}")).into_response();
         }
     };
-    let mut req = s
-        .client
-        .post(ep.url(kind.path()))
-        .header(header::CONTENT_TYPE, "application/json")
-        .header("x-request-id", &request_id)
-        .body(payload);
-    if let Some(auth) = headers.get(header::AUTHORIZATION) {
-        req = req.header(header::AUTHORIZATION, auth);
-    }
+    let mut req = engine_request(&s, &ep, kind, &request_id, &headers, payload);
     if s.config.source_header
         && let Some((_, _, hp)) = &pulled
     {
         req = req.header(SOURCE_HEADER, hp);
     }
     let dispatched = Instant::now();
-    let upstream = match tokio::time::timeout(s.config.request_timeout, req.send()).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            s.metrics.error("upstream_connect");
-            tracing::warn!(endpoint = %ep.name, error = %e, "engine request failed");
-            return ApiError::bad_gateway(format!("endpoint {} failed: {e}", ep.name))
-                .into_response();
-        }
-        Err(_) => {
-            s.metrics.error("upstream_timeout");
-            return ApiError::gateway_timeout(format!(
-                "endpoint {} did not answer in time",
-                ep.name
-            ))
-            .into_response();
-        }
+    let upstream = match send_to_engine(&s, &ep, req).await {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
     };
     let status = upstream.status();
     if status.is_server_error() || status.is_client_error() {
         s.metrics.error("upstream_status");
     }
-    let mut resp_headers = HeaderMap::new();
-    for (k, v) in upstream.headers() {
-        if !is_hop_by_hop(k) {
-            resp_headers.append(k.clone(), v.clone());
-        }
-    }
-    if let Ok(v) = HeaderValue::from_str(&ep.name) {
-        resp_headers.insert(HeaderName::from_static(ENDPOINT_HEADER), v);
-    }
+    let mut resp_headers = forwarded_headers(&upstream, &ep);
     if let Some(summary) = summary
         && let Ok(v) = HeaderValue::from_str(&summary)
     {
@@ -416,6 +387,70 @@ fn tracked_body(
         drop(guard);
     };
     Body::from_stream(stream)
+}
+
+/// The engine-bound POST of one client request: its body re-encoded, its id and its
+/// credentials passed on.
+pub(crate) fn engine_request(
+    s: &RouterState,
+    ep: &Endpoint,
+    kind: ApiKind,
+    request_id: &str,
+    client_headers: &HeaderMap,
+    payload: Bytes,
+) -> reqwest::RequestBuilder {
+    let mut req = s
+        .client
+        .post(ep.url(kind.path()))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("x-request-id", request_id)
+        .body(payload);
+    if let Some(auth) = client_headers.get(header::AUTHORIZATION) {
+        req = req.header(header::AUTHORIZATION, auth);
+    }
+    req
+}
+
+/// Sends a request to an engine within the router's request timeout. An engine that cannot be
+/// reached becomes a counted OpenAI-style 502, one that does not answer in time a 504.
+pub(crate) async fn send_to_engine(
+    s: &RouterState,
+    ep: &Endpoint,
+    req: reqwest::RequestBuilder,
+) -> Result<reqwest::Response, ApiError> {
+    match tokio::time::timeout(s.config.request_timeout, req.send()).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => {
+            s.metrics.error("upstream_connect");
+            tracing::warn!(endpoint = %ep.name, error = %e, "engine request failed");
+            Err(ApiError::bad_gateway(format!(
+                "endpoint {} failed: {e}",
+                ep.name
+            )))
+        }
+        Err(_) => {
+            s.metrics.error("upstream_timeout");
+            Err(ApiError::gateway_timeout(format!(
+                "endpoint {} did not answer in time",
+                ep.name
+            )))
+        }
+    }
+}
+
+/// The engine's response headers a client should see (hop-by-hop ones dropped), plus which
+/// endpoint served it.
+pub(crate) fn forwarded_headers(upstream: &reqwest::Response, ep: &Endpoint) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (k, v) in upstream.headers() {
+        if !is_hop_by_hop(k) {
+            headers.append(k.clone(), v.clone());
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(&ep.name) {
+        headers.insert(HeaderName::from_static(ENDPOINT_HEADER), v);
+    }
+    headers
 }
 
 pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {

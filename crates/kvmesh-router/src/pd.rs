@@ -39,7 +39,9 @@ use serde_json::Value;
 use crate::config::{ConfigError, Role};
 use crate::endpoints::Endpoint;
 use crate::error::ApiError;
-use crate::gateway::{ENDPOINT_HEADER, RouterState, candidate, is_hop_by_hop, request_id};
+use crate::gateway::{
+    RouterState, candidate, engine_request, forwarded_headers, request_id, send_to_engine,
+};
 use crate::load::LoadGuard;
 use crate::plugins::{Candidate, SchedulingContext};
 use crate::prefix::match_of;
@@ -476,44 +478,17 @@ pub async fn route_pd(
         (parsed.tokens.len() as u64).saturating_sub(pulled),
         parsed.max_tokens.unwrap_or(16),
     );
-    let mut req = s
-        .client
-        .post(dep.url(kind.path()))
-        .header(header::CONTENT_TYPE, "application/json")
-        .header("x-request-id", &rid)
-        .body(payload);
-    if let Some(auth) = headers.get(header::AUTHORIZATION) {
-        req = req.header(header::AUTHORIZATION, auth);
-    }
-    let upstream = match tokio::time::timeout(s.config.request_timeout, req.send()).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
+    let req = engine_request(&s, &dep, kind, &rid, &headers, payload);
+    let upstream = match send_to_engine(&s, &dep, req).await {
+        Ok(r) => r,
+        Err(e) => {
             pd.leg(leg, "error");
-            s.metrics.error("upstream_connect");
-            return ApiError::bad_gateway(format!("endpoint {} failed: {e}", dep.name))
-                .into_response();
-        }
-        Err(_) => {
-            pd.leg(leg, "error");
-            s.metrics.error("upstream_timeout");
-            return ApiError::gateway_timeout(format!(
-                "endpoint {} did not answer in time",
-                dep.name
-            ))
-            .into_response();
+            return e.into_response();
         }
     };
     let status = upstream.status();
     pd.leg(leg, if status.is_success() { "ok" } else { "error" });
-    let mut resp_headers = HeaderMap::new();
-    for (k, v) in upstream.headers() {
-        if !is_hop_by_hop(k) {
-            resp_headers.append(k.clone(), v.clone());
-        }
-    }
-    if let Ok(v) = HeaderValue::from_str(&dep.name) {
-        resp_headers.insert(HeaderName::from_static(ENDPOINT_HEADER), v);
-    }
+    let mut resp_headers = forwarded_headers(&upstream, &dep);
     if let Some(p) = &prefill_name
         && let Ok(v) = HeaderValue::from_str(p)
     {
