@@ -370,26 +370,28 @@ impl BenchReport {
                 })
                 .collect();
             let cdf = dir.join(format!("{safe}-ttft-cdf.svg"));
-            if plot_ttft_cdf(&cdf, &workload, &arms).is_ok() {
-                files.push(cdf);
-            }
+            keep_plot(
+                &mut files,
+                cdf.clone(),
+                plot_ttft_cdf(&cdf, &workload, &arms),
+            );
             if arms
                 .iter()
                 .any(|r| r.records.iter().any(|x| x.kind == StepKind::Child))
             {
                 let p = dir.join(format!("{safe}-branch-starts.svg"));
-                if plot_branches(&p, &workload, &arms).is_ok() {
-                    files.push(p);
-                }
+                keep_plot(&mut files, p.clone(), plot_branches(&p, &workload, &arms));
             }
             if arms
                 .iter()
                 .any(|r| r.records.iter().any(|x| x.kind == StepKind::Turn))
             {
                 let p = dir.join(format!("{safe}-ttft-vs-prompt.svg"));
-                if plot_ttft_vs_prompt(&p, &workload, &arms).is_ok() {
-                    files.push(p);
-                }
+                keep_plot(
+                    &mut files,
+                    p.clone(),
+                    plot_ttft_vs_prompt(&p, &workload, &arms),
+                );
             }
         }
         Ok(files)
@@ -479,43 +481,17 @@ fn plot_branches(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult
         })
         .collect();
     let n = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(1) as f64;
-    let ymax = series
-        .iter()
-        .flat_map(|s| s.1.iter().map(|p| p.1))
-        .fold(0.0f64, f64::max)
-        .max(1e-3)
-        * 1.1;
-    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            format!("{workload}: branch-start TTFT per child (arrival order)"),
-            ("sans-serif", 22),
-        )
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(-0.5..n, 0.0..ymax)?;
-    chart
-        .configure_mesh()
-        .x_desc("child (arrival order)")
-        .y_desc("TTFT (model s)")
-        .draw()?;
-    for (i, (arm, pts)) in series.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?
-            .label(arm.clone())
-            .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
-        chart.draw_series(LineSeries::new(pts.iter().copied(), color.mix(0.4)))?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    Ok(())
+    scatter(
+        path,
+        &format!("{workload}: branch-start TTFT per child (arrival order)"),
+        ("child (arrival order)", "TTFT (model s)"),
+        -0.5..n,
+        &series,
+        Marks {
+            radius: 4,
+            joined: true,
+        },
+    )
 }
 
 fn plot_ttft_vs_prompt(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult {
@@ -537,6 +513,44 @@ fn plot_ttft_vs_prompt(path: &Path, workload: &str, arms: &[&ArmResult]) -> Plot
         .fold(0.0f64, f64::max)
         .max(1.0)
         * 1.05;
+    scatter(
+        path,
+        &format!("{workload}: TTFT vs prompt length"),
+        ("prompt tokens", "TTFT (model s)"),
+        0.0..xmax,
+        &series,
+        Marks {
+            radius: 3,
+            joined: false,
+        },
+    )
+}
+
+/// Lists a plot that was drawn; a plot that failed is reported, not silently missing (the
+/// report's numbers stand without it).
+fn keep_plot(files: &mut Vec<PathBuf>, path: PathBuf, drawn: PlotResult) {
+    match drawn {
+        Ok(()) => files.push(path),
+        Err(e) => tracing::warn!(plot = %path.display(), error = %e, "could not draw plot"),
+    }
+}
+
+/// How a scatter plot draws each arm's points.
+struct Marks {
+    radius: i32,
+    /// Join each arm's points with a faint line (for points in a meaningful order).
+    joined: bool,
+}
+
+/// One colour per arm; the y axis runs from 0 to just above the highest point.
+fn scatter(
+    path: &Path,
+    caption: &str,
+    (x_desc, y_desc): (&str, &str),
+    x_range: std::ops::Range<f64>,
+    series: &[(String, Vec<(f64, f64)>)],
+    marks: Marks,
+) -> PlotResult {
     let ymax = series
         .iter()
         .flat_map(|s| s.1.iter().map(|p| p.1))
@@ -546,25 +560,26 @@ fn plot_ttft_vs_prompt(path: &Path, workload: &str, arms: &[&ArmResult]) -> Plot
     let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(
-            format!("{workload}: TTFT vs prompt length"),
-            ("sans-serif", 22),
-        )
+        .caption(caption, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(50)
-        .build_cartesian_2d(0.0..xmax, 0.0..ymax)?;
+        .build_cartesian_2d(x_range, 0.0..ymax)?;
     chart
         .configure_mesh()
-        .x_desc("prompt tokens")
-        .y_desc("TTFT (model s)")
+        .x_desc(x_desc)
+        .y_desc(y_desc)
         .draw()?;
+    let r = marks.radius;
     for (i, (arm, pts)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         chart
-            .draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))?
+            .draw_series(pts.iter().map(|p| Circle::new(*p, r, color.filled())))?
             .label(arm.clone())
-            .legend(move |(x, y)| Circle::new((x + 10, y), 3, color.filled()));
+            .legend(move |(x, y)| Circle::new((x + 10, y), r, color.filled()));
+        if marks.joined {
+            chart.draw_series(LineSeries::new(pts.iter().copied(), color.mix(0.4)))?;
+        }
     }
     chart
         .configure_series_labels()
@@ -694,8 +709,10 @@ mod tests {
             names.contains(&"fork-branch-starts.svg".to_owned()),
             "{names:?}"
         );
-        let svg = std::fs::read_to_string(dir.path().join("fork-ttft-cdf.svg")).unwrap();
-        assert!(svg.contains("<svg") && svg.contains("load-p2p"));
+        for plot in ["fork-ttft-cdf.svg", "fork-branch-starts.svg"] {
+            let svg = std::fs::read_to_string(dir.path().join(plot)).unwrap();
+            assert!(svg.contains("<svg") && svg.contains("load-p2p"), "{plot}");
+        }
         let back: BenchReport =
             serde_json::from_slice(&std::fs::read(dir.path().join("report.json")).unwrap())
                 .unwrap();
