@@ -29,7 +29,7 @@ use crate::decisions::{DecisionLog, DecisionRecord};
 use crate::endpoints::{Endpoint, EndpointSet};
 use crate::error::ApiError;
 use crate::load::LoadGuard;
-use crate::metrics::{Outcome, ProfileEndpoint, Reason, RouterMetrics};
+use crate::metrics::RouterMetrics;
 use crate::plugins::{Candidate, SchedulingContext};
 use crate::prefix::{PrefixLookup, match_of};
 use crate::request::{self, ApiKind};
@@ -245,24 +245,7 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
         "cold"
     };
     s.metrics
-        .decisions
-        .get_or_create(&Outcome { outcome })
-        .inc();
-    if let Some(reason) = decision.p2p.as_ref().and_then(|p| p.skipped) {
-        s.metrics
-            .pull_skipped
-            .get_or_create(&Reason {
-                reason: reason.as_str(),
-            })
-            .inc();
-    }
-    s.metrics
-        .requests
-        .get_or_create(&ProfileEndpoint {
-            profile: profile.name.clone(),
-            endpoint: ep.name.to_string(),
-        })
-        .inc();
+        .placed(&profile.name, &ep.name, outcome, decision.p2p.as_ref());
     let pulled_tokens = pulled.as_ref().map_or(0, |p| p.1);
     let uncached = (parsed.tokens.len() as u64)
         .saturating_sub(local_tokens)
@@ -275,10 +258,7 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
         .scheduling_seconds
         .observe(scheduling.as_secs_f64());
 
-    let explain = headers
-        .get(EXPLAIN_HEADER)
-        .is_some_and(|v| v.as_bytes() == b"1" || v.as_bytes() == b"true");
-    let summary = explain.then(|| {
+    let summary = wants_explanation(&headers).then(|| {
         json!({
             "request_id": request_id,
             "profile": profile.name,
@@ -387,6 +367,13 @@ fn tracked_body(
         drop(guard);
     };
     Body::from_stream(stream)
+}
+
+/// Whether the client asked for the routing decision in a response header (`x-kvmesh-explain`).
+pub(crate) fn wants_explanation(headers: &HeaderMap) -> bool {
+    headers
+        .get(EXPLAIN_HEADER)
+        .is_some_and(|v| v.as_bytes() == b"1" || v.as_bytes() == b"true")
 }
 
 /// The engine-bound POST of one client request: its body re-encoded, its id and its

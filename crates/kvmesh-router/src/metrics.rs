@@ -65,6 +65,31 @@ pub struct RouterMetrics {
 }
 
 impl RouterMetrics {
+    /// Counts one placement: the request (or P/D leg) routed by `profile` to `endpoint` with
+    /// `outcome`, and why the profile named no P2P source, if it did not.
+    pub fn placed(
+        &self,
+        profile: &str,
+        endpoint: &str,
+        outcome: &'static str,
+        p2p: Option<&crate::plugins::p2p_source_producer::P2pDecision>,
+    ) {
+        self.requests
+            .get_or_create(&ProfileEndpoint {
+                profile: profile.to_owned(),
+                endpoint: endpoint.to_owned(),
+            })
+            .inc();
+        self.decisions.get_or_create(&Outcome { outcome }).inc();
+        if let Some(reason) = p2p.and_then(|p| p.skipped) {
+            self.pull_skipped
+                .get_or_create(&Reason {
+                    reason: reason.as_str(),
+                })
+                .inc();
+        }
+    }
+
     /// Creates and registers every router metric in `registry`.
     pub fn register(registry: &mut Registry) -> RouterMetrics {
         let m = RouterMetrics {
@@ -87,12 +112,12 @@ impl RouterMetrics {
         let r = registry;
         r.register(
             "kvmesh_router_requests",
-            "Requests routed, by profile and chosen endpoint",
+            "Requests routed, by profile and chosen endpoint (a P/D request counts each leg)",
             m.requests.clone(),
         );
         r.register(
             "kvmesh_router_decisions",
-            "Placement outcomes: local_hit (chosen endpoint holds part of the prefix, no pull), pull_named, cold",
+            "Placement outcomes per scheduled leg: local_hit (chosen endpoint holds part of the prefix, no pull), pull_named (told to read KV from a peer: a P2P source, a decoder's history, or a P/D decode leg's prefiller), cold",
             m.decisions.clone(),
         );
         r.register(

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use kvmesh_core::chain::chain_keys;
@@ -40,9 +40,11 @@ use crate::config::{ConfigError, Role};
 use crate::endpoints::Endpoint;
 use crate::error::ApiError;
 use crate::gateway::{
-    RouterState, candidate, engine_request, forwarded_headers, request_id, send_to_engine,
+    DECISION_HEADER, RouterState, SOURCE_HEADER, candidate, engine_request, forwarded_headers,
+    request_id, send_to_engine, wants_explanation,
 };
 use crate::load::LoadGuard;
+use crate::plugins::p2p_source_producer::P2pDecision;
 use crate::plugins::{Candidate, SchedulingContext};
 use crate::prefix::match_of;
 use crate::request::{ApiKind, ParsedRequest};
@@ -383,24 +385,60 @@ pub async fn route_pd(
     // Prefill leg.
     let mut prefill_name: Option<Arc<str>> = None;
     let mut decode_params: Option<Value> = None;
+    let mut explain_prefill: Option<Value> = None;
     if disaggregate && let Some(profile) = s.scheduler.profile(Some(&pd.config.prefill_profile)) {
         let t0 = Instant::now();
-        let decision = s.scheduler.schedule(&profile, &ctx, &pcands);
+        let mut decision = s.scheduler.schedule(&profile, &ctx, &pcands);
         let chosen = decision.chosen;
+        // What the prefiller is told to read, recorded as the decision's P2P part: the
+        // conversation history from its decoder, else (the profile's pick over every endpoint
+        // holding the prefix in its CPU tier — decoders publish theirs) a P2P source.
+        let source = match (chosen, &history) {
+            (Some(_), Some(h)) => {
+                decision.p2p = Some(history_read(h, &list));
+                None
+            }
+            (Some(pi), None) => {
+                let (source, p2p) = p2p_source(&s, &profile, &ctx, &pcands, pi, &list, &matches);
+                decision.p2p = p2p;
+                source
+            }
+            (None, _) => None,
+        };
+        if let Some(pi) = chosen {
+            let outcome = if history.is_some() || source.is_some() {
+                "pull_named"
+            } else if pcands[pi].any_blocks > 0 {
+                "local_hit"
+            } else {
+                "cold"
+            };
+            s.metrics.placed(
+                &profile.name,
+                &prefillers[pi].name,
+                outcome,
+                decision.p2p.as_ref(),
+            );
+            s.metrics
+                .scheduling_seconds
+                .observe(t0.elapsed().as_secs_f64());
+            explain_prefill = Some(serde_json::json!({
+                "endpoint": prefillers[pi].name.as_ref(),
+                "outcome": outcome,
+                "p2p_source": decision.p2p.as_ref().and_then(|p| p.source_endpoint.clone()),
+                "p2p_why": decision.p2p.as_ref().map(|p| p.why.clone()),
+            }));
+        }
         record(&s, &rid, kind, &ctx, t0, "pd_prefill", decision);
         if let Some(pi) = chosen {
             let pep = Arc::clone(&prefillers[pi]);
-            // Without conversation history, any endpoint holding more of the prefix in its CPU
-            // tier (decoders publish theirs) may be named as the prefill leg's P2P source.
-            let source = if history.is_none() {
-                p2p_source(&s, &profile, &ctx, &pcands, pi, &list, &matches)
-            } else {
-                None
-            };
+            let source_hp = source
+                .as_ref()
+                .map(|s| format!("{}:{}", s.remote_host, s.remote_port));
             match prefill_leg_body(&parsed, history.as_ref(), source) {
                 Ok(body) => {
                     let guard = pep.load.acquire(uncached, 1);
-                    match run_prefill(&s, &pep, kind, &headers, &rid, body).await {
+                    match run_prefill(&s, &pep, kind, &headers, &rid, body, source_hp).await {
                         Ok(params) => {
                             pd.leg("prefill", "ok");
                             decode_params = Some(params);
@@ -438,6 +476,29 @@ pub async fn route_pd(
     } else {
         "decode_only"
     };
+    let mut explain_decode: Option<Value> = None;
+    if let Some(di) = chosen {
+        let outcome = if decode_params.is_some() {
+            "pull_named"
+        } else if dcands[di].any_blocks > 0 {
+            "local_hit"
+        } else {
+            "cold"
+        };
+        s.metrics.placed(
+            &dprofile.name,
+            &decoders[di].name,
+            outcome,
+            decision.p2p.as_ref(),
+        );
+        s.metrics
+            .scheduling_seconds
+            .observe(t0.elapsed().as_secs_f64());
+        explain_decode = Some(serde_json::json!({
+            "endpoint": decoders[di].name.as_ref(),
+            "outcome": outcome,
+        }));
+    }
     record(
         &s,
         &rid,
@@ -494,6 +555,16 @@ pub async fn route_pd(
     {
         resp_headers.insert(HeaderName::from_static(PREFILL_ENDPOINT_HEADER), v);
     }
+    if wants_explanation(&headers) {
+        let summary = serde_json::json!({
+            "request_id": rid,
+            "prefill": explain_prefill,
+            "decode": explain_decode,
+        });
+        if let Ok(v) = HeaderValue::from_str(&summary.to_string()) {
+            resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
+        }
+    }
     let store = (pd.config.bidirectional && status.is_success())
         .then_some(conv)
         .flatten()
@@ -531,7 +602,8 @@ fn record(
 }
 
 /// The prefill profile's P2P source over prefill + decode candidates (computing = the prefill
-/// pick), as `remote_kv_source` for the prefill leg.
+/// pick), as `remote_kv_source` for the prefill leg, with the profile's decision (None when the
+/// profile has no P2P plugin).
 fn p2p_source(
     s: &RouterState,
     profile: &crate::scheduler::Profile,
@@ -540,7 +612,7 @@ fn p2p_source(
     computing: usize,
     list: &[Arc<Endpoint>],
     matches: &[kvmesh_index::EndpointMatch],
-) -> Option<RemoteKvSource> {
+) -> (Option<RemoteKvSource>, Option<P2pDecision>) {
     let others: Vec<Arc<Endpoint>> = list
         .iter()
         .filter(|e| e.is_healthy() && e.spec.role != Role::Prefill)
@@ -548,23 +620,72 @@ fn p2p_source(
         .collect();
     let mut all: Vec<Candidate> = pcands.to_vec();
     all.extend(others.iter().map(|e| candidate(e, match_of(matches, e.id))));
-    let d = profile.select_source(ctx, &all, computing)?;
-    let si = d.source?;
-    let ep = if si < pcands.len() {
-        s.endpoints
-            .list()
-            .iter()
-            .find(|e| e.id == all[si].endpoint)
-            .cloned()
-    } else {
-        others.get(si - pcands.len()).cloned()
-    }?;
-    let (host, port) = ep.spec.p2p_host_port()?;
-    Some(RemoteKvSource {
-        kv_request_id: ctx.request_id.to_owned(),
-        remote_host: host,
-        remote_port: port,
-    })
+    let Some(mut d) = profile.select_source(ctx, &all, computing) else {
+        return (None, None);
+    };
+    let ep = d.source.and_then(|si| {
+        if si < pcands.len() {
+            s.endpoints
+                .list()
+                .iter()
+                .find(|e| e.id == all[si].endpoint)
+                .cloned()
+        } else {
+            others.get(si - pcands.len()).cloned()
+        }
+    });
+    let source = ep.and_then(|ep| {
+        let (host, port) = ep.spec.p2p_host_port()?;
+        Some(RemoteKvSource {
+            kv_request_id: ctx.request_id.to_owned(),
+            remote_host: host,
+            remote_port: port,
+        })
+    });
+    if source.is_none() && d.source.is_some() {
+        // Picked, but it has no P2P address: nothing is sent, so the record must not name it.
+        d.why = format!(
+            "{} (not named: {} has no p2p address)",
+            d.why,
+            d.source_endpoint.as_deref().unwrap_or("?")
+        );
+        d.source = None;
+        d.source_endpoint = None;
+    }
+    // `source` indexes `all`, not the prefill candidates the decision record describes.
+    d.source = None;
+    (source, Some(d))
+}
+
+/// The prefill leg's read of a conversation's history from the decoder that holds it, as a P2P
+/// decision for `/debug/decisions`.
+fn history_read(h: &KvTransferParams, list: &[Arc<Endpoint>]) -> P2pDecision {
+    let text = |v: &Option<Value>| match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => "?".to_owned(),
+    };
+    let host_port = format!("{}:{}", text(&h.remote_host), text(&h.remote_port));
+    let decoder = list
+        .iter()
+        .find(|e| {
+            e.spec
+                .p2p_host_port()
+                .is_some_and(|(host, port)| format!("{host}:{port}") == host_port)
+        })
+        .map_or_else(|| host_port.clone(), |e| e.name.to_string());
+    P2pDecision {
+        source: None,
+        source_endpoint: Some(decoder),
+        skipped: None,
+        source_tokens: h.remote_num_tokens.unwrap_or(0),
+        computing_tokens: 0,
+        delta_tokens: 0,
+        predicted_recompute_ms: None,
+        predicted_pull_ms: None,
+        band: Vec::new(),
+        why: format!("conversation history held by its decoder at {host_port}"),
+    }
 }
 
 /// Sends the prefill leg and returns the engine's `kv_transfer_params` (must be an object).
@@ -575,16 +696,14 @@ async fn run_prefill(
     headers: &HeaderMap,
     rid: &str,
     body: ParsedRequest,
+    source_host_port: Option<String>,
 ) -> Result<Value, String> {
     let payload = body.body().map_err(|e| e.to_string())?;
-    let mut req = s
-        .client
-        .post(ep.url(kind.path()))
-        .header(header::CONTENT_TYPE, "application/json")
-        .header("x-request-id", rid)
-        .body(payload);
-    if let Some(auth) = headers.get(header::AUTHORIZATION) {
-        req = req.header(header::AUTHORIZATION, auth);
+    let mut req = engine_request(s, ep, kind, rid, headers, payload);
+    if s.config.source_header
+        && let Some(hp) = source_host_port
+    {
+        req = req.header(SOURCE_HEADER, hp);
     }
     let fut = async {
         let r = req.send().await.map_err(|e| error_chain(&e))?;

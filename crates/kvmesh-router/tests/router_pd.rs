@@ -451,6 +451,29 @@ async fn p2p_source_producer_names_the_decoder_for_a_prefiller() {
             held as f64,
             "p1 pulled the conversation from the decoder"
         );
+        // The decision record names the source the prefiller was actually sent, and P/D legs
+        // are counted like any placement.
+        let decisions = get_json(&format!("http://{}/debug/decisions?last=2", r.addr)).await;
+        let prefill = decisions
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["outcome"] == "pd_prefill")
+            .unwrap_or_else(|| panic!("no prefill decision in {decisions}"));
+        assert_eq!(prefill["p2p"]["source_endpoint"], "d0", "{prefill}");
+        let placed = |labels: &'static str| router_metric(&r, "kvmesh_router_decisions_total", labels);
+        // t1: prefill cold, decode reads from the prefiller; t2: both legs read KV from a peer.
+        assert_eq!(placed("outcome=\"pull_named\"").await, 3.0);
+        assert_eq!(placed("outcome=\"cold\"").await, 1.0);
+        assert_eq!(
+            router_metric(
+                &r,
+                "kvmesh_router_requests_total",
+                "profile=\"prefill\",endpoint=\"p1\""
+            )
+            .await,
+            1.0
+        );
         stop(r, engines).await;
     })
     .await
