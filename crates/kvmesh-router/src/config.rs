@@ -214,12 +214,17 @@ impl Default for HealthCheckConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct IndexSettings {
     pub max_blocks: usize,
+    /// After KV events were lost (a gap replay could not fill), how long an endpoint's
+    /// unconfirmed entries keep answering lookups before they are aged out.
+    #[serde(with = "duration_str")]
+    pub gap_grace: Duration,
 }
 
 impl Default for IndexSettings {
     fn default() -> Self {
         IndexSettings {
             max_blocks: 4_000_000,
+            gap_grace: Duration::from_secs(10),
         }
     }
 }

@@ -7,15 +7,16 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KvEventsSpec;
-use crate::indexer::{EventSource, Indexer};
+use crate::indexer::{EventSource, Indexer, IndexerConfig};
 use crate::server::EventFeed;
 
 impl EventFeed for Indexer {
-    fn add_source(&self, endpoint: EndpointId, _name: &str, spec: &KvEventsSpec) {
+    fn add_source(&self, endpoint: EndpointId, name: &str, spec: &KvEventsSpec) {
         Indexer::add_source(
             self,
             EventSource {
                 endpoint,
+                name: name.to_owned(),
                 zmq_endpoint: spec.endpoint.clone(),
                 bind: spec.bind,
                 topic: spec.topic.clone(),
@@ -33,10 +34,11 @@ impl EventFeed for Indexer {
 /// endpoints appear.
 pub fn start(
     index: Arc<PrefixIndex>,
+    config: IndexerConfig,
     registry: &mut Registry,
     cancel: CancellationToken,
 ) -> Arc<dyn EventFeed> {
-    let indexer = Indexer::start(index, Vec::new(), cancel);
+    let indexer = Indexer::start_with_config(index, Vec::new(), config, cancel);
     indexer.register_metrics(registry);
     Arc::new(indexer)
 }

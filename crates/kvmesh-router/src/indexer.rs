@@ -43,13 +43,16 @@ use tokio_util::sync::CancellationToken;
 pub struct EventSource {
     /// The index identity of the engine publishing on this stream.
     pub endpoint: EndpointId,
+    /// The endpoint's name: the `endpoint` label of this source's metrics (as in the router's).
+    pub name: String,
     /// ZMQ endpoint, e.g. `tcp://10.0.0.5:5557`.
     pub zmq_endpoint: String,
     /// Bind `zmq_endpoint` (the engine connects to us) instead of connecting to it.
     pub bind: bool,
     /// Topic prefix to subscribe to (`""` = all).
     pub topic: String,
-    /// The engine's replay (ROUTER) endpoint, used to fill sequence gaps.
+    /// The engine's replay (ROUTER) endpoint, used to fill sequence gaps and, when the router
+    /// joins a stream already running, to catch up on what the engine's ring still holds.
     pub replay_endpoint: Option<String>,
 }
 
@@ -93,6 +96,8 @@ pub struct SourceMetricsSnapshot {
     /// Replay requests that filled their gap completely / that failed or fell short.
     pub replays: u64,
     pub replay_failures: u64,
+    /// Replay requests made on joining a stream already past seq 0.
+    pub catch_ups: u64,
     /// Events the index refused, all kinds (orphans included).
     pub apply_errors: u64,
     /// `BlockStored` events skipped because their parent was unknown.
@@ -163,6 +168,7 @@ struct SourceMetrics {
     restarts: Counter,
     replays_ok: Counter,
     replays_failed: Counter,
+    catch_ups: Counter,
     aged_out: Counter,
     socket_errors: Counter,
     suspect: Gauge,
@@ -181,8 +187,8 @@ struct SourceState {
 }
 
 impl SourceMetrics {
-    fn new(families: &Families, endpoint: EndpointId) -> Self {
-        let label = endpoint.to_string();
+    fn new(families: &Families, name: &str) -> Self {
+        let label = name.to_owned();
         let l = EndpointLabel {
             endpoint: label.clone(),
         };
@@ -199,6 +205,7 @@ impl SourceMetrics {
             restarts: handle(&families.restarts, &l),
             replays_ok: handle(&families.replays, &k("ok")),
             replays_failed: handle(&families.replays, &k("failed")),
+            catch_ups: handle(&families.replays, &k("catch_up")),
             aged_out: handle(&families.aged_out, &l),
             socket_errors: handle(&families.socket_errors, &l),
             suspect: handle(&families.suspect, &l),
@@ -249,6 +256,7 @@ impl SourceMetrics {
             restarts: self.restarts.get(),
             replays: self.replays_ok.get(),
             replay_failures: self.replays_failed.get(),
+            catch_ups: self.catch_ups.get(),
             apply_errors: sum_kinds(&fam.apply_errors, &ERROR_KINDS),
             orphans: sum_kinds(&fam.apply_errors, &["orphan"]),
             aged_out_blocks: self.aged_out.get(),
@@ -285,7 +293,7 @@ impl SourceMetrics {
         for k in ERROR_KINDS {
             f.apply_errors.remove(&self.kind(k));
         }
-        for k in ["ok", "failed"] {
+        for k in ["ok", "failed", "catch_up"] {
             f.replays.remove(&self.kind(k));
         }
     }
@@ -397,7 +405,7 @@ impl Indexer {
             old.cancel.cancel();
             self.shared.index.clear_endpoint(endpoint);
         }
-        let metrics = SourceMetrics::new(&self.shared.families, endpoint);
+        let metrics = SourceMetrics::new(&self.shared.families, &source.name);
         let cancel = self.shared.cancel.child_token();
         let task = SourceTask {
             source: source.clone(),
@@ -593,6 +601,7 @@ impl SourceTask {
         };
         let mut rx = subscribe(config, cancel.child_token());
         let mut expire_at: Option<Instant> = None;
+        let mut joined = false;
         loop {
             let item = tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -606,11 +615,17 @@ impl SourceTask {
             let Some(item) = item else { return };
             match item {
                 SubscriberItem::Listening { endpoint } => {
-                    tracing::info!(endpoint = %self.source.endpoint, address = %endpoint, "KV-event subscriber ready");
+                    tracing::info!(endpoint = %self.source.name, address = %endpoint, "KV-event subscriber ready");
                     self.metrics.state.lock().listening = Some(endpoint);
                 }
-                SubscriberItem::Batch { seq, batch, .. } => self.apply_batch(seq, &batch),
+                SubscriberItem::Batch { seq, batch, .. } => {
+                    if !std::mem::replace(&mut joined, true) && seq > 0 {
+                        self.catch_up(seq).await;
+                    }
+                    self.apply_batch(seq, &batch);
+                }
                 SubscriberItem::Gap { expected, got, .. } => {
+                    joined = true;
                     if !self.fill_gap(expected, got).await {
                         if self.gap_grace.is_zero() {
                             self.index.mark_suspect(self.source.endpoint);
@@ -625,18 +640,19 @@ impl SourceTask {
                 SubscriberItem::Restart {
                     last_seq, new_seq, ..
                 } => {
-                    tracing::info!(endpoint = %self.source.endpoint, last_seq, new_seq, "KV-event publisher restarted; clearing its entries");
+                    joined = true;
+                    tracing::info!(endpoint = %self.source.name, last_seq, new_seq, "KV-event publisher restarted; clearing its entries");
                     self.metrics.restarts.inc();
                     self.index.clear_endpoint(self.source.endpoint);
                     self.metrics.suspect.set(0);
                     expire_at = None;
                 }
                 SubscriberItem::Malformed { seq, error } => {
-                    tracing::debug!(endpoint = %self.source.endpoint, ?seq, %error, "malformed KV-event message skipped");
+                    tracing::debug!(endpoint = %self.source.name, ?seq, %error, "malformed KV-event message skipped");
                     self.metrics.malformed.inc();
                 }
                 SubscriberItem::Error { error } => {
-                    tracing::debug!(endpoint = %self.source.endpoint, %error, "KV-event socket error");
+                    tracing::debug!(endpoint = %self.source.name, %error, "KV-event socket error");
                     self.metrics.socket_errors.inc();
                 }
             }
@@ -647,7 +663,7 @@ impl SourceTask {
         let n = self.index.expire_suspect(self.source.endpoint);
         self.metrics.aged_out.inc_by(n as u64);
         self.metrics.suspect.set(0);
-        tracing::info!(endpoint = %self.source.endpoint, aged_out = n, "suspect endpoint's unconfirmed entries aged out");
+        tracing::info!(endpoint = %self.source.name, aged_out = n, "suspect endpoint's unconfirmed entries aged out");
     }
 
     fn apply_batch(&self, seq: u64, batch: &EventBatch) {
@@ -675,6 +691,31 @@ impl SourceTask {
         }
     }
 
+    /// Joining a stream already at `got` (the router started after the engine, or restarted):
+    /// applies what the engine's replay ring still holds before it. History older than the ring
+    /// is unknown rather than lost, so it raises no gap and no suspicion.
+    async fn catch_up(&self, got: u64) {
+        let Some(replay) = &self.source.replay_endpoint else {
+            return;
+        };
+        self.metrics.catch_ups.inc();
+        match request_replay(replay, 0).await {
+            Ok(batches) => {
+                let mut applied = 0usize;
+                for (seq, batch) in batches {
+                    if seq < got {
+                        self.apply_batch(seq, &batch);
+                        applied += 1;
+                    }
+                }
+                tracing::info!(endpoint = %self.source.name, batches = applied, before_seq = got, "caught up on KV events published before the router joined");
+            }
+            Err(e) => {
+                tracing::warn!(endpoint = %self.source.name, error = %e, "KV-event catch-up replay failed; starting from the live stream");
+            }
+        }
+    }
+
     /// Applies batches `expected..got` from the replay endpoint; returns whether all came back.
     async fn fill_gap(&self, expected: u64, got: u64) -> bool {
         let mut next = expected;
@@ -689,7 +730,7 @@ impl SourceTask {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(endpoint = %self.source.endpoint, error = %e, "KV-event replay failed");
+                    tracing::warn!(endpoint = %self.source.name, error = %e, "KV-event replay failed");
                 }
             }
             if next >= got {
@@ -698,7 +739,7 @@ impl SourceTask {
             }
             self.metrics.replays_failed.inc();
         }
-        tracing::warn!(endpoint = %self.source.endpoint, expected = next, got, "KV events lost; endpoint marked suspect");
+        tracing::warn!(endpoint = %self.source.name, expected = next, got, "KV events lost; endpoint marked suspect");
         self.metrics.gaps.inc();
         self.metrics.lost_batches.inc_by(got - next);
         false

@@ -139,7 +139,15 @@ pub async fn start(
                 max_blocks: config.index.max_blocks,
                 ..IndexConfig::default()
             }));
-            let feed = crate::feed::start(Arc::clone(&index), &mut registry, cancel.clone());
+            let feed = crate::feed::start(
+                Arc::clone(&index),
+                crate::indexer::IndexerConfig {
+                    gap_grace: config.index.gap_grace,
+                    ..crate::indexer::IndexerConfig::default()
+                },
+                &mut registry,
+                cancel.clone(),
+            );
             (index, feed)
         }
     };

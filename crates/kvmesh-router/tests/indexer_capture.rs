@@ -22,6 +22,7 @@ use kvmesh_router::indexer::{EventSource, Indexer, IndexerConfig, SourceMetricsS
 use tokio_util::sync::CancellationToken;
 
 const EP: EndpointId = EndpointId(7);
+const EP_NAME: &str = "engine-7";
 const TOPIC: &str = "kv-events";
 
 fn fixture(name: &str) -> serde_json::Value {
@@ -176,6 +177,7 @@ async fn rig(block_size: usize, gap_grace: Duration) -> Rig {
     }));
     let source = EventSource {
         endpoint: EP,
+        name: EP_NAME.to_owned(),
         zmq_endpoint: "tcp://127.0.0.1:0".to_owned(),
         bind: true,
         topic: TOPIC.to_owned(),
@@ -485,11 +487,11 @@ async fn publisher_restart_clears_and_malformed_frames_are_skipped() {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         assert!(
-            text.contains("kvmesh_indexer_restarts_total{endpoint=\"7\"} 1"),
+            text.contains("kvmesh_indexer_restarts_total{endpoint=\"engine-7\"} 1"),
             "{text}"
         );
         assert!(
-            text.contains("kvmesh_indexer_malformed_total{endpoint=\"7\"} 2"),
+            text.contains("kvmesh_indexer_malformed_total{endpoint=\"engine-7\"} 2"),
             "{text}"
         );
         assert!(text.contains("kvmesh_index_memberships 2"), "{text}");
@@ -527,6 +529,7 @@ async fn gaps_are_filled_from_the_replay_endpoint() {
         publisher.publish_payload(store(&b, 20)).await.unwrap();
         let source = EventSource {
             endpoint: EP,
+            name: EP_NAME.to_owned(),
             zmq_endpoint: bind.clone(),
             bind: true,
             topic: TOPIC.to_owned(),
@@ -567,6 +570,60 @@ async fn gaps_are_filled_from_the_replay_endpoint() {
             ),
             (2, 2, 2)
         );
+        cancel.cancel();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A router that joins a stream already running (started after the engine, or restarted) fills
+/// its index from what the engine's replay ring still holds — without calling that a gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_joiner_catches_up_from_the_replay_ring() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let bind = format!("tcp://127.0.0.1:{port}");
+        let (a, b): (Vec<u32>, Vec<u32>) = ((0..8).collect(), (100..108).collect());
+        let cancel = CancellationToken::new();
+        let mut pconfig = PublisherConfig::new(&bind, TOPIC);
+        pconfig.replay_endpoint = Some("tcp://127.0.0.1:0".to_owned());
+        let mut publisher = Publisher::start(pconfig).await.unwrap();
+        // Published before any router listens: only the ring keeps them.
+        publisher.publish_payload(store(&a, 10)).await.unwrap();
+        publisher.publish_payload(store(&b, 20)).await.unwrap();
+        let source = EventSource {
+            endpoint: EP,
+            name: EP_NAME.to_owned(),
+            zmq_endpoint: bind.clone(),
+            bind: true,
+            topic: TOPIC.to_owned(),
+            replay_endpoint: publisher.replay_endpoint().map(str::to_owned),
+        };
+        let index = Arc::new(PrefixIndex::new(IndexConfig {
+            block_size: 4,
+            ..IndexConfig::default()
+        }));
+        let indexer = Indexer::start(index, vec![source], cancel.clone());
+        // Live batches (empty) until one reaches the subscriber: its seq is past 0.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while source_metrics(&indexer).last_seq.is_none() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "publisher never reached the subscriber"
+            );
+            publisher.publish_payload(empty_batch()).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        eventually(10, "both early batches indexed", || {
+            gpu_blocks(&indexer, &a) == 2 && gpu_blocks(&indexer, &b) == 2
+        })
+        .await;
+        let m = source_metrics(&indexer);
+        assert_eq!((m.catch_ups, m.gaps, m.suspect), (1, 0, false), "{m:?}");
         cancel.cancel();
     })
     .await
