@@ -62,7 +62,18 @@ pub struct BlockStored {
     pub kv_cache_spec_kind: Option<String>,
 }
 
+/// `kv_cache_spec_kind` of a full-attention KV-cache group, as vLLM 0.32 reports it.
+pub const FULL_ATTENTION: &str = "full_attention";
+
 impl BlockStored {
+    /// Marks the event as vLLM 0.32 marks a model with one full-attention KV-cache group
+    /// (`group_idx` 0, `kv_cache_spec_kind` "full_attention"): what a kvmesh engine publishes.
+    pub fn in_full_attention_group(mut self) -> Self {
+        self.group_idx = Some(0);
+        self.kv_cache_spec_kind = Some(FULL_ATTENTION.to_owned());
+        self
+    }
+
     /// A run of `block_hashes` stored in `medium` under `parent`, with their concatenated
     /// `token_ids` (vLLM's optional LoRA / group / spec fields unset).
     pub fn run(

@@ -37,6 +37,10 @@ pub trait AdmissionHook: Send + Sync {
     /// Runs when the request finished, before the response's last chunk is built: e.g. set
     /// `info.kv_transfer_params` for P/D (`do_remote_decode`) responses.
     fn on_finish(&self, _engine: &EngineHandle, _req: &EngineRequest, _info: &mut FinishInfo) {}
+
+    /// Runs when the engine refused the request after `before_submit` (overloaded, stopped):
+    /// e.g. release what a pull pinned for it, which `on_finish` would otherwise have done.
+    fn on_not_submitted(&self, _engine: &EngineHandle, _req: &EngineRequest) {}
 }
 
 /// Shared state of the HTTP layer.
@@ -760,14 +764,22 @@ fn finish_reason_str(info: &FinishInfo, detok: &Detok) -> &'static str {
 }
 
 async fn submit(s: &ApiState, mut job: Job) -> Result<(Job, SeqStream), ApiError> {
+    // An engine that will refuse the request anyway must not first spend a pull on it.
+    if let Some(waiting) = s.engine.waiting_at_capacity() {
+        return Err(ApiError::overloaded(waiting));
+    }
     if let Some(hook) = &s.admission_hook {
         hook.before_submit(&s.engine, &mut job.req).await;
     }
-    match s.engine.submit(job.req.clone()) {
-        Ok(stream) => Ok((job, stream)),
-        Err(SubmitError::Overloaded(n)) => Err(ApiError::overloaded(n)),
-        Err(SubmitError::Stopped) => Err(ApiError::unavailable("engine stopped")),
+    let refused = match s.engine.submit(job.req.clone()) {
+        Ok(stream) => return Ok((job, stream)),
+        Err(SubmitError::Overloaded(n)) => ApiError::overloaded(n),
+        Err(SubmitError::Stopped) => ApiError::unavailable("engine stopped"),
+    };
+    if let Some(hook) = &s.admission_hook {
+        hook.on_not_submitted(&s.engine, &job.req);
     }
+    Err(refused)
 }
 
 async fn run_job(s: ApiState, job: Job) -> Response {

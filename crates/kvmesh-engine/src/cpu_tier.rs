@@ -440,6 +440,7 @@ impl CpuStore {
                     Vec::new(),
                     Vec::new(),
                 )
+                .in_full_attention_group()
             });
             r.block_hashes.push(b.hash);
             r.token_ids.extend_from_slice(&b.tokens);
@@ -451,7 +452,7 @@ impl CpuStore {
             events.push(KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: removed,
                 medium: Medium::Cpu,
-                group_idx: None,
+                group_idx: Some(0),
             }));
         }
         events.extend(stored_events.into_iter().map(KvEvent::BlockStored));

@@ -304,6 +304,12 @@ impl EngineHandle {
     }
 
     /// Queues a request. Fails fast when `--max-waiting` requests already wait.
+    /// `Some(waiting)` when the waiting queue is full: [`EngineHandle::submit`] would refuse.
+    pub fn waiting_at_capacity(&self) -> Option<usize> {
+        let queued = self.inner.counters.queued.load(Ordering::Relaxed);
+        (queued >= self.inner.config.max_waiting).then_some(queued)
+    }
+
     pub fn submit(&self, req: EngineRequest) -> Result<SeqStream, SubmitError> {
         let c = &self.inner.counters;
         let queued = c.queued.load(Ordering::Relaxed);
@@ -1154,6 +1160,7 @@ impl Core {
 
 fn gpu_stored(parent: Option<BlockHash>, bs: usize) -> BlockStored {
     BlockStored::run(Medium::Gpu, parent, bs as u32, Vec::new(), Vec::new())
+        .in_full_attention_group()
 }
 
 #[cfg(test)]
@@ -1292,6 +1299,16 @@ mod tests {
             .collect();
         assert!(stored_cpu >= 4);
         assert_eq!(stored_gpu, hashes);
+        // Both tiers describe their KV group as vLLM 0.32 does (capture2: group 0, full attention).
+        for event in &ev {
+            if let KvEvent::BlockStored(s) = event {
+                assert_eq!(
+                    (s.group_idx, s.kv_cache_spec_kind.as_deref()),
+                    (Some(0), Some(kvmesh_core::events::FULL_ATTENTION)),
+                    "{s:?}"
+                );
+            }
+        }
         e.shutdown();
     }
 

@@ -551,6 +551,10 @@ impl AdmissionHook for P2pAdmission {
         // The request has been scheduled: what its pull landed may be evicted normally now.
         release_pulled(engine, req);
     }
+
+    fn on_not_submitted(&self, engine: &EngineHandle, req: &EngineRequest) {
+        release_pulled(engine, req);
+    }
 }
 
 /// Releases the pins a pull took on the blocks it landed for `req` (its

@@ -377,6 +377,10 @@ impl AdmissionHook for PdAdmission {
         })
     }
 
+    fn on_not_submitted(&self, engine: &EngineHandle, req: &EngineRequest) {
+        release_pulled(engine, req);
+    }
+
     fn on_finish(&self, engine: &EngineHandle, req: &EngineRequest, info: &mut FinishInfo) {
         release_pulled(engine, req);
         let cfg = &engine.config().p2p;

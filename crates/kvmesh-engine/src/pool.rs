@@ -145,7 +145,7 @@ impl BlockPool {
                 events.push(KvEvent::BlockRemoved(BlockRemoved {
                     block_hashes: vec![h],
                     medium: Medium::Gpu,
-                    group_idx: None,
+                    group_idx: Some(0),
                 }));
             }
             id
@@ -322,7 +322,7 @@ mod tests {
             vec![KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![h(20)],
                 medium: Medium::Gpu,
-                group_idx: None
+                group_idx: Some(0)
             })]
         );
         assert!(!p.contains(h(20)));

@@ -1,6 +1,7 @@
 //! P2P under contention (the shared-prefix pool experiment's failure modes, DESIGN §3/§6):
 //! concurrent requests for one prefix on one consumer move its bytes once, and a pull stuck on a
-//! silent peer delays neither other requests nor other pulls of that engine.
+//! silent peer delays neither other requests nor other pulls of that engine, and an overloaded
+//! engine refuses before it pulls.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -127,6 +128,59 @@ async fn a_pull_stuck_on_a_silent_peer_delays_no_other_request() {
         );
         b.shutdown().await;
         hold.abort();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// An engine whose waiting queue is full answers 429 at once: it does not first pull the
+/// request's prefix from a peer (seconds of transfer, then pins held for nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overloaded_engine_refuses_before_pulling() {
+    timeout(Duration::from_secs(60), async {
+        let a = start_engine(p2p_config(), PROFILE, 1000.0, 64).await;
+        let a_p2p = a.p2p_addr.unwrap().port();
+        let prefix = tokens(3, 2048);
+        complete(a.addr, &prefix, 1, None).await;
+        let mut cfg = p2p_config();
+        cfg.max_num_seqs = 1;
+        cfg.max_waiting = 1;
+        // Real time: the running request outlasts the checks below by a wide margin.
+        let b = start_engine(cfg, PROFILE, 1.0, 64).await;
+        let (b_addr, long) = (b.addr, tokens(4, 8000));
+        let running = tokio::spawn(async move { complete(b_addr, &long, 40, None).await });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // Scheduled (its prompt is accounted) before the next one arrives...
+        while scrape_metric(b.addr, "vllm:prompt_tokens_by_source_total", "").await < 8000.0 {
+            assert!(Instant::now() < deadline, "the first request never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // ...so the next one waits behind it (max_num_seqs 1) and fills --max-waiting 1.
+        let short = tokens(5, 64);
+        let waiting = tokio::spawn(async move { complete(b_addr, &short, 1, None).await });
+        while b.engine.waiting_at_capacity().is_none() {
+            assert!(Instant::now() < deadline, "the second request never queued");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut body = serde_json::json!({"prompt": prefix, "max_tokens": 1});
+        body["kv_transfer_params"] = source(a_p2p);
+        let r = reqwest::Client::new()
+            .post(format!("http://{}/v1/completions", b.addr))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 429);
+        let p2p = &b.engine.metrics().p2p;
+        assert_eq!(
+            (p2p.connections_opened(), p2p.blocks(Direction::In)),
+            (0, 0),
+            "the refused request contacted its source"
+        );
+        running.await.unwrap();
+        waiting.await.unwrap();
+        b.shutdown().await;
+        a.shutdown().await;
     })
     .await
     .expect("test timed out");
