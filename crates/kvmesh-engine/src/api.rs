@@ -402,13 +402,23 @@ fn prompt_tokens(s: &ApiState, prompt: Value) -> Result<Vec<TokenId>, ApiError> 
             })
             .collect()
     };
+    let in_vocab = |ids: Vec<TokenId>| -> Result<Vec<TokenId>, ApiError> {
+        // The model indexes its embedding with these: an id past the vocabulary is bad input.
+        let vocab = s.engine.tokenizer().vocab_size();
+        match ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(t) => Err(bad(&format!(
+                "token id {t} is out of vocabulary (size {vocab})"
+            ))),
+            None => Ok(ids),
+        }
+    };
     match prompt {
         Value::String(t) => encode(&t),
         Value::Array(items) if items.is_empty() => Err(bad("prompt is empty")),
         Value::Array(items) => match &items[0] {
-            Value::Number(_) => ids(&items),
+            Value::Number(_) => ids(&items).and_then(in_vocab),
             Value::String(_) if items.len() == 1 => encode(items[0].as_str().unwrap_or("")),
-            Value::Array(inner) if items.len() == 1 => ids(inner),
+            Value::Array(inner) if items.len() == 1 => ids(inner).and_then(in_vocab),
             _ => Err(bad(
                 "only one prompt per request is supported (batch prompts: send separate requests)",
             )),

@@ -191,6 +191,40 @@ pub struct EngineConfig {
     pub p2p: P2pConfig,
 }
 
+/// `--max-model-len` when not given: a real model's context length, else this.
+pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
+
+/// The engine's `max_model_len`, as vLLM settles it: an explicit value must fit the model's
+/// context and the GPU KV pool (one sequence of that length must be servable); without one,
+/// the largest length that does.
+pub fn resolve_max_model_len(
+    explicit: Option<usize>,
+    model_context: Option<usize>,
+    num_gpu_blocks: usize,
+    block_size: usize,
+) -> Result<usize, ConfigError> {
+    let capacity = num_gpu_blocks.saturating_mul(block_size);
+    let Some(len) = explicit else {
+        return Ok(model_context.unwrap_or(DEFAULT_MAX_MODEL_LEN).min(capacity));
+    };
+    if let Some(context) = model_context
+        && len > context
+    {
+        return Err(ConfigError::Invalid(format!(
+            "--max-model-len {len} exceeds the model's context length {context}"
+        )));
+    }
+    if len > capacity {
+        return Err(ConfigError::Invalid(format!(
+            "--max-model-len {len} needs {} KV blocks of {block_size} tokens for one sequence, but \
+             --num-gpu-blocks is {num_gpu_blocks} ({capacity} tokens): raise --num-gpu-blocks or \
+             lower --max-model-len",
+            len.div_ceil(block_size.max(1))
+        )));
+    }
+    Ok(len)
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -263,6 +297,35 @@ mod tests {
         assert!(err.contains("--p2p-pull-pin-fraction"), "{err}");
         c.p2p.pull_pin_fraction = 0.0;
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn max_model_len_fits_the_model_and_the_kv_pool_as_in_vllm() {
+        // Defaults: the model's context, else 128K — never more than the pool holds.
+        assert_eq!(
+            resolve_max_model_len(None, Some(8192), 4096, 16).unwrap(),
+            8192
+        );
+        assert_eq!(resolve_max_model_len(None, None, 4096, 16).unwrap(), 65_536);
+        assert_eq!(
+            resolve_max_model_len(None, None, 1 << 20, 16).unwrap(),
+            131_072
+        );
+        assert_eq!(
+            resolve_max_model_len(Some(4096), Some(8192), 4096, 16).unwrap(),
+            4096
+        );
+        let too_long = resolve_max_model_len(Some(16_384), Some(8192), 4096, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(too_long.contains("context length 8192"), "{too_long}");
+        let no_room = resolve_max_model_len(Some(131_072), None, 4096, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            no_room.contains("8192 KV blocks") && no_room.contains("--num-gpu-blocks"),
+            "{no_room}"
+        );
     }
 
     #[test]

@@ -352,6 +352,17 @@ async fn bad_requests_get_openai_errors_and_do_not_disturb_others() {
                 .unwrap()
                 .contains("maximum context length")
         );
+        let (st, e) = s
+            .post("/v1/completions", json!({"prompt": [1, 2, 70_000]}))
+            .await;
+        assert_eq!(st, 400, "{e}");
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("token id 70000 is out of vocabulary"),
+            "{e}"
+        );
         let (st, _) = s
             .post(
                 "/v1/completions",

@@ -224,6 +224,10 @@ impl ComputeBackend for ModelBackend {
         "model"
     }
 
+    fn max_context(&self) -> Option<usize> {
+        Some(self.model.cfg.max_position)
+    }
+
     fn kv_layout(&self) -> KvLayout {
         KvLayout {
             block_size: self.geo.block_size,

@@ -6,7 +6,9 @@ use std::time::Duration;
 use anyhow::Context;
 use kvmesh_engine::EngineConfig;
 use kvmesh_engine::compute::profiles::PROFILES;
-use kvmesh_engine::config::{KvEventsConfig, P2pConfig, Role, parse_byte_size};
+use kvmesh_engine::config::{
+    KvEventsConfig, P2pConfig, Role, parse_byte_size, resolve_max_model_len,
+};
 use kvmesh_engine::server::{ServerOptions, sim_backend, start_server};
 use kvmesh_text::ByteTokenizer;
 
@@ -50,8 +52,10 @@ pub struct EngineCmd {
     max_num_batched_tokens: usize,
     #[arg(long, default_value_t = 256)]
     max_num_seqs: usize,
-    #[arg(long, default_value_t = 131_072)]
-    max_model_len: usize,
+    /// Longest prompt + output. Default: the model's context length (`--backend model`) or
+    /// 131072, capped at what the GPU KV pool holds; a larger explicit value is refused.
+    #[arg(long)]
+    max_model_len: Option<usize>,
     /// Requests allowed to wait; beyond it new requests get 429 with Retry-After.
     #[arg(long, default_value_t = 4096)]
     max_waiting: usize,
@@ -135,7 +139,13 @@ impl EngineCmd {
             kv_events,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
-            max_model_len: self.max_model_len,
+            // A real model's context is known once it is loaded (see `run`).
+            max_model_len: resolve_max_model_len(
+                self.max_model_len,
+                None,
+                self.num_gpu_blocks,
+                self.block_size,
+            )?,
             max_waiting: self.max_waiting,
             hash_algo: self.prefix_caching_hash_algo.parse()?,
             hash_seed: std::env::var("PYTHONHASHSEED").ok(),
@@ -220,7 +230,7 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
         list_profiles();
         return Ok(());
     }
-    let config = args.to_config()?;
+    let mut config = args.to_config()?;
     let (backend, tokenizer): (_, Arc<dyn kvmesh_text::Tokenizer>) = match args.backend.as_str() {
         "sim" => (
             sim_backend(
@@ -245,6 +255,12 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
             let (backend, tok) =
                 tokio::task::spawn_blocking(move || kvmesh_model::load_backend(&path, &opts))
                     .await??;
+            config.max_model_len = resolve_max_model_len(
+                args.max_model_len,
+                kvmesh_engine::compute::ComputeBackend::max_context(&backend),
+                config.num_gpu_blocks,
+                config.block_size,
+            )?;
             (
                 Box::new(backend) as Box<dyn kvmesh_engine::compute::ComputeBackend>,
                 tok,

@@ -125,6 +125,11 @@ pub trait ComputeBackend: Send {
     ) -> Result<Vec<Option<TokenId>>, ComputeError>;
     /// End-of-sequence token ids (generation stops on them unless `ignore_eos`).
     fn eos_token_ids(&self) -> Vec<TokenId>;
+    /// The longest sequence (prompt + output) the model can process, when it has such a limit
+    /// (a real model's context length); `None` for time-modelled backends.
+    fn max_context(&self) -> Option<usize> {
+        None
+    }
     /// For time-modelled backends: how long pulling `tokens` of KV from a peer takes on the modelled
     /// hardware, so a consumer can hold a pulled prefix until then. Real backends return `None`
     /// (the real transfer time is the truth).
