@@ -354,7 +354,8 @@ struct GenParams {
     #[serde(default)]
     n: Option<i64>,
     #[serde(default)]
-    kv_transfer_params: Option<KvTransferParams>,
+    /// Parsed in [`transfer_params`], so a malformed P2P hint cannot fail the request.
+    kv_transfer_params: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -426,6 +427,39 @@ fn prompt_tokens(s: &ApiState, prompt: Value) -> Result<Vec<TokenId>, ApiError> 
         _ => Err(bad(
             "prompt must be a string, a list of token ids, or a one-element list of either",
         )),
+    }
+}
+
+/// The request's `kv_transfer_params`. A malformed `remote_kv_source` (a router's hint that a
+/// peer holds the prefix) is dropped — counted and logged, the prompt is computed locally: a
+/// pull is an optimisation and must never fail the request. Malformed P/D keys are the
+/// client's error (400).
+fn transfer_params(s: &ApiState, raw: Option<Value>) -> Result<Option<KvTransferParams>, ApiError> {
+    let Some(raw) = raw.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let invalid = |e: serde_json::Error| {
+        ApiError::bad_request(
+            "bad_param",
+            format!("invalid kv_transfer_params: {e}"),
+            Some("kv_transfer_params"),
+        )
+    };
+    match serde_json::from_value::<KvTransferParams>(raw.clone()) {
+        Ok(p) => Ok(Some(p)),
+        Err(e) => {
+            let mut without_source = raw;
+            let dropped = without_source
+                .as_object_mut()
+                .and_then(|o| o.remove("remote_kv_source"));
+            if dropped.is_none() {
+                return Err(invalid(e));
+            }
+            let params = serde_json::from_value(without_source).map_err(invalid)?;
+            s.engine.metrics().error("malformed_remote_kv_source");
+            tracing::warn!(error = %e, "ignoring a malformed remote_kv_source; computing the prefix locally");
+            Ok(Some(params))
+        }
     }
 }
 
@@ -548,7 +582,7 @@ fn build_job(
         max_tokens,
         ignore_eos: p.ignore_eos,
         stop_token_ids: p.stop_token_ids.unwrap_or_default(),
-        kv_transfer_params: p.kv_transfer_params,
+        kv_transfer_params: transfer_params(s, p.kv_transfer_params)?,
         arrival: std::time::Instant::now(),
         external_hashes: Vec::new(),
         pull_pinned_hashes: Vec::new(),

@@ -196,7 +196,7 @@ impl EngineMetrics {
         );
         r.register(
             "kvmesh_engine_request_errors",
-            "Rejected or failed requests by reason",
+            "Rejected or failed requests by reason (malformed_remote_kv_source: the P2P hint was ignored, the request served)",
             m.errors.clone(),
         );
         r.register(

@@ -754,3 +754,39 @@ async fn admission_hook_lands_external_blocks_and_sets_response_kv_transfer_para
     })
     .await;
 }
+
+/// A router's P2P hint that does not parse (here a string port, no request id) is ignored and
+/// counted: the request is served from local compute, never refused for it. Malformed P/D keys
+/// are still the client's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_p2p_hint_is_ignored_not_fatal() {
+    within(30, async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        let s = TestServer::start(cfg, 1.0).await;
+        let hint = json!({"remote_kv_source": {"remote_host": "127.0.0.1", "remote_port": "x"}});
+        let (st, body) = s
+            .post(
+                "/v1/completions",
+                json!({"prompt": tokens(21, 64), "max_tokens": 2, "kv_transfer_params": hint}),
+            )
+            .await;
+        assert_eq!(st, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 2, "{body}");
+        let metrics = s.metrics().await;
+        assert!(
+            metrics.contains("reason=\"malformed_remote_kv_source\"} 1"),
+            "{metrics}"
+        );
+        let (st, e) = s
+            .post(
+                "/v1/completions",
+                json!({"prompt": "hi", "kv_transfer_params": {"do_remote_decode": "maybe"}}),
+            )
+            .await;
+        assert_eq!(st, 400, "{e}");
+        assert_eq!(e["error"]["param"], "kv_transfer_params");
+        s.stop().await;
+    })
+    .await;
+}

@@ -377,7 +377,12 @@ impl PullClient {
             if *reason == PullReason::Protocol {
                 self.config.metrics.record_protocol_error(Direction::In);
             }
-            tracing::debug!(%peer, kv_request_id, %reason, blocks = progress.blocks, "p2p pull stopped early");
+            if reason.is_misconfiguration() {
+                // Every pull to this peer will fail the same way until an operator acts.
+                tracing::warn!(%peer, kv_request_id, %reason, "p2p pull refused: fleet misconfigured");
+            } else {
+                tracing::debug!(%peer, kv_request_id, %reason, blocks = progress.blocks, "p2p pull stopped early");
+            }
         }
         PullReport {
             outcome,

@@ -82,13 +82,42 @@ impl Default for TransferMetrics {
     }
 }
 
+/// Why a producer refuses a connection (`kvmesh_p2p_refused_connections_total{reason}`).
+pub const REFUSE_REASONS: [&str; 4] = [
+    "not_allowed",
+    "version",
+    "fingerprint_mismatch",
+    "auth_failed",
+];
+
 impl TransferMetrics {
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Register everything under `kvmesh_p2p_*`.
+    /// Register everything under `kvmesh_p2p_*`. The main series start at 0, so a dashboard
+    /// (or `rate()`) sees an engine that has not pulled yet rather than no data.
     pub fn register(&self, registry: &mut Registry) {
+        let _ = self.pulls.get_or_create(&OutcomeLabels {
+            outcome: "complete",
+            reason: "none",
+        });
+        for reason in &PullReason::ALL {
+            let _ = self.pulls.get_or_create(&OutcomeLabels {
+                outcome: "failed",
+                reason: reason.label(),
+            });
+        }
+        for dir in [Direction::In, Direction::Out] {
+            let d = DirectionLabels {
+                direction: dir.label(),
+            };
+            let _ = self.blocks.get_or_create(&d);
+            let _ = self.bytes.get_or_create(&d);
+        }
+        for reason in REFUSE_REASONS {
+            let _ = self.refused.get_or_create(&ReasonLabels { reason });
+        }
         registry.register(
             "kvmesh_p2p_pulls",
             "P2P pulls by outcome and reason",
@@ -162,6 +191,7 @@ impl TransferMetrics {
             .inc_by(bytes as u64);
     }
 
+    /// `reason` is one of [`REFUSE_REASONS`].
     pub(crate) fn record_refused(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabels { reason }).inc();
     }
@@ -249,6 +279,24 @@ mod tests {
     use prometheus_client::encoding::text::encode;
 
     use super::*;
+
+    #[test]
+    fn an_engine_that_never_pulled_exports_zeros_not_nothing() {
+        let m = TransferMetrics::new();
+        let mut reg = Registry::default();
+        m.register(&mut reg);
+        let mut text = String::new();
+        encode(&mut text, &reg).unwrap();
+        for line in [
+            "kvmesh_p2p_pulls_total{outcome=\"complete\",reason=\"none\"} 0",
+            "kvmesh_p2p_pulls_total{outcome=\"failed\",reason=\"fingerprint_mismatch\"} 0",
+            "kvmesh_p2p_blocks_total{direction=\"in\"} 0",
+            "kvmesh_p2p_payload_bytes_total{direction=\"out\"} 0",
+            "kvmesh_p2p_refused_connections_total{reason=\"auth_failed\"} 0",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
+    }
 
     #[test]
     fn exports_kvmesh_p2p_names() {

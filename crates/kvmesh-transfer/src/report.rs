@@ -32,6 +32,17 @@ pub enum PullReason {
 }
 
 impl PullReason {
+    /// Whether this is a fleet configuration problem (allow-list, fingerprint, secret) rather
+    /// than the weather (misses, timeouts, a busy or restarting peer).
+    pub fn is_misconfiguration(&self) -> bool {
+        matches!(
+            self,
+            PullReason::NotAllowed
+                | PullReason::FingerprintMismatch { .. }
+                | PullReason::AuthFailed
+        )
+    }
+
     /// Every reason, for metric pre-registration and tests.
     pub const ALL: [PullReason; 11] = [
         PullReason::NotAllowed,

@@ -329,7 +329,7 @@ impl Handler {
             .check_compatible(&hello.fingerprint)
         {
             metrics.record_refused("fingerprint_mismatch");
-            debug!(peer = %self.peer, %m, "p2p producer: refusing peer");
+            tracing::warn!(peer = %self.peer, %m, "p2p producer: refusing a peer whose KV is incompatible");
             let reason = RefuseReason::Fingerprint {
                 field: m.field.to_string(),
                 ours: m.ours,

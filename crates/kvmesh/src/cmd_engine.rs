@@ -76,7 +76,9 @@ pub struct EngineCmd {
     /// Comma-separated hosts (or host:port) this engine may pull from.
     #[arg(long, value_delimiter = ',')]
     p2p_allowed_peers: Vec<String>,
-    /// Budget of one P2P pull (and of each protocol step) before computing instead.
+    /// Timeout of each P2P protocol step (connect, handshake, one block). A whole pull, waiting
+    /// on another request's pull included, gets this plus the pending deadline before the engine
+    /// computes the rest itself.
     #[arg(long, default_value_t = 5000)]
     p2p_timeout_ms: u64,
     /// How long a pull may wait for blocks the peer is computing right now (PENDING); default
