@@ -3,13 +3,13 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use kvmesh_text::{ChatTemplate, HfTokenizer, Tokenizer};
+use kvmesh_text::{HfTokenizer, Tokenizer};
 
 use crate::error::RouterError;
 
 /// A HF `tokenizer.json` tokenizer. Its chat template comes from a `tokenizer_config.json` beside
-/// it, or from `chat_template` (a Jinja file) when given — then `eos_token` is the tokenizer's
-/// first EOS token and `bos_token` is empty.
+/// it, or from `chat_template` (a Jinja file) when given — rendered with the same `bos_token` /
+/// `eos_token` either way.
 pub fn hf(path: &Path, chat_template: Option<&Path>) -> Result<Arc<dyn Tokenizer>, RouterError> {
     let err =
         |e: &dyn std::fmt::Display| RouterError::Tokenizer(format!("{}: {e}", path.display()));
@@ -17,14 +17,8 @@ pub fn hf(path: &Path, chat_template: Option<&Path>) -> Result<Arc<dyn Tokenizer
     if let Some(tpl) = chat_template {
         let src = std::fs::read_to_string(tpl)
             .map_err(|e| RouterError::Tokenizer(format!("{}: {e}", tpl.display())))?;
-        let eos = tok
-            .eos_token_ids()
-            .first()
-            .map(|&id| tok.token_str(id))
-            .unwrap_or_default();
-        let template = ChatTemplate::new(&src, "", &eos)
+        tok.set_chat_template_source(&src)
             .map_err(|e| RouterError::Tokenizer(format!("{}: {e}", tpl.display())))?;
-        tok.set_chat_template(template);
     }
     Ok(Arc::new(tok))
 }

@@ -42,6 +42,8 @@ pub struct HfTokenizer {
     eos: Vec<TokenId>,
     /// Prepended by `encode` when the model asks for it and the text does not start with it.
     bos: Option<(TokenId, String)>,
+    /// The model's `bos_token` / `eos_token` strings, as chat templates see them.
+    template_tokens: (String, String),
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -111,14 +113,12 @@ impl HfTokenizer {
                 .map(str::to_owned),
             _ => None,
         };
+        let template_tokens = (
+            bos_str.clone().unwrap_or_default(),
+            eos_str.unwrap_or_default(),
+        );
         let template = template_src
-            .map(|src| {
-                ChatTemplate::new(
-                    &src,
-                    bos_str.as_deref().unwrap_or(""),
-                    eos_str.as_deref().unwrap_or(""),
-                )
-            })
+            .map(|src| ChatTemplate::new(&src, &template_tokens.0, &template_tokens.1))
             .transpose()?;
         let add_bos = config
             .get("add_bos_token")
@@ -134,6 +134,7 @@ impl HfTokenizer {
             template,
             eos,
             bos,
+            template_tokens,
         })
     }
 
@@ -193,16 +194,14 @@ impl HfTokenizer {
         let name = |id: Option<TokenId>| id.and_then(|i| v.tokens.get(i as usize)).cloned();
         let bos_str = name(v.bos_token_id);
         let eos_str = name(v.eos_token_id);
+        let template_tokens = (
+            bos_str.clone().unwrap_or_default(),
+            eos_str.unwrap_or_default(),
+        );
         let template = v
             .chat_template
             .as_deref()
-            .map(|src| {
-                ChatTemplate::new(
-                    src,
-                    bos_str.as_deref().unwrap_or(""),
-                    eos_str.as_deref().unwrap_or(""),
-                )
-            })
+            .map(|src| ChatTemplate::new(src, &template_tokens.0, &template_tokens.1))
             .transpose()?;
         let bos = match (v.add_bos_token, v.bos_token_id, bos_str) {
             (true, Some(id), Some(s)) => Some((id, s)),
@@ -213,12 +212,17 @@ impl HfTokenizer {
             template,
             eos: v.eos_token_id.into_iter().collect(),
             bos,
+            template_tokens,
         })
     }
 
-    /// Replaces the chat template (e.g. a `--chat-template` file).
-    pub fn set_chat_template(&mut self, template: ChatTemplate) {
-        self.template = Some(template);
+    /// Replaces the chat template with `source` (e.g. a `chat_template` file), rendered with
+    /// this model's `bos_token` and `eos_token` — as the engine's own template sees them, so
+    /// both sides produce the same token ids.
+    pub fn set_chat_template_source(&mut self, source: &str) -> Result<(), TextError> {
+        let (bos, eos) = &self.template_tokens;
+        self.template = Some(ChatTemplate::new(source, bos, eos)?);
+        Ok(())
     }
 
     /// The id of a token string, if it is in the vocabulary.
@@ -379,6 +383,16 @@ mod tests {
         assert_eq!(
             t2.encode("hello").expect("encodes"),
             t.encode("hello").expect("encodes")
+        );
+        // A replacement template sees the same special tokens.
+        let mut t3 = t2;
+        t3.set_chat_template_source(
+            "[{{ bos_token }}|{{ messages[0]['content'] }}|{{ eos_token }}]",
+        )
+        .expect("parses");
+        assert_eq!(
+            t3.apply_chat_template(&msgs, false).expect("renders"),
+            "[<|im_start|>|hello|<|im_end|>]"
         );
     }
 }
