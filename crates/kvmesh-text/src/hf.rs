@@ -113,6 +113,8 @@ impl HfTokenizer {
                 .map(str::to_owned),
             _ => None,
         };
+        // Without an `eos_token` string, the first EOS id's token (e.g. from generation_config).
+        let eos_str = eos_str.or_else(|| eos.first().and_then(|&id| inner.id_to_token(id)));
         let template_tokens = (
             bos_str.clone().unwrap_or_default(),
             eos_str.unwrap_or_default(),
