@@ -98,6 +98,14 @@ pub(crate) fn load_gguf(path: &Path) -> Result<GgufModel, ModelError> {
             "RoPE scaling is not implemented".to_owned(),
         ));
     }
+    // Llama 3.1-style checkpoints carry their RoPE scaling as per-dimension frequency factors
+    // instead of metadata; ignoring them would load and answer, subtly wrong.
+    if content.tensor_infos.contains_key("rope_freqs.weight") {
+        return Err(ModelError::Unsupported(
+            "RoPE frequency factors (rope_freqs.weight, Llama 3.1-style scaling) are not implemented"
+                .to_owned(),
+        ));
+    }
     let tokens: Vec<String> = match get("tokenizer.ggml.tokens") {
         Some(Value::Array(a)) => a
             .iter()
