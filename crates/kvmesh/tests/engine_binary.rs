@@ -1,6 +1,7 @@
 //! `kvmesh engine` run as the built binary: port 0 reported on stdout, OpenAI completions with
 //! cached-token accounting, and KV events read by a plain Rust `zeromq` SUB socket (bound on
-//! loopback; the engine connects to it, vLLM's non-`*` endpoint rule).
+//! loopback; the engine connects to it, vLLM's non-`*` endpoint rule); and the real-model backend
+//! answering a chat question over HTTP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Stdio;
@@ -87,6 +88,64 @@ async fn engine_binary_serves_completions_and_publishes_kv_events() {
         let metrics = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
         assert!(metrics.contains("vllm:prefix_cache_hits_total{model_name=\"sim-bin\",engine=\"0\"} 96"), "{metrics}");
         child.kill().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// `kvmesh engine --backend model` (SmolLM2-135M from the setup script's cache) over HTTP: a real
+/// answer, the model's own context length as `max_model_len`, and a prompt beyond it refused
+/// with a 400 while the engine keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_engine_binary_answers_and_refuses_prompts_beyond_its_context() {
+    if kvmesh_model::find_smollm2(&kvmesh_model::default_cache_dir()).is_none() {
+        // CI fetches the model (scripts/setup.sh) and sets KVMESH_REQUIRE_EXTERNAL.
+        assert!(
+            std::env::var_os("KVMESH_REQUIRE_EXTERNAL").is_none(),
+            "SmolLM2 is required (KVMESH_REQUIRE_EXTERNAL is set) but was not found"
+        );
+        eprintln!("skipped: SmolLM2 not fetched (`kvmesh model fetch smollm2`)");
+        return;
+    }
+    timeout(Duration::from_secs(120), async {
+        let mut child = tokio::process::Command::new(BIN)
+            .args(["engine", "--port", "0", "--backend", "model", "--num-gpu-blocks", "1024"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let base = loop {
+            let line = lines.next_line().await.unwrap().expect("engine exited before listening");
+            if let Some(rest) = line.strip_prefix("kvmesh engine listening on ") {
+                break rest.trim().to_owned();
+            }
+        };
+        let client = reqwest::Client::new();
+        let models: Value = client.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+        assert_eq!(models["data"][0]["max_model_len"], 8192, "{models}");
+        let model = models["data"][0]["id"].as_str().unwrap().to_owned();
+        let long = "hello ".repeat(9000);
+        let r = client
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"model": model, "prompt": long, "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let body: Value = client
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&json!({"model": model, "max_tokens": 32, "temperature": 0,
+                          "messages": [{"role": "user", "content": "What is the capital of France?"}]}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let answer = body["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+        assert!(answer.contains("Paris"), "{body}");
     })
     .await
     .expect("test timed out");
