@@ -5,7 +5,9 @@
 //! endpoints:
 //!   - {name: e0, url: "http://127.0.0.1:8100", p2p: "127.0.0.1:7100", role: both,
 //!      kv_events: {endpoint: "tcp://127.0.0.1:5557", topic: kv-events}}
-//! # or: endpoints_file: fleet.yaml   (watched; changes apply without restart)
+//! # or: endpoints_file: fleet.yaml
+//! # Either list is watched (`kvmesh router --config` watches this file): endpoint changes apply
+//! # without a restart; other settings need one.
 //! plugins:
 //!   - {type: prefix-cache-scorer, name: prefix}
 //! schedulingProfiles:

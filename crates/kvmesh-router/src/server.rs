@@ -45,6 +45,9 @@ pub struct RouterOptions {
     /// Use this prefix lookup (and no KV-event subscription) instead of an index fed by events.
     pub prefix: Option<Arc<dyn PrefixLookup>>,
     pub tokenizer: Option<Arc<dyn Tokenizer>>,
+    /// The file the config was loaded from. Without an `endpoints_file`, its inline `endpoints`
+    /// list is watched and re-applied on change (other settings need a restart).
+    pub config_path: Option<PathBuf>,
 }
 
 /// A running router.
@@ -111,6 +114,7 @@ pub async fn start(
     opts: RouterOptions,
 ) -> Result<RouterHandle, RouterError> {
     config.validate()?;
+    let watched = config.endpoints_file.clone().or(opts.config_path);
     let specs = match &config.endpoints_file {
         Some(path) => load_endpoints_file(path)?,
         None => config.endpoints.clone(),
@@ -195,7 +199,7 @@ pub async fn start(
         metrics,
         cancel.clone(),
     ));
-    if let Some(path) = state.config.endpoints_file.clone() {
+    if let Some(path) = watched {
         watch_endpoints_file(
             path,
             Arc::clone(&state),
@@ -249,8 +253,9 @@ pub fn apply_endpoints(state: &RouterState, feed: &dyn EventFeed, specs: Vec<End
     }
 }
 
-/// Watches the endpoints file's directory (editors replace files by rename) and reloads on change.
-/// A file that fails to parse leaves the current list in place (logged and counted).
+/// Watches the endpoints file's directory (editors replace files by rename) and reloads on change
+/// (the file may be the router config itself: only its `endpoints` list is re-applied). A file
+/// that fails to parse leaves the current list in place (logged and counted).
 fn watch_endpoints_file(
     path: PathBuf,
     state: Arc<RouterState>,

@@ -434,6 +434,40 @@ async fn endpoints_file_changes_apply_without_restart() {
     .unwrap();
 }
 
+/// Endpoints listed inline in the router config (the shipped configs' form) are watched too.
+#[tokio::test]
+async fn inline_endpoint_changes_in_the_config_apply_without_restart() {
+    tokio::time::timeout(LIMIT, async {
+        let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("router.yaml");
+        std::fs::write(&path, format!("seed: 1\n{}", endpoints_yaml(&[&e0]))).unwrap();
+        let config = kvmesh_router::RouterConfig::load(&path).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let options = kvmesh_router::RouterOptions {
+            config_path: Some(path.clone()),
+            ..Default::default()
+        };
+        let r = kvmesh_router::start(config, listener, options)
+            .await
+            .unwrap();
+        let names = |r: &RouterHandle| {
+            r.state
+                .endpoints
+                .list()
+                .iter()
+                .map(|e| e.name.to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(&r), vec!["e0"]);
+        std::fs::write(&path, format!("seed: 1\n{}", endpoints_yaml(&[&e0, &e1]))).unwrap();
+        eventually(10, "e1 added", || names(&r) == vec!["e0", "e1"]).await;
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn cold_requests_spread_across_endpoints() {
     tokio::time::timeout(LIMIT, async {

@@ -29,7 +29,11 @@ pub async fn run(args: RouterCmd) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-    let handle = kvmesh_router::start(config, listener, RouterOptions::default()).await?;
+    let options = RouterOptions {
+        config_path: Some(args.config.clone()),
+        ..RouterOptions::default()
+    };
+    let handle = kvmesh_router::start(config, listener, options).await?;
     println!("listening on http://{}", handle.addr);
     let cancel = handle.cancel_token();
     tokio::spawn(async move {

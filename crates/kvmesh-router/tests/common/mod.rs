@@ -272,6 +272,7 @@ pub async fn start_router(yaml: &str, prefix: Option<Arc<dyn PrefixLookup>>) -> 
         RouterOptions {
             prefix,
             tokenizer: None,
+            config_path: None,
         },
     )
     .await
