@@ -406,28 +406,15 @@ pub async fn route_pd(
             (None, _) => None,
         };
         if let Some(pi) = chosen {
-            let outcome = if history.is_some() || source.is_some() {
-                "pull_named"
-            } else if pcands[pi].any_blocks > 0 {
-                "local_hit"
-            } else {
-                "cold"
-            };
-            s.metrics.placed(
+            let reads = history.is_some() || source.is_some();
+            explain_prefill = Some(placed_leg(
+                &s,
                 &profile.name,
-                &prefillers[pi].name,
-                outcome,
-                decision.p2p.as_ref(),
-            );
-            s.metrics
-                .scheduling_seconds
-                .observe(t0.elapsed().as_secs_f64());
-            explain_prefill = Some(serde_json::json!({
-                "endpoint": prefillers[pi].name.as_ref(),
-                "outcome": outcome,
-                "p2p_source": decision.p2p.as_ref().and_then(|p| p.source_endpoint.clone()),
-                "p2p_why": decision.p2p.as_ref().map(|p| p.why.clone()),
-            }));
+                &pcands[pi],
+                reads,
+                &decision,
+                t0,
+            ));
         }
         record(&s, &rid, kind, &ctx, t0, "pd_prefill", decision);
         if let Some(pi) = chosen {
@@ -476,29 +463,10 @@ pub async fn route_pd(
     } else {
         "decode_only"
     };
-    let mut explain_decode: Option<Value> = None;
-    if let Some(di) = chosen {
-        let outcome = if decode_params.is_some() {
-            "pull_named"
-        } else if dcands[di].any_blocks > 0 {
-            "local_hit"
-        } else {
-            "cold"
-        };
-        s.metrics.placed(
-            &dprofile.name,
-            &decoders[di].name,
-            outcome,
-            decision.p2p.as_ref(),
-        );
-        s.metrics
-            .scheduling_seconds
-            .observe(t0.elapsed().as_secs_f64());
-        explain_decode = Some(serde_json::json!({
-            "endpoint": decoders[di].name.as_ref(),
-            "outcome": outcome,
-        }));
-    }
+    let explain_decode = chosen.map(|di| {
+        let reads = decode_params.is_some();
+        placed_leg(&s, &dprofile.name, &dcands[di], reads, &decision, t0)
+    });
     record(
         &s,
         &rid,
@@ -573,6 +541,36 @@ pub async fn route_pd(
     *resp.status_mut() = status;
     *resp.headers_mut() = resp_headers;
     resp
+}
+
+/// Counts one scheduled leg (placed on `chosen`, reading KV from a peer or not) in the router's
+/// placement metrics; returns its part of the `x-kvmesh-decision` explanation.
+fn placed_leg(
+    s: &RouterState,
+    profile: &str,
+    chosen: &Candidate,
+    reads_from_peer: bool,
+    decision: &crate::scheduler::Decision,
+    t0: Instant,
+) -> Value {
+    let outcome = if reads_from_peer {
+        "pull_named"
+    } else if chosen.any_blocks > 0 {
+        "local_hit"
+    } else {
+        "cold"
+    };
+    let p2p = decision.p2p.as_ref();
+    s.metrics.placed(profile, &chosen.name, outcome, p2p);
+    s.metrics
+        .scheduling_seconds
+        .observe(t0.elapsed().as_secs_f64());
+    serde_json::json!({
+        "endpoint": chosen.name.as_ref(),
+        "outcome": outcome,
+        "p2p_source": p2p.and_then(|p| p.source_endpoint.clone()),
+        "p2p_why": p2p.map(|p| p.why.clone()),
+    })
 }
 
 /// Adds a P/D leg's decision to `/debug/decisions` (outcome `pd_prefill`, `pd_decode` or

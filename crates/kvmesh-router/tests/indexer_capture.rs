@@ -507,39 +507,49 @@ async fn publisher_restart_clears_and_malformed_frames_are_skipped() {
     .expect("test timed out");
 }
 
+/// A publisher with a replay ring, connecting to a loopback port nobody listens on yet: what it
+/// publishes goes into the void (its ring keeps it) until an indexer binds that port.
+async fn replaying_publisher() -> (Publisher, String) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let bind = format!("tcp://127.0.0.1:{port}");
+    let mut pconfig = PublisherConfig::new(&bind, TOPIC);
+    pconfig.replay_endpoint = Some("tcp://127.0.0.1:0".to_owned());
+    (Publisher::start(pconfig).await.unwrap(), bind)
+}
+
+/// An indexer (block size 4) binding `bind` for `publisher`'s events, with its replay endpoint.
+fn replay_indexer(bind: &str, publisher: &Publisher, cancel: &CancellationToken) -> Indexer {
+    let source = EventSource {
+        endpoint: EP,
+        name: EP_NAME.to_owned(),
+        zmq_endpoint: bind.to_owned(),
+        bind: true,
+        topic: TOPIC.to_owned(),
+        replay_endpoint: publisher.replay_endpoint().map(str::to_owned),
+    };
+    let index = Arc::new(PrefixIndex::new(IndexConfig {
+        block_size: 4,
+        ..IndexConfig::default()
+    }));
+    Indexer::start(index, vec![source], cancel.clone())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gaps_are_filled_from_the_replay_endpoint() {
     tokio::time::timeout(Duration::from_secs(30), async {
-        // A port nobody listens on yet: the publisher publishes into the void (its replay ring
-        // keeps the batches), then the indexer binds the port and the publisher connects.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let bind = format!("tcp://127.0.0.1:{port}");
+        // Seqs 1 and 2 go into the void (the ring keeps them) before the indexer binds.
         let (a, b, c): (Vec<u32>, Vec<u32>, Vec<u32>) =
             ((0..8).collect(), (100..108).collect(), (200..208).collect());
         let cancel = CancellationToken::new();
-        let mut pconfig = PublisherConfig::new(&bind, TOPIC);
-        pconfig.replay_endpoint = Some("tcp://127.0.0.1:0".to_owned());
-        let mut publisher = Publisher::start(pconfig).await.unwrap();
+        let (mut publisher, bind) = replaying_publisher().await;
         publisher.set_next_seq(1);
         publisher.publish_payload(store(&a, 10)).await.unwrap();
         publisher.publish_payload(store(&b, 20)).await.unwrap();
-        let source = EventSource {
-            endpoint: EP,
-            name: EP_NAME.to_owned(),
-            zmq_endpoint: bind.clone(),
-            bind: true,
-            topic: TOPIC.to_owned(),
-            replay_endpoint: publisher.replay_endpoint().map(str::to_owned),
-        };
-        let index = Arc::new(PrefixIndex::new(IndexConfig {
-            block_size: 4,
-            ..IndexConfig::default()
-        }));
-        let indexer = Indexer::start(index, vec![source], cancel.clone());
+        let indexer = replay_indexer(&bind, &publisher, &cancel);
         // seq 0 reaches the subscriber first (sent until it does), so 1 and 2 are a gap.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while source_metrics(&indexer).batches == 0 {
@@ -581,33 +591,13 @@ async fn gaps_are_filled_from_the_replay_endpoint() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_joiner_catches_up_from_the_replay_ring() {
     tokio::time::timeout(Duration::from_secs(30), async {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let bind = format!("tcp://127.0.0.1:{port}");
         let (a, b): (Vec<u32>, Vec<u32>) = ((0..8).collect(), (100..108).collect());
         let cancel = CancellationToken::new();
-        let mut pconfig = PublisherConfig::new(&bind, TOPIC);
-        pconfig.replay_endpoint = Some("tcp://127.0.0.1:0".to_owned());
-        let mut publisher = Publisher::start(pconfig).await.unwrap();
+        let (mut publisher, bind) = replaying_publisher().await;
         // Published before any router listens: only the ring keeps them.
         publisher.publish_payload(store(&a, 10)).await.unwrap();
         publisher.publish_payload(store(&b, 20)).await.unwrap();
-        let source = EventSource {
-            endpoint: EP,
-            name: EP_NAME.to_owned(),
-            zmq_endpoint: bind.clone(),
-            bind: true,
-            topic: TOPIC.to_owned(),
-            replay_endpoint: publisher.replay_endpoint().map(str::to_owned),
-        };
-        let index = Arc::new(PrefixIndex::new(IndexConfig {
-            block_size: 4,
-            ..IndexConfig::default()
-        }));
-        let indexer = Indexer::start(index, vec![source], cancel.clone());
+        let indexer = replay_indexer(&bind, &publisher, &cancel);
         // Live batches (empty) until one reaches the subscriber: its seq is past 0.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while source_metrics(&indexer).last_seq.is_none() {

@@ -393,6 +393,16 @@ async fn unhealthy_endpoints_are_ejected_and_readmitted() {
     .unwrap();
 }
 
+/// The router's current endpoints, by name.
+fn endpoint_names(r: &RouterHandle) -> Vec<String> {
+    r.state
+        .endpoints
+        .list()
+        .iter()
+        .map(|e| e.name.to_string())
+        .collect()
+}
+
 #[tokio::test]
 async fn endpoints_file_changes_apply_without_restart() {
     tokio::time::timeout(LIMIT, async {
@@ -402,26 +412,18 @@ async fn endpoints_file_changes_apply_without_restart() {
         std::fs::write(&file, endpoints_yaml(&[&e0])).unwrap();
         let yaml = format!("endpoints_file: {}\n", file.display());
         let r = start_router(&yaml, None).await;
-        let names = |r: &RouterHandle| {
-            r.state
-                .endpoints
-                .list()
-                .iter()
-                .map(|e| e.name.to_string())
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(names(&r), vec!["e0"]);
+        assert_eq!(endpoint_names(&r), vec!["e0"]);
         std::fs::write(&file, endpoints_yaml(&[&e0, &e1])).unwrap();
-        eventually(10, "e1 added", || names(&r) == vec!["e0", "e1"]).await;
+        eventually(10, "e1 added", || endpoint_names(&r) == vec!["e0", "e1"]).await;
         // A broken file leaves the list alone.
         std::fs::write(&file, "endpoints: [{name: x}]").unwrap();
         tokio::time::sleep(Duration::from_millis(400)).await;
-        assert_eq!(names(&r), vec!["e0", "e1"]);
+        assert_eq!(endpoint_names(&r), vec!["e0", "e1"]);
         // Replace by rename (as editors do), dropping e0.
         let tmp = dir.path().join("fleet.yaml.tmp");
         std::fs::write(&tmp, format!("- {{name: e1, url: \"{}\"}}\n", e1.url)).unwrap();
         std::fs::rename(&tmp, &file).unwrap();
-        eventually(10, "e0 removed", || names(&r) == vec!["e1"]).await;
+        eventually(10, "e0 removed", || endpoint_names(&r) == vec!["e1"]).await;
         let resp = post_json(
             &format!("http://{}/v1/completions", r.addr),
             &json!({"prompt": "x"}),
@@ -451,17 +453,9 @@ async fn inline_endpoint_changes_in_the_config_apply_without_restart() {
         let r = kvmesh_router::start(config, listener, options)
             .await
             .unwrap();
-        let names = |r: &RouterHandle| {
-            r.state
-                .endpoints
-                .list()
-                .iter()
-                .map(|e| e.name.to_string())
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(names(&r), vec!["e0"]);
+        assert_eq!(endpoint_names(&r), vec!["e0"]);
         std::fs::write(&path, format!("seed: 1\n{}", endpoints_yaml(&[&e0, &e1]))).unwrap();
-        eventually(10, "e1 added", || names(&r) == vec!["e0", "e1"]).await;
+        eventually(10, "e1 added", || endpoint_names(&r) == vec!["e0", "e1"]).await;
         r.shutdown().await.unwrap();
     })
     .await

@@ -16,6 +16,33 @@ use zeromq::{Socket, SocketRecv, SubSocket};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvmesh");
 
+/// Starts `kvmesh engine --port 0 ARGS` (killed when the child is dropped) and returns it with
+/// its base URL, read from the startup line.
+async fn spawn_engine(args: &[&str]) -> (tokio::process::Child, String) {
+    let mut child = tokio::process::Command::new(BIN)
+        .args(["engine", "--port", "0"])
+        .args(args)
+        .env("PYTHONHASHSEED", "0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines
+            .next_line()
+            .await
+            .unwrap()
+            .expect("engine exited before listening");
+        if let Some(rest) = line.strip_prefix("kvmesh engine listening on ") {
+            // Keep draining: a closed pipe would fail the engine's later prints.
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            return (child, rest.trim().to_owned());
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_binary_serves_completions_and_publishes_kv_events() {
     timeout(Duration::from_secs(60), async {
@@ -23,23 +50,13 @@ async fn engine_binary_serves_completions_and_publishes_kv_events() {
         let ep = sub.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         sub.subscribe("").await.unwrap();
         let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ep, "topic": "kv-events"});
-        let mut child = tokio::process::Command::new(BIN)
-            .args(["engine", "--port", "0", "--served-model-name", "sim-bin", "--backend", "sim"])
-            .args(["--profile", "gpt-oss-120b-h200", "--block-size", "16", "--num-gpu-blocks", "512"])
-            .args(["--cpu-offload-bytes", "2GiB", "--time-scale", "100", "--kv-events-config", &cfg.to_string()])
-            .env("PYTHONHASHSEED", "0")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let base = loop {
-            let line = lines.next_line().await.unwrap().expect("engine exited before listening");
-            if let Some(rest) = line.strip_prefix("kvmesh engine listening on ") {
-                break rest.trim().to_owned();
-            }
-        };
+        let cfg = cfg.to_string();
+        let (mut child, base) = spawn_engine(&[
+            "--served-model-name", "sim-bin", "--backend", "sim", "--profile", "gpt-oss-120b-h200",
+            "--block-size", "16", "--num-gpu-blocks", "512", "--cpu-offload-bytes", "2GiB",
+            "--time-scale", "100", "--kv-events-config", &cfg,
+        ])
+        .await;
         // PUB/SUB slow joiner: probe with resets until their AllBlocksCleared reaches us.
         let client = reqwest::Client::new();
         loop {
@@ -108,20 +125,7 @@ async fn model_engine_binary_answers_and_refuses_prompts_beyond_its_context() {
         return;
     }
     timeout(Duration::from_secs(120), async {
-        let mut child = tokio::process::Command::new(BIN)
-            .args(["engine", "--port", "0", "--backend", "model", "--num-gpu-blocks", "1024"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let base = loop {
-            let line = lines.next_line().await.unwrap().expect("engine exited before listening");
-            if let Some(rest) = line.strip_prefix("kvmesh engine listening on ") {
-                break rest.trim().to_owned();
-            }
-        };
+        let (_child, base) = spawn_engine(&["--backend", "model", "--num-gpu-blocks", "1024"]).await;
         let client = reqwest::Client::new();
         let models: Value = client.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
         assert_eq!(models["data"][0]["max_model_len"], 8192, "{models}");
