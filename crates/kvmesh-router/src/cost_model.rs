@@ -6,11 +6,19 @@
 //! 235K tok/s) and follow observations with an EWMA. Observations are the engines' own timings:
 //! (1) prefill rates from each engine's reported counters between two scrapes — computed prompt
 //! tokens (`vllm:prompt_tokens_by_source_total{source="local_compute"}`) per second of reported
-//! TTFT minus queue time, in intervals without pulled tokens; (2) per request, the time to first
-//! byte of a streamed response on an otherwise idle endpoint (so queueing does not pollute it). A
-//! pull request's TTFT minus the predicted recompute of what it still computed, minus the floor, is
-//! a per-pair pull-rate sample (the only source that knows the pair).
-//! Plain data structure; the gateway feeds it and `/metrics` exports the learned rates.
+//! TTFT minus queue time, in intervals without pulled tokens; (2) destination-level pull rates from
+//! each engine's reported pull counters between two scrapes — blocks pulled in
+//! (`kvmesh_p2p_blocks_total{direction="in"}`) times the block size, per second of reported pull
+//! time (`kvmesh_p2p_pull_duration_seconds_sum`) minus the floor for each pull
+//! (`…_count`). The engine does not say which peer it pulled from, so this rate belongs to the
+//! destination (the engine that pulled) and covers all of its sources; (3) per request, the time
+//! to first byte of a streamed response on an otherwise idle endpoint (so queueing does not
+//! pollute it). A pull request's TTFT minus the predicted recompute of what it still computed,
+//! minus the floor, is a per-pair pull-rate sample (the only source that knows the pair).
+//! [`CostModel::pull_rate`] uses the pair's learned rate if it has one, else the destination's,
+//! else the configured default.
+//! Plain data structure; the gateway and the scrape loop feed it and `/metrics` exports the learned
+//! rates.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -70,6 +78,8 @@ pub struct CostModel {
     params: CostModelParams,
     prefill: RwLock<HashMap<EndpointId, LearnedRate>>,
     pull: RwLock<HashMap<(EndpointId, EndpointId), LearnedRate>>,
+    /// Destination-level pull rates, from the engines' own pull counters (any source).
+    pull_into: RwLock<HashMap<EndpointId, LearnedRate>>,
 }
 
 impl CostModel {
@@ -78,6 +88,7 @@ impl CostModel {
             params,
             prefill: RwLock::new(HashMap::new()),
             pull: RwLock::new(HashMap::new()),
+            pull_into: RwLock::new(HashMap::new()),
         }
     }
 
@@ -94,10 +105,26 @@ impl CostModel {
             })
     }
 
+    /// Pull rate from `source` into `dest`: the pair's learned rate if it has samples, else the
+    /// destination's learned rate (from its own pull counters) if it has samples, else the default.
     pub fn pull_rate(&self, source: EndpointId, dest: EndpointId) -> f64 {
-        self.pull
+        if let Some(r) = self
+            .pull
             .read()
             .get(&(source, dest))
+            .filter(|r| r.samples > 0)
+        {
+            return r.tokens_per_second;
+        }
+        self.pull_rate_into(dest)
+    }
+
+    /// Pull rate into `dest` from any source: its learned rate if it has samples, else the default.
+    pub fn pull_rate_into(&self, dest: EndpointId) -> f64 {
+        self.pull_into
+            .read()
+            .get(&dest)
+            .filter(|r| r.samples > 0)
             .map_or(self.params.pull_tokens_per_second, |r| r.tokens_per_second)
     }
 
@@ -129,6 +156,25 @@ impl CostModel {
         true
     }
 
+    /// Learns a destination-level pull-rate sample: `dest` pulled `tokens` tokens of KV (from any
+    /// source) in `time`, the per-pull floor already taken out (from the engine's own pull
+    /// counters between two scrapes).
+    pub fn observe_pull_rate_into(&self, dest: EndpointId, tokens: u64, time: Duration) -> bool {
+        let secs = time.as_secs_f64();
+        if tokens < self.params.min_sample_tokens || secs <= 0.0 {
+            return false;
+        }
+        let default = self.params.pull_tokens_per_second;
+        update(
+            &mut self.pull_into.write(),
+            dest,
+            tokens as f64 / secs,
+            default,
+            self.params.ewma_alpha,
+        );
+        true
+    }
+
     /// Learns from one observed prefill. Returns whether a rate was updated.
     pub fn observe(&self, obs: Observation) -> bool {
         let ttft_ms = obs.ttft.as_secs_f64() * 1000.0;
@@ -149,7 +195,8 @@ impl CostModel {
                     return false;
                 }
                 let sample = pulled as f64 / (transfer_ms / 1000.0);
-                let default = self.params.pull_tokens_per_second;
+                // A new pair starts from the destination's learned rate (the 10× bound applies to it).
+                let default = self.pull_rate_into(obs.endpoint);
                 update(
                     &mut self.pull.write(),
                     (source, obs.endpoint),
@@ -176,9 +223,22 @@ impl CostModel {
         v
     }
 
+    /// Learned destination-level pull rates (dest → rate, observed endpoints only), sorted.
+    pub fn pull_into_rates(&self) -> Vec<(EndpointId, LearnedRate)> {
+        let mut v: Vec<_> = self
+            .pull_into
+            .read()
+            .iter()
+            .map(|(k, r)| (*k, *r))
+            .collect();
+        v.sort_by_key(|(k, _)| *k);
+        v
+    }
+
     /// Drops everything learned about an endpoint that left the fleet.
     pub fn forget_endpoint(&self, endpoint: EndpointId) {
         self.prefill.write().remove(&endpoint);
+        self.pull_into.write().remove(&endpoint);
         self.pull
             .write()
             .retain(|(s, d), _| *s != endpoint && *d != endpoint);
@@ -279,6 +339,40 @@ mod tests {
         assert_eq!(m.pull_rate(A, B), 235_000.0);
         m.forget_endpoint(B);
         assert_eq!(m.pull_rate(B, A), 235_000.0);
+    }
+
+    #[test]
+    fn pull_rate_falls_back_pair_then_destination_then_default() {
+        const C: EndpointId = EndpointId(2);
+        let m = CostModel::new(CostModelParams::default());
+        assert_eq!(m.pull_rate(B, A), 235_000.0);
+        // Too few tokens, or no time: ignored.
+        assert!(!m.observe_pull_rate_into(A, 100, Duration::from_millis(1)));
+        assert!(!m.observe_pull_rate_into(A, 100_000, Duration::ZERO));
+        assert_eq!(m.pull_rate_into(A), 235_000.0);
+        // A's own counters: 100,000 tokens in 1 s → every source into A defaults to 100K tok/s.
+        assert!(m.observe_pull_rate_into(A, 100_000, Duration::from_secs(1)));
+        assert!((m.pull_rate_into(A) - 100_000.0).abs() < 1e-9);
+        assert!((m.pull_rate(B, A) - 100_000.0).abs() < 1e-9);
+        assert!((m.pull_rate(C, A) - 100_000.0).abs() < 1e-9);
+        // Other destinations keep the default.
+        assert_eq!(m.pull_rate(A, B), 235_000.0);
+        // Second sample: 0.2·200,000 + 0.8·100,000 = 120,000.
+        m.observe_pull_rate_into(A, 100_000, Duration::from_millis(500));
+        assert!((m.pull_rate_into(A) - 120_000.0).abs() < 1e-6);
+        // A learned pair rate wins over the destination's: B → A at 256K tok/s (see above).
+        m.observe(Observation {
+            endpoint: A,
+            computed_tokens: 0,
+            pulled: Some((B, 4096)),
+            ttft: Duration::from_millis(42),
+        });
+        assert!((m.pull_rate(B, A) - 256_000.0).abs() < 1e-6);
+        assert!((m.pull_rate(C, A) - 120_000.0).abs() < 1e-6);
+        assert_eq!(m.pull_into_rates().len(), 1);
+        m.forget_endpoint(A);
+        assert_eq!(m.pull_rate(C, A), 235_000.0);
+        assert!(m.pull_into_rates().is_empty());
     }
 
     #[test]

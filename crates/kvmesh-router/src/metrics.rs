@@ -62,6 +62,7 @@ pub struct RouterMetrics {
     healthy: Family<EndpointLabel, Gauge>,
     prefill_rate: Family<EndpointLabel, FGauge>,
     pull_rate: Family<PairLabel, FGauge>,
+    pull_rate_into: Family<EndpointLabel, FGauge>,
 }
 
 impl RouterMetrics {
@@ -108,6 +109,7 @@ impl RouterMetrics {
             healthy: Family::default(),
             prefill_rate: Family::default(),
             pull_rate: Family::default(),
+            pull_rate_into: Family::default(),
         };
         let r = registry;
         r.register(
@@ -185,6 +187,11 @@ impl RouterMetrics {
             "Cost model: learned P2P pull rate per (source, dest)",
             m.pull_rate.clone(),
         );
+        r.register(
+            "kvmesh_router_pull_rate_into_tokens_per_second",
+            "Cost model: learned P2P pull rate per destination, from the engine's own pull counters (used for pairs without their own rate)",
+            m.pull_rate_into.clone(),
+        );
         m
     }
 
@@ -213,6 +220,7 @@ impl RouterMetrics {
             f.clear();
         }
         self.pull_rate.clear();
+        self.pull_rate_into.clear();
         let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for e in list.iter() {
             let l = EndpointLabel {
@@ -245,6 +253,13 @@ impl RouterMetrics {
             if let (Some(source), Some(dest)) = (name(s), name(d)) {
                 self.pull_rate
                     .get_or_create(&PairLabel { source, dest })
+                    .set(rate.tokens_per_second);
+            }
+        }
+        for (d, rate) in cost.pull_into_rates() {
+            if let Some(endpoint) = name(d) {
+                self.pull_rate_into
+                    .get_or_create(&EndpointLabel { endpoint })
                     .set(rate.tokens_per_second);
             }
         }

@@ -136,8 +136,105 @@ pub fn prefill_sample(prev: &PrefillCounters, now: &PrefillCounters) -> Option<(
     Some((tokens as u64, Duration::from_secs_f64(secs)))
 }
 
-/// Scrapes every endpoint's `/metrics` each `interval` until cancelled: queue and KV-usage gauges
-/// for the scorers, and the engines' own prefill timings for the cost model.
+/// Counters an engine reports about the KV it pulled from peers (kvmesh-transfer consumer side),
+/// summed over series, plus the engine's block size if it reports one.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PullCounters {
+    /// `kvmesh_p2p_pull_duration_seconds_sum`: wall time of pulls, connect to last block.
+    pub duration_seconds: f64,
+    /// `kvmesh_p2p_pull_duration_seconds_count`: pulls (any outcome).
+    pub pulls: f64,
+    /// `kvmesh_p2p_blocks_total{direction="in"}`: blocks pulled.
+    pub blocks_in: f64,
+    /// Tokens per block, from vLLM's `vllm:cache_config_info{block_size="…"}` if exported.
+    pub block_size: Option<u64>,
+}
+
+/// Reads [`PullCounters`]; absent series count as 0 (an engine without P2P exports none).
+pub fn parse_pull_counters(text: &str) -> PullCounters {
+    let mut c = PullCounters::default();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        let name = &line[..name_end];
+        let (labels, rest) = match line[name_end..].rfind('}') {
+            Some(i) => (&line[name_end..name_end + i + 1], &line[name_end + i + 1..]),
+            None => ("", &line[name_end..]),
+        };
+        let Some(v) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        else {
+            continue;
+        };
+        if !v.is_finite() {
+            continue;
+        }
+        match name {
+            "kvmesh_p2p_pull_duration_seconds_sum" => c.duration_seconds += v,
+            "kvmesh_p2p_pull_duration_seconds_count" => c.pulls += v,
+            "kvmesh_p2p_blocks_total" if labels.contains("direction=\"in\"") => c.blocks_in += v,
+            "vllm:cache_config_info" => {
+                if let Some(bs) = label_value(labels, "block_size").and_then(|v| v.parse().ok())
+                    && bs > 0
+                {
+                    c.block_size = Some(bs);
+                }
+            }
+            _ => {}
+        }
+    }
+    c
+}
+
+/// The value of label `key` in a `{k="v",…}` set (exact key: `block_size` does not match
+/// `mamba_block_size`). Values containing `",` are not handled (not needed for numbers).
+fn label_value<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let inner = labels.strip_prefix('{')?.strip_suffix('}')?;
+    inner.split("\",").find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// A destination-level pull-rate sample from two scrapes of the engine that pulled: `(tokens,
+/// time)` with tokens = Δblocks in × tokens per block and time = Δpull seconds − `floor` × Δpulls
+/// (the fixed per-pull cost the cost model adds separately), clamped at 1 ms. Tokens per block
+/// are the engine's reported block size if it reports one, else `default_block_tokens` (the
+/// router's `block_size`, which must match the fleet's for its KV-event hashes to line up anyway).
+/// `None` without new blocks or time, or if a counter went back (engine restart).
+pub fn pull_sample(
+    prev: &PullCounters,
+    now: &PullCounters,
+    default_block_tokens: u64,
+    floor: Duration,
+) -> Option<(u64, Duration)> {
+    let blocks = now.blocks_in - prev.blocks_in;
+    let secs = now.duration_seconds - prev.duration_seconds;
+    let pulls = now.pulls - prev.pulls;
+    if blocks <= 0.0 || secs <= 0.0 || pulls < 0.0 {
+        return None;
+    }
+    let block_tokens = now.block_size.unwrap_or(default_block_tokens) as f64;
+    let time = (secs - floor.as_secs_f64() * pulls).max(MIN_PULL_SAMPLE_SECS);
+    Some((
+        (blocks * block_tokens) as u64,
+        Duration::from_secs_f64(time),
+    ))
+}
+
+/// Floor of a pull sample's time, so a pull that seemingly took no time beyond the floor yields a
+/// large (and then 10×-bounded) rate instead of a division by zero.
+const MIN_PULL_SAMPLE_SECS: f64 = 0.001;
+
+/// Tokens per block assumed by [`scrape_loop`] for engines that do not report their block size
+/// (the router config's default `block_size`).
+pub const DEFAULT_BLOCK_TOKENS: usize = 16;
+
+/// [`scrape_loop_with_block_size`] with [`DEFAULT_BLOCK_TOKENS`] as the router's block size.
 pub async fn scrape_loop(
     endpoints: Arc<EndpointSet>,
     client: reqwest::Client,
@@ -145,9 +242,35 @@ pub async fn scrape_loop(
     cost_model: Arc<CostModel>,
     cancel: CancellationToken,
 ) {
+    scrape_loop_with_block_size(
+        endpoints,
+        client,
+        interval,
+        cost_model,
+        DEFAULT_BLOCK_TOKENS,
+        cancel,
+    )
+    .await;
+}
+
+/// Scrapes every endpoint's `/metrics` each `interval` until cancelled: queue and KV-usage gauges
+/// for the scorers, and the engines' own prefill and pull timings for the cost model.
+/// `block_size` (the router config's) converts pulled blocks to tokens for engines that do not
+/// report their own block size.
+pub async fn scrape_loop_with_block_size(
+    endpoints: Arc<EndpointSet>,
+    client: reqwest::Client,
+    interval: Duration,
+    cost_model: Arc<CostModel>,
+    block_size: usize,
+    cancel: CancellationToken,
+) {
     let mut tick = tokio::time::interval(interval.max(Duration::from_millis(10)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let previous: Mutex<HashMap<EndpointId, PrefillCounters>> = Mutex::new(HashMap::new());
+    let previous: Mutex<HashMap<EndpointId, (PrefillCounters, PullCounters)>> =
+        Mutex::new(HashMap::new());
+    let block_tokens = block_size as u64;
+    let floor = Duration::from_secs_f64(cost_model.params().pull_floor_ms.max(0.0) / 1000.0);
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -177,10 +300,15 @@ pub async fn scrape_loop(
                 };
                 e.set_metrics(m);
                 {
-                    let now = parse_prefill_counters(&text);
+                    let now = (parse_prefill_counters(&text), parse_pull_counters(&text));
                     let prev = previous.lock().insert(e.id, now);
-                    if let Some((tokens, time)) = prev.and_then(|p| prefill_sample(&p, &now)) {
+                    if let Some((tokens, time)) = prev.and_then(|p| prefill_sample(&p.0, &now.0)) {
                         cost_model.observe_prefill_rate(e.id, tokens, time);
+                    }
+                    if let Some((tokens, time)) =
+                        prev.and_then(|p| pull_sample(&p.1, &now.1, block_tokens, floor))
+                    {
+                        cost_model.observe_pull_rate_into(e.id, tokens, time);
                     }
                 }
             }
@@ -275,6 +403,83 @@ mod tests {
             parse_prefill_counters("vllm:num_requests_waiting 1\n"),
             PrefillCounters::default()
         );
+    }
+
+    #[test]
+    fn parses_pull_counters_from_engine_exposition() {
+        // As kvmesh-engine renders them (registry labels, histogram buckets, both directions).
+        let text = "# HELP kvmesh_p2p_blocks KV blocks moved over P2P\n\
+            # TYPE kvmesh_p2p_blocks counter\n\
+            kvmesh_p2p_blocks_total{model_name=\"m\",engine=\"0\",direction=\"in\"} 40\n\
+            kvmesh_p2p_blocks_total{model_name=\"m\",engine=\"0\",direction=\"out\"} 7\n\
+            # TYPE kvmesh_p2p_pull_duration_seconds histogram\n\
+            kvmesh_p2p_pull_duration_seconds_sum{model_name=\"m\",engine=\"0\"} 0.25\n\
+            kvmesh_p2p_pull_duration_seconds_count{model_name=\"m\",engine=\"0\"} 3\n\
+            kvmesh_p2p_pull_duration_seconds_bucket{le=\"0.001\",model_name=\"m\",engine=\"0\"} 0\n\
+            # EOF\n";
+        assert_eq!(
+            parse_pull_counters(text),
+            PullCounters {
+                duration_seconds: 0.25,
+                pulls: 3.0,
+                blocks_in: 40.0,
+                block_size: None,
+            }
+        );
+        // vLLM reports its block size; `mamba_block_size` and friends are other labels.
+        let vllm = "vllm:cache_config_info{_block_size_resolved=\"True\",block_size=\"32\",engine=\"0\",mamba_block_size=\"None\"} 1.0\n";
+        assert_eq!(parse_pull_counters(vllm).block_size, Some(32));
+        let fixture = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/vllm-fixtures/metrics.txt"
+        ))
+        .expect("fixture");
+        assert_eq!(parse_pull_counters(&fixture).block_size, Some(32));
+        assert_eq!(
+            parse_pull_counters("vllm:num_requests_waiting 1\n"),
+            PullCounters::default()
+        );
+    }
+
+    #[test]
+    fn pull_rate_sample_from_engine_counters() {
+        let c = |secs: f64, pulls: f64, blocks: f64, bs: Option<u64>| PullCounters {
+            duration_seconds: secs,
+            pulls,
+            blocks_in: blocks,
+            block_size: bs,
+        };
+        let floor = Duration::from_millis(26);
+        let a = c(1.0, 10.0, 1000.0, None);
+        // 2 pulls, 640 blocks × 16 tokens in 0.152 s − 2 × 26 ms floor = 0.1 s.
+        let b = c(1.152, 12.0, 1640.0, None);
+        let (tokens, time) = pull_sample(&a, &b, 16, floor).expect("sample");
+        assert_eq!(tokens, 10_240);
+        assert!((time.as_secs_f64() - 0.1).abs() < 1e-9, "{time:?}");
+        // The engine's reported block size wins over the router's.
+        let b32 = c(1.152, 12.0, 1640.0, Some(32));
+        assert_eq!(pull_sample(&a, &b32, 16, floor).map(|s| s.0), Some(20_480));
+        // All time within the floor: clamped to 1 ms, not zero or negative.
+        let fast = c(1.01, 11.0, 1100.0, None);
+        assert_eq!(
+            pull_sample(&a, &fast, 16, floor).map(|s| s.1),
+            Some(Duration::from_millis(1))
+        );
+        // No new blocks, no time, or a counter reset (engine restarted): no sample.
+        assert_eq!(pull_sample(&a, &a, 16, floor), None);
+        assert_eq!(
+            pull_sample(&a, &c(1.0, 11.0, 1100.0, None), 16, floor),
+            None
+        );
+        assert_eq!(pull_sample(&b, &a, 16, floor), None);
+        assert_eq!(pull_sample(&b, &c(0.05, 1.0, 64.0, None), 16, floor), None);
+        // Wired into the cost model: below `min_sample_tokens` is skipped.
+        let m = CostModel::new(crate::cost_model::CostModelParams::default());
+        let id = EndpointId(3);
+        let small = pull_sample(&a, &c(1.1, 11.0, 1010.0, None), 16, floor).expect("sample");
+        assert!(!m.observe_pull_rate_into(id, small.0, small.1));
+        assert!(m.observe_pull_rate_into(id, tokens, time));
+        assert!((m.pull_rate_into(id) - 102_400.0).abs() < 1e-3);
     }
 
     #[test]
