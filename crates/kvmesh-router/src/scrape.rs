@@ -230,34 +230,11 @@ pub fn pull_sample(
 /// large (and then 10×-bounded) rate instead of a division by zero.
 const MIN_PULL_SAMPLE_SECS: f64 = 0.001;
 
-/// Tokens per block assumed by [`scrape_loop`] for engines that do not report their block size
-/// (the router config's default `block_size`).
-pub const DEFAULT_BLOCK_TOKENS: usize = 16;
-
-/// [`scrape_loop_with_block_size`] with [`DEFAULT_BLOCK_TOKENS`] as the router's block size.
-pub async fn scrape_loop(
-    endpoints: Arc<EndpointSet>,
-    client: reqwest::Client,
-    interval: Duration,
-    cost_model: Arc<CostModel>,
-    cancel: CancellationToken,
-) {
-    scrape_loop_with_block_size(
-        endpoints,
-        client,
-        interval,
-        cost_model,
-        DEFAULT_BLOCK_TOKENS,
-        cancel,
-    )
-    .await;
-}
-
 /// Scrapes every endpoint's `/metrics` each `interval` until cancelled: queue and KV-usage gauges
 /// for the scorers, and the engines' own prefill and pull timings for the cost model.
 /// `block_size` (the router config's) converts pulled blocks to tokens for engines that do not
 /// report their own block size.
-pub async fn scrape_loop_with_block_size(
+pub async fn scrape_loop(
     endpoints: Arc<EndpointSet>,
     client: reqwest::Client,
     interval: Duration,

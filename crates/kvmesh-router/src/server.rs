@@ -190,6 +190,7 @@ pub async fn start(
         client.clone(),
         state.config.metrics_scrape_interval,
         Arc::clone(&state.cost_model),
+        state.config.block_size,
         cancel.clone(),
     ));
     tracker.spawn(health_loop(
