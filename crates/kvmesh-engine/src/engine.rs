@@ -164,7 +164,7 @@ struct HandleInner {
     counters: Arc<SharedCounters>,
     layout: KvLayout,
     backend_name: String,
-    modelled_pull: Box<dyn Fn(usize) -> Option<Duration> + Send + Sync>,
+    modelled_pull: Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync>,
     next_id: std::sync::atomic::AtomicU64,
 }
 
@@ -290,6 +290,14 @@ impl EngineHandle {
     /// The backend's modelled pull time for `tokens` (sim only).
     pub fn modelled_pull_time(&self, tokens: usize) -> Option<Duration> {
         (self.inner.modelled_pull)(tokens)
+    }
+
+    /// [`EngineHandle::modelled_pull_time`] of `blocks` full blocks, as a shareable function
+    /// (for the P2P client's duration metric).
+    pub fn modelled_block_pull_time(&self) -> Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync> {
+        let per_token = Arc::clone(&self.inner.modelled_pull);
+        let block_size = self.inner.config.block_size;
+        Arc::new(move |blocks| per_token(blocks * block_size))
     }
 
     /// Event hashes of every full block of `tokens`.
@@ -423,8 +431,8 @@ pub fn build_engine(
         .map(|i| i * 256)
         .map(|t| (t, backend.modelled_pull_time(t)))
         .collect();
-    let modelled_pull: Box<dyn Fn(usize) -> Option<Duration> + Send + Sync> =
-        Box::new(move |tokens| interpolate_pull(&pull_table, tokens));
+    let modelled_pull: Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync> =
+        Arc::new(move |tokens| interpolate_pull(&pull_table, tokens));
     let inner = Arc::new(HandleInner {
         config: config.clone(),
         tokenizer,

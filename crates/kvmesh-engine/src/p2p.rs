@@ -26,7 +26,7 @@ use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint, RemoteKvSource, TokenId};
 use kvmesh_transfer::{
     AllowList, AllowListError, BlockSink, BlockSource, BlockStatus as WireStatus, ClientConfig,
-    PeerAddr, ProducerServer, PullClient, PullReport, ServerConfig, SinkError,
+    ModelledDuration, PeerAddr, ProducerServer, PullClient, PullReport, ServerConfig, SinkError,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -261,6 +261,7 @@ impl P2pConsumer {
                 pending_deadline: cfg.pending_deadline,
                 secret: cfg.secret.clone(),
                 metrics: engine.metrics().p2p.clone(),
+                modelled_duration: Some(ModelledDuration(engine.modelled_block_pull_time())),
                 ..ClientConfig::default()
             },
         );

@@ -418,3 +418,32 @@ async fn bad_p2p_settings_fail_the_start() {
     .await
     .expect("test timed out");
 }
+
+/// On the sim backend a pull costs its modelled transfer time, however fast loopback is, and the
+/// pull-duration histogram says so: a router learning pull rates from it must see the modelled
+/// link, not loopback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sim_pull_durations_report_the_modelled_link() {
+    timeout(Duration::from_secs(60), async {
+        let a = start_engine(p2p_config(), PROFILE, 1000.0, 32).await;
+        let a_p2p = a.p2p_addr.unwrap().port();
+        // Real time on the consumer: the modelled pull of 640 tokens is tens of ms.
+        let b = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        let prefix = tokens(31, 640);
+        complete(a.addr, &prefix, 1, None).await;
+        let mut prompt = prefix.clone();
+        prompt.extend(tokens(32, 100));
+        let got = complete(b.addr, &prompt, 1, Some(source(a_p2p))).await;
+        assert_eq!(cached_tokens(&got), 640, "{got}");
+        let modelled = b.engine.modelled_pull_time(640).unwrap().as_secs_f64();
+        let reported = scrape_metric(b.addr, "kvmesh_p2p_pull_duration_seconds_sum", "").await;
+        assert!(
+            reported >= modelled * 0.99,
+            "reported {reported} s < modelled {modelled} s"
+        );
+        b.shutdown().await;
+        a.shutdown().await;
+    })
+    .await
+    .expect("test timed out");
+}

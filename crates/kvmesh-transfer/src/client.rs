@@ -226,6 +226,21 @@ pub struct ClientConfig {
     /// Overall bound on one `pull` (None = only the per-step `timeout`).
     pub max_pull_duration: Option<Duration>,
     pub metrics: TransferMetrics,
+    /// Time-modelled consumers (the sim backend): the modelled transfer time of n blocks. The
+    /// consumer holds a pulled prefix until then, so `kvmesh_p2p_pull_duration_seconds` records
+    /// the longer of the wall time and this — what a request experienced, and what a router
+    /// learning pull rates from these counters must see (loopback is faster than the model).
+    pub modelled_duration: Option<ModelledDuration>,
+}
+
+/// Modelled transfer time of a number of blocks (see [`ClientConfig::modelled_duration`]).
+#[derive(Clone)]
+pub struct ModelledDuration(pub std::sync::Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync>);
+
+impl std::fmt::Debug for ModelledDuration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ModelledDuration(..)")
+    }
 }
 
 impl Default for ClientConfig {
@@ -239,6 +254,7 @@ impl Default for ClientConfig {
             max_idle_per_peer: 4,
             max_pull_duration: None,
             metrics: TransferMetrics::default(),
+            modelled_duration: None,
         }
     }
 }
@@ -370,9 +386,15 @@ impl PullClient {
             Err(reason) => PullOutcome::Failed { reason },
         };
         let duration = start.elapsed();
+        let experienced = match &self.config.modelled_duration {
+            Some(m) if progress.blocks > 0 => {
+                (m.0)(progress.blocks).map_or(duration, |d| d.max(duration))
+            }
+            _ => duration,
+        };
         self.config
             .metrics
-            .record_pull(&outcome, duration.as_secs_f64());
+            .record_pull(&outcome, experienced.as_secs_f64());
         if let Some(reason) = outcome.reason() {
             if *reason == PullReason::Protocol {
                 self.config.metrics.record_protocol_error(Direction::In);

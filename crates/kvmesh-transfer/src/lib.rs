@@ -22,7 +22,7 @@ pub mod server;
 pub mod source;
 
 pub use auth::Secret;
-pub use client::{AllowList, AllowListError, ClientConfig, PeerAddr, PullClient};
+pub use client::{AllowList, AllowListError, ClientConfig, ModelledDuration, PeerAddr, PullClient};
 pub use metrics::{Direction, TransferMetrics};
 pub use report::{PullOutcome, PullReason, PullReport};
 pub use server::{ProducerServer, ServerConfig};
