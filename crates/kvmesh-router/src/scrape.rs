@@ -83,30 +83,27 @@ pub struct PrefillCounters {
     pub external_tokens: f64,
 }
 
+/// The finite samples of an exposition page as `(name, "{labels}" or "", value)`; comments and
+/// lines that do not parse are skipped.
+fn samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|line| {
+            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+            let (labels, rest) = match line[name_end..].rfind('}') {
+                Some(i) => (&line[name_end..name_end + i + 1], &line[name_end + i + 1..]),
+                None => ("", &line[name_end..]),
+            };
+            let v = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+            v.is_finite().then_some((&line[..name_end], labels, v))
+        })
+}
+
 /// Reads [`PrefillCounters`]; absent series count as 0 (an engine that has served nothing yet
 /// exports no labelled counters), so call it on pages that are engine metrics.
 pub fn parse_prefill_counters(text: &str) -> PrefillCounters {
     let mut c = PrefillCounters::default();
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-        let name = &line[..name_end];
-        let (labels, rest) = match line[name_end..].rfind('}') {
-            Some(i) => (&line[name_end..name_end + i + 1], &line[name_end + i + 1..]),
-            None => ("", &line[name_end..]),
-        };
-        let Some(v) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        else {
-            continue;
-        };
-        if !v.is_finite() {
-            continue;
-        }
+    for (name, labels, v) in samples(text) {
         match name {
             "vllm:time_to_first_token_seconds_sum" => c.ttft_seconds += v,
             "vllm:request_queue_time_seconds_sum" => c.queue_seconds += v,
@@ -153,26 +150,7 @@ pub struct PullCounters {
 /// Reads [`PullCounters`]; absent series count as 0 (an engine without P2P exports none).
 pub fn parse_pull_counters(text: &str) -> PullCounters {
     let mut c = PullCounters::default();
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-        let name = &line[..name_end];
-        let (labels, rest) = match line[name_end..].rfind('}') {
-            Some(i) => (&line[name_end..name_end + i + 1], &line[name_end + i + 1..]),
-            None => ("", &line[name_end..]),
-        };
-        let Some(v) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        else {
-            continue;
-        };
-        if !v.is_finite() {
-            continue;
-        }
+    for (name, labels, v) in samples(text) {
         match name {
             "kvmesh_p2p_pull_duration_seconds_sum" => c.duration_seconds += v,
             "kvmesh_p2p_pull_duration_seconds_count" => c.pulls += v,
