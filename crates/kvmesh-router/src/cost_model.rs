@@ -141,38 +141,42 @@ impl CostModel {
     /// Learns a prefill-rate sample: `tokens` computed in `time` (from the router's view of a
     /// request, or from the engine's own counters between two scrapes).
     pub fn observe_prefill_rate(&self, endpoint: EndpointId, tokens: u64, time: Duration) -> bool {
-        let secs = time.as_secs_f64();
-        if tokens < self.params.min_sample_tokens || secs <= 0.0 {
-            return false;
+        let rate = self.sample_rate(tokens, time);
+        if let Some(rate) = rate {
+            let default = self.params.prefill_tokens_per_second;
+            update(
+                &mut self.prefill.write(),
+                endpoint,
+                rate,
+                default,
+                self.params.ewma_alpha,
+            );
         }
-        let default = self.params.prefill_tokens_per_second;
-        update(
-            &mut self.prefill.write(),
-            endpoint,
-            tokens as f64 / secs,
-            default,
-            self.params.ewma_alpha,
-        );
-        true
+        rate.is_some()
+    }
+
+    /// `tokens / time`, if the sample is big enough to learn from.
+    fn sample_rate(&self, tokens: u64, time: Duration) -> Option<f64> {
+        let secs = time.as_secs_f64();
+        (tokens >= self.params.min_sample_tokens && secs > 0.0).then(|| tokens as f64 / secs)
     }
 
     /// Learns a destination-level pull-rate sample: `dest` pulled `tokens` tokens of KV (from any
     /// source) in `time`, the per-pull floor already taken out (from the engine's own pull
     /// counters between two scrapes).
     pub fn observe_pull_rate_into(&self, dest: EndpointId, tokens: u64, time: Duration) -> bool {
-        let secs = time.as_secs_f64();
-        if tokens < self.params.min_sample_tokens || secs <= 0.0 {
-            return false;
+        let rate = self.sample_rate(tokens, time);
+        if let Some(rate) = rate {
+            let default = self.params.pull_tokens_per_second;
+            update(
+                &mut self.pull_into.write(),
+                dest,
+                rate,
+                default,
+                self.params.ewma_alpha,
+            );
         }
-        let default = self.params.pull_tokens_per_second;
-        update(
-            &mut self.pull_into.write(),
-            dest,
-            tokens as f64 / secs,
-            default,
-            self.params.ewma_alpha,
-        );
-        true
+        rate.is_some()
     }
 
     /// Learns from one observed prefill. Returns whether a rate was updated.
