@@ -4,44 +4,17 @@
 //! answering a chat question over HTTP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use kvmesh_core::events::{KvEvent, Medium, decode_batch};
 use kvmesh_core::{BlockHasher, HashAlgo};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::time::timeout;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvmesh");
+mod common;
 
-/// Starts `kvmesh engine --port 0 ARGS` (killed when the child is dropped) and returns it with
-/// its base URL, read from the startup line.
-async fn spawn_engine(args: &[&str]) -> (tokio::process::Child, String) {
-    let mut child = tokio::process::Command::new(BIN)
-        .args(["engine", "--port", "0"])
-        .args(args)
-        .env("PYTHONHASHSEED", "0")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    loop {
-        let line = lines
-            .next_line()
-            .await
-            .unwrap()
-            .expect("engine exited before listening");
-        if let Some(rest) = line.strip_prefix("kvmesh engine listening on ") {
-            // Keep draining: a closed pipe would fail the engine's later prints.
-            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-            return (child, rest.trim().to_owned());
-        }
-    }
-}
+use common::spawn_engine;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_binary_serves_completions_and_publishes_kv_events() {
@@ -51,12 +24,13 @@ async fn engine_binary_serves_completions_and_publishes_kv_events() {
         sub.subscribe("").await.unwrap();
         let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ep, "topic": "kv-events"});
         let cfg = cfg.to_string();
-        let (mut child, base) = spawn_engine(&[
+        let mut engine = spawn_engine([
             "--served-model-name", "sim-bin", "--backend", "sim", "--profile", "gpt-oss-120b-h200",
             "--block-size", "16", "--num-gpu-blocks", "512", "--cpu-offload-bytes", "2GiB",
             "--time-scale", "100", "--kv-events-config", &cfg,
         ])
         .await;
+        let base = engine.http.clone();
         // PUB/SUB slow joiner: probe with resets until their AllBlocksCleared reaches us.
         let client = reqwest::Client::new();
         loop {
@@ -104,7 +78,7 @@ async fn engine_binary_serves_completions_and_publishes_kv_events() {
         assert_eq!(st.token_ids, prompt[..96].to_vec());
         let metrics = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
         assert!(metrics.contains("vllm:prefix_cache_hits_total{model_name=\"sim-bin\",engine=\"0\"} 96"), "{metrics}");
-        child.kill().await.unwrap();
+        engine.child.kill().await.unwrap();
     })
     .await
     .expect("test timed out");
@@ -125,7 +99,8 @@ async fn model_engine_binary_answers_and_refuses_prompts_beyond_its_context() {
         return;
     }
     timeout(Duration::from_secs(120), async {
-        let (_child, base) = spawn_engine(&["--backend", "model", "--num-gpu-blocks", "1024"]).await;
+        let engine = spawn_engine(["--backend", "model", "--num-gpu-blocks", "1024"]).await;
+        let base = engine.http.clone();
         let client = reqwest::Client::new();
         let models: Value = client.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
         assert_eq!(models["data"][0]["max_model_len"], 8192, "{models}");

@@ -3,78 +3,45 @@
 //! from `--p2p-secret-file`; a peer with another secret is refused and B computes instead.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Child;
 use tokio::time::timeout;
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvmesh");
+mod common;
 
-struct Engine {
-    _child: Child,
-    http: String,
-    p2p_port: u16,
-}
+use common::{EngineProcess, spawn_engine};
 
-async fn engine(secret: &std::path::Path) -> Engine {
-    let mut child = tokio::process::Command::new(BIN)
-        .args([
-            "engine",
-            "--port",
-            "0",
-            "--served-model-name",
-            "sim-bin",
-            "--backend",
-            "sim",
-        ])
-        .args([
-            "--profile",
-            "gpt-oss-120b-h200",
-            "--block-size",
-            "16",
-            "--num-gpu-blocks",
-            "512",
-        ])
-        .args(["--cpu-offload-bytes", "64MiB", "--time-scale", "100"])
-        .args([
-            "--p2p-port",
-            "0",
-            "--p2p-allowed-peers",
-            "127.0.0.1",
-            "--p2p-timeout-ms",
-            "2000",
-        ])
-        .arg("--p2p-secret-file")
-        .arg(secret)
-        .env("PYTHONHASHSEED", "0")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (mut http, mut p2p) = (None, None);
-    while http.is_none() || p2p.is_none() {
-        let line = lines
-            .next_line()
-            .await
-            .unwrap()
-            .expect("engine exited before listening");
-        if let Some(rest) = line.strip_prefix("kvmesh engine listening on ") {
-            http = Some(rest.trim().to_owned());
-        } else if let Some(rest) = line.strip_prefix("kvmesh engine p2p listening on ") {
-            let addr: std::net::SocketAddr = rest.trim().parse().unwrap();
-            p2p = Some(addr.port());
-        }
-    }
-    Engine {
-        _child: child,
-        http: http.unwrap(),
-        p2p_port: p2p.unwrap(),
-    }
+/// A sim engine with a P2P producer, peers authenticated with the secret in `secret`.
+async fn engine(secret: &std::path::Path) -> EngineProcess {
+    let mut args: Vec<std::ffi::OsString> = [
+        "--served-model-name",
+        "sim-bin",
+        "--backend",
+        "sim",
+        "--profile",
+        "gpt-oss-120b-h200",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "512",
+        "--cpu-offload-bytes",
+        "64MiB",
+        "--time-scale",
+        "100",
+        "--p2p-port",
+        "0",
+        "--p2p-allowed-peers",
+        "127.0.0.1",
+        "--p2p-timeout-ms",
+        "2000",
+        "--p2p-secret-file",
+    ]
+    .into_iter()
+    .map(Into::into)
+    .collect();
+    args.push(secret.into());
+    spawn_engine(args).await
 }
 
 async fn complete(base: &str, prompt: &[u32], kvp: Option<Value>) -> Value {
@@ -128,7 +95,7 @@ async fn engine_binaries_pull_a_prefix_from_each_other() {
         complete(&a.http, &prefix, None).await;
         let mut prompt = prefix.clone();
         prompt.extend((0..40u32).map(|i| (i * 13) % 256));
-        let src = json!({"remote_kv_source": {"kv_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": a.p2p_port}});
+        let src = json!({"remote_kv_source": {"kv_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": a.p2p_port.unwrap()}});
 
         let got = complete(&b.http, &prompt, Some(src.clone())).await;
         assert_eq!(cached(&got), 1024, "{got}");
