@@ -445,7 +445,8 @@ fn transfer_params(s: &ApiState, raw: Option<Value>) -> Result<Option<KvTransfer
             Some("kv_transfer_params"),
         )
     };
-    match serde_json::from_value::<KvTransferParams>(raw.clone()) {
+    // Deserialized from a reference: the common (valid) case copies nothing.
+    match KvTransferParams::deserialize(&raw) {
         Ok(p) => Ok(Some(p)),
         Err(e) => {
             let mut without_source = raw;
