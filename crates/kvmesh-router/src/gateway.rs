@@ -141,6 +141,8 @@ pub(crate) fn candidate(e: &Endpoint, m: kvmesh_index::EndpointMatch) -> Candida
         running: scraped.map(|m| m.running),
         kv_usage: scraped.map(|m| m.kv_usage),
         has_p2p: e.spec.p2p_host_port().is_some(),
+        pulls_in: load.pulls_in,
+        pulls_out: load.pulls_out,
     }
 }
 
@@ -252,7 +254,10 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
         .saturating_sub(pulled_tokens);
     let decode = parsed.max_tokens.unwrap_or(DEFAULT_DECODE_TOKENS);
     let idle_before = ep.load.snapshot().requests == 0;
-    let guard = ep.load.acquire(uncached, decode);
+    let mut guard = ep.load.acquire(uncached, decode);
+    if let Some((src, _, _)) = &pulled {
+        guard.track_pull(&src.load);
+    }
     let scheduling = t0.elapsed();
     s.metrics
         .scheduling_seconds

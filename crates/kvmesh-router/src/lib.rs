@@ -17,6 +17,7 @@ pub mod load;
 pub mod metrics;
 pub mod pd;
 pub mod plugins;
+pub mod predict;
 pub mod prefix;
 pub mod request;
 pub mod scheduler;

@@ -20,6 +20,7 @@ use crate::plugins::{
     Candidate, Filter, Picker, Plugin, PluginError, SchedulingContext, Scorer, build_plugin,
     max_score_picker,
 };
+use crate::predict::Prediction;
 
 /// A named scheduling profile.
 pub struct Profile {
@@ -48,6 +49,12 @@ pub struct CandidateReport {
     pub scores: BTreeMap<String, f64>,
     /// Σ weight × score.
     pub total: Option<f64>,
+    /// Pulls in flight into / out of the endpoint (named by this router).
+    pub pulls_in: u64,
+    pub pulls_out: u64,
+    /// The predicted time to first token, when the profile has a scorer that predicts it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted: Option<Prediction>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -181,6 +188,9 @@ impl Profile {
                 kept: false,
                 scores: BTreeMap::new(),
                 total: None,
+                pulls_in: c.pulls_in,
+                pulls_out: c.pulls_out,
+                predicted: None,
             })
             .collect();
         // `alive` maps positions of the filtered list back to `candidates`.
@@ -211,8 +221,11 @@ impl Profile {
         let refs: Vec<&Candidate> = alive.iter().map(|&i| &candidates[i]).collect();
         let mut totals = vec![0.0; refs.len()];
         for (name, s, w) in &self.scorers {
-            let scores = s.score(ctx, &refs);
+            let (scores, predictions) = s.score_explained(ctx, &refs);
             for (k, &i) in alive.iter().enumerate() {
+                if let Some(p) = predictions.as_ref().and_then(|p| p.get(k)) {
+                    reports[i].predicted = Some(p.clone());
+                }
                 let v = scores.get(k).copied().unwrap_or(0.0);
                 let v = if v.is_finite() { v } else { 0.0 };
                 reports[i].scores.insert(name.clone(), v);

@@ -11,6 +11,7 @@ pub mod kv_cache_utilization_scorer;
 pub mod least_loaded_picker;
 pub mod max_score_picker;
 pub mod p2p_source_producer;
+pub mod predicted_ttft_scorer;
 pub mod prefix_cache_affinity_filter;
 pub mod prefix_cache_scorer;
 pub mod queue_scorer;
@@ -53,6 +54,10 @@ pub struct Candidate {
     pub kv_usage: Option<f64>,
     /// Whether the endpoint has a P2P producer address (can be named as a pull source).
     pub has_p2p: bool,
+    /// Pulls this router named into the endpoint that have not finished yet.
+    pub pulls_in: u64,
+    /// Pulls this router named with the endpoint as source that have not finished yet.
+    pub pulls_out: u64,
 }
 
 impl Candidate {
@@ -71,6 +76,8 @@ impl Candidate {
             running: None,
             kv_usage: None,
             has_p2p: true,
+            pulls_in: 0,
+            pulls_out: 0,
         }
     }
 }
@@ -119,6 +126,16 @@ pub trait Filter: Send + Sync {
 pub trait Scorer: Send + Sync {
     fn type_name(&self) -> &'static str;
     fn score(&self, ctx: &SchedulingContext<'_>, candidates: &[&Candidate]) -> Vec<f64>;
+
+    /// Scores plus, for scorers that predict a time to first token, the prediction per candidate
+    /// (`/debug/decisions` shows it; the P2P decision reuses it).
+    fn score_explained(
+        &self,
+        ctx: &SchedulingContext<'_>,
+        candidates: &[&Candidate],
+    ) -> (Vec<f64>, Option<Vec<crate::predict::Prediction>>) {
+        (self.score(ctx, candidates), None)
+    }
 }
 
 /// Chooses one candidate given the weighted total scores (`scores[i]` belongs to `candidates[i]`).
@@ -178,6 +195,7 @@ pub const PLUGIN_TYPES: &[&str] = &[
     queue_scorer::TYPE,
     kv_cache_utilization_scorer::TYPE,
     token_load_scorer::TYPE,
+    predicted_ttft_scorer::TYPE,
     prefix_cache_affinity_filter::TYPE,
     max_score_picker::TYPE,
     weighted_random_picker::TYPE,
@@ -211,9 +229,9 @@ pub fn build_plugin(
 ) -> Result<Plugin, PluginError> {
     use self::{
         kv_cache_utilization_scorer as kvu, least_loaded_picker as ll, max_score_picker as ms,
-        p2p_source_producer as p2p, prefix_cache_affinity_filter as paf,
-        prefix_cache_scorer as pcs, queue_scorer as qs, round_robin_picker as rr,
-        token_load_scorer as tls, weighted_random_picker as wr,
+        p2p_source_producer as p2p, predicted_ttft_scorer as pts,
+        prefix_cache_affinity_filter as paf, prefix_cache_scorer as pcs, queue_scorer as qs,
+        round_robin_picker as rr, token_load_scorer as tls, weighted_random_picker as wr,
     };
     Ok(match kind {
         pcs::TYPE => Plugin::Scorer(Arc::new(pcs::PrefixCacheScorer::new(params(
@@ -232,6 +250,18 @@ pub fn build_plugin(
             tls::TYPE,
             parameters,
         )?))),
+        pts::TYPE => {
+            let p: crate::predict::TtftParams = params(name, pts::TYPE, parameters)?;
+            p.validate().map_err(|message| PluginError::Invalid {
+                name: name.to_owned(),
+                kind: pts::TYPE,
+                message,
+            })?;
+            Plugin::Scorer(Arc::new(pts::PredictedTtftScorer::new(
+                p,
+                Arc::clone(cost_model),
+            )))
+        }
         paf::TYPE => {
             let p: paf::AffinityParams = params(name, paf::TYPE, parameters)?;
             p.validate().map_err(|message| PluginError::Invalid {

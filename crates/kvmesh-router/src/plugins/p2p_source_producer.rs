@@ -8,7 +8,10 @@
 //! endpoint itself or when `source − computing < minCachedTokenDelta` (≥ 1).
 //!
 //! `mode: cost_model` adds a price check: pull only if the predicted recompute time of the delta
-//! exceeds the predicted pull time plus `marginMs` (rates from [`CostModel`]).
+//! exceeds the predicted pull time plus `marginMs` (rates from [`CostModel`]). `mode: predicted`
+//! replaces sampling and threshold by the placement cost function ([`crate::predict`]): the source
+//! is the peer with the cheapest pull path, priced with the transfers already in flight on both
+//! ends, and it is named only when the pull beats recomputing the same tokens.
 //! Endpoints without a configured P2P address are never sources.
 
 use std::sync::Arc;
@@ -17,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Candidate, SchedulingContext};
 use crate::cost_model::CostModel;
+use crate::predict::{TtftParams, predict};
 
 pub const TYPE: &str = "p2p-source-producer";
 
@@ -28,6 +32,10 @@ pub enum P2pMode {
     Threshold,
     /// Additionally require predicted recompute > predicted pull + margin.
     CostModel,
+    /// The placement cost function ([`crate::predict`]): pull from the peer whose pull path gives
+    /// the lowest predicted TTFT, and only when the pull (stretched by the transfers already on
+    /// both ends' links) plus `marginMs` beats recomputing the same tokens on the destination.
+    Predicted,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -42,6 +50,9 @@ pub struct P2pParams {
     pub mode: P2pMode,
     #[serde(alias = "margin_ms", rename = "marginMs")]
     pub margin_ms: f64,
+    /// `mode: predicted`: CPU tier → GPU copy rate of the destination (tokens/s).
+    #[serde(alias = "restore_tokens_per_second", rename = "restoreTokensPerSecond")]
+    pub restore_tokens_per_second: f64,
 }
 
 impl Default for P2pParams {
@@ -51,6 +62,7 @@ impl Default for P2pParams {
             prefill_profile_name: "prefill".to_owned(),
             mode: P2pMode::Threshold,
             margin_ms: 0.0,
+            restore_tokens_per_second: TtftParams::default().restore_tokens_per_second,
         }
     }
 }
@@ -124,6 +136,10 @@ impl P2pSourceProducer {
         if !params.margin_ms.is_finite() {
             return Err("marginMs must be finite".to_owned());
         }
+        if !(params.restore_tokens_per_second.is_finite() && params.restore_tokens_per_second > 0.0)
+        {
+            return Err("restoreTokensPerSecond must be a finite number > 0".to_owned());
+        }
         Ok(P2pSourceProducer { params, cost_model })
     }
 
@@ -155,6 +171,9 @@ impl P2pSourceProducer {
             band: Vec::new(),
             why: String::new(),
         };
+        if self.params.mode == P2pMode::Predicted {
+            return self.select_predicted(ctx, candidates, computing, d);
+        }
         let cpu_tokens = |c: &Candidate| c.cpu_blocks as u64 * bs;
         let max_cached = candidates
             .iter()
@@ -233,6 +252,61 @@ impl P2pSourceProducer {
         d.why = format!("pull {} tokens from {}", d.delta_tokens, source.name);
         d
     }
+
+    /// The TTFT parameters `mode: predicted` prices pulls with.
+    pub fn ttft_params(&self) -> TtftParams {
+        TtftParams {
+            restore_tokens_per_second: self.params.restore_tokens_per_second,
+            p2p: true,
+            min_pull_tokens: self.params.min_cached_token_delta,
+            margin_ms: self.params.margin_ms.max(0.0),
+            ..TtftParams::default()
+        }
+    }
+
+    fn select_predicted(
+        &self,
+        ctx: &SchedulingContext<'_>,
+        candidates: &[&Candidate],
+        computing: usize,
+        mut d: P2pDecision,
+    ) -> P2pDecision {
+        let pred = predict(
+            ctx,
+            candidates,
+            computing,
+            &self.cost_model,
+            &self.ttft_params(),
+        );
+        let Some(plan) = pred.best_pull else {
+            d.skipped = Some(SkipReason::NoSource);
+            d.why = format!(
+                "no peer's CPU tier leads by >= {} tokens",
+                self.params.min_cached_token_delta
+            );
+            return d;
+        };
+        d.band = vec![plan.source_endpoint.clone()];
+        d.source_endpoint = Some(plan.source_endpoint.clone());
+        d.source_tokens = plan.source_tokens;
+        d.delta_tokens = plan.delta_tokens as i64;
+        d.predicted_pull_ms = Some(plan.pull_ms);
+        d.predicted_recompute_ms = Some(plan.recompute_ms);
+        if !pred.pulls {
+            d.skipped = Some(SkipReason::Cost);
+            d.why = format!(
+                "recompute {:.1} ms <= pull {:.1} ms ({} transfers sharing the link) + margin {:.1} ms",
+                plan.recompute_ms, plan.pull_ms, plan.sharing, self.params.margin_ms
+            );
+            return d;
+        }
+        d.source = Some(plan.source);
+        d.why = format!(
+            "pull {} tokens from {}: {:.1} ms vs recompute {:.1} ms",
+            plan.delta_tokens, plan.source_endpoint, plan.pull_ms, plan.recompute_ms
+        );
+        d
+    }
 }
 
 #[cfg(test)]
@@ -269,6 +343,39 @@ mod tests {
             block_size: 16,
             max_tokens: None,
         }
+    }
+
+    #[test]
+    fn predicted_mode_names_the_cheapest_source_and_prices_link_sharing() {
+        // e1 holds 200 blocks (3,200 tokens) in CPU, e2 the same but already serves 8 pulls.
+        let mut c = [
+            cand(0, 0, 0, 0.0),
+            cand(1, 200, 200, 5.0),
+            cand(2, 200, 200, 0.0),
+        ];
+        c[1].pulls_out = 0;
+        c[2].pulls_out = 8;
+        let refs: Vec<&Candidate> = c.iter().collect();
+        let p = producer(512, P2pMode::Predicted);
+        let d = p.select(&ctx("a"), &refs, 0);
+        assert_eq!(d.source, Some(1), "{d:?}");
+        assert_eq!(d.delta_tokens, 3200);
+        let (pull, rec) = (
+            d.predicted_pull_ms.expect("priced"),
+            d.predicted_recompute_ms.expect("priced"),
+        );
+        assert!(pull < rec, "{d:?}");
+        // When both sources are saturated the pull loses to recompute and is skipped, with why.
+        c[1].pulls_out = 12;
+        c[2].pulls_out = 12;
+        let refs: Vec<&Candidate> = c.iter().collect();
+        let d = p.select(&ctx("a"), &refs, 0);
+        assert_eq!(d.source, None);
+        assert_eq!(d.skipped, Some(SkipReason::Cost));
+        assert!(d.why.contains("12 transfers"), "{}", d.why);
+        // Below minCachedTokenDelta nothing is priced.
+        let d = producer(4096, P2pMode::Predicted).select(&ctx("a"), &refs, 0);
+        assert_eq!(d.skipped, Some(SkipReason::NoSource));
     }
 
     #[test]

@@ -1,0 +1,331 @@
+//! Predicted time to first token: the one cost function that placement and the pull decision share.
+//!
+//! For a request placed on candidate `c` the router predicts
+//!
+//! ```text
+//! ttft(c) = queue(c) + own(c) + decode_penalty × in_flight_requests(c) + step_overhead
+//! queue(c) = prefill tokens already sent to c and not yet computed / prefill_rate(c)
+//! own(c)   = min( local:  uncached(c) / prefill_rate(c) + cpu_only(c) / restore_rate,
+//!                 pull s: pull_time(s → c, delta) + (prompt − cpu(s)) / prefill_rate(c)
+//!                         + (cpu_only(c) + delta) / restore_rate )
+//! ```
+//!
+//! Why this shape: the engines schedule prefill FCFS under a token budget, so a request's wait is
+//! the prefill work ahead of it, not the number of requests (a 24-token prompt behind 35K queued
+//! prefill tokens waits ~1.4 s on gpt-oss-120b/H200, whatever the request counts say). Only prefill
+//! work the router itself sent counts as queued (`in_flight_uncached_tokens`, exact for one router
+//! and released at the first byte); scraped gauges are seconds stale during a burst.
+//! A CPU-tier hit is not free (it is copied back to the GPU) but is far cheaper than recompute.
+//!
+//! A pull is an option only when `delta = cpu(s) − cached(c)` reaches `min_pull_tokens`, and its
+//! time is the cost model's prediction stretched by what already shares the link: transfers the
+//! router has in flight out of `s` and into `c` (`1 + max(out(s), in(c))`). The engine pulls
+//! before the request joins its queue, so the pull path pays the pull *and* the queue — the
+//! conservative sum, which is what makes "P2P never makes TTFT worse" hold by construction: a pull
+//! is chosen only when `pull_time(delta) + margin < recompute(delta)` on the same destination.
+//!
+//! Plain functions over [`Candidate`]s and the [`CostModel`]: no I/O, no clock.
+
+use serde::{Deserialize, Serialize};
+
+use crate::cost_model::CostModel;
+use crate::plugins::{Candidate, SchedulingContext};
+
+/// Knobs of the prediction (camelCase in YAML, snake_case accepted).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TtftParams {
+    /// CPU tier → GPU copy rate (tokens/s). gpt-oss-120b: 72 KiB/token over a ~50 GB/s host link.
+    #[serde(alias = "restore_tokens_per_second", rename = "restoreTokensPerSecond")]
+    pub restore_tokens_per_second: f64,
+    /// Added per request in flight on the endpoint (decode steps stretch every prefill chunk; also
+    /// breaks ties between equally idle endpoints toward the emptier one).
+    #[serde(alias = "decode_penalty_ms", rename = "decodePenaltyMs")]
+    pub decode_penalty_ms: f64,
+    /// Fixed per-request cost (one engine step, HTTP), so a fully cached prompt is not "free".
+    #[serde(alias = "step_overhead_ms", rename = "stepOverheadMs")]
+    pub step_overhead_ms: f64,
+    /// Consider pulling the missing prefix from a peer's CPU tier.
+    pub p2p: bool,
+    /// Smallest pull worth considering (tokens).
+    #[serde(alias = "min_pull_tokens", rename = "minPullTokens")]
+    pub min_pull_tokens: u64,
+    /// A pull must beat recomputing the same tokens by at least this much (ms).
+    #[serde(alias = "margin_ms", rename = "marginMs")]
+    pub margin_ms: f64,
+}
+
+impl Default for TtftParams {
+    fn default() -> Self {
+        TtftParams {
+            restore_tokens_per_second: 650_000.0,
+            decode_penalty_ms: 1.0,
+            step_overhead_ms: 5.0,
+            p2p: false,
+            min_pull_tokens: 512,
+            margin_ms: 5.0,
+        }
+    }
+}
+
+impl TtftParams {
+    pub fn validate(&self) -> Result<(), String> {
+        let finite_pos = |v: f64| v.is_finite() && v > 0.0;
+        let finite_nonneg = |v: f64| v.is_finite() && v >= 0.0;
+        if !finite_pos(self.restore_tokens_per_second) {
+            return Err("restoreTokensPerSecond must be a finite number > 0".to_owned());
+        }
+        if !finite_nonneg(self.decode_penalty_ms)
+            || !finite_nonneg(self.step_overhead_ms)
+            || !finite_nonneg(self.margin_ms)
+        {
+            return Err(
+                "decodePenaltyMs, stepOverheadMs and marginMs must be finite and >= 0".to_owned(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A pull the prediction considered for one destination.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PullPlan {
+    /// Index of the source in the candidates given.
+    #[serde(skip)]
+    pub source: usize,
+    pub source_endpoint: String,
+    /// Tokens the source holds in its CPU tier.
+    pub source_tokens: u64,
+    /// Tokens pulled (source's CPU prefix beyond what the destination holds).
+    pub delta_tokens: u64,
+    /// Predicted transfer time, link sharing included (ms).
+    pub pull_ms: f64,
+    /// Predicted time to compute the same tokens locally instead (ms).
+    pub recompute_ms: f64,
+    /// Transfers already sharing the link (the larger of the two ends).
+    pub sharing: u64,
+}
+
+/// The prediction for one candidate.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Prefill work ahead of the request (ms).
+    pub queue_ms: f64,
+    /// Compute + restore (+ pull, when the pull path is chosen) of this request (ms).
+    pub own_ms: f64,
+    /// Decode penalty + step overhead (ms).
+    pub load_ms: f64,
+    /// Predicted TTFT (ms).
+    pub total_ms: f64,
+    /// The cheapest pull considered, whether or not it won.
+    pub best_pull: Option<PullPlan>,
+    /// Whether the pull path is the predicted one.
+    pub pulls: bool,
+}
+
+fn clamp_tokens(blocks: usize, block_size: usize, prompt: usize) -> u64 {
+    blocks.saturating_mul(block_size).min(prompt) as u64
+}
+
+/// Predicts the TTFT of the request on `candidates[at]`; pull sources are any other candidate
+/// with a P2P address.
+pub fn predict(
+    ctx: &SchedulingContext<'_>,
+    candidates: &[&Candidate],
+    at: usize,
+    cm: &CostModel,
+    p: &TtftParams,
+) -> Prediction {
+    let Some(c) = candidates.get(at) else {
+        return Prediction {
+            queue_ms: f64::INFINITY,
+            own_ms: f64::INFINITY,
+            load_ms: 0.0,
+            total_ms: f64::INFINITY,
+            best_pull: None,
+            pulls: false,
+        };
+    };
+    let prompt = ctx.prompt_tokens;
+    let bs = ctx.block_size;
+    let rate = cm.prefill_rate(c.endpoint).max(1e-9);
+    let restore = p.restore_tokens_per_second.max(1e-9);
+    let ms = |tokens: u64, per_s: f64| tokens as f64 / per_s * 1000.0;
+    let any = clamp_tokens(c.any_blocks.max(c.gpu_blocks), bs, prompt);
+    let gpu = clamp_tokens(c.gpu_blocks, bs, prompt).min(any);
+    let cpu_only = any - gpu;
+    let uncached = prompt as u64 - any;
+    let queue_ms = ms(c.in_flight_uncached_tokens, rate);
+    let load_ms = p.decode_penalty_ms * c.in_flight_requests as f64 + p.step_overhead_ms;
+    let local_ms = ms(uncached, rate) + ms(cpu_only, restore);
+
+    let mut best_pull: Option<PullPlan> = None;
+    if p.p2p {
+        for (i, s) in candidates.iter().enumerate() {
+            if i == at || !s.has_p2p {
+                continue;
+            }
+            let src = clamp_tokens(s.cpu_blocks, bs, prompt);
+            if src <= any || src - any < p.min_pull_tokens.max(1) {
+                continue;
+            }
+            let delta = src - any;
+            let sharing = s.pulls_out.max(c.pulls_in);
+            let base = cm.predict_pull_ms(s.endpoint, c.endpoint, delta);
+            let floor = cm.params().pull_floor_ms.min(base);
+            let pull_ms = floor + (base - floor) * (1 + sharing) as f64;
+            let plan = PullPlan {
+                source: i,
+                source_endpoint: s.name.to_string(),
+                source_tokens: src,
+                delta_tokens: delta,
+                pull_ms,
+                recompute_ms: ms(delta, rate),
+                sharing,
+            };
+            let better = best_pull.as_ref().is_none_or(|b| {
+                pull_path_ms(&plan, prompt as u64, cpu_only, rate, restore)
+                    < pull_path_ms(b, prompt as u64, cpu_only, rate, restore)
+            });
+            if better {
+                best_pull = Some(plan);
+            }
+        }
+    }
+    let pull_ms = best_pull
+        .as_ref()
+        .map(|b| pull_path_ms(b, prompt as u64, cpu_only, rate, restore));
+    let pulls = match (&best_pull, pull_ms) {
+        (Some(b), Some(path)) => {
+            b.pull_ms + p.margin_ms < b.recompute_ms && path + p.margin_ms < local_ms
+        }
+        _ => false,
+    };
+    let own_ms = match pull_ms {
+        Some(path) if pulls => path,
+        _ => local_ms,
+    };
+    Prediction {
+        queue_ms,
+        own_ms,
+        load_ms,
+        total_ms: queue_ms + own_ms + load_ms,
+        best_pull,
+        pulls,
+    }
+}
+
+/// Pull, compute what the source did not have, restore everything that came through the CPU tier.
+fn pull_path_ms(plan: &PullPlan, prompt: u64, cpu_only: u64, rate: f64, restore: f64) -> f64 {
+    let suffix = prompt.saturating_sub(plan.source_tokens);
+    plan.pull_ms
+        + suffix as f64 / rate * 1000.0
+        + (cpu_only + plan.delta_tokens) as f64 / restore * 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost_model::CostModelParams;
+    use crate::plugins::test_util::ctx;
+
+    fn cm() -> CostModel {
+        CostModel::new(CostModelParams::default())
+    }
+
+    fn cand(id: u32) -> Candidate {
+        Candidate::idle(id, &format!("e{id}"))
+    }
+
+    #[test]
+    fn queued_prefill_work_not_request_count_decides_the_wait() {
+        // The issue's case: a tiny prompt; A has 34,891 queued prefill tokens in 1 request,
+        // B has 3 short requests in flight. B must predict far lower.
+        let mut a = cand(0);
+        (a.in_flight_requests, a.in_flight_uncached_tokens) = (1, 34_891);
+        let mut b = cand(1);
+        (b.in_flight_requests, b.in_flight_uncached_tokens) = (3, 300);
+        let p = TtftParams::default();
+        let ctx = ctx(24, 16);
+        let all = [&a, &b];
+        let pa = predict(&ctx, &all, 0, &cm(), &p);
+        let pb = predict(&ctx, &all, 1, &cm(), &p);
+        assert!(pa.total_ms > 1000.0, "{pa:?}");
+        assert!(pb.total_ms < 30.0, "{pb:?}");
+    }
+
+    #[test]
+    fn a_prompt_held_in_a_cpu_tier_beats_recompute_on_an_idle_engine() {
+        // 32,768 tokens entirely in A's CPU tier, A has 2 short requests in flight; B idle, cold.
+        let mut a = cand(0);
+        (a.cpu_blocks, a.any_blocks) = (2048, 2048);
+        (a.in_flight_requests, a.in_flight_uncached_tokens) = (2, 500);
+        let b = cand(1);
+        let p = TtftParams::default();
+        let ctx = ctx(32_768, 16);
+        let all = [&a, &b];
+        let pa = predict(&ctx, &all, 0, &cm(), &p);
+        let pb = predict(&ctx, &all, 1, &cm(), &p);
+        // Restore of 32K tokens ≈ 50 ms, recompute ≈ 1.3 s.
+        assert!(pa.total_ms < 120.0, "{pa:?}");
+        assert!(pb.total_ms > 1000.0, "{pb:?}");
+    }
+
+    #[test]
+    fn a_pull_is_predicted_only_when_it_beats_recomputing_the_same_tokens() {
+        let mut holder = cand(0);
+        (holder.cpu_blocks, holder.any_blocks) = (1024, 1024); // 16,384 tokens
+        let dest = cand(1);
+        let on = TtftParams {
+            p2p: true,
+            ..TtftParams::default()
+        };
+        let ctx = ctx(16_384 + 256, 16);
+        let all = [&holder, &dest];
+        let with = predict(&ctx, &all, 1, &cm(), &on);
+        let without = predict(&ctx, &all, 1, &cm(), &TtftParams::default());
+        assert!(with.pulls, "{with:?}");
+        assert!(with.total_ms < without.total_ms);
+        let plan = with.best_pull.expect("plan");
+        assert_eq!((plan.source, plan.delta_tokens), (0, 16_384));
+        // A link already carrying 20 transfers makes the same pull lose to recompute.
+        let mut busy = holder.clone();
+        busy.pulls_out = 20;
+        let all = [&busy, &dest];
+        let shared = predict(&ctx, &all, 1, &cm(), &on);
+        assert!(!shared.pulls, "{shared:?}");
+        assert_eq!(shared.total_ms, without.total_ms);
+        assert_eq!(shared.best_pull.expect("plan").sharing, 20);
+    }
+
+    #[test]
+    fn small_deltas_and_sources_without_p2p_are_never_pulled() {
+        let mut holder = cand(0);
+        (holder.cpu_blocks, holder.any_blocks) = (16, 16); // 256 tokens < minPullTokens
+        let dest = cand(1);
+        let on = TtftParams {
+            p2p: true,
+            ..TtftParams::default()
+        };
+        let ctx = ctx(4096, 16);
+        let pred = predict(&ctx, &[&holder, &dest], 1, &cm(), &on);
+        assert!(pred.best_pull.is_none() && !pred.pulls);
+        let mut no_p2p = holder.clone();
+        (no_p2p.cpu_blocks, no_p2p.any_blocks, no_p2p.has_p2p) = (256, 256, false);
+        let pred = predict(&ctx, &[&no_p2p, &dest], 1, &cm(), &on);
+        assert!(pred.best_pull.is_none());
+    }
+
+    #[test]
+    fn bad_params_are_refused() {
+        let mut p = TtftParams::default();
+        assert!(p.validate().is_ok());
+        p.restore_tokens_per_second = 0.0;
+        assert!(p.validate().is_err());
+        let p = TtftParams {
+            margin_ms: f64::NAN,
+            ..TtftParams::default()
+        };
+        assert!(p.validate().is_err());
+    }
+}
