@@ -45,7 +45,7 @@ fn synthetic() -> EventBatch {
 
 fn capture(name: &str) -> Vec<Vec<u8>> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/vllm-fixtures")
+        .join("../../tests/fixtures/vllm")
         .join(name);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,

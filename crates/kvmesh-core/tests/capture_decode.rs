@@ -14,7 +14,7 @@ use kvmesh_core::{BlockHasher, HashAlgo};
 
 fn fixture(name: &str) -> serde_json::Value {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/vllm-fixtures")
+        .join("../../tests/fixtures/vllm")
         .join(name);
     let text = std::fs::read_to_string(&path).unwrap();
     serde_json::from_str(&text).unwrap()

@@ -1,4 +1,4 @@
-//! Golden test: reproduce every digest vLLM computed in `shared/vllm-fixtures/golden*.json`.
+//! Golden test: reproduce every digest vLLM computed in `tests/fixtures/vllm/golden*.json`.
 //!
 //! vLLM without `PYTHONHASHSEED` seeds `sha256_cbor` with the fixed string `"vllm-none-hash"` but
 //! `xxhash_cbor` with `os.urandom(32).hex()` (per process, on purpose: the algorithm is not
@@ -13,7 +13,7 @@ use kvmesh_core::{BlockHasher, HashAlgo};
 
 fn fixture(name: &str) -> serde_json::Value {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/vllm-fixtures")
+        .join("../../tests/fixtures/vllm")
         .join(name);
     let text =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));

@@ -1,4 +1,4 @@
-//! The OpenAI-compatible HTTP API, shaped like vLLM's (see `vllm-fixtures/completion.json`,
+//! The OpenAI-compatible HTTP API, shaped like vLLM's (see `tests/fixtures/vllm/completion.json`,
 //! `chat_stream.txt`): `/v1/completions`, `/v1/chat/completions` (SSE or not), `/v1/models`,
 //! `/health`, `/metrics`, `/tokenize`, `/reset_prefix_cache`.
 //!

@@ -518,7 +518,7 @@ async fn response_shapes_match_the_vllm_fixtures() {
         cfg.kv_events = None;
         let s = TestServer::start(cfg, FAST).await;
         let fixture: Value = serde_json::from_str(
-            &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/vllm-fixtures/completion.json")).unwrap(),
+            &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/vllm/completion.json")).unwrap(),
         )
         .unwrap();
         let (st, ours) = s.post("/v1/completions", json!({"model": "sim-test", "prompt": "Hello there", "max_tokens": 3})).await;
@@ -527,7 +527,7 @@ async fn response_shapes_match_the_vllm_fixtures() {
         assert_eq!(ours["kv_transfer_params"], Value::Null);
         // Streaming chat, chunk by chunk, against chat_stream.txt.
         let fixture_chunks: Vec<Value> =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/vllm-fixtures/chat_stream.txt"))
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/vllm/chat_stream.txt"))
                 .unwrap()
                 .lines()
                 .filter_map(|l| l.strip_prefix("data: "))

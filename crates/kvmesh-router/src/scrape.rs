@@ -325,7 +325,7 @@ mod tests {
     fn parses_the_vllm_fixture() {
         let text = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/vllm-fixtures/metrics.txt"
+            "/../../tests/fixtures/vllm/metrics.txt"
         ))
         .expect("fixture");
         let m = parse_engine_metrics(&text, Instant::now()).expect("has gauges");
@@ -386,7 +386,7 @@ mod tests {
         assert_eq!(parse_pull_counters(vllm).block_size, Some(32));
         let fixture = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/vllm-fixtures/metrics.txt"
+            "/../../tests/fixtures/vllm/metrics.txt"
         ))
         .expect("fixture");
         assert_eq!(parse_pull_counters(&fixture).block_size, Some(32));

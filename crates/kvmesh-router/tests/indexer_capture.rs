@@ -1,4 +1,4 @@
-//! The KV-event feeder end to end: real vLLM frames (`vllm-fixtures/capture2.json`,
+//! The KV-event feeder end to end: real vLLM frames (`tests/fixtures/vllm/capture2.json`,
 //! `capture3.json`) published through a real ZMQ socket into `Indexer`, then every captured
 //! prompt looked up. The expected answer is computed independently of the router's keys: replay
 //! the engine hashes of the events into a set (what vLLM holds) and count how many leading blocks
@@ -28,7 +28,7 @@ const TOPIC: &str = "kv-events";
 fn fixture(name: &str) -> serde_json::Value {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/vllm-fixtures/"
+        "/../../tests/fixtures/vllm/"
     )
     .to_owned()
         + name;

@@ -22,7 +22,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_kvmesh");
 
 fn fixture(name: &str) -> serde_json::Value {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/vllm-fixtures")
+        .join("../../tests/fixtures/vllm")
         .join(name);
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
