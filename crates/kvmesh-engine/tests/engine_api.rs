@@ -639,9 +639,16 @@ async fn tokenize_models_health_and_stop_strings() {
     .await;
 }
 
+/// The project's Python: the virtual environment `scripts/setup.sh` creates at the repository
+/// root (`.venv/`), which holds the `openai` client. Never the system Python.
+fn venv_python() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_python_client_streams_chat_when_installed() {
-    let ok = std::process::Command::new("python3")
+    let python = venv_python();
+    let ok = std::process::Command::new(&python)
         .args(["-c", "import openai"])
         .status()
         .map(|s| s.success())
@@ -651,10 +658,12 @@ async fn openai_python_client_streams_chat_when_installed() {
         // install fails loudly instead of silently skipping the compatibility check.
         assert!(
             std::env::var_os("KVMESH_REQUIRE_EXTERNAL").is_none(),
-            "the `openai` Python package is required (KVMESH_REQUIRE_EXTERNAL is set) but not importable"
+            "the `openai` Python package is required (KVMESH_REQUIRE_EXTERNAL is set) but {} cannot import it; run bash scripts/setup.sh",
+            python.display()
         );
         println!(
-            "SKIPPED: the `openai` Python package is not installed (bash scripts/setup.sh installs it)"
+            "SKIPPED: {} cannot import the `openai` package (bash scripts/setup.sh creates .venv/ and installs it)",
+            python.display()
         );
         return;
     }
@@ -669,7 +678,7 @@ async fn openai_python_client_streams_chat_when_installed() {
              \x20   u=ch.usage or None\nprint(len(out))\n",
             s.base
         );
-        let out = tokio::process::Command::new("python3").args(["-c", &script]).output().await.unwrap();
+        let out = tokio::process::Command::new(&python).args(["-c", &script]).output().await.unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "7");
         s.stop().await;
