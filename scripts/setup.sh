@@ -32,6 +32,8 @@ if [ -x "$PY" ]; then
   export KVMESH_PYTHON="$PWD/$PY"
 fi
 
+bash scripts/peer-routers.sh || echo "setup: WARNING: could not install the peer routers (scripts/peer-routers.sh); the peer-arm test will report SKIPPED" >&2
+
 echo "setup: fetching SmolLM2 (kvmesh model fetch smollm2)"
 cargo run --quiet --locked -p kvmesh -- model fetch smollm2 \
   || echo "setup: WARNING: could not fetch SmolLM2; the real-model end-to-end test will report SKIPPED" >&2
