@@ -97,7 +97,8 @@ fn keep_null<'de, D: serde::Deserializer<'de>>(
 pub struct TransferParamsError(String);
 
 impl KvTransferParams {
-    /// The exact `kv_transfer_params` of a P/D prefill leg (protocols §3): ask the prefill engine
+    /// The exact `kv_transfer_params` of a P/D prefill leg
+    /// (`docs/protocols.md#pd-and-bi-directional-transfer`): ask the prefill engine
     /// to keep the KV for a remote decoder, with the remote fields explicitly `null`.
     pub fn prefill_leg() -> Self {
         KvTransferParams {

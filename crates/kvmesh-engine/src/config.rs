@@ -101,7 +101,8 @@ pub fn parse_byte_size(s: &str) -> Result<u64, ConfigError> {
     Ok(bytes.round() as u64)
 }
 
-/// Serving role for P/D disaggregation (DESIGN §4); stored for the P2P/PD work.
+/// Serving role for P/D disaggregation (`docs/architecture.md#pd-disaggregation`); stored for the
+/// P2P/PD work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Role {
     #[default]

@@ -1,6 +1,6 @@
-//! P2P KV transfer wired into the engine (DESIGN §3): the producer serves this engine's CPU tier
-//! to peers, the consumer pulls a request's missing prefix from the peer named in
-//! `kv_transfer_params.remote_kv_source` before the request is submitted.
+//! P2P KV transfer wired into the engine (`docs/architecture.md#p2p-pull`): the producer serves
+//! this engine's CPU tier to peers, the consumer pulls a request's missing prefix from the peer
+//! named in `kv_transfer_params.remote_kv_source` before the request is submitted.
 //!
 //! - [`CpuTierSource`] adapts the [`CpuTier`] to the transfer crate's [`BlockSource`]
 //!   (atomic lookup + counted pins, checksums kept from store time, pending waiters).

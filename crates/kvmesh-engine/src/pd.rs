@@ -1,5 +1,6 @@
-//! P/D disaggregation and bi-directional KV transfer (protocols §3, DESIGN §4), on top of the
-//! P2P pull of [`crate::p2p`].
+//! P/D disaggregation and bi-directional KV transfer, on top of the P2P pull of [`crate::p2p`]
+//! (`docs/architecture.md#pd-disaggregation`; the exact keys are in
+//! `docs/protocols.md#pd-and-bi-directional-transfer`).
 //!
 //! [`PdAdmission`] is the engine's default [`AdmissionHook`]. It reads `kv_transfer_params`:
 //!

@@ -1,7 +1,7 @@
-//! P2P under contention (the shared-prefix pool experiment's failure modes, DESIGN §3/§6):
-//! concurrent requests for one prefix on one consumer move its bytes once, and a pull stuck on a
-//! silent peer delays neither other requests nor other pulls of that engine, and an overloaded
-//! engine refuses before it pulls.
+//! P2P under contention (the shared-prefix pool experiment's failure modes;
+//! `docs/architecture.md#p2p-pull`): concurrent requests for one prefix on one consumer move its
+//! bytes once, and a pull stuck on a silent peer delays neither other requests nor other pulls of
+//! that engine, and an overloaded engine refuses before it pulls.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;

@@ -1,9 +1,9 @@
 //! KV-event transport over ZMQ: publisher with replay, subscriber with gap detection.
 //!
-//! Speaks vLLM's `ZmqEventPublisher` protocol (`protocols.md` §1) with the pure-Rust `zeromq`
-//! crate: three-part messages `[topic, seq (u64 BE), msgpack payload]` on a PUB socket, and an
-//! optional ROUTER socket that replays recent batches by sequence number. The codec lives in
-//! `kvmesh_core::events`; this crate only moves frames.
+//! Speaks vLLM's `ZmqEventPublisher` protocol (`docs/protocols.md#kv-events`) with the pure-Rust
+//! `zeromq` crate: three-part messages `[topic, seq (u64 BE), msgpack payload]` on a PUB socket,
+//! and an optional ROUTER socket that replays recent batches by sequence number. The codec lives
+//! in `kvmesh_core::events`; this crate only moves frames.
 //!
 //! - [`Publisher`] binds when the endpoint contains `*` (`tcp://*:5557`) and connects otherwise,
 //!   like vLLM. [`Publisher::spawn`] turns it into a task fed by a cheap, cloneable, sync-callable

@@ -1,4 +1,5 @@
-//! P/D disaggregation in the gateway (protocols §3, DESIGN §4), NixlConnector-compatible.
+//! P/D disaggregation in the gateway (`docs/protocols.md#pd-and-bi-directional-transfer`,
+//! `docs/architecture.md#pd-disaggregation`), NixlConnector-compatible.
 //!
 //! For each request (when `pd:` is configured and no `x-kvmesh-profile` header names a profile):
 //! 1. the conversation key is the top-level body field `conversation_id` (removed before
@@ -277,7 +278,8 @@ impl PdRouter {
     }
 }
 
-/// The prefill leg's body fields (protocols §3), given the client's request.
+/// The prefill leg's body fields (`docs/protocols.md#pd-and-bi-directional-transfer`), given the
+/// client's request.
 pub fn prefill_leg_body(
     parsed: &ParsedRequest,
     history: Option<&KvTransferParams>,

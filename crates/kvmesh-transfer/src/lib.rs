@@ -1,5 +1,6 @@
 //! kvmesh P2P KV transfer: an engine pulls prompt-prefix KV blocks from a peer's CPU tier instead
-//! of recomputing them (DESIGN §3).
+//! of recomputing them (`docs/architecture.md#p2p-pull`;
+//! wire format: `docs/protocols.md#p2p-transfer-protocol`).
 //!
 //! Layers, innermost first (the mini-redis shape):
 //! - [`frame`]: bytes ⇄ length-prefixed frames, two-phase parse, bounded size;

@@ -33,7 +33,8 @@ pub struct SimProfile {
 pub const GPT_OSS_120B_H200: SimProfile = SimProfile {
     name: "gpt-oss-120b-h200",
     description: "openai/gpt-oss-120b on one H200 (aggregated)",
-    source: "llm-d blog 'Move the KV, Not the Work' transfer-pricing table (DESIGN §6): recompute \
+    source: "llm-d blog 'Move the KV, Not the Work' transfer-pricing table \
+             (docs/architecture.md#reference-experiments): recompute \
              78/250/510/1173/1988 ms and pull 35/57/86/165/235 ms at 2048/8192/16384/32768/49152 tokens. \
              Decode step cost is an estimate (~4.5 ms ITL at batch 1; MoE with ~5B active params), not measured. \
              KV size from the model config (36 layers x 8 KV heads x 64 dim x K,V x bf16 = 72 KiB/token).",
@@ -96,7 +97,8 @@ pub const LLAMA_31_8B_H200: SimProfile = SimProfile {
 pub const GLM_52_WIDE_EP: SimProfile = SimProfile {
     name: "glm-5.2-wide-ep",
     description: "GLM-5.2-FP8 (753B MoE) wide expert parallel on H200, ~93 KB KV per token",
-    source: "llm-d blog (DESIGN §6): KV ~93 KB/token; pull floor 1.2-1.3 s; pull and recompute tied near \
+    source: "llm-d blog (docs/architecture.md#reference-experiments): KV ~93 KB/token; \
+             pull floor 1.2-1.3 s; pull and recompute tied near \
              8.7K tokens; pull 27% faster at 12K and 61% faster at 24K; a 75K-token cold prefill took 13.9 s. \
              Recompute points: 8704 -> 1250 ms (tie), 12288 -> 1780 ms, 24576 -> 3590 ms, 76800 -> 13900 ms. \
              Pull points: 1250/1300/1400 ms at 8.7K/12K/24K, extrapolated beyond (the separately reported 790 ms \
