@@ -26,12 +26,7 @@ const EP_NAME: &str = "engine-7";
 const TOPIC: &str = "kv-events";
 
 fn fixture(name: &str) -> serde_json::Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/vllm/"
-    )
-    .to_owned()
-        + name;
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/vllm/").to_owned() + name;
     serde_json::from_str(&std::fs::read_to_string(path).expect("fixture readable"))
         .expect("fixture is JSON")
 }
