@@ -392,12 +392,14 @@ pub fn load_endpoints_file(path: &Path) -> Result<Vec<EndpointSpec>, ConfigError
     Ok(list)
 }
 
-/// The pipeline used when a config has no profiles: *affinity* (prefix 3, queue 2, kv-util 2).
+/// The pipeline used when a config has no profiles: the lowest predicted time to first token
+/// (`predicted-ttft-scorer` with pulls) and pulls priced by the same function. A pull source needs
+/// a `p2p` address, so a fleet without P2P gets pure predicted-TTFT placement.
 pub fn default_pipeline() -> (Vec<PluginSpec>, Vec<ProfileSpec>) {
-    let p = |kind: &str| PluginSpec {
+    let p = |kind: &str, parameters: Option<serde_json::Value>| PluginSpec {
         kind: kind.to_owned(),
         name: None,
-        parameters: None,
+        parameters,
     };
     let r = |name: &str, weight: Option<f64>| PluginRef {
         plugin_ref: name.to_owned(),
@@ -405,18 +407,24 @@ pub fn default_pipeline() -> (Vec<PluginSpec>, Vec<ProfileSpec>) {
     };
     (
         vec![
-            p("prefix-cache-scorer"),
-            p("queue-scorer"),
-            p("kv-cache-utilization-scorer"),
-            p("max-score-picker"),
+            p(
+                "predicted-ttft-scorer",
+                Some(serde_json::json!({"p2p": true, "minPullTokens": 512})),
+            ),
+            p("max-score-picker", None),
+            p(
+                "p2p-source-producer",
+                Some(
+                    serde_json::json!({"mode": "predicted", "minCachedTokenDelta": 512, "marginMs": 5}),
+                ),
+            ),
         ],
         vec![ProfileSpec {
             name: "default".to_owned(),
             plugins: vec![
-                r("prefix-cache-scorer", Some(3.0)),
-                r("queue-scorer", Some(2.0)),
-                r("kv-cache-utilization-scorer", Some(2.0)),
+                r("predicted-ttft-scorer", Some(1.0)),
                 r("max-score-picker", None),
+                r("p2p-source-producer", None),
             ],
         }],
     )

@@ -53,6 +53,28 @@ pub struct TtftParams {
     /// A pull must beat recomputing the same tokens by at least this much (ms).
     #[serde(alias = "margin_ms", rename = "marginMs")]
     pub margin_ms: f64,
+    /// How much a token this request would compute counts against a candidate, relative to a
+    /// token of queued work ahead of it. 1 = pure greedy TTFT. Above 1 the router also charges
+    /// the work a placement adds to the fleet: recomputing a prefix another endpoint holds delays
+    /// every later request there, and leaves the conversation's next turn without a warm cache.
+    #[serde(alias = "work_weight", rename = "workWeight")]
+    pub work_weight: f64,
+    /// Where prefill and pull rates come from: `configured` (the cost model's configured rates,
+    /// the same for every endpoint) or `learned` (per endpoint / pair as learned online).
+    pub rates: RateSource,
+}
+
+/// Which rates the prediction uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RateSource {
+    /// The configured `cost_model` rates. The default: learned per-endpoint prefill rates of
+    /// identical sim engines spread 64K–247K tokens/s in one trace run (batched prefills overlap,
+    /// so per-request samples are biased), and placement followed the noise onto one engine.
+    #[default]
+    Configured,
+    /// Rates learned online (per endpoint for prefill, per pair / destination for pulls).
+    Learned,
 }
 
 impl Default for TtftParams {
@@ -64,6 +86,8 @@ impl Default for TtftParams {
             p2p: false,
             min_pull_tokens: 512,
             margin_ms: 5.0,
+            work_weight: 2.0,
+            rates: RateSource::Configured,
         }
     }
 }
@@ -78,9 +102,11 @@ impl TtftParams {
         if !finite_nonneg(self.decode_penalty_ms)
             || !finite_nonneg(self.step_overhead_ms)
             || !finite_nonneg(self.margin_ms)
+            || !finite_nonneg(self.work_weight)
         {
             return Err(
-                "decodePenaltyMs, stepOverheadMs and marginMs must be finite and >= 0".to_owned(),
+                "decodePenaltyMs, stepOverheadMs, marginMs and workWeight must be finite and >= 0"
+                    .to_owned(),
             );
         }
         Ok(())
@@ -117,6 +143,9 @@ pub struct Prediction {
     pub load_ms: f64,
     /// Predicted TTFT (ms).
     pub total_ms: f64,
+    /// What placement minimises: the TTFT plus `workWeight − 1` times the prefill work this
+    /// request adds to the endpoint (ms).
+    pub cost_ms: f64,
     /// The cheapest pull considered, whether or not it won.
     pub best_pull: Option<PullPlan>,
     /// Whether the pull path is the predicted one.
@@ -142,13 +171,20 @@ pub fn predict(
             own_ms: f64::INFINITY,
             load_ms: 0.0,
             total_ms: f64::INFINITY,
+            cost_ms: f64::INFINITY,
             best_pull: None,
             pulls: false,
         };
     };
     let prompt = ctx.prompt_tokens;
     let bs = ctx.block_size;
-    let rate = cm.prefill_rate(c.endpoint).max(1e-9);
+    let learned = p.rates == RateSource::Learned;
+    let rate = if learned {
+        cm.prefill_rate(c.endpoint)
+    } else {
+        cm.params().prefill_tokens_per_second
+    }
+    .max(1e-9);
     let restore = p.restore_tokens_per_second.max(1e-9);
     let ms = |tokens: u64, per_s: f64| tokens as f64 / per_s * 1000.0;
     let any = clamp_tokens(c.any_blocks.max(c.gpu_blocks), bs, prompt);
@@ -171,7 +207,12 @@ pub fn predict(
             }
             let delta = src - any;
             let sharing = s.pulls_out.max(c.pulls_in);
-            let base = cm.predict_pull_ms(s.endpoint, c.endpoint, delta);
+            let base = if learned {
+                cm.predict_pull_ms(s.endpoint, c.endpoint, delta)
+            } else {
+                cm.params().pull_floor_ms
+                    + delta as f64 / cm.params().pull_tokens_per_second.max(1e-9) * 1000.0
+            };
             let floor = cm.params().pull_floor_ms.min(base);
             let pull_ms = floor + (base - floor) * (1 + sharing) as f64;
             let plan = PullPlan {
@@ -205,11 +246,17 @@ pub fn predict(
         Some(path) if pulls => path,
         _ => local_ms,
     };
+    let computed = match &best_pull {
+        Some(b) if pulls => prompt as u64 - b.source_tokens,
+        _ => uncached,
+    };
+    let total_ms = queue_ms + own_ms + load_ms;
     Prediction {
         queue_ms,
         own_ms,
         load_ms,
-        total_ms: queue_ms + own_ms + load_ms,
+        total_ms,
+        cost_ms: total_ms + (p.work_weight - 1.0) * ms(computed, rate),
         best_pull,
         pulls,
     }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Candidate, SchedulingContext};
 use crate::cost_model::CostModel;
-use crate::predict::{TtftParams, predict};
+use crate::predict::{RateSource, TtftParams, predict};
 
 pub const TYPE: &str = "p2p-source-producer";
 
@@ -53,6 +53,8 @@ pub struct P2pParams {
     /// `mode: predicted`: CPU tier → GPU copy rate of the destination (tokens/s).
     #[serde(alias = "restore_tokens_per_second", rename = "restoreTokensPerSecond")]
     pub restore_tokens_per_second: f64,
+    /// `mode: predicted`: configured or learned rates (see [`crate::predict::RateSource`]).
+    pub rates: RateSource,
 }
 
 impl Default for P2pParams {
@@ -63,6 +65,7 @@ impl Default for P2pParams {
             mode: P2pMode::Threshold,
             margin_ms: 0.0,
             restore_tokens_per_second: TtftParams::default().restore_tokens_per_second,
+            rates: RateSource::Configured,
         }
     }
 }
@@ -260,6 +263,7 @@ impl P2pSourceProducer {
             p2p: true,
             min_pull_tokens: self.params.min_cached_token_delta,
             margin_ms: self.params.margin_ms.max(0.0),
+            rates: self.params.rates,
             ..TtftParams::default()
         }
     }

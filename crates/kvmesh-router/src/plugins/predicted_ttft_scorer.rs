@@ -3,8 +3,10 @@
 //! The prediction ([`crate::predict`]) adds the prefill work already queued on the endpoint, the
 //! request's own uncached tokens there (CPU-tier hits at restore cost, and — with `p2p: true` — a
 //! pull from a peer's CPU tier when that is cheaper), and a small per-request decode penalty.
-//! Score = `best / predicted` (1 for the best endpoint, in `(0, 1]`), so with a max-score picker
-//! the request goes where it is predicted to start soonest; ties are broken randomly by the picker.
+//! Score = `best / cost` (1 for the best endpoint, in `(0, 1]`) where cost is the predicted TTFT
+//! plus `workWeight − 1` times the prefill work the request adds there, so with a max-score picker
+//! the request goes where it starts soon without throwing away a warm cache for a few ms; ties
+//! are broken randomly by the picker.
 //! Dynamo's router uses the same idea (predicted prefill tokens to compute plus decode load);
 //! kvmesh adds tiers, in-flight accounting and priced pulls.
 
@@ -50,13 +52,13 @@ impl Scorer for PredictedTtftScorer {
             .collect();
         let best = predictions
             .iter()
-            .map(|p| p.total_ms)
+            .map(|p| p.cost_ms)
             .fold(f64::INFINITY, f64::min);
         let scores = predictions
             .iter()
             .map(|p| {
-                if p.total_ms.is_finite() && p.total_ms > 0.0 && best.is_finite() {
-                    (best / p.total_ms).clamp(0.0, 1.0)
+                if p.cost_ms.is_finite() && p.cost_ms > 0.0 && best.is_finite() {
+                    (best / p.cost_ms).clamp(0.0, 1.0)
                 } else {
                     0.0
                 }
@@ -83,6 +85,6 @@ mod tests {
         let preds = preds.expect("explained");
         assert_eq!(scores[1], 1.0);
         assert!(scores[0] < 0.1, "{scores:?}");
-        assert!((scores[0] - preds[1].total_ms / preds[0].total_ms).abs() < 1e-12);
+        assert!((scores[0] - preds[1].cost_ms / preds[0].cost_ms).abs() < 1e-12);
     }
 }
