@@ -84,7 +84,7 @@ mod tests {
         let (scores, preds) = s.score_explained(&ctx(2048, 16), &[&busy, &idle]);
         let preds = preds.expect("explained");
         assert_eq!(scores[1], 1.0);
-        assert!(scores[0] < 0.1, "{scores:?}");
+        assert!(scores[0] < 0.2, "{scores:?}");
         assert!((scores[0] - preds[1].cost_ms / preds[0].cost_ms).abs() < 1e-12);
     }
 }
