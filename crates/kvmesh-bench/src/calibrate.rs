@@ -185,6 +185,8 @@ async fn ttft(
             base_url: url,
             model,
             prompt,
+            // Real-model token spaces are not text: the ladder always sends ids.
+            prompt_format: client::PromptFormat::Tokens,
             max_tokens: 1,
             kv_transfer_params: p,
             session_id: None,

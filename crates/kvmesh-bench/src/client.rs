@@ -1,4 +1,6 @@
-//! One streaming token-id `/v1/completions` request, timed at the first SSE chunk.
+//! One streaming `/v1/completions` request, timed at the first SSE chunk. The prompt goes out as
+//! text (default: what cache-aware peer routers match on, and the only form smg accepts) or as
+//! token ids.
 
 use std::time::{Duration, Instant};
 
@@ -35,12 +37,66 @@ pub struct Completion {
     pub text: String,
 }
 
+/// How the prompt travels in the request body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PromptFormat {
+    /// A JSON string: the prompt's token ids as bytes. The `sim` engines (and `kvmesh router`'s
+    /// `tokenizer: byte`) map byte `b` to token `b`, so the text tokenizes back to exactly the
+    /// same ids; a prompt with an id that is not ASCII is sent as ids instead.
+    #[default]
+    Text,
+    /// A JSON list of token ids.
+    Tokens,
+}
+
+impl std::str::FromStr for PromptFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "text" => Ok(Self::Text),
+            "tokens" => Ok(Self::Tokens),
+            other => Err(format!("prompt format {other:?} (text|tokens)")),
+        }
+    }
+}
+
+impl std::fmt::Display for PromptFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Text => "text",
+            Self::Tokens => "tokens",
+        })
+    }
+}
+
+/// The prompt as the text a byte tokenizer turns back into exactly `ids`, when every id is an
+/// ASCII byte (a longer id, or a byte ≥ 128 alone, has no such text).
+pub fn prompt_text(ids: &[TokenId]) -> Option<String> {
+    ids.iter()
+        .map(|&t| u8::try_from(t).ok().filter(u8::is_ascii).map(char::from))
+        .collect()
+}
+
+/// The request body's `prompt` value for `format`.
+pub fn prompt_value(ids: &[TokenId], format: PromptFormat) -> Value {
+    match format {
+        PromptFormat::Text => match prompt_text(ids) {
+            Some(t) => Value::String(t),
+            None => json!(ids),
+        },
+        PromptFormat::Tokens => json!(ids),
+    }
+}
+
 /// Parameters of one request.
 #[derive(Debug, Clone)]
 pub struct CompletionRequest<'a> {
     pub base_url: &'a str,
     pub model: &'a str,
     pub prompt: &'a [TokenId],
+    /// Text or token ids on the wire (the same tokens either way).
+    pub prompt_format: PromptFormat,
     pub max_tokens: u32,
     pub kv_transfer_params: Option<KvTransferParams>,
     /// Sent as `X-Session-ID` (multi-turn conversations).
@@ -75,7 +131,7 @@ async fn complete_inner(
 ) -> Completion {
     let mut body = json!({
         "model": req.model,
-        "prompt": req.prompt,
+        "prompt": prompt_value(req.prompt, req.prompt_format),
         "max_tokens": req.max_tokens,
         "stream": true,
         "stream_options": {"include_usage": true},
@@ -238,6 +294,24 @@ mod tests {
     use axum::response::IntoResponse;
 
     #[test]
+    fn text_prompts_are_the_ids_as_ascii_else_ids() {
+        assert_eq!(prompt_text(&[33, 65, 126, 10]).as_deref(), Some("!A~\n"));
+        assert_eq!(prompt_text(&[65, 200]), None);
+        assert_eq!(prompt_text(&[65, 1000]), None);
+        assert_eq!(prompt_value(&[72, 105], PromptFormat::Text), json!("Hi"));
+        assert_eq!(
+            prompt_value(&[72, 105], PromptFormat::Tokens),
+            json!([72, 105])
+        );
+        assert_eq!(
+            prompt_value(&[72, 300], PromptFormat::Text),
+            json!([72, 300])
+        );
+        assert_eq!("tokens".parse::<PromptFormat>(), Ok(PromptFormat::Tokens));
+        assert!("ids".parse::<PromptFormat>().is_err());
+    }
+
+    #[test]
     fn finds_event_boundaries() {
         assert_eq!(find_event_end(b"data: x\n\ndata: y"), Some((7, 2)));
         assert_eq!(find_event_end(b"data: x\r\n\r\n"), Some((7, 4)));
@@ -247,7 +321,7 @@ mod tests {
     async fn fake(body: axum::body::Bytes) -> axum::response::Response {
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["stream"], true);
-        assert!(v["prompt"].is_array());
+        assert!(v["prompt"].is_array() || v["prompt"] == "!A~", "{v}");
         let chunks = "data: {\"choices\":[{\"index\":0,\"text\":\"a\",\"token_ids\":[97]}]}\n\n\
                       data: {\"choices\":[{\"index\":0,\"text\":\"b\",\"token_ids\":[98]}]}\n\n\
                       data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n\
@@ -272,6 +346,7 @@ mod tests {
             base_url: base,
             model: "m",
             prompt: &[1, 2, 3],
+            prompt_format: PromptFormat::Tokens,
             max_tokens: 2,
             kv_transfer_params: None,
             session_id: Some("s".into()),
@@ -285,6 +360,16 @@ mod tests {
         assert_eq!(c.output_tokens, 2);
         assert_eq!(c.cached_tokens, Some(16));
         assert_eq!(c.token_ids, Some(vec![97, 98]));
+        let text = complete(
+            &http,
+            CompletionRequest {
+                prompt: &[33, 65, 126],
+                prompt_format: PromptFormat::Text,
+                ..req(base)
+            },
+        )
+        .await;
+        assert_eq!(text.outcome, Outcome::Ok);
         let bad: &'static str = Box::leak(format!("{base}/bad").into_boxed_str());
         let e = complete(&http, req(bad)).await;
         assert!(

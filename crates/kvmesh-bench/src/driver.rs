@@ -12,7 +12,7 @@ use kvmesh_core::TokenId;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, watch};
 
-use crate::client::{self, CompletionRequest, Outcome};
+use crate::client::{self, CompletionRequest, Outcome, PromptFormat};
 use crate::tokens::{Segment, TokenGen, mix};
 use crate::workload::{Start, StepKind, Workload};
 
@@ -38,6 +38,8 @@ pub struct DriveConfig {
     pub model: String,
     /// Model-time divisor (1.0 = real time).
     pub time_scale: f64,
+    /// Prompts as text (default) or token ids; every arm of a run gets the same.
+    pub prompt_format: PromptFormat,
     pub progress: Option<ProgressBar>,
 }
 
@@ -112,6 +114,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
                         base_url: &cfg.base_url,
                         model: &cfg.model,
                         prompt: &prompt,
+                        prompt_format: cfg.prompt_format,
                         max_tokens: step.max_tokens,
                         kv_transfer_params: None,
                         session_id,
@@ -192,7 +195,10 @@ mod tests {
                 let seen = seen.clone();
                 async move {
                     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-                    let p: Vec<u32> = serde_json::from_value(v["prompt"].clone()).unwrap();
+                    let p: Vec<u32> = match &v["prompt"] {
+                        serde_json::Value::String(t) => t.bytes().map(u32::from).collect(),
+                        ids => serde_json::from_value(ids.clone()).unwrap(),
+                    };
                     seen.lock().push((Instant::now(), p));
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     let chunks = "data: {\"choices\":[{\"index\":0,\"text\":\"a\",\"token_ids\":[7,7]}]}\n\n\
@@ -263,6 +269,7 @@ mod tests {
             base_url: base,
             model: "m".into(),
             time_scale: 2.0,
+            prompt_format: PromptFormat::Text,
             progress: None,
         };
         let recs = tokio::time::timeout(Duration::from_secs(10), drive(&w, &cfg))
@@ -320,6 +327,7 @@ mod tests {
             base_url: base,
             model: "m".into(),
             time_scale: 1.0,
+            prompt_format: PromptFormat::Tokens,
             progress: None,
         };
         let recs = drive(&w, &cfg).await;
@@ -330,6 +338,7 @@ mod tests {
             base_url: "http://127.0.0.1:9".into(),
             model: "m".into(),
             time_scale: 1.0,
+            prompt_format: PromptFormat::Tokens,
             progress: None,
         };
         let recs = drive(&w, &bad).await;

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio::process::{Child, Command};
 
+use crate::peers::{self, PeerEngine, PeerLaunch};
 use crate::router_config::{self, Arm, EndpointInfo};
 
 /// Engine role (DESIGN §2).
@@ -118,8 +119,14 @@ pub struct RouterSpec {
     pub profile: String,
     #[serde(default)]
     pub min_cached_token_delta: Option<usize>,
+    /// Extra `kvmesh router` flags (not passed to a peer router).
     #[serde(default)]
     pub extra_args: Vec<String>,
+    /// Peer arms (`vllm-router:…`, `smg:…`): the virtual environment holding the external
+    /// router (default: `$KVMESH_PEER_VENV`, else `.venv-peers/` found upwards; see
+    /// [`peers::venv_candidates`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_venv: Option<PathBuf>,
 }
 
 fn default_profile() -> String {
@@ -232,18 +239,27 @@ pub struct EngineProc {
     pub port: u16,
     pub p2p_port: Option<u16>,
     pub kv_events_port: u16,
+    /// Port of the KV-event replay socket (vLLM's `replay_endpoint`).
+    pub kv_replay_port: Option<u16>,
     pub role: Role,
     pub log: PathBuf,
     child: Child,
 }
 
-/// A running router.
+/// A running router: `kvmesh router`, or an external peer router.
 #[derive(Debug)]
 pub struct RouterProc {
     pub url: String,
     pub port: u16,
+    /// The generated `router.yaml`, or for a peer the file with its exact command line.
     pub config: PathBuf,
     pub log: PathBuf,
+    /// Where its Prometheus metrics are (`{url}/metrics` for `kvmesh router`).
+    pub metrics_url: String,
+    /// The external router of a peer arm.
+    pub peer: Option<peers::PeerArm>,
+    /// e.g. `vllm-router 0.1.17` for a peer (when the installed version is known).
+    pub version: Option<String>,
     child: Child,
 }
 
@@ -255,6 +271,9 @@ pub struct Fleet {
     pub log_dir: PathBuf,
     pub served_model_name: String,
 }
+
+/// The topic the fleet's engines publish KV events under (and routers subscribe to).
+pub const KV_EVENTS_TOPIC: &str = "";
 
 /// Picks a free loopback port (bind to :0, read, release).
 pub fn free_port() -> Result<u16, FleetError> {
@@ -269,6 +288,7 @@ pub fn engine_args(
     index: usize,
     port: u16,
     kv_events_port: u16,
+    kv_replay_port: Option<u16>,
     p2p_port: Option<u16>,
 ) -> Vec<String> {
     let mut a: Vec<String> = vec![
@@ -318,17 +338,20 @@ pub fn engine_args(
     if let Some(l) = group.max_model_len {
         push("--max-model-len", l.to_string());
     }
-    push(
-        "--kv-events-config",
-        serde_json::json!({
-            "enable_kv_cache_events": true,
-            "publisher": "zmq",
-            // `*` = the engine binds (vLLM rule); the router connects to 127.0.0.1.
-            "endpoint": format!("tcp://*:{kv_events_port}"),
-            "topic": "kv-events",
-        })
-        .to_string(),
-    );
+    let mut events = serde_json::json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        // `*` = the engine binds (vLLM rule); the router connects to 127.0.0.1.
+        "endpoint": format!("tcp://*:{kv_events_port}"),
+        // vLLM's default (empty) topic: vllm-router 0.1.17's static `--kv-event-source` drops
+        // messages under any other topic.
+        "topic": KV_EVENTS_TOPIC,
+    });
+    if let Some(r) = kv_replay_port {
+        // Lets a subscriber that joined late catch up (vllm-router's `--kv-event-replay-source`).
+        events["replay_endpoint"] = format!("tcp://*:{r}").into();
+    }
+    push("--kv-events-config", events.to_string());
     if let Some(p) = p2p_port {
         push("--p2p-port", p.to_string());
         // Peers are other local engines: allow loopback only (remote_host is untrusted input).
@@ -345,6 +368,18 @@ impl Fleet {
         spec.validate()?;
         std::fs::create_dir_all(log_dir)?;
         let ready = Duration::from_secs_f64(spec.ready_timeout_s.unwrap_or(60.0));
+        // A peer arm whose router is not installed fails here, before any engine starts.
+        let peer = match &spec.router {
+            Some(r) => match r.profile.parse::<Arm>().map_err(FleetError::Spec)? {
+                Arm::Peer(p) => Some((
+                    p,
+                    peers::resolve(p, r.peer_venv.as_deref(), Some(exe))
+                        .map_err(FleetError::Spec)?,
+                )),
+                _ => None,
+            },
+            None => None,
+        };
         let mut fleet = Fleet {
             engines: Vec::new(),
             router: None,
@@ -398,7 +433,9 @@ impl Fleet {
                 }
             }
         }
-        if let Some(r) = &spec.router {
+        if let Some((arm, install)) = peer {
+            fleet.router = Some(fleet.launch_peer(spec, arm, install, &http, ready).await?);
+        } else if let Some(r) = &spec.router {
             let arm: Arm = r.profile.parse().map_err(FleetError::Spec)?;
             let endpoints: Vec<EndpointInfo> = fleet
                 .engines
@@ -435,14 +472,64 @@ impl Fleet {
             let url = format!("http://127.0.0.1:{port}");
             wait_ready(&http, &url, &mut child, "router", &log, ready).await?;
             fleet.router = Some(RouterProc {
+                metrics_url: format!("{url}/metrics"),
                 url,
                 port,
                 config,
                 log,
+                peer: None,
+                version: None,
                 child,
             });
         }
         Ok(fleet)
+    }
+
+    /// Starts the external router of a peer arm in front of the (ready) engines.
+    async fn launch_peer(
+        &self,
+        spec: &FleetSpec,
+        arm: peers::PeerArm,
+        install: peers::PeerInstall,
+        http: &reqwest::Client,
+        ready: Duration,
+    ) -> Result<RouterProc, FleetError> {
+        let engines: Vec<PeerEngine> = self
+            .engines
+            .iter()
+            .map(|e| PeerEngine {
+                url: e.url.clone(),
+                kv_events: format!("tcp://127.0.0.1:{}", e.kv_events_port),
+                kv_replay: e.kv_replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+            })
+            .collect();
+        let block_size = spec.engines.first().map(|g| g.block_size).unwrap_or(16);
+        let port = free_port()?;
+        let metrics_port = free_port()?;
+        // `RouterSpec::extra_args` are `kvmesh router` flags: not passed to a peer.
+        let args = peers::args(&PeerLaunch {
+            arm,
+            port,
+            metrics_port,
+            engines: &engines,
+            served_model_name: &spec.served_model_name,
+            block_size,
+        });
+        let log = self.log_dir.join("router.log");
+        let config = self.log_dir.join("router-command.txt");
+        let mut child = peers::spawn(&install.binary, &args, &log, &config)?;
+        let url = format!("http://127.0.0.1:{port}");
+        peers::wait_ready(http, &url, engines.len(), &mut child, &log, ready).await?;
+        Ok(RouterProc {
+            url,
+            port,
+            config,
+            log,
+            metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
+            peer: Some(arm),
+            version: install.version,
+            child,
+        })
     }
 
     /// Where clients should send requests: the router, else the first engine.
@@ -457,12 +544,22 @@ impl Fleet {
     pub fn describe(&self) -> String {
         let mut s = String::new();
         if let Some(r) = &self.router {
-            s.push_str(&format!(
-                "router   {}  config {}  log {}\n",
-                r.url,
-                r.config.display(),
-                r.log.display()
-            ));
+            match r.peer {
+                Some(p) => s.push_str(&format!(
+                    "router   {}  peer {p} ({})  command {}  metrics {}  log {}\n",
+                    r.url,
+                    r.version.as_deref().unwrap_or("version unknown"),
+                    r.config.display(),
+                    r.metrics_url,
+                    r.log.display()
+                )),
+                None => s.push_str(&format!(
+                    "router   {}  config {}  log {}\n",
+                    r.url,
+                    r.config.display(),
+                    r.log.display()
+                )),
+            }
         }
         for e in &self.engines {
             s.push_str(&format!(
@@ -560,6 +657,7 @@ fn spawn_engine(
 ) -> Result<EngineProc, FleetError> {
     let port = free_port()?;
     let kv_events_port = free_port()?;
+    let kv_replay_port = Some(free_port()?);
     let p2p_port = if group.p2p { Some(free_port()?) } else { None };
     let args = engine_args(
         group,
@@ -567,6 +665,7 @@ fn spawn_engine(
         idx,
         port,
         kv_events_port,
+        kv_replay_port,
         p2p_port,
     );
     let child = spawn(exe, &args, &log)?;
@@ -576,6 +675,7 @@ fn spawn_engine(
         port,
         p2p_port,
         kv_events_port,
+        kv_replay_port,
         role: group.role,
         log,
         child,
@@ -655,7 +755,7 @@ mod tests {
             role: Role::Decode,
             ..Default::default()
         };
-        let a = engine_args(&g, "m", 0, 8000, 9000, Some(7000)).join(" ");
+        let a = engine_args(&g, "m", 0, 8000, 9000, Some(9100), Some(7000)).join(" ");
         for want in [
             "engine",
             "--port 8000",
@@ -666,6 +766,7 @@ mod tests {
             "--role decode",
             "--p2p-port 7000",
             "tcp://*:9000",
+            "tcp://*:9100",
         ] {
             assert!(a.contains(want), "{want} missing in {a}");
         }
@@ -678,6 +779,7 @@ mod tests {
             0,
             1,
             2,
+            None,
             None,
         )
         .join(" ");

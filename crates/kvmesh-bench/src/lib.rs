@@ -4,13 +4,14 @@
 //!
 //! Layers: [`tokens`] and [`workload`]/[`trace`] are pure (seeded data); [`stats`], [`metrics`],
 //! [`router_config`] and [`report`] are pure transformations; [`client`], [`driver`], [`fleet`],
-//! [`runner`] and [`calibrate`] do the I/O.
+//! [`peers`] (external routers as arms), [`runner`] and [`calibrate`] do the I/O.
 
 pub mod calibrate;
 pub mod client;
 pub mod driver;
 pub mod fleet;
 pub mod metrics;
+pub mod peers;
 pub mod report;
 pub mod router_config;
 pub mod runner;

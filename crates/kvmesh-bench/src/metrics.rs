@@ -1,4 +1,6 @@
-//! Scraping engines' `/metrics` and turning the counters into *verified* pull evidence.
+//! Scraping engines' `/metrics` and turning the counters into *verified* pull evidence, plus
+//! what the engines say about placement: requests served and local prefix-cache hit rate per
+//! engine (read the same way for `kvmesh router` and peer-router arms).
 //!
 //! P2P counters are read by prefix (`kvmesh_p2p_*`) rather than by exact name, so a rename shows
 //! up as a different key in the report instead of a silent zero. Bytes moved are counted once: the
@@ -92,13 +94,13 @@ fn parse_labels(s: &str) -> Vec<(String, String)> {
     out
 }
 
-/// Sum of all samples of `name` (across label sets).
+/// Sum of all samples of `name` (across label sets); 0 when there are none (`Iterator::sum` of
+/// no `f64` is -0.0, which reports print as "-0").
 pub fn sum(samples: &[Sample], name: &str) -> f64 {
     samples
         .iter()
         .filter(|s| s.name == name)
-        .map(|s| s.value)
-        .sum()
+        .fold(0.0, |acc, s| acc + s.value)
 }
 
 /// Totals of every counter whose name starts with `prefix`, keyed by name plus its distinguishing
@@ -142,6 +144,12 @@ pub struct EngineEvidence {
     pub external_hit_tokens: f64,
     /// `vllm:prefix_cache_hits_total` — local prefix hits (tokens).
     pub local_hit_tokens: f64,
+    /// `vllm:prefix_cache_queries_total` — prompt tokens looked up in the local prefix cache.
+    #[serde(default)]
+    pub prefix_cache_queries: f64,
+    /// `vllm:request_success_total` (all finish reasons) — requests this engine served.
+    #[serde(default)]
+    pub requests: f64,
     pub prompt_tokens_by_source: BTreeMap<String, f64>,
     /// Every `kvmesh_p2p_*` counter (by name and direction label).
     pub p2p: BTreeMap<String, f64>,
@@ -166,6 +174,8 @@ impl EngineEvidence {
             url: url.to_owned(),
             external_hit_tokens: sum(&samples, "vllm:external_prefix_cache_hits_total"),
             local_hit_tokens: sum(&samples, "vllm:prefix_cache_hits_total"),
+            prefix_cache_queries: sum(&samples, "vllm:prefix_cache_queries_total"),
+            requests: sum(&samples, "vllm:request_success_total"),
             prompt_tokens_by_source: by_source,
             p2p: totals_by_prefix(&samples, "kvmesh_p2p_"),
             pd: {
@@ -253,7 +263,9 @@ impl Evidence {
             pd_counters,
             pd_history_tokens,
             pd_decode_tokens,
-            external_hit_tokens: engines.iter().map(|e| e.external_hit_tokens).sum(),
+            external_hit_tokens: engines
+                .iter()
+                .fold(0.0, |acc, e| acc + e.external_hit_tokens),
             engines,
             p2p_bytes,
             p2p_blocks,
@@ -267,6 +279,24 @@ impl Evidence {
     pub fn moved_anything(&self) -> bool {
         self.p2p_bytes > 0.0 || self.p2p_blocks > 0.0
     }
+
+    /// Fleet-wide local prefix-cache hit rate: hit tokens / queried tokens over every engine
+    /// (`None` when no engine reported a query).
+    pub fn local_hit_rate(&self) -> Option<f64> {
+        let q = self
+            .engines
+            .iter()
+            .fold(0.0, |a, e| a + e.prefix_cache_queries);
+        let h = self.engines.iter().fold(0.0, |a, e| a + e.local_hit_tokens);
+        (q > 0.0).then(|| h / q)
+    }
+
+    /// The fewest and the most requests one engine served (`None` without engines).
+    pub fn requests_per_engine(&self) -> Option<(f64, f64)> {
+        let mut it = self.engines.iter().map(|e| e.requests);
+        let first = it.next()?;
+        Some(it.fold((first, first), |(lo, hi), v| (lo.min(v), hi.max(v))))
+    }
 }
 
 #[cfg(test)]
@@ -277,6 +307,9 @@ mod tests {
 # TYPE vllm:external_prefix_cache_hits_total counter
 vllm:external_prefix_cache_hits_total{engine="0",model_name="sim"} 4096.0
 vllm:prefix_cache_hits_total{engine="0",model_name="sim"} 100
+vllm:prefix_cache_queries_total{engine="0",model_name="sim"} 400
+vllm:request_success_total{engine="0",model_name="sim",finished_reason="length"} 3
+vllm:request_success_total{engine="0",model_name="sim",finished_reason="stop"} 2
 vllm:prompt_tokens_by_source_total{source="local_compute",model_name="sim"} 50
 vllm:prompt_tokens_by_source_total{source="external_kv_transfer",model_name="sim"} 4096
 kvmesh_p2p_bytes_total{direction="pulled"} 131072
@@ -352,6 +385,9 @@ weird line without value
         assert_eq!(ev.p2p_blocks, 256.0);
         assert_eq!(ev.external_hit_tokens, 4096.0);
         assert_eq!(ev.p2p_pulls, 3.0);
+        // Hit rate over the fleet; requests per engine (the producer served none).
+        assert_eq!(ev.local_hit_rate(), Some(0.25));
+        assert_eq!(ev.requests_per_engine(), Some((0.0, 5.0)));
         assert!(ev.moved_anything());
         assert!(!ev.p2p_counters.keys().any(|k| k.ends_with("_bucket")));
     }
@@ -364,5 +400,7 @@ weird line without value
         assert_eq!(ev.p2p_bytes, 10.0);
         let none = Evidence::from_engines(vec![EngineEvidence::from_exposition("y", "")], vec![]);
         assert!(!none.moved_anything());
+        assert_eq!(none.local_hit_rate(), None);
+        assert_eq!(Evidence::default().requests_per_engine(), None);
     }
 }

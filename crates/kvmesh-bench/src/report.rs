@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::client::PromptFormat;
 use crate::driver::RequestRecord;
 use crate::fleet::FleetSpec;
 use crate::metrics::Evidence;
@@ -30,6 +31,9 @@ pub struct ArmResult {
     /// Problems that make the arm's numbers untrustworthy (shown in the table).
     pub flags: Vec<String>,
     pub records: Vec<RequestRecord>,
+    /// The external router's name and version for a peer arm (e.g. `vllm-router 0.1.17`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_version: Option<String>,
 }
 
 /// A whole run.
@@ -38,6 +42,9 @@ pub struct BenchReport {
     pub command: String,
     pub scale: String,
     pub seed: u64,
+    /// How prompts were sent (text or token ids), the same for every arm.
+    #[serde(default)]
+    pub prompt_format: PromptFormat,
     pub results: Vec<ArmResult>,
 }
 
@@ -123,6 +130,30 @@ fn bytes(v: f64) -> String {
     }
 }
 
+fn percent(v: f64) -> String {
+    format!("{:.1} %", v * 100.0)
+}
+
+/// `min–max` requests served per engine, from the engines' own counters.
+fn per_engine(r: &ArmResult) -> String {
+    match r.evidence.requests_per_engine() {
+        Some((lo, hi)) => format!("{lo:.0}–{hi:.0}"),
+        None => "—".into(),
+    }
+}
+
+/// How the routers-side-by-side table names an arm: peers by router and policy (with the
+/// installed version), kvmesh profiles as `kvmesh <profile>`.
+fn router_label(r: &ArmResult) -> String {
+    match r.arm.split_once(':') {
+        Some((router, policy)) => format!(
+            "{} `{policy}`",
+            r.router_version.as_deref().unwrap_or(router)
+        ),
+        None => format!("kvmesh `{}`", r.arm),
+    }
+}
+
 fn pct(base: f64, new: f64) -> String {
     if base > 0.0 {
         format!("{:+.0}%", (new - base) / base * 100.0)
@@ -140,7 +171,14 @@ impl BenchReport {
             "Command: `{}`  (scale {}, seed {})\n",
             self.command, self.scale, self.seed
         );
-        s.push_str("Times are model seconds (wall × time scale).\n\n");
+        let _ = writeln!(
+            s,
+            "Times are model seconds (wall × time scale). Prompts sent as {}.\n",
+            match self.prompt_format {
+                PromptFormat::Text => "text",
+                PromptFormat::Tokens => "token ids",
+            }
+        );
         s.push_str("| workload | arm | ok / total | timeouts | TTFT p50 | TTFT p90 | TTFT p99 | E2E p50 | offered req/s | achieved req/s | external-hit tokens | P2P bytes | flags |\n");
         s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
         for r in &self.results {
@@ -168,6 +206,7 @@ impl BenchReport {
                 },
             );
         }
+        s.push_str(&self.routers_table());
         for (workload, arms) in self.by_workload() {
             let Some(base) = arms.first() else { continue };
             let _ = writeln!(s, "\n**{workload}** — {}", base.workload_description);
@@ -228,6 +267,37 @@ impl BenchReport {
         s
     }
 
+    /// Per workload, one row per router (kvmesh profiles and peer routers alike): TTFT, the
+    /// engines' local prefix-cache hit rate, tokens pulled over P2P and requests per engine.
+    pub fn routers_table(&self) -> String {
+        let mut s = String::new();
+        for (workload, arms) in self.by_workload() {
+            let _ = writeln!(s, "\n**{workload}: routers side by side**\n");
+            s.push_str("| router (policy) | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | local prefix hit rate | pulled tokens | requests per engine |\n");
+            s.push_str("|---|---|---|---|---|---|---|---|\n");
+            for r in &arms {
+                let st = &r.stats;
+                let _ = writeln!(
+                    s,
+                    "| {} | {} / {} | {} | {} | {} | {} | {:.0} | {} |",
+                    router_label(r),
+                    st.succeeded,
+                    st.failed + st.timeouts,
+                    secs(st.ttft.p50),
+                    secs(st.ttft.p90),
+                    secs(st.ttft.p99),
+                    r.evidence
+                        .local_hit_rate()
+                        .map(percent)
+                        .unwrap_or_else(|| "—".into()),
+                    r.evidence.external_hit_tokens,
+                    per_engine(r),
+                );
+            }
+        }
+        s
+    }
+
     /// Per workload, one column per arm and a change column against the first arm (the demo's
     /// P2P-off vs P2P-on view).
     pub fn side_by_side(&self) -> String {
@@ -280,7 +350,17 @@ impl BenchReport {
                     |v| format!("{v:.0}"),
                 ));
             }
-            rows.extend::<[Row; 5]>([
+            rows.extend::<[Row; 7]>([
+                (
+                    "local prefix-cache hit rate (engines)",
+                    |r| r.evidence.local_hit_rate(),
+                    percent,
+                ),
+                (
+                    "requests served (engines)",
+                    |r| Some(r.evidence.engines.iter().fold(0.0, |a, e| a + e.requests)),
+                    |v| format!("{v:.0}"),
+                ),
                 (
                     "offered req/s",
                     |r| Some(r.stats.offered_rate),
@@ -321,6 +401,14 @@ impl BenchReport {
                 }
                 s.push('\n');
             }
+            let _ = write!(s, "| requests per engine (min–max) |");
+            for r in &arms {
+                let _ = write!(s, " {} |", per_engine(r));
+            }
+            if arms.len() > 1 {
+                s.push_str("  |");
+            }
+            s.push('\n');
             for r in &arms {
                 if !r.flags.is_empty() {
                     let _ = writeln!(s, "\n**{}**: {}", r.arm, r.flags.join("; "));
@@ -644,6 +732,7 @@ mod tests {
             evidence: ev,
             prefill_external_hit_tokens: 0.0,
             records,
+            router_version: None,
         }
     }
 
@@ -677,12 +766,57 @@ mod tests {
         assert!(pd_flags(true, 2048.0, &ev)[0].contains("no prompt KV"));
     }
 
+    /// Peers and kvmesh profiles share one table, with the engines' hit rates and request counts.
+    #[test]
+    fn routers_table_shows_engine_evidence_for_every_arm() {
+        let engine = |hits: u32, queries: u32, reqs: u32| {
+            EngineEvidence::from_exposition(
+                "e",
+                &format!(
+                    "vllm:prefix_cache_hits_total{{engine=\"0\"}} {hits}\n\
+                     vllm:prefix_cache_queries_total{{engine=\"0\"}} {queries}\n\
+                     vllm:request_success_total{{finished_reason=\"length\"}} {reqs}\n"
+                ),
+            )
+        };
+        let mut peer = result("vllm-router:cache_aware", false, 0.1, false);
+        peer.router_version = Some("vllm-router 0.1.17".into());
+        peer.evidence =
+            Evidence::from_engines(vec![engine(10, 100, 3), engine(30, 100, 6)], vec![]);
+        let mine = result("affinity", false, 0.1, false);
+        let rep = BenchReport {
+            command: "c".into(),
+            scale: "full".into(),
+            seed: 1,
+            prompt_format: PromptFormat::Text,
+            results: vec![peer, mine],
+        };
+        let t = rep.routers_table();
+        assert!(
+            t.contains("| vllm-router 0.1.17 `cache_aware` | 9 / 0 |"),
+            "{t}"
+        );
+        assert!(t.contains("| 20.0 % | 0 | 3–6 |"), "{t}");
+        assert!(t.contains("| kvmesh `affinity` |"), "{t}");
+        let sbs = rep.side_by_side();
+        assert!(
+            sbs.contains("| local prefix-cache hit rate (engines) | 20.0 % |"),
+            "{sbs}"
+        );
+        assert!(
+            sbs.contains("| requests per engine (min–max) | 3–6 | 0–0 |"),
+            "{sbs}"
+        );
+        assert!(rep.markdown().contains("Prompts sent as text"));
+    }
+
     #[test]
     fn markdown_and_files() {
         let rep = BenchReport {
             command: "kvmesh bench --workload fork".into(),
             scale: "quick".into(),
             seed: 1,
+            prompt_format: PromptFormat::Text,
             results: vec![
                 result("load", false, 1.0, false),
                 result("load-p2p", true, 0.2, true),

@@ -9,6 +9,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::Role;
+use crate::peers::PeerArm;
 
 /// A router policy under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -40,6 +41,9 @@ pub enum Arm {
     /// `pd-load` plus bi-directional KV transfer: the next turn's prefiller reads the whole
     /// history (prompt and generated tokens) from the decoder.
     PdLoadBidir,
+    /// An external router (`vllm-router:<policy>`, `smg:<policy>`) in front of the same engines
+    /// instead of `kvmesh router` (see [`crate::peers`]).
+    Peer(PeerArm),
 }
 
 pub const ARM_NAMES: &[&str] = &[
@@ -68,6 +72,7 @@ impl Arm {
             Self::PdBidir => "pd-bidir",
             Self::PdLoad => "pd-load",
             Self::PdLoadBidir => "pd-load-bidir",
+            Self::Peer(p) => p.name(),
         }
     }
 
@@ -125,10 +130,16 @@ impl std::str::FromStr for Arm {
             "pd-bidir" => Self::PdBidir,
             "pd-load" => Self::PdLoad,
             "pd-load-bidir" => Self::PdLoadBidir,
+            peer if peer.contains(':') => Self::Peer(PeerArm::parse(peer)?),
             other => {
                 return Err(format!(
-                    "unknown arm {other:?}; known: {}",
-                    ARM_NAMES.join(", ")
+                    "unknown arm {other:?}; known: {}, or a peer router ({})",
+                    ARM_NAMES.join(", "),
+                    crate::peers::PEER_ARMS
+                        .iter()
+                        .map(|p| p.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ));
             }
         })
@@ -178,8 +189,9 @@ decisions_capacity: 2048
         let _ = writeln!(y, "    url: \"{}\"", e.url);
         let _ = writeln!(
             y,
-            "    kv_events: {{endpoint: \"{}\", topic: kv-events}}",
-            e.kv_events
+            "    kv_events: {{endpoint: \"{}\", topic: \"{}\"}}",
+            e.kv_events,
+            crate::fleet::KV_EVENTS_TOPIC
         );
         if let Some(p) = &e.p2p {
             let _ = writeln!(y, "    p2p: \"{p}\"");
@@ -193,7 +205,10 @@ decisions_capacity: 2048
             render_pd(&mut y, arm);
             return y;
         }
-        Arm::RoundRobin => plugins.push(("round-robin-picker", "picker", String::new(), None)),
+        // A peer arm runs its own router (crate::peers); its kvmesh config is never started.
+        Arm::RoundRobin | Arm::Peer(_) => {
+            plugins.push(("round-robin-picker", "picker", String::new(), None))
+        }
         Arm::Affinity | Arm::AffinityP2p => {
             plugins.push(("prefix-cache-scorer", "prefix", String::new(), Some(3)));
             plugins.push(("queue-scorer", "queue", String::new(), Some(2)));

@@ -6,6 +6,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use thiserror::Error;
 
+use crate::client::PromptFormat;
 use crate::driver::{self, DriveConfig};
 use crate::fleet::{EngineGroup, Fleet, FleetError, FleetSpec, Role, RouterSpec};
 use crate::metrics::{EngineEvidence, Evidence};
@@ -31,6 +32,8 @@ pub struct FleetOptions {
     pub sim_kv_bytes_per_token: usize,
     pub extra_engine_args: Vec<String>,
     pub extra_router_args: Vec<String>,
+    /// Where peer arms find their router (see [`crate::peers::venv_candidates`]).
+    pub peer_venv: Option<PathBuf>,
 }
 
 impl Default for FleetOptions {
@@ -45,6 +48,7 @@ impl Default for FleetOptions {
             sim_kv_bytes_per_token: DEFAULT_SIM_KV_BYTES_PER_TOKEN,
             extra_engine_args: Vec::new(),
             extra_router_args: Vec::new(),
+            peer_venv: None,
         }
     }
 }
@@ -96,6 +100,7 @@ pub fn fleet_for(w: &Workload, arm: Arm, o: &FleetOptions) -> FleetSpec {
                 o.min_cached_token_delta.unwrap_or(w.min_cached_token_delta),
             ),
             extra_args: o.extra_router_args.clone(),
+            peer_venv: o.peer_venv.clone(),
         }),
         log_dir: None,
         ready_timeout_s: Some(120.0),
@@ -121,6 +126,8 @@ pub struct Plan {
     pub command: String,
     pub scale: String,
     pub seed: u64,
+    /// Prompts as text or token ids (the same for every arm).
+    pub prompt_format: PromptFormat,
     /// Show progress bars (off in tests).
     pub progress: bool,
     /// Seconds between fleet readiness and the first request, so the router's KV-event
@@ -134,6 +141,7 @@ pub async fn run(plan: &Plan) -> Result<BenchReport, RunError> {
         command: plan.command.clone(),
         scale: plan.scale.clone(),
         seed: plan.seed,
+        prompt_format: plan.prompt_format,
         results: Vec::new(),
     };
     std::fs::create_dir_all(&plan.out_dir)?;
@@ -164,14 +172,15 @@ fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, e: &RunError) -> ArmResult {
         prefill_external_hit_tokens: 0.0,
         flags: vec![format!("FAILED TO RUN: {e}")],
         records: Vec::new(),
+        router_version: None,
     }
 }
 
 /// One arm on a fresh fleet.
 pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, RunError> {
     let spec = fleet_for(w, arm, &plan.fleet);
-    let safe: String = w
-        .name
+    // Workload and arm names as a folder name (`trace:…`, `vllm-router:kv_aware`).
+    let safe: String = format!("{}-{}", w.name, arm.name())
         .chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' {
@@ -181,10 +190,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
             }
         })
         .collect();
-    let log_dir = plan
-        .out_dir
-        .join("logs")
-        .join(format!("{safe}-{}", arm.name()));
+    let log_dir = plan.out_dir.join("logs").join(safe);
     let mut fleet = Fleet::launch(&spec, &plan.exe, &log_dir).await?;
     tokio::time::sleep(plan.settle).await;
     let pb = plan.progress.then(|| {
@@ -201,6 +207,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         base_url: fleet.entry_url().to_owned(),
         model: fleet.served_model_name.clone(),
         time_scale: plan.fleet.time_scale,
+        prompt_format: plan.prompt_format,
         progress: pb.clone(),
     };
     let records = driver::drive(w, &cfg).await;
@@ -208,6 +215,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         pb.finish();
     }
     let died = fleet.check_alive();
+    let router_version = fleet.router.as_ref().and_then(|r| r.version.clone());
     let evidence = scrape_evidence(&fleet).await;
     let prefill_hits: f64 = fleet
         .engines
@@ -217,13 +225,15 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         .map(|(_, ev)| ev.external_hit_tokens)
         .sum();
     if let Some(r) = &fleet.router
-        && let Ok(resp) = reqwest::get(format!("{}/metrics", r.url)).await
+        && let Ok(resp) = reqwest::get(&r.metrics_url).await
         && let Ok(text) = resp.text().await
     {
         let _ = std::fs::write(log_dir.join("router-metrics.txt"), text);
     }
-    // Why each request went where it did (the router keeps its last `decisions_capacity`).
+    // Why each request went where it did (the router keeps its last `decisions_capacity`; a
+    // peer router has no such endpoint).
     if let Some(r) = &fleet.router
+        && r.peer.is_none()
         && let Ok(resp) = reqwest::get(format!("{}/debug/decisions?last=100000", r.url)).await
         && let Ok(text) = resp.text().await
     {
@@ -251,6 +261,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         prefill_external_hit_tokens: prefill_hits,
         flags,
         records,
+        router_version,
     })
 }
 
@@ -382,6 +393,7 @@ mod tests {
             command: "test".into(),
             scale: "quick".into(),
             seed: 1,
+            prompt_format: PromptFormat::Text,
             progress: false,
             settle: Duration::ZERO,
         };

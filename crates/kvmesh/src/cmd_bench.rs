@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use kvmesh_bench::calibrate::{self, DEFAULT_LENGTHS, PairConfig};
+use kvmesh_bench::client::PromptFormat;
 use kvmesh_bench::fleet::{EngineGroup, Fleet, FleetSpec};
+use kvmesh_bench::peers;
 use kvmesh_bench::runner::{self, FleetOptions, Plan};
 use kvmesh_bench::tokens::TokenSpace;
 use kvmesh_bench::workload::{self, Scale, WorkloadOptions};
@@ -41,9 +43,21 @@ pub struct BenchCmd {
     /// Router arms, compared in order (the first is the baseline): round-robin, affinity, load,
     /// load-p2p, affinity-p2p, cost-p2p; P/D workloads (agentic-pd): pd, pd-bidir (prefill leg
     /// by prefix affinity), pd-load, pd-load-bidir (prefill leg by load, no affinity); `-bidir`
-    /// arms pull the conversation history from the decoder.
+    /// arms pull the conversation history from the decoder. Peer routers in front of the same
+    /// engines (install: `bash scripts/peer-routers.sh`): vllm-router:round_robin,
+    /// vllm-router:cache_aware, vllm-router:kv_aware, vllm-router:power_of_two,
+    /// smg:cache_aware, smg:round_robin.
     #[arg(long, value_delimiter = ',', default_value = "load,load-p2p")]
     pub arms: Vec<String>,
+    /// Virtual environment with the peer routers (default: $KVMESH_PEER_VENV, else
+    /// `.venv-peers/` in the working directory or above, as `scripts/peer-routers.sh` makes it).
+    #[arg(long)]
+    pub peer_venv: Option<PathBuf>,
+    /// How the client sends prompts: `text` (default; the same characters as the token ids on
+    /// the byte-tokenizer sim engines, and what cache-aware peers match on) or `tokens` (id
+    /// lists; smg rejects them).
+    #[arg(long, default_value = "text")]
+    pub prompt_format: PromptFormat,
     /// `quick` keeps each shape but shrinks counts/lengths/time; `full` is the published size.
     #[arg(long, default_value = "quick")]
     pub scale: String,
@@ -296,16 +310,40 @@ pub async fn run_bench(args: BenchCmd) -> anyhow::Result<()> {
             engines: args.engines,
             min_cached_token_delta: args.min_cached_token_delta,
             extra_engine_args: args.engine_args.clone(),
+            peer_venv: args.peer_venv.clone(),
             ..Default::default()
         },
         command: std::env::args().collect::<Vec<_>>().join(" "),
         scale: args.scale.clone(),
         seed: args.seed,
+        prompt_format: args.prompt_format,
         progress: !args.no_progress,
         settle: Duration::from_millis(1500),
     };
+    // Say up front which peer arms cannot run (each still fails in the report, never skipped).
+    let exe_path = plan.exe.clone();
+    for &arm in &plan.arms {
+        if let Arm::Peer(p) = arm
+            && let Err(e) = peers::resolve(p, args.peer_venv.as_deref(), Some(&exe_path))
+        {
+            eprintln!("WARNING: {e}");
+        }
+    }
     let report = run_interruptible(&plan).await?;
     print_outcome(&report, &args.out);
+    let failed: Vec<String> = report
+        .results
+        .iter()
+        .filter(|r| r.flags.iter().any(|f| f.starts_with("FAILED TO RUN")))
+        .map(|r| format!("{} / {}", r.workload, r.arm))
+        .collect();
+    if !failed.is_empty() {
+        bail!(
+            "{} arm(s) failed to run: {} (see the FLAG lines above)",
+            failed.len(),
+            failed.join(", ")
+        );
+    }
     Ok(())
 }
 
@@ -526,6 +564,7 @@ pub async fn run_demo(args: DemoCmd) -> anyhow::Result<()> {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         scale: args.scale.clone(),
         seed: 1,
+        prompt_format: PromptFormat::Text,
         progress: !args.no_progress,
         settle: Duration::from_millis(1500),
     };

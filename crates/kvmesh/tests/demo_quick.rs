@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvmesh_bench::Arm;
-use kvmesh_bench::client::Outcome;
+use kvmesh_bench::client::{Outcome, PromptFormat};
 use kvmesh_bench::driver::{self, DriveConfig};
 use kvmesh_bench::fleet::{Fleet, FleetSpec};
 use kvmesh_bench::workload::StepKind;
@@ -41,6 +41,7 @@ async fn fleet_launch_drive_scrape_shutdown_with_real_engines() {
         base_url: fleet.entry_url().to_owned(),
         model: fleet.served_model_name.clone(),
         time_scale: 20.0,
+        prompt_format: PromptFormat::Text,
         progress: None,
     };
     let records = tokio::time::timeout(Duration::from_secs(120), driver::drive(&w, &cfg))
@@ -89,6 +90,7 @@ async fn quick_fork_ab_moves_kv_only_with_p2p() {
         command: "demo_quick test".into(),
         scale: "quick".into(),
         seed: 7,
+        prompt_format: PromptFormat::Text,
         progress: false,
         settle: Duration::from_millis(1500),
     };
