@@ -530,7 +530,11 @@ schedulingProfiles:
 
     #[test]
     fn shipped_example_configs_parse() {
-        for f in ["router-affinity.yaml", "router-load-p2p.yaml"] {
+        for f in [
+            "router.yaml",
+            "router-affinity.yaml",
+            "router-load-p2p.yaml",
+        ] {
             let path = Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("../../configs")
                 .join(f);

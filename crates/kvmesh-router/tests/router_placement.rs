@@ -1,0 +1,99 @@
+//! The default placement balances prefill *work*, not request counts (issue #13's case): a short
+//! prompt goes to the endpoint with three short requests in flight, not the one with a single
+//! 40K-token prefill queued, and `/debug/decisions` says so with predicted times.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{FakeEngine, Mode, endpoints_yaml, get_json, start_router};
+use serde_json::{Value, json};
+
+async fn send(router: &str, prompt: String) -> reqwest::Response {
+    common::client()
+        .post(format!("{router}/v1/completions"))
+        .json(&json!({"model": "m", "prompt": prompt, "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap()
+}
+
+fn served_by(r: &reqwest::Response) -> String {
+    r.headers()
+        .get("x-kvmesh-endpoint")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_pipeline_places_by_queued_prefill_work_not_request_count() {
+    let a = FakeEngine::start("a").await;
+    let b = FakeEngine::start("b").await;
+    // Both hold every request for 3 s before the first byte: everything stays "in flight".
+    a.set_mode(Mode::Slow(Duration::from_secs(3)));
+    b.set_mode(Mode::Slow(Duration::from_secs(3)));
+    // No schedulingProfiles: the router's default pipeline (predicted TTFT, priced pulls).
+    let yaml = format!(
+        "block_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n{}",
+        endpoints_yaml(&[&a, &b])
+    );
+    let router = start_router(&yaml, None).await;
+    let url = format!("http://{}", router.addr);
+
+    let long = tokio::spawn({
+        let url = url.clone();
+        async move { send(&url, common::doc(1, 40_000)).await }
+    });
+    common::eventually(5, "the long prompt to arrive", || {
+        a.count() + b.count() == 1
+    })
+    .await;
+    let (busy, idle, busy_name) = if a.count() == 1 {
+        (&a, &b, "e0")
+    } else {
+        (&b, &a, "e1")
+    };
+    // Three short prompts: each goes where no long prefill is queued.
+    let mut shorts = Vec::new();
+    for i in 0..3 {
+        let url = url.clone();
+        shorts.push(tokio::spawn(async move {
+            send(&url, common::doc(10 + i, 200)).await
+        }));
+        let want = i as usize + 1;
+        common::eventually(5, "a short prompt to arrive", || idle.count() == want).await;
+    }
+    assert_eq!(busy.count(), 1);
+    // Request counts now say 1 vs 3; queued prefill work says ~40,000 vs ~600 tokens.
+    let fifth = send(&url, common::doc(20, 24)).await;
+    assert!(fifth.status().is_success());
+    assert_ne!(served_by(&fifth), busy_name, "went behind the 40K prefill");
+    assert_eq!(idle.count(), 4);
+
+    let decisions = get_json(&format!("{url}/debug/decisions?last=1")).await;
+    let last = &decisions[0];
+    assert_eq!(last["profile"], "default");
+    let cands = last["candidates"].as_array().unwrap();
+    let predicted = |name: &str| -> Value {
+        cands
+            .iter()
+            .find(|c| c["endpoint"] == name)
+            .map(|c| c["predicted"].clone())
+            .unwrap()
+    };
+    let busy_pred = predicted(busy_name);
+    let idle_pred = predicted(if busy_name == "e0" { "e1" } else { "e0" });
+    assert!(
+        busy_pred["queue_ms"].as_f64().unwrap() > 1000.0,
+        "{busy_pred}"
+    );
+    assert!(
+        idle_pred["total_ms"].as_f64().unwrap() < busy_pred["total_ms"].as_f64().unwrap() / 10.0,
+        "{idle_pred} vs {busy_pred}"
+    );
+    assert!(long.await.unwrap().status().is_success());
+    for s in shorts {
+        assert!(s.await.unwrap().status().is_success());
+    }
+}
