@@ -22,21 +22,6 @@ SELF=scripts/check-self-contained.sh
 # Files another change is rewriting at the same time: their matches are listed as PENDING instead
 # of failing the check. Remove an entry as soon as that file is clean (a clean entry is reported).
 PENDING=(
-  configs/router-affinity.yaml
-  configs/router-load-p2p.yaml
-  configs/router-pd.yaml
-  crates/kvmesh-bench/src/calibrate.rs
-  crates/kvmesh-bench/src/fleet.rs
-  crates/kvmesh-bench/src/lib.rs
-  crates/kvmesh-bench/src/router_config.rs
-  crates/kvmesh-bench/src/trace.rs
-  crates/kvmesh-bench/src/workload.rs
-  crates/kvmesh-router/src/config.rs
-  crates/kvmesh-router/src/cost_model.rs
-  crates/kvmesh-router/src/plugins/max_score_picker.rs
-  crates/kvmesh-router/src/plugins/p2p_source_producer.rs
-  crates/kvmesh-router/src/plugins/prefix_cache_affinity_filter.rs
-  crates/kvmesh-router/src/plugins/prefix_cache_scorer.rs
 )
 
 is_pending() {

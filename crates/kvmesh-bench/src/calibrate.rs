@@ -1,4 +1,4 @@
-//! Transfer pricing ladder: recompute vs pull on one consumer/producer pair (DESIGN §6.1).
+//! Transfer pricing ladder: recompute vs pull on one consumer/producer pair (`docs/architecture.md#reference-experiments`, workload 1).
 //!
 //! For each prefix length, fresh random prefixes (never seen by the consumer) are (a) recomputed
 //! on the consumer and (b) seeded on the source and then pulled by the consumer via
@@ -169,7 +169,7 @@ pub struct PairConfig {
     pub offload_wait: Duration,
 }
 
-/// The default ladder (DESIGN §6 lengths).
+/// The default ladder (the lengths in `docs/architecture.md#reference-experiments`).
 pub const DEFAULT_LENGTHS: &[usize] = &[2048, 8192, 16384, 32768, 49152];
 
 async fn ttft(
@@ -190,6 +190,7 @@ async fn ttft(
             max_tokens: 1,
             kv_transfer_params: p,
             session_id: None,
+            request_id: None,
             want_token_ids: false,
             timeout: Duration::from_secs(600),
         },

@@ -101,6 +101,8 @@ pub struct CompletionRequest<'a> {
     pub kv_transfer_params: Option<KvTransferParams>,
     /// Sent as `X-Session-ID` (multi-turn conversations).
     pub session_id: Option<String>,
+    /// Sent as `x-request-id`, so the router's decision record can be joined with this request.
+    pub request_id: Option<String>,
     /// Ask for the generated token ids (to build the next turn's history exactly).
     pub want_token_ids: bool,
     pub timeout: Duration,
@@ -148,6 +150,9 @@ async fn complete_inner(
     let mut rb = http.post(url).json(&body);
     if let Some(s) = &req.session_id {
         rb = rb.header("X-Session-ID", s);
+    }
+    if let Some(id) = &req.request_id {
+        rb = rb.header("x-request-id", id);
     }
     let mut out = Completion {
         outcome: Outcome::Ok,
@@ -350,6 +355,7 @@ mod tests {
             max_tokens: 2,
             kv_transfer_params: None,
             session_id: Some("s".into()),
+            request_id: None,
             want_token_ids: true,
             timeout: Duration::from_secs(5),
         };

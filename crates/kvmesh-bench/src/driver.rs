@@ -31,6 +31,12 @@ pub struct RequestRecord {
     pub outcome: Outcome,
 }
 
+/// The `x-request-id` of step `step` of session `session` (deterministic per run seed, so a
+/// router's decision records join with [`RequestRecord`]s).
+pub fn request_id(seed: u64, session: usize, step: usize) -> String {
+    format!("bench-{seed:x}-{session}-{step}")
+}
+
 /// Where and how to drive.
 #[derive(Clone)]
 pub struct DriveConfig {
@@ -118,6 +124,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
                         max_tokens: step.max_tokens,
                         kv_transfer_params: None,
                         session_id,
+                        request_id: Some(request_id(seed, si, i)),
                         want_token_ids: next_uses_history,
                         timeout,
                     },

@@ -14,7 +14,7 @@ use tokio::process::{Child, Command};
 use crate::peers::{self, PeerEngine, PeerLaunch};
 use crate::router_config::{self, Arm, EndpointInfo};
 
-/// Engine role (DESIGN §2).
+/// Engine role (`docs/architecture.md#pd-disaggregation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {

@@ -1,11 +1,12 @@
 //! Workloads, trace replay, fleet launcher, statistics and reports for kvmesh experiments
-//! (DESIGN §6): the library behind `kvmesh up`, `kvmesh bench`, `kvmesh calibrate` and
+//! (`docs/architecture.md#reference-experiments`): the library behind `kvmesh up`, `kvmesh bench`, `kvmesh calibrate` and
 //! `kvmesh demo`.
 //!
 //! Layers: [`tokens`] and [`workload`]/[`trace`] are pure (seeded data); [`stats`], [`metrics`],
 //! [`router_config`] and [`report`] are pure transformations; [`client`], [`driver`], [`fleet`],
 //! [`peers`] (external routers as arms), [`runner`] and [`calibrate`] do the I/O.
 
+pub mod audit;
 pub mod calibrate;
 pub mod client;
 pub mod driver;

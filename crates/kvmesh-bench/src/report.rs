@@ -34,6 +34,9 @@ pub struct ArmResult {
     /// The external router's name and version for a peer arm (e.g. `vllm-router 0.1.17`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_version: Option<String>,
+    /// The router's decisions joined with what the client and engines saw (kvmesh arms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<crate::audit::Audit>,
 }
 
 /// A whole run.
@@ -207,6 +210,7 @@ impl BenchReport {
             );
         }
         s.push_str(&self.routers_table());
+        s.push_str(&self.audit_table());
         for (workload, arms) in self.by_workload() {
             let Some(base) = arms.first() else { continue };
             let _ = writeln!(s, "\n**{workload}** — {}", base.workload_description);
@@ -292,6 +296,50 @@ impl BenchReport {
                         .unwrap_or_else(|| "—".into()),
                     r.evidence.external_hit_tokens,
                     per_engine(r),
+                );
+            }
+        }
+        s
+    }
+
+    /// Per workload, kvmesh arms' decision audit ([`crate::audit`]): what the router expected
+    /// vs what the engines found, distance from the cost function's choice, cold-request TTFT,
+    /// and whether pulls landed.
+    pub fn audit_table(&self) -> String {
+        let mut s = String::new();
+        for (workload, arms) in self.by_workload() {
+            let audited: Vec<_> = arms
+                .iter()
+                .filter_map(|r| r.audit.as_ref().map(|a| (r, a)))
+                .collect();
+            if audited.is_empty() {
+                continue;
+            }
+            let _ = writeln!(s, "\n**{workload}: decision audit (kvmesh arms)**\n");
+            s.push_str("| arm | joined | index exact / over / under (tokens over) | decisions > 10 ms from the cost function's best (mean, p90 regret) | cold requests: TTFT p50 / p99 | measured ÷ predicted TTFT p50 | pulls named / landed (tokens recomputed) | pulls skipped for cost |\n");
+            s.push_str("|---|---|---|---|---|---|---|---|\n");
+            for (r, a) in audited {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} / {} / {} ({}) | {} ({:.0} ms, {:.0} ms) | {}: {} / {} | {} | {} / {} ({}) | {} |",
+                    r.arm,
+                    a.joined,
+                    a.index_exact,
+                    a.index_over,
+                    a.index_under,
+                    a.index_over_tokens,
+                    a.regret_decisions,
+                    a.regret_ms_mean,
+                    a.regret_ms_p90,
+                    a.cold_requests,
+                    secs(a.cold_ttft_p50_s),
+                    secs(a.cold_ttft_p99_s),
+                    a.ttft_measured_over_predicted_p50
+                        .map_or_else(|| "—".into(), |v| format!("{v:.2}")),
+                    a.pulls_named,
+                    a.pulls_landed,
+                    a.pull_tokens_missing,
+                    a.pulls_skipped_for_cost,
                 );
             }
         }
@@ -733,6 +781,7 @@ mod tests {
             prefill_external_hit_tokens: 0.0,
             records,
             router_version: None,
+            audit: None,
         }
     }
 

@@ -1,6 +1,6 @@
 //! Router configurations for benchmark arms.
 //!
-//! An arm is a named router policy (llm-d reference configurations, protocols §7): the YAML is
+//! An arm is a named router policy (llm-d reference configurations, `docs/protocols.md#reference-arms`): the YAML is
 //! generated per arm with the fleet's endpoints, so the only difference between two arms of an A/B
 //! is the scheduling profile (and whether a P2P source may be named).
 
@@ -27,6 +27,12 @@ pub enum Arm {
     AffinityP2p,
     /// `load` plus P2P decided by the cost model (pull iff predicted recompute > pull + margin).
     CostP2p,
+    /// kvmesh's default placement: the endpoint with the lowest predicted time to first token
+    /// (queued prefill work, own uncached tokens by tier, decode penalty; `predicted-ttft-scorer`).
+    Ttft,
+    /// `ttft` with pulls in the prediction and the pull decision priced by the same function
+    /// (`p2p-source-producer` mode `predicted`): the default profile a router ships with.
+    TtftP2p,
     /// P/D disaggregation (`pd:` with prefill/decode profiles, decider `always`): the decoder
     /// pulls the prompt KV from the prefiller; each turn's prefill recomputes the history.
     Pd,
@@ -53,6 +59,8 @@ pub const ARM_NAMES: &[&str] = &[
     "load-p2p",
     "affinity-p2p",
     "cost-p2p",
+    "ttft",
+    "ttft-p2p",
     "pd",
     "pd-bidir",
     "pd-load",
@@ -68,6 +76,8 @@ impl Arm {
             Self::LoadP2p => "load-p2p",
             Self::AffinityP2p => "affinity-p2p",
             Self::CostP2p => "cost-p2p",
+            Self::Ttft => "ttft",
+            Self::TtftP2p => "ttft-p2p",
             Self::Pd => "pd",
             Self::PdBidir => "pd-bidir",
             Self::PdLoad => "pd-load",
@@ -84,6 +94,7 @@ impl Arm {
             Self::LoadP2p
                 | Self::AffinityP2p
                 | Self::CostP2p
+                | Self::TtftP2p
                 | Self::Pd
                 | Self::PdBidir
                 | Self::PdLoad
@@ -126,6 +137,8 @@ impl std::str::FromStr for Arm {
             "load-p2p" => Self::LoadP2p,
             "affinity-p2p" => Self::AffinityP2p,
             "cost-p2p" => Self::CostP2p,
+            "ttft" => Self::Ttft,
+            "ttft-p2p" => Self::TtftP2p,
             "pd" => Self::Pd,
             "pd-bidir" => Self::PdBidir,
             "pd-load" => Self::PdLoad,
@@ -230,10 +243,22 @@ decisions_capacity: 2048
             ));
             plugins.push(("weighted-random-picker", "picker", String::new(), None));
         }
+        Arm::Ttft | Arm::TtftP2p => {
+            let p2p = arm == Arm::TtftP2p;
+            plugins.push((
+                "predicted-ttft-scorer",
+                "ttft",
+                format!("{{p2p: {p2p}, minPullTokens: {delta}}}"),
+                Some(1),
+            ));
+            plugins.push(("max-score-picker", "picker", String::new(), None));
+        }
     }
     if arm.pulls() {
         let params = if arm == Arm::CostP2p {
             format!("{{minCachedTokenDelta: {delta}, mode: cost_model, marginMs: 5}}")
+        } else if arm == Arm::TtftP2p {
+            format!("{{minCachedTokenDelta: {delta}, mode: predicted, marginMs: 5}}")
         } else {
             format!("{{minCachedTokenDelta: {delta}}}")
         };

@@ -6,8 +6,9 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use thiserror::Error;
 
+use crate::audit::{Audit, ClientView, audit};
 use crate::client::PromptFormat;
-use crate::driver::{self, DriveConfig};
+use crate::driver::{self, DriveConfig, RequestRecord};
 use crate::fleet::{EngineGroup, Fleet, FleetError, FleetSpec, Role, RouterSpec};
 use crate::metrics::{EngineEvidence, Evidence};
 use crate::report::{ArmResult, BenchReport, flags_for, pd_flags};
@@ -173,6 +174,7 @@ fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, e: &RunError) -> ArmResult {
         flags: vec![format!("FAILED TO RUN: {e}")],
         records: Vec::new(),
         router_version: None,
+        audit: None,
     }
 }
 
@@ -232,12 +234,14 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     }
     // Why each request went where it did (the router keeps its last `decisions_capacity`; a
     // peer router has no such endpoint).
+    let mut audit = None;
     if let Some(r) = &fleet.router
         && r.peer.is_none()
         && let Ok(resp) = reqwest::get(format!("{}/debug/decisions?last=100000", r.url)).await
         && let Ok(text) = resp.text().await
     {
-        let _ = std::fs::write(log_dir.join("router-decisions.json"), text);
+        let _ = std::fs::write(log_dir.join("router-decisions.json"), &text);
+        audit = audit_arm(&text, &records, w.seed, plan.fleet.time_scale, arm);
     }
     fleet.shutdown().await;
     let stats = summarize(&records, plan.fleet.time_scale, w.offered_rate);
@@ -262,7 +266,34 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         flags,
         records,
         router_version,
+        audit,
     })
+}
+
+/// Joins the router's decision records with what the client saw (see [`crate::audit`]).
+fn audit_arm(
+    decisions: &str,
+    records: &[RequestRecord],
+    seed: u64,
+    time_scale: f64,
+    arm: Arm,
+) -> Option<Audit> {
+    let decisions: Vec<serde_json::Value> = serde_json::from_str(decisions).ok()?;
+    let ids: Vec<String> = records
+        .iter()
+        .map(|r| driver::request_id(seed, r.session, r.step))
+        .collect();
+    let ts = time_scale;
+    let clients: Vec<ClientView<'_>> = records
+        .iter()
+        .zip(&ids)
+        .map(|(r, id)| ClientView {
+            request_id: id,
+            ttft_s: r.ttft_s.map(|t| t * ts),
+            cached_tokens: r.cached_tokens,
+        })
+        .collect();
+    Some(audit(&decisions, &clients, arm.pulls(), 16))
 }
 
 /// Reads every engine's `/metrics` (the arm's fleet is fresh, so totals are the arm's own).

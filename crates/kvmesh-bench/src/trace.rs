@@ -199,7 +199,7 @@ mod tests {
 
     const TRACE: &str = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces/mooncake_conversation_trace.jsonl"
+        "/../../tests/fixtures/traces/mooncake_conversation_trace.jsonl"
     );
 
     #[test]

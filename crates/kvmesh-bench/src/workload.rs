@@ -1,4 +1,4 @@
-//! Workload generators for the reference experiments of DESIGN §6.
+//! Workload generators for the reference experiments in `docs/architecture.md#reference-experiments`.
 //!
 //! A [`Workload`] is pure data: sessions of steps with explicit arrival rules, built from a seed.
 //! Times are *model time* (what the published GPU runs saw); the driver divides them by the fleet's

@@ -50,7 +50,7 @@ pub enum Role {
     Decode,
 }
 
-/// Where an engine publishes KV events (protocols §1).
+/// Where an engine publishes KV events (`docs/protocols.md#kv-events`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KvEventsSpec {

@@ -2,7 +2,7 @@
 //!
 //! Per endpoint a prefill rate (tokens/s) and per (source, destination) pair a pull rate
 //! (tokens/s) plus a fixed per-pull floor (connection, lookup, first frame). Rates start at the
-//! configured defaults (DESIGN §6: gpt-oss-120b on H200 recomputes ≈25K tok/s; pulls cost ≈26 ms +
+//! configured defaults (`docs/architecture.md#reference-experiments`: gpt-oss-120b on H200 recomputes ≈25K tok/s; pulls cost ≈26 ms +
 //! 235K tok/s) and follow observations with an EWMA. Observations are the engines' own timings:
 //! (1) prefill rates from each engine's reported counters between two scrapes — computed prompt
 //! tokens (`vllm:prompt_tokens_by_source_total{source="local_compute"}`) per second of reported

@@ -34,6 +34,7 @@ async fn send(
             max_tokens: 2,
             kv_transfer_params: None,
             session_id: None,
+            request_id: None,
             want_token_ids: false,
             timeout: Duration::from_secs(60),
         },

@@ -1,5 +1,5 @@
 //! `max-score-picker`: the highest weighted score; ties broken *randomly* (with the injected rng), so
-//! cold requests do not all land on the first endpoint (protocols §8).
+//! cold requests do not all land on the first endpoint (`docs/architecture.md#pitfalls-we-avoid`).
 
 use super::{Candidate, Picker, SchedulingContext, argmax_all, choose};
 

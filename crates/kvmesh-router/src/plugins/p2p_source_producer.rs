@@ -1,6 +1,6 @@
 //! `p2p-source-producer`: names a peer the computing endpoint should pull the missing prefix from.
 //!
-//! Exactly llm-d's semantics (protocols §4): source tokens = CPU-tier blocks × block size (pulls are
+//! Exactly llm-d's semantics (`docs/protocols.md#p2p-source-producer`): source tokens = CPU-tier blocks × block size (pulls are
 //! served from the CPU tier); candidates are the endpoints whose CPU-tier prefix is within one block
 //! of the best; weight `1/(1 + waiting)`; one is sampled at `fnv1a32(request_id) / 2^32 × Σw` along
 //! the cumulative weights (deterministic per request id, in endpoint-id order). The computing

@@ -1,6 +1,6 @@
 //! `prefix-cache-affinity-filter`: keep only the endpoints that already hold most of the prefix.
 //!
-//! llm-d semantics (protocols §7): keep candidates whose prefix score (same formula and parameters
+//! llm-d semantics (`docs/protocols.md#filters`): keep candidates whose prefix score (same formula and parameters
 //! as `prefix-cache-scorer`) is ≥ `threshold` (0.80); keep all when none qualifies. With probability
 //! `explorationProbability` keep all (so new holders get a chance). Affinity is broken — all kept —
 //! when the best sticky endpoint's predicted TTFT exceeds the best other's by more than

@@ -1,6 +1,6 @@
 //! `prefix-cache-scorer`: how much of the request's prefix an endpoint already holds.
 //!
-//! llm-d semantics (protocols §7): `w·min(1, matched_tokens/scale)² + (1−w)·matched_blocks/total_blocks`
+//! llm-d semantics (`docs/protocols.md#scorers`): `w·min(1, matched_tokens/scale)² + (1−w)·matched_blocks/total_blocks`
 //! with `w = 0` and `scale = 8192` tokens by default; only the longest *consecutive* prefix counts.
 //! Tiers are weighted: the GPU-resident part of the prefix counts `gpu_weight` (1.0) per block, the
 //! rest of the consecutive prefix that is only in the CPU tier counts `cpu_weight` (0.8) — a CPU hit
