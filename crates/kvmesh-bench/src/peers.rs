@@ -7,8 +7,8 @@
 //! | arm | what the peer needs from the engines |
 //! |---|---|
 //! | `vllm-router:round_robin`, `:power_of_two` | nothing |
-//! | `vllm-router:cache_aware`, `smg:cache_aware` | nothing: an approximate prefix tree over the request *text*, updated on routing |
-//! | `vllm-router:kv_aware` | the engines' ZMQ KV events (`--kv-event-source URL=tcp://…`, replay socket too) and token ids of each prompt: a text prompt is tokenized by the worker (`POST /v1/completions/render`, which the engines answer 404, then `POST /tokenize`, which they serve) — one extra round trip per engine and request; the router hashes the events' `token_ids` itself, so the engines' `sha256_cbor` block hashes need not match anything |
+//! | `vllm-router:cache_aware`, `smg:cache_aware` | nothing: an approximate prefix tree over the request, updated on routing (vllm-router 0.1.17 also fetches token ids from `/tokenize` for it; smg matches the text) |
+//! | `vllm-router:kv_aware` | the engines' ZMQ KV events (`--kv-event-source URL=tcp://…`, replay socket too) published under vLLM's default empty topic (0.1.17 drops any other topic: no index hits), and token ids of each prompt: a text prompt is tokenized by the worker (`POST /v1/completions/render`, which the engines answer 404, then `POST /tokenize`, which they serve) — one extra round trip per engine and request; the router hashes the events' `token_ids` itself, so the engines' `sha256_cbor` block hashes need not match anything |
 //! | `smg:round_robin` | nothing |
 //!
 //! smg rejects token-id prompts (`prompt` must be a string or a list of strings), which is one
