@@ -150,6 +150,12 @@ pub struct EngineEvidence {
     /// `vllm:request_success_total` (all finish reasons) — requests this engine served.
     #[serde(default)]
     pub requests: f64,
+    /// `vllm:time_to_first_token_seconds` sum and count: the engine's own TTFT, in wall seconds
+    /// from the request's arrival at the engine (after its body was read and tokenized).
+    #[serde(default)]
+    pub engine_ttft_sum_s: f64,
+    #[serde(default)]
+    pub engine_ttft_count: f64,
     pub prompt_tokens_by_source: BTreeMap<String, f64>,
     /// Every `kvmesh_p2p_*` counter (by name and direction label).
     pub p2p: BTreeMap<String, f64>,
@@ -176,6 +182,8 @@ impl EngineEvidence {
             local_hit_tokens: sum(&samples, "vllm:prefix_cache_hits_total"),
             prefix_cache_queries: sum(&samples, "vllm:prefix_cache_queries_total"),
             requests: sum(&samples, "vllm:request_success_total"),
+            engine_ttft_sum_s: sum(&samples, "vllm:time_to_first_token_seconds_sum"),
+            engine_ttft_count: sum(&samples, "vllm:time_to_first_token_seconds_count"),
             prompt_tokens_by_source: by_source,
             p2p: totals_by_prefix(&samples, "kvmesh_p2p_"),
             pd: {
@@ -291,6 +299,20 @@ impl Evidence {
         (q > 0.0).then(|| h / q)
     }
 
+    /// The engines' mean TTFT over every request they answered (wall seconds; `None` without
+    /// samples).
+    pub fn engine_ttft_mean_s(&self) -> Option<f64> {
+        let n = self
+            .engines
+            .iter()
+            .fold(0.0, |a, e| a + e.engine_ttft_count);
+        let sum = self
+            .engines
+            .iter()
+            .fold(0.0, |a, e| a + e.engine_ttft_sum_s);
+        (n > 0.0).then(|| sum / n)
+    }
+
     /// The fewest and the most requests one engine served (`None` without engines).
     pub fn requests_per_engine(&self) -> Option<(f64, f64)> {
         let mut it = self.engines.iter().map(|e| e.requests);
@@ -310,6 +332,8 @@ vllm:prefix_cache_hits_total{engine="0",model_name="sim"} 100
 vllm:prefix_cache_queries_total{engine="0",model_name="sim"} 400
 vllm:request_success_total{engine="0",model_name="sim",finished_reason="length"} 3
 vllm:request_success_total{engine="0",model_name="sim",finished_reason="stop"} 2
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="sim"} 0.5
+vllm:time_to_first_token_seconds_count{engine="0",model_name="sim"} 5
 vllm:prompt_tokens_by_source_total{source="local_compute",model_name="sim"} 50
 vllm:prompt_tokens_by_source_total{source="external_kv_transfer",model_name="sim"} 4096
 kvmesh_p2p_bytes_total{direction="pulled"} 131072
@@ -388,6 +412,7 @@ weird line without value
         // Hit rate over the fleet; requests per engine (the producer served none).
         assert_eq!(ev.local_hit_rate(), Some(0.25));
         assert_eq!(ev.requests_per_engine(), Some((0.0, 5.0)));
+        assert_eq!(ev.engine_ttft_mean_s(), Some(0.1));
         assert!(ev.moved_anything());
         assert!(!ev.p2p_counters.keys().any(|k| k.ends_with("_bucket")));
     }
@@ -402,5 +427,6 @@ weird line without value
         assert!(!none.moved_anything());
         assert_eq!(none.local_hit_rate(), None);
         assert_eq!(Evidence::default().requests_per_engine(), None);
+        assert_eq!(none.engine_ttft_mean_s(), None);
     }
 }

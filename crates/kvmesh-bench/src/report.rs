@@ -137,6 +137,23 @@ fn percent(v: f64) -> String {
     format!("{:.1} %", v * 100.0)
 }
 
+/// Under the routers table: what its last column means and why it matters under a time scale.
+const OUTSIDE_NOTE: &str = "\n*TTFT outside the engines*: the client's mean TTFT minus the engines' mean \
+    `vllm:time_to_first_token_seconds`, both wall time: router, HTTP and client. The model-time TTFT \
+    columns multiply it by the time scale (a real fleet would not).\n";
+
+/// Mean client TTFT minus the engines' mean TTFT, wall seconds: the time a request spends
+/// outside the engines before its first chunk reaches the client (router, HTTP, client).
+pub fn outside_engines_s(r: &ArmResult) -> Option<f64> {
+    let (n, sum) = r
+        .records
+        .iter()
+        .filter_map(|x| x.ttft_s)
+        .fold((0usize, 0.0), |(n, s), t| (n + 1, s + t));
+    let engine = r.evidence.engine_ttft_mean_s()?;
+    (n > 0).then(|| sum / n as f64 - engine)
+}
+
 /// `min–max` requests served per engine, from the engines' own counters.
 fn per_engine(r: &ArmResult) -> String {
     match r.evidence.requests_per_engine() {
@@ -277,13 +294,13 @@ impl BenchReport {
         let mut s = String::new();
         for (workload, arms) in self.by_workload() {
             let _ = writeln!(s, "\n**{workload}: routers side by side**\n");
-            s.push_str("| router (policy) | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | local prefix hit rate | pulled tokens | requests per engine |\n");
-            s.push_str("|---|---|---|---|---|---|---|---|\n");
+            s.push_str("| router (policy) | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | local prefix hit rate | pulled tokens | requests per engine | TTFT outside the engines (wall, mean) |\n");
+            s.push_str("|---|---|---|---|---|---|---|---|---|\n");
             for r in &arms {
                 let st = &r.stats;
                 let _ = writeln!(
                     s,
-                    "| {} | {} / {} | {} | {} | {} | {} | {:.0} | {} |",
+                    "| {} | {} / {} | {} | {} | {} | {} | {:.0} | {} | {} |",
                     router_label(r),
                     st.succeeded,
                     st.failed + st.timeouts,
@@ -296,8 +313,12 @@ impl BenchReport {
                         .unwrap_or_else(|| "—".into()),
                     r.evidence.external_hit_tokens,
                     per_engine(r),
+                    outside_engines_s(r)
+                        .map(|v| format!("{:.0} ms", v * 1000.0))
+                        .unwrap_or_else(|| "—".into()),
                 );
             }
+            s.push_str(OUTSIDE_NOTE);
         }
         s
     }
@@ -398,11 +419,16 @@ impl BenchReport {
                     |v| format!("{v:.0}"),
                 ));
             }
-            rows.extend::<[Row; 7]>([
+            rows.extend::<[Row; 8]>([
                 (
                     "local prefix-cache hit rate (engines)",
                     |r| r.evidence.local_hit_rate(),
                     percent,
+                ),
+                (
+                    "TTFT outside the engines, mean (wall ms)",
+                    outside_engines_s,
+                    |v| format!("{:.1}", v * 1000.0),
                 ),
                 (
                     "requests served (engines)",
@@ -824,7 +850,9 @@ mod tests {
                 &format!(
                     "vllm:prefix_cache_hits_total{{engine=\"0\"}} {hits}\n\
                      vllm:prefix_cache_queries_total{{engine=\"0\"}} {queries}\n\
-                     vllm:request_success_total{{finished_reason=\"length\"}} {reqs}\n"
+                     vllm:request_success_total{{finished_reason=\"length\"}} {reqs}\n\
+                     vllm:time_to_first_token_seconds_sum 0.05\n\
+                     vllm:time_to_first_token_seconds_count 1\n"
                 ),
             )
         };
@@ -845,7 +873,8 @@ mod tests {
             t.contains("| vllm-router 0.1.17 `cache_aware` | 9 / 0 |"),
             "{t}"
         );
-        assert!(t.contains("| 20.0 % | 0 | 3–6 |"), "{t}");
+        // Client TTFTs average 0.231 s (1.0 s parent, 0.10–0.17 s children); the engines say 0.05 s.
+        assert!(t.contains("| 20.0 % | 0 | 3–6 | 181 ms |"), "{t}");
         assert!(t.contains("| kvmesh `affinity` |"), "{t}");
         let sbs = rep.side_by_side();
         assert!(
