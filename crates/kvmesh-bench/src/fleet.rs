@@ -448,11 +448,12 @@ impl Fleet {
                     role: e.role,
                 })
                 .collect();
-            let yaml = router_config::render(
+            let yaml = router_config::render_scaled(
                 arm,
                 &endpoints,
                 r.min_cached_token_delta,
                 spec.seed.unwrap_or(0),
+                spec.time_scale(),
             );
             let config = log_dir.join("router.yaml");
             std::fs::write(&config, yaml)?;

@@ -294,6 +294,10 @@ pub struct RouterConfig {
     /// P/D disaggregation (prefill + decode profiles, decider, bi-directional conversations).
     #[serde(default)]
     pub pd: Option<crate::pd::PdConfig>,
+    /// Admission queue: hold requests while every endpoint has its share of prefill queued and
+    /// release them shortest work first (`crate::dispatch`). Absent = place on arrival.
+    #[serde(default)]
+    pub dispatch: Option<crate::dispatch::DispatchConfig>,
 }
 
 impl Default for RouterConfig {
@@ -335,6 +339,9 @@ impl RouterConfig {
             return Err(ConfigError::Invalid(
                 "decisions_capacity must be > 0".into(),
             ));
+        }
+        if let Some(d) = &self.dispatch {
+            d.validate().map_err(ConfigError::Invalid)?;
         }
         Ok(())
     }

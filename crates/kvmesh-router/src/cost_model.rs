@@ -133,6 +133,12 @@ impl CostModel {
         tokens as f64 / self.prefill_rate(dest).max(1e-9) * 1000.0
     }
 
+    /// Predicted time to compute `tokens` prompt tokens at the configured prefill rate (ms): the
+    /// same for every endpoint (the admission queue's priority).
+    pub fn predict_recompute_ms_configured(&self, tokens: u64) -> f64 {
+        tokens as f64 / self.params.prefill_tokens_per_second.max(1e-9) * 1000.0
+    }
+
     /// Predicted time for `dest` to pull `tokens` tokens of KV from `source` (ms).
     pub fn predict_pull_ms(&self, source: EndpointId, dest: EndpointId, tokens: u64) -> f64 {
         self.params.pull_floor_ms + tokens as f64 / self.pull_rate(source, dest).max(1e-9) * 1000.0

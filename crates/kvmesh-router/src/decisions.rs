@@ -19,6 +19,8 @@ pub struct DecisionRecord {
     pub blocks: usize,
     /// Tokenize + keys + lookup + pipeline.
     pub scheduling_us: u64,
+    /// Time held by the admission queue before placement (ms; 0 when placed on arrival).
+    pub held_ms: f64,
     /// `local_hit`, `pull_named` or `cold`.
     pub outcome: &'static str,
     #[serde(flatten)]

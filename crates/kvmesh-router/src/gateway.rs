@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 use crate::config::RouterConfig;
 use crate::cost_model::{CostModel, Observation};
 use crate::decisions::{DecisionLog, DecisionRecord};
+use crate::dispatch::{Admission, Dispatcher};
 use crate::endpoints::{Endpoint, EndpointSet};
 use crate::error::ApiError;
 use crate::load::LoadGuard;
@@ -66,6 +67,8 @@ pub struct RouterState {
     pub tokenizer: Arc<dyn Tokenizer>,
     /// P/D disaggregation, when the config has a `pd:` section.
     pub pd: Option<Arc<crate::pd::PdRouter>>,
+    /// The admission queue, when the config has a `dispatch:` section.
+    pub dispatch: Option<Arc<Dispatcher>>,
 }
 
 /// The axum app.
@@ -123,6 +126,18 @@ fn eligible(list: &[Arc<Endpoint>]) -> Vec<Arc<Endpoint>> {
         .cloned()
         .collect();
     if both.is_empty() { healthy } else { both }
+}
+
+/// The endpoints that may serve an aggregated request now, and what the router knows about each.
+fn gather(s: &RouterState, keys: &[kvmesh_core::ChainKey]) -> (Vec<Arc<Endpoint>>, Vec<Candidate>) {
+    let matches = s.prefix.find_matches(keys);
+    let list = s.endpoints.list();
+    let eligible = eligible(&list);
+    let candidates = eligible
+        .iter()
+        .map(|e| candidate(e, match_of(&matches, e.id)))
+        .collect();
+    (eligible, candidates)
 }
 
 pub(crate) fn candidate(e: &Endpoint, m: kvmesh_index::EndpointMatch) -> Candidate {
@@ -187,17 +202,39 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
     let request_id = request_id(&headers);
     let bs = s.config.block_size;
     let keys = chain_keys(&parsed.tokens, bs);
-    let matches = s.prefix.find_matches(&keys);
-    let list = s.endpoints.list();
-    let eligible = eligible(&list);
+    let (mut eligible, mut candidates) = gather(&s, &keys);
     if eligible.is_empty() {
         s.metrics.error("no_endpoint");
         return ApiError::service_unavailable("no healthy endpoint").into_response();
     }
-    let candidates: Vec<Candidate> = eligible
-        .iter()
-        .map(|e| candidate(e, match_of(&matches, e.id)))
-        .collect();
+    let mut held = Duration::ZERO;
+    if let Some(d) = &s.dispatch {
+        let best_cached = candidates
+            .iter()
+            .map(|c| c.any_blocks.saturating_mul(bs))
+            .max()
+            .unwrap_or(0);
+        let work = parsed.tokens.len().saturating_sub(best_cached) as u64;
+        let work_ms = s.cost_model.predict_recompute_ms_configured(work);
+        let limit = d.config().max_queued_prefill_tokens;
+        let has_capacity = || {
+            s.endpoints
+                .list()
+                .iter()
+                .filter(|e| e.is_healthy() && e.serves_aggregated())
+                .any(|e| e.load.snapshot().uncached_tokens <= limit)
+        };
+        let waited = Instant::now();
+        if d.admit(work_ms, has_capacity).await != Admission::Direct {
+            // Placed as the fleet is now, not as it was when the request arrived.
+            held = waited.elapsed();
+            (eligible, candidates) = gather(&s, &keys);
+            if eligible.is_empty() {
+                s.metrics.error("no_endpoint");
+                return ApiError::service_unavailable("no healthy endpoint").into_response();
+            }
+        }
+    }
     let ctx = SchedulingContext {
         request_id: &request_id,
         prompt_tokens: parsed.tokens.len(),
@@ -281,7 +318,8 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
         path: kind.path().to_owned(),
         prompt_tokens: parsed.tokens.len(),
         blocks: keys.len(),
-        scheduling_us: scheduling.as_micros() as u64,
+        scheduling_us: scheduling.saturating_sub(held).as_micros() as u64,
+        held_ms: held.as_secs_f64() * 1000.0,
         outcome,
         decision,
     }));
@@ -327,7 +365,7 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
             pulled.as_ref().map(|p| (p.0.id, p.1)),
         )
     });
-    let body = tracked_body(upstream, guard, dispatched, learn);
+    let body = tracked_body(upstream, guard, dispatched, learn, s.dispatch.clone());
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
     *resp.headers_mut() = resp_headers;
@@ -347,7 +385,10 @@ fn tracked_body(
     mut guard: LoadGuard,
     dispatched: Instant,
     learn: Learn,
+    dispatch: Option<Arc<Dispatcher>>,
 ) -> Body {
+    // Held requests re-check when this one's prefill is over and when it ends (however it ends).
+    let wake = WakeOnDrop(dispatch.clone());
     let stream = async_stream::stream! {
         let mut chunks = upstream.bytes_stream();
         let mut first = true;
@@ -357,6 +398,9 @@ fn tracked_body(
                     if first {
                         first = false;
                         guard.prefill_done();
+                        if let Some(d) = &dispatch {
+                            d.wake();
+                        }
                         if let Some((cm, endpoint, computed, pulled)) = &learn {
                             cm.observe(Observation { endpoint: *endpoint, computed_tokens: *computed, pulled: *pulled, ttft: dispatched.elapsed() });
                         }
@@ -370,8 +414,20 @@ fn tracked_body(
             }
         }
         drop(guard);
+        drop(wake);
     };
     Body::from_stream(stream)
+}
+
+/// Wakes the admission queue when dropped (after the load guard it follows).
+struct WakeOnDrop(Option<Arc<Dispatcher>>);
+
+impl Drop for WakeOnDrop {
+    fn drop(&mut self) {
+        if let Some(d) = &self.0 {
+            d.wake();
+        }
+    }
 }
 
 /// Whether the client asked for the routing decision in a response header (`x-kvmesh-explain`).

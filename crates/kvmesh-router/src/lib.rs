@@ -8,6 +8,7 @@
 pub mod config;
 pub mod cost_model;
 pub mod decisions;
+pub mod dispatch;
 pub mod endpoints;
 pub mod error;
 mod feed;

@@ -596,6 +596,7 @@ fn record(
         prompt_tokens: ctx.prompt_tokens,
         blocks: ctx.total_blocks,
         scheduling_us: t0.elapsed().as_micros() as u64,
+        held_ms: 0.0,
         outcome,
         decision,
     }));

@@ -170,8 +170,13 @@ pub async fn start(
         )?)),
         None => None,
     };
+    let dispatch = config
+        .dispatch
+        .clone()
+        .map(|c| Arc::new(crate::dispatch::Dispatcher::new(c, &mut registry)));
     let state = Arc::new(RouterState {
         pd,
+        dispatch,
         decisions: DecisionLog::new(config.decisions_capacity),
         config,
         endpoints: Arc::clone(&endpoints),

@@ -1,6 +1,7 @@
 //! The default placement balances prefill *work*, not request counts (issue #13's case): a short
 //! prompt goes to the endpoint with three short requests in flight, not the one with a single
 //! 40K-token prefill queued, and `/debug/decisions` says so with predicted times.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 
@@ -96,4 +97,58 @@ async fn default_pipeline_places_by_queued_prefill_work_not_request_count() {
     for s in shorts {
         assert!(s.await.unwrap().status().is_success());
     }
+}
+
+/// With `dispatch:`, requests beyond every endpoint's prefill share wait at the router and leave
+/// shortest work first: a short prompt that arrives after a long one still reaches the engine
+/// first, and both decisions record how long they were held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admission_queue_lets_short_prompts_overtake_long_ones() {
+    let a = FakeEngine::start("a").await;
+    a.set_mode(Mode::Slow(Duration::from_millis(800)));
+    let yaml = format!(
+        "block_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n\
+         dispatch: {{max_queued_prefill_tokens: 1000, aging: 0, max_hold: 30s}}\n{}",
+        endpoints_yaml(&[&a])
+    );
+    let router = start_router(&yaml, None).await;
+    let url = format!("http://{}", router.addr);
+    let spawn = |len: usize, seed: u32| {
+        let url = url.clone();
+        tokio::spawn(async move { send(&url, common::doc(seed, len)).await })
+    };
+    // Fills the engine's share: 5,000 queued prefill tokens > 1,000.
+    let first = spawn(5000, 1);
+    common::eventually(5, "the first prompt to arrive", || a.count() == 1).await;
+    let long = spawn(4000, 2);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let short = spawn(100, 3);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(a.count(), 1, "both later prompts are held at the router");
+    let held = common::scrape_metric(&url, "kvmesh_router_dispatch_waiting", "").await;
+    assert_eq!(held, 2.0);
+    for r in [first, long, short] {
+        assert!(r.await.unwrap().status().is_success());
+    }
+    let lens: Vec<usize> = a
+        .state
+        .received
+        .lock()
+        .iter()
+        .map(|r| r.body["prompt"].as_str().map_or(0, str::len))
+        .collect();
+    assert_eq!(
+        lens,
+        vec![5000, 100, 4000],
+        "the short prompt overtook the long one"
+    );
+    let decisions = get_json(&format!("{url}/debug/decisions?last=3")).await;
+    let held: Vec<f64> = decisions
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["held_ms"].as_f64().unwrap())
+        .collect();
+    assert_eq!(held[0], 0.0);
+    assert!(held[1] > 300.0 && held[2] > 300.0, "{held:?}");
 }
