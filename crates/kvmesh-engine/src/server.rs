@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::serve::ListenerExt;
 use kvmesh_text::Tokenizer;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -169,6 +170,13 @@ pub async fn start_server(
     }));
     let app = router(state);
     let stop = cancel.clone();
+    // Tokens stream out as small writes; without TCP_NODELAY a chunk can wait for the peer's
+    // delayed ACK (~40 ms), which a router in front of the engine pays on its first chunk.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY on a client connection");
+        }
+    });
     let http = tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(async move { stop.cancelled().await })

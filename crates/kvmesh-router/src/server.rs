@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
+
 use kvmesh_index::{EndpointId, IndexConfig, PrefixIndex};
 use kvmesh_text::{ByteTokenizer, Tokenizer};
 use prometheus_client::registry::Registry;
@@ -217,6 +219,15 @@ pub async fn start(
     let addr = listener.local_addr()?;
     let router = app(Arc::clone(&state));
     let shutdown = cancel.clone();
+    // Streamed responses go out as small writes (headers, then one SSE chunk per token): with
+    // Nagle's algorithm on, the first chunk waited for the client's delayed ACK of the headers,
+    // adding ~40 ms to every streamed request's time to first token (measured: 43.7 ms through
+    // the router vs 1.7 ms straight to the engine).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY on a client connection");
+        }
+    });
     let server = tokio::spawn(async move {
         axum::serve(listener, router)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
