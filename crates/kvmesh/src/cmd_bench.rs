@@ -41,7 +41,8 @@ pub struct BenchCmd {
     #[arg(long, value_delimiter = ',', required = true)]
     pub workload: Vec<String>,
     /// Router arms, compared in order (the first is the baseline): round-robin, affinity, load,
-    /// load-p2p, affinity-p2p, cost-p2p; P/D workloads (agentic-pd): pd, pd-bidir (prefill leg
+    /// load-p2p, affinity-p2p, cost-p2p, ttft and ttft-p2p (the default placement: predicted
+    /// TTFT with an admission queue, without / with priced pulls); P/D workloads (agentic-pd): pd, pd-bidir (prefill leg
     /// by prefix affinity), pd-load, pd-load-bidir (prefill leg by load, no affinity); `-bidir`
     /// arms pull the conversation history from the decoder. Peer routers in front of the same
     /// engines (install: `bash scripts/peer-routers.sh`): vllm-router:round_robin,
