@@ -1,13 +1,15 @@
 //! kvmesh-core: the vLLM-compatible foundations every other kvmesh crate builds on.
 //!
 //! Nothing here does I/O or async: block hashing exactly as vLLM computes it, the router's own
-//! chain keys, the KV-event wire codec, `kv_transfer_params`, and the peer fingerprint that P2P
-//! engines compare at connect time.
+//! chain keys, the KV-event wire codec, `kv_transfer_params`, the peer fingerprint that P2P
+//! engines compare at connect time, and the Prometheus text format both servers read and write.
 
 pub mod chain;
 pub mod events;
+pub mod exposition;
 pub mod fingerprint;
 pub mod hashing;
+pub mod sse;
 pub mod transfer_params;
 
 /// A token id as carried in prompts and KV events.
