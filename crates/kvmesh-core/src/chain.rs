@@ -53,7 +53,6 @@ pub fn chain_keys(tokens: &[TokenId], block_size: usize) -> Vec<ChainKey> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -172,7 +172,6 @@ impl Fingerprint {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -286,7 +286,6 @@ fn digest(algo: HashAlgo, data: &[u8]) -> BlockDigest {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -162,7 +162,6 @@ impl KvTransferParams {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use serde_json::json;
 

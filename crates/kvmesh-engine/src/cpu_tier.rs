@@ -972,7 +972,6 @@ impl CpuTier {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use std::time::Duration;
 
     use super::*;

@@ -283,7 +283,6 @@ impl BlockPool {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     fn h(x: u64) -> BlockHash {

@@ -352,7 +352,6 @@ impl PublisherHandle {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use kvmesh_core::events::{BlockRemoved, KvEvent, Medium};
     use kvmesh_core::hashing::BlockHash;

@@ -65,7 +65,6 @@ impl Tokenizer for ByteTokenizer {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -157,7 +157,6 @@ pub fn encode(tag: Tag, body: &[u8], max_frame: usize) -> Result<Bytes, FrameErr
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use proptest::prelude::*;
 

@@ -392,7 +392,6 @@ fn encode_block(b: &BlockFrame, max_frame: usize) -> Result<EncodedFrame, Messag
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use kvmesh_core::HashAlgo;
     use proptest::prelude::*;

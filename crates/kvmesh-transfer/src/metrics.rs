@@ -274,7 +274,6 @@ impl TransferMetrics {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use prometheus_client::encoding::text::encode;
 

@@ -1,5 +1,3 @@
-#![allow(clippy::unwrap_used)]
-
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::events::{BlockRemoved, BlockStored, Medium};
 
