@@ -15,33 +15,14 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use futures::future::BoxFuture;
 use kvmesh_core::{KvTransferParams, TokenId};
 use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+pub use crate::admission::AdmissionHook;
 use crate::compute::SamplingParams;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo, SeqOutput, SeqStream, SubmitError};
-
-/// Runs before a request is submitted (e.g. the P2P consumer pulling a prefix into the CPU tier
-/// and recording `external_hashes`). Must not fail the request: on any problem, return with the
-/// request unchanged.
-pub trait AdmissionHook: Send + Sync {
-    fn before_submit<'a>(
-        &'a self,
-        engine: &'a EngineHandle,
-        req: &'a mut EngineRequest,
-    ) -> BoxFuture<'a, ()>;
-
-    /// Runs when the request finished, before the response's last chunk is built: e.g. set
-    /// `info.kv_transfer_params` for P/D (`do_remote_decode`) responses.
-    fn on_finish(&self, _engine: &EngineHandle, _req: &EngineRequest, _info: &mut FinishInfo) {}
-
-    /// Runs when the engine refused the request after `before_submit` (overloaded, stopped):
-    /// e.g. release what a pull pinned for it, which `on_finish` would otherwise have done.
-    fn on_not_submitted(&self, _engine: &EngineHandle, _req: &EngineRequest) {}
-}
 
 /// Shared state of the HTTP layer.
 #[derive(Clone)]

@@ -4,6 +4,7 @@
 //! compute loop drives them with a [`compute::ComputeBackend`] on a dedicated thread; the HTTP
 //! API talks to that loop over channels.
 
+pub mod admission;
 pub mod compute;
 pub mod config;
 pub mod cpu_tier;
@@ -11,6 +12,7 @@ pub mod outbox;
 pub mod p2p;
 pub mod pd;
 pub mod pool;
+pub mod remote_read;
 
 pub use config::{EngineConfig, KvEventsConfig, P2pConfig, Role};
 pub use cpu_tier::{BlockStatus, CpuTier, CpuTierStats, OffloadBlock};

@@ -2,13 +2,12 @@
 //! so routers and dashboards built for vLLM read kvmesh unchanged; kvmesh-only ones are
 //! `kvmesh_engine_*`.
 
+use kvmesh_core::exposition::FloatGauge;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::sync::atomic::AtomicU64;
 
 use crate::cpu_tier::CpuTierStats;
 
@@ -27,14 +26,12 @@ pub struct ErrorLabel {
     pub reason: &'static str,
 }
 
-type GaugeF = Gauge<f64, AtomicU64>;
-
 /// The engine's metrics; shared (`Arc`) by the compute thread and the HTTP handlers.
 pub struct EngineMetrics {
     registry: Registry,
-    pub num_requests_running: GaugeF,
-    pub num_requests_waiting: GaugeF,
-    pub kv_cache_usage_perc: GaugeF,
+    pub num_requests_running: FloatGauge,
+    pub num_requests_waiting: FloatGauge,
+    pub kv_cache_usage_perc: FloatGauge,
     pub prefix_cache_queries: Counter,
     pub prefix_cache_hits: Counter,
     pub external_prefix_cache_queries: Counter,
@@ -49,22 +46,22 @@ pub struct EngineMetrics {
     pub e2e_request_latency: Histogram,
     pub errors: Family<ErrorLabel, Counter>,
     pub gpu_evicted_blocks: Counter,
-    pub cpu_capacity_bytes: GaugeF,
-    pub cpu_used_bytes: GaugeF,
-    pub cpu_blocks: GaugeF,
-    pub cpu_stored_blocks: GaugeF,
-    pub cpu_evicted_blocks: GaugeF,
-    pub cpu_rejected_blocks: GaugeF,
+    pub cpu_capacity_bytes: FloatGauge,
+    pub cpu_used_bytes: FloatGauge,
+    pub cpu_blocks: FloatGauge,
+    pub cpu_stored_blocks: FloatGauge,
+    pub cpu_evicted_blocks: FloatGauge,
+    pub cpu_rejected_blocks: FloatGauge,
     pub cpu_restored_blocks: Counter,
-    pub cpu_retained_evicted_blocks: GaugeF,
-    pub cpu_pull_pin_capped_blocks: GaugeF,
+    pub cpu_retained_evicted_blocks: FloatGauge,
+    pub cpu_pull_pin_capped_blocks: FloatGauge,
     /// Pulls stopped because our own sink refused a block, by sink reason.
     pub p2p_sink_rejected: Family<ErrorLabel, Counter>,
     pub step_seconds: Histogram,
     /// P2P transfer counters (`kvmesh_p2p_*`), shared by this engine's producer and pull client.
     pub p2p: kvmesh_transfer::TransferMetrics,
     /// P/D counters (`vllm:nixl_num_kv_expired_reqs`, `kvmesh_engine_pd_*`).
-    pub pd: crate::pd::PdMetrics,
+    pub pd: PdMetrics,
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -86,9 +83,9 @@ impl EngineMetrics {
             .into_iter(),
         );
         let m = Self {
-            num_requests_running: GaugeF::default(),
-            num_requests_waiting: GaugeF::default(),
-            kv_cache_usage_perc: GaugeF::default(),
+            num_requests_running: FloatGauge::default(),
+            num_requests_waiting: FloatGauge::default(),
+            kv_cache_usage_perc: FloatGauge::default(),
             prefix_cache_queries: Counter::default(),
             prefix_cache_hits: Counter::default(),
             external_prefix_cache_queries: Counter::default(),
@@ -103,19 +100,19 @@ impl EngineMetrics {
             e2e_request_latency: Histogram::new(TTFT_BUCKETS.iter().copied()),
             errors: Family::default(),
             gpu_evicted_blocks: Counter::default(),
-            cpu_capacity_bytes: GaugeF::default(),
-            cpu_used_bytes: GaugeF::default(),
-            cpu_blocks: GaugeF::default(),
-            cpu_stored_blocks: GaugeF::default(),
-            cpu_evicted_blocks: GaugeF::default(),
-            cpu_rejected_blocks: GaugeF::default(),
+            cpu_capacity_bytes: FloatGauge::default(),
+            cpu_used_bytes: FloatGauge::default(),
+            cpu_blocks: FloatGauge::default(),
+            cpu_stored_blocks: FloatGauge::default(),
+            cpu_evicted_blocks: FloatGauge::default(),
+            cpu_rejected_blocks: FloatGauge::default(),
             cpu_restored_blocks: Counter::default(),
-            cpu_retained_evicted_blocks: GaugeF::default(),
-            cpu_pull_pin_capped_blocks: GaugeF::default(),
+            cpu_retained_evicted_blocks: FloatGauge::default(),
+            cpu_pull_pin_capped_blocks: FloatGauge::default(),
             p2p_sink_rejected: Family::default(),
             step_seconds: Histogram::new(TTFT_BUCKETS.iter().copied()),
             p2p: kvmesh_transfer::TransferMetrics::new(),
-            pd: crate::pd::PdMetrics::default(),
+            pd: PdMetrics::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -295,6 +292,68 @@ impl EngineMetrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// Labels of `kvmesh_engine_pd_remote_reads_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PdReadLabel {
+    /// `decode` (P→D prompt pull) or `history` (D→P bi-directional read).
+    pub leg: &'static str,
+    pub outcome: &'static str,
+}
+
+/// Labels of `kvmesh_engine_pd_retained_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PdRetainLabel {
+    /// `prefill` (prompt kept for a decoder) or `decode` (history kept for the next turn).
+    pub role: &'static str,
+}
+
+/// P/D counters on the engine registry.
+#[derive(Debug, Clone, Default)]
+pub struct PdMetrics {
+    /// vLLM's `vllm:nixl_num_kv_expired_reqs`: remote reads declined because the entry expired.
+    pub expired_reqs: Counter,
+    pub remote_reads: Family<PdReadLabel, Counter>,
+    pub remote_read_tokens: Family<PdReadLabel, Counter>,
+    pub retained: Family<PdRetainLabel, Counter>,
+    pub retained_blocks: Family<PdRetainLabel, Counter>,
+}
+
+impl PdMetrics {
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "vllm:nixl_num_kv_expired_reqs",
+            "Remote KV reads declined because the remote blocks had expired",
+            self.expired_reqs.clone(),
+        );
+        r.register(
+            "kvmesh_engine_pd_remote_reads",
+            "P/D remote KV reads by leg (decode: prompt from the prefiller; history: from a decoder) and outcome",
+            self.remote_reads.clone(),
+        );
+        r.register(
+            "kvmesh_engine_pd_remote_read_tokens",
+            "Tokens landed by P/D remote reads, by leg",
+            self.remote_read_tokens.clone(),
+        );
+        r.register(
+            "kvmesh_engine_pd_retained",
+            "Requests whose blocks were pinned for a remote reader, by role",
+            self.retained.clone(),
+        );
+        r.register(
+            "kvmesh_engine_pd_retained_blocks",
+            "Blocks pinned for remote readers, by role",
+            self.retained_blocks.clone(),
+        );
+    }
+
+    pub(crate) fn read(&self, leg: &'static str, outcome: &'static str) {
+        self.remote_reads
+            .get_or_create(&PdReadLabel { leg, outcome })
+            .inc();
     }
 }
 

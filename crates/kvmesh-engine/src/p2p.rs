@@ -1,17 +1,15 @@
 //! P2P KV transfer wired into the engine (`docs/architecture.md#p2p-pull`): the producer serves
-//! this engine's CPU tier to peers, the consumer pulls a request's missing prefix from the peer
-//! named in `kv_transfer_params.remote_kv_source` before the request is submitted.
+//! this engine's CPU tier to peers; the consumer's pull client lands a peer's blocks in it.
 //!
 //! - [`CpuTierSource`] adapts the [`CpuTier`] to the transfer crate's [`BlockSource`]
-//!   (atomic lookup + counted pins, checksums kept from store time, pending waiters).
+//!   (atomic lookup + counted pins, checksums kept from store time, pending waiters);
+//!   [`start_producer`] serves it.
 //! - [`P2pConsumer`] owns the one shared [`PullClient`] of the engine (allow-list from
-//!   `--p2p-allowed-peers`; `remote_host` is untrusted input) and offers
-//!   [`P2pConsumer::pull_prefix`] (the reusable pull: blocks land in the CPU tier, verified,
-//!   pinned, published as `BlockStored` CPU) and [`P2pConsumer::prepare_request`] (local hit
-//!   first, pull the rest, mark the landed blocks as external hits, hold for the modelled pull
-//!   time on the sim backend).
-//! - [`P2pAdmission`] is the [`AdmissionHook`] that calls it for requests carrying
-//!   `remote_kv_source`, and releases the pins when the request finishes.
+//!   `--p2p-allowed-peers`; `remote_host` is untrusted input), the pulls in flight (so a burst
+//!   on one prefix moves it once) and the pull itself (blocks land in the CPU tier, verified,
+//!   pinned, published as `BlockStored` CPU).
+//! - Which blocks a request reads, and when, is decided once for every caller in
+//!   [`crate::remote_read`] (llm-d `remote_kv_source` and P/D reads alike).
 //!
 //! A pull never fails a request: whatever did not arrive is computed. Every outcome is counted
 //! by reason in `kvmesh_p2p_pulls_total` (the engine's [`crate::metrics::EngineMetrics::p2p`]).
@@ -32,14 +30,13 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::AdmissionHook;
 use crate::compute::sim::verify_sim_block_payload;
 use crate::cpu_tier::{BlockStatus, CpuTier, Landed, OffloadBlock, PinKind};
-use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
+use crate::engine::{EngineHandle, EngineRequest};
 
 /// How long blocks a pull landed stay pinned in our CPU tier if the request never finishes
 /// normally (client gone before scheduling); normally they are unpinned at finish.
-const LANDED_LEASE: Duration = Duration::from_secs(60);
+pub(crate) const LANDED_LEASE: Duration = Duration::from_secs(60);
 
 /// How long to wait for the compute loop to report the GPU-tier prefix before using the CPU
 /// tier's alone (a long step can hold the loop; a stale answer only costs a redundant pull).
@@ -127,7 +124,7 @@ pub async fn start_producer(
     Ok(P2pProducer { addr, task })
 }
 
-/// What [`P2pConsumer::pull_prefix`] did.
+/// What one pull did ([`crate::remote_read::ReadOutcome::Pulled`]).
 #[derive(Debug, Clone)]
 pub struct PrefixPull {
     pub report: PullReport,
@@ -136,7 +133,7 @@ pub struct PrefixPull {
     /// Those of `external` it also pinned (`Pull`): release them with [`release_pulled`] once
     /// the request is scheduled.
     pub pinned: Vec<BlockHash>,
-    /// When the pull started (the sim's modelled pull time runs from here).
+    /// When the pull started (a modelled pull time runs from here).
     pub started: tokio::time::Instant,
 }
 
@@ -225,7 +222,7 @@ pub struct P2pConsumer {
 }
 
 /// Holds a claim on an in-flight pull; dropping it wakes the requests waiting for it.
-struct InflightClaim<'a> {
+pub(crate) struct InflightClaim<'a> {
     map: &'a parking_lot::Mutex<HashMap<BlockHash, watch::Receiver<()>>>,
     keys: Vec<BlockHash>,
     _done: watch::Sender<()>,
@@ -242,7 +239,7 @@ impl Drop for InflightClaim<'_> {
 }
 
 /// Either we pull (holding the claim) or someone else already is (wait on the receiver).
-enum Inflight<'a> {
+pub(crate) enum Inflight<'a> {
     Claimed(InflightClaim<'a>),
     Busy(watch::Receiver<()>),
 }
@@ -275,7 +272,7 @@ impl P2pConsumer {
 
     /// Claims the blocks `want` (non-empty) for one pull, unless its first block is already part
     /// of another pull. Blocks further on that another pull holds are left to it (not re-keyed).
-    fn claim(&self, want: &[BlockHash]) -> Inflight<'_> {
+    pub(crate) fn claim(&self, want: &[BlockHash]) -> Inflight<'_> {
         let mut map = self.inflight.lock();
         if let Some(rx) = want.first().and_then(|first| map.get(first)) {
             return Inflight::Busy(rx.clone());
@@ -334,27 +331,19 @@ impl P2pConsumer {
         &self.client
     }
 
-    /// Pulls blocks `hashes[first..]` of `prompt` (whose full-block hashes are `hashes`) from
-    /// `source` into the CPU tier. Each block is verified (size; sim content; transport CRC),
-    /// stored as an ordinary cached block (publishing `BlockStored` CPU) and pinned for
-    /// [`LANDED_LEASE`] as it arrives. Never fails: see the report; blocks
-    /// `first..first + report.blocks` are in the tier afterwards.
-    pub async fn pull_prefix(
-        &self,
-        engine: &EngineHandle,
-        source: &RemoteKvSource,
-        prompt: &[TokenId],
-        hashes: &[BlockHash],
-        first: usize,
-    ) -> PrefixPull {
-        let deadline = tokio::time::Instant::now() + self.timeout + self.pending_deadline;
-        self.pull_prefix_until(engine, source, prompt, hashes, first, deadline)
-            .await
+    /// The budget of one read: a pull's timeout plus the pending deadline, from now.
+    pub(crate) fn read_deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.timeout + self.pending_deadline
     }
 
-    /// [`P2pConsumer::pull_prefix`] bounded by an overall `deadline` (a request that already
-    /// spent part of its budget waiting for another pull does not get a fresh one).
-    async fn pull_prefix_until(
+    /// Pulls blocks `hashes[first..]` of `prompt` (whose full-block hashes are `hashes`) from
+    /// `source` into the CPU tier, within `deadline` (a request that already spent part of its
+    /// budget waiting for another pull does not get a fresh one). Each block is verified (size;
+    /// content when payloads derive from hashes; transport CRC), stored as an ordinary cached
+    /// block (publishing `BlockStored` CPU) and pinned for [`LANDED_LEASE`] as it arrives.
+    /// Never fails: see the report; blocks `first..first + report.blocks` are in the tier
+    /// afterwards.
+    pub(crate) async fn pull_prefix_until(
         &self,
         engine: &EngineHandle,
         source: &RemoteKvSource,
@@ -372,7 +361,7 @@ impl P2pConsumer {
             first,
             block_size: engine.kv_layout().block_size,
             bytes_per_block: engine.kv_layout().bytes_per_block,
-            verify_sim: engine.backend_name() == "sim",
+            verify_sim: engine.capabilities().hash_derived_payloads,
             lease_until: Instant::now() + LANDED_LEASE,
             external: Vec::new(),
             pinned: Vec::new(),
@@ -408,87 +397,6 @@ impl P2pConsumer {
             started,
         }
     }
-
-    /// The consumer's admission step for one request whose prefix may be held by `source`:
-    /// takes the local prefix (GPU, then CPU tier) first, pulls the rest of the cacheable prefix,
-    /// sets `req.external_hashes` / `req.external_query_tokens`, and on the sim backend holds
-    /// until the modelled pull time of the pulled tokens has passed since the pull started.
-    /// Returns the pull (None when nothing was missing locally).
-    pub async fn prepare_request(
-        &self,
-        engine: &EngineHandle,
-        req: &mut EngineRequest,
-        source: &RemoteKvSource,
-    ) -> Option<PrefixPull> {
-        let bs = engine.kv_layout().block_size.max(1);
-        let mut hashes = engine.block_hashes(&req.prompt);
-        // vLLM never serves the last prompt token from cache: blocks beyond that are useless.
-        hashes.truncate(req.prompt.len().saturating_sub(1) / bs);
-        let mut local = local_prefix_blocks(engine, &hashes).await;
-        if local >= hashes.len() {
-            return None;
-        }
-        req.external_query_tokens = req.prompt.len();
-        // One pull per prefix at a time: a request whose first missing block is already being
-        // pulled waits for that pull, then takes what landed as a local hit and pulls only the
-        // rest — all within one budget (timeout + pending deadline), so waits never compound.
-        let deadline = tokio::time::Instant::now() + self.timeout + self.pending_deadline;
-        let _claim = loop {
-            match self.claim(&hashes[local..]) {
-                Inflight::Claimed(c) => break c,
-                Inflight::Busy(mut rx) => {
-                    if tokio::time::timeout_at(deadline, rx.changed())
-                        .await
-                        .is_err()
-                    {
-                        // The other pull is slow and our budget is spent: compute the rest
-                        // (a fresh pull now would double the wait).
-                        return None;
-                    }
-                    let before = local;
-                    local = local_prefix_blocks(engine, &hashes).await;
-                    if local > before {
-                        // Landed by the other pull: keep them until we are scheduled, and
-                        // count them as what they are (KV moved from a peer, once).
-                        let n = engine.cpu_tier().pin_as(
-                            PinKind::Pull,
-                            &hashes[before..local],
-                            Instant::now() + LANDED_LEASE,
-                        );
-                        req.external_hashes
-                            .extend_from_slice(&hashes[before..before + n]);
-                        req.pull_pinned_hashes
-                            .extend_from_slice(&hashes[before..before + n]);
-                    }
-                    if local >= hashes.len() {
-                        return None;
-                    }
-                }
-            }
-        };
-        let pull = self
-            .pull_prefix_until(engine, source, &req.prompt, &hashes, local, deadline)
-            .await;
-        tracing::debug!(
-            request_id = %req.request_id,
-            peer = %PeerAddr::from(source),
-            local_blocks = local,
-            wanted = hashes.len() - local,
-            pulled = pull.report.blocks,
-            outcome = %pull.report.outcome.label(),
-            reason = ?pull.report.outcome.reason(),
-            "p2p pull"
-        );
-        req.external_hashes.extend_from_slice(&pull.external);
-        req.pull_pinned_hashes.extend_from_slice(&pull.pinned);
-        if pull.report.blocks > 0
-            && let Some(modelled) = engine.modelled_pull_time(pull.report.blocks * bs)
-        {
-            // Sim: the transfer costs what the profile says, however fast loopback was.
-            tokio::time::sleep_until(pull.started + modelled).await;
-        }
-        Some(pull)
-    }
 }
 
 /// Leading blocks of `hashes` this engine holds: the GPU tier's prefix (asked of the compute
@@ -510,52 +418,6 @@ pub async fn local_prefix_blocks(engine: &EngineHandle, hashes: &[BlockHash]) ->
     .unwrap_or(0)
     .min(hashes.len());
     (gpu + tier.lookup_prefix(&hashes[gpu..])).max(cpu_only)
-}
-
-/// The admission hook: requests with `kv_transfer_params.remote_kv_source` pull their missing
-/// prefix before submission; finished requests release the pins their pull took.
-#[derive(Debug, Clone)]
-pub struct P2pAdmission {
-    pub consumer: Arc<P2pConsumer>,
-}
-
-impl AdmissionHook for P2pAdmission {
-    fn before_submit<'a>(
-        &'a self,
-        engine: &'a EngineHandle,
-        req: &'a mut EngineRequest,
-    ) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            if engine.backend_name() == "sim" && self.consumer.inflight_pulls() > 0 {
-                let bs = engine.kv_layout().block_size.max(1);
-                let mut hashes = engine.block_hashes(&req.prompt);
-                hashes.truncate(req.prompt.len().saturating_sub(1) / bs);
-                let deadline = tokio::time::Instant::now()
-                    + self.consumer.timeout
-                    + self.consumer.pending_deadline;
-                self.consumer
-                    .wait_for_pulls_in_flight(&hashes, deadline)
-                    .await;
-            }
-            let Some(source) = req
-                .kv_transfer_params
-                .as_ref()
-                .and_then(|p| p.remote_kv_source.clone())
-            else {
-                return;
-            };
-            self.consumer.prepare_request(engine, req, &source).await;
-        })
-    }
-
-    fn on_finish(&self, engine: &EngineHandle, req: &EngineRequest, _info: &mut FinishInfo) {
-        // The request has been scheduled: what its pull landed may be evicted normally now.
-        release_pulled(engine, req);
-    }
-
-    fn on_not_submitted(&self, engine: &EngineHandle, req: &EngineRequest) {
-        release_pulled(engine, req);
-    }
 }
 
 /// Releases the pins a pull took on the blocks it landed for `req` (its

@@ -38,82 +38,19 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use futures::future::BoxFuture;
-use kvmesh_core::{BlockHash, KvTransferParams, RemoteKvSource};
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
+use kvmesh_core::{BlockHash, KvTransferParams};
 
-use crate::api::AdmissionHook;
+use crate::admission::AdmissionHook;
 use crate::config::Role;
 use crate::cpu_tier::PinKind;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
-use crate::p2p::{P2pAdmission, P2pConsumer, local_prefix_blocks, release_pulled};
-
-/// Labels of `kvmesh_engine_pd_remote_reads_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PdReadLabel {
-    /// `decode` (P→D prompt pull) or `history` (D→P bi-directional read).
-    pub leg: &'static str,
-    pub outcome: &'static str,
-}
-
-/// Labels of `kvmesh_engine_pd_retained_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PdRetainLabel {
-    /// `prefill` (prompt kept for a decoder) or `decode` (history kept for the next turn).
-    pub role: &'static str,
-}
-
-/// P/D counters on the engine registry.
-#[derive(Debug, Clone, Default)]
-pub struct PdMetrics {
-    /// vLLM's `vllm:nixl_num_kv_expired_reqs`: remote reads declined because the entry expired.
-    pub expired_reqs: Counter,
-    pub remote_reads: Family<PdReadLabel, Counter>,
-    pub remote_read_tokens: Family<PdReadLabel, Counter>,
-    pub retained: Family<PdRetainLabel, Counter>,
-    pub retained_blocks: Family<PdRetainLabel, Counter>,
-}
-
-impl PdMetrics {
-    pub fn register(&self, r: &mut Registry) {
-        r.register(
-            "vllm:nixl_num_kv_expired_reqs",
-            "Remote KV reads declined because the remote blocks had expired",
-            self.expired_reqs.clone(),
-        );
-        r.register(
-            "kvmesh_engine_pd_remote_reads",
-            "P/D remote KV reads by leg (decode: prompt from the prefiller; history: from a decoder) and outcome",
-            self.remote_reads.clone(),
-        );
-        r.register(
-            "kvmesh_engine_pd_remote_read_tokens",
-            "Tokens landed by P/D remote reads, by leg",
-            self.remote_read_tokens.clone(),
-        );
-        r.register(
-            "kvmesh_engine_pd_retained",
-            "Requests whose blocks were pinned for a remote reader, by role",
-            self.retained.clone(),
-        );
-        r.register(
-            "kvmesh_engine_pd_retained_blocks",
-            "Blocks pinned for remote readers, by role",
-            self.retained_blocks.clone(),
-        );
-    }
-
-    fn read(&self, leg: &'static str, outcome: &'static str) {
-        self.remote_reads
-            .get_or_create(&PdReadLabel { leg, outcome })
-            .inc();
-    }
-}
+pub use crate::metrics::{PdMetrics, PdReadLabel, PdRetainLabel};
+use crate::p2p::{P2pConsumer, release_pulled};
+pub use crate::remote_read::RemoteRead;
+use crate::remote_read::{P2pAdmission, ReadOptions, ReadOutcome, unix_now};
 
 /// What kind of P/D request the params describe.
 #[derive(Debug, Clone, PartialEq)]
@@ -127,62 +64,19 @@ pub enum PdLeg {
     Decode { read: Option<RemoteRead> },
 }
 
-/// A remote block set named by P/D params.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RemoteRead {
-    pub source: RemoteKvSource,
-    pub block_ids: Option<Vec<BlockHash>>,
-    pub num_tokens: Option<u64>,
-    pub expiry_unix: Option<f64>,
-}
-
-/// The remote set a P/D params object names (needs a string host and a port).
-fn remote_read(p: &KvTransferParams) -> Option<RemoteRead> {
-    let host = p.remote_host_str()?;
-    let port = p.remote_port_u16()?;
-    let block_ids = p.remote_block_ids.as_ref().and_then(|v| {
-        v.as_array().map(|a| {
-            a.iter()
-                .map_while(|x| x.as_u64().map(BlockHash))
-                .collect::<Vec<_>>()
-        })
-    });
-    Some(RemoteRead {
-        source: RemoteKvSource {
-            kv_request_id: p.remote_request_id.clone().unwrap_or_default(),
-            remote_host: host.to_owned(),
-            remote_port: port,
-        },
-        block_ids,
-        num_tokens: p.remote_num_tokens,
-        expiry_unix: p.remote_blocks_expiry_time,
-    })
-}
-
 /// Classifies a request's params (pure; unit-tested).
 pub fn classify(p: &KvTransferParams) -> PdLeg {
     if p.do_remote_prefill == Some(true) {
         PdLeg::Decode {
-            read: remote_read(p),
+            read: RemoteRead::from_pd_params(p),
         }
     } else if p.do_remote_decode == Some(true) {
         PdLeg::Prefill {
-            history: remote_read(p),
+            history: RemoteRead::from_pd_params(p),
         }
     } else {
         PdLeg::None
     }
-}
-
-fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// Leading blocks of `ours` equal to `theirs` (prefix equality by chained block hash).
-pub fn matching_prefix(ours: &[BlockHash], theirs: &[BlockHash]) -> usize {
-    ours.iter().zip(theirs).take_while(|(a, b)| a == b).count()
 }
 
 /// The P/D admission hook (the engine's default): see the module docs.
@@ -213,10 +107,9 @@ impl PdAdmission {
         }
     }
 
-    /// Reads blocks of `req.prompt` from `read.source`: at most `limit_tokens` tokens, only the
-    /// leading run matching `read.block_ids` (when given), skipping what is local, and not at
-    /// all if fewer than `threshold` tokens would be read. Sets the external accounting and
-    /// holds for the modelled pull time on the sim. Returns the outcome label.
+    /// Reads blocks of `req.prompt` from `read.source` through the one remote-read path
+    /// ([`P2pConsumer::read`]), not at all if fewer than `threshold` tokens would be read, and
+    /// counts it. Returns the outcome label.
     async fn read_remote(
         &self,
         engine: &EngineHandle,
@@ -226,86 +119,43 @@ impl PdAdmission {
         threshold: usize,
     ) -> &'static str {
         let m = &engine.metrics().pd;
-        if let Some(exp) = read.expiry_unix
-            && exp <= unix_now()
-        {
-            tracing::info!(
-                request_id = %req.request_id,
-                peer = %format!("{}:{}", read.source.remote_host, read.source.remote_port),
-                expired_s_ago = unix_now() - exp,
-                "Declining expired remote read"
-            );
-            m.expired_reqs.inc();
-            return "expired";
-        }
-        let bs = engine.kv_layout().block_size.max(1);
-        let mut hashes = engine.block_hashes(&req.prompt);
-        // The last prompt token is never served from cache.
-        hashes.truncate(req.prompt.len().saturating_sub(1) / bs);
-        if let Some(n) = read.num_tokens {
-            let n = usize::try_from(n).unwrap_or(usize::MAX);
-            hashes.truncate(n.min(req.prompt.len()) / bs);
-        }
-        let mut mismatch = false;
-        if let Some(theirs) = &read.block_ids {
-            let same = matching_prefix(&hashes, theirs);
-            if same < hashes.len() && same < theirs.len() {
-                tracing::debug!(
-                    request_id = %req.request_id,
-                    first_differing_block = same,
-                    "remote block hashes differ from the prompt's: reading the matching prefix only"
-                );
-                mismatch = true;
+        let opts = ReadOptions {
+            threshold_tokens: threshold,
+            // A P/D read names this request's blocks on one peer: no sharing with other pulls.
+            share_inflight: false,
+        };
+        match self.p2p.consumer.read(engine, req, read, opts).await {
+            ReadOutcome::Expired => {
+                m.expired_reqs.inc();
+                "expired"
             }
-            hashes.truncate(same);
-        }
-        let local = local_prefix_blocks(engine, &hashes).await;
-        if local >= hashes.len() {
-            return if mismatch {
-                "mismatch"
-            } else {
+            ReadOutcome::NothingMissing { mismatch: true } => "mismatch",
+            ReadOutcome::NothingMissing { mismatch: false } | ReadOutcome::WaitedOut => {
                 "nothing_missing"
-            };
-        }
-        if (hashes.len() - local) * bs < threshold {
-            return "below_threshold";
-        }
-        req.external_query_tokens = req.prompt.len();
-        let pull = self
-            .p2p
-            .consumer
-            .pull_prefix(engine, &read.source, &req.prompt, &hashes, local)
-            .await;
-        req.external_hashes.extend_from_slice(&pull.external);
-        req.pull_pinned_hashes.extend_from_slice(&pull.pinned);
-        m.remote_read_tokens
-            .get_or_create(&PdReadLabel {
-                leg,
-                outcome: "pulled",
-            })
-            .inc_by((pull.report.blocks * bs) as u64);
-        tracing::debug!(
-            request_id = %req.request_id,
-            leg,
-            local_blocks = local,
-            wanted = hashes.len() - local,
-            pulled = pull.report.blocks,
-            outcome = %pull.report.outcome.label(),
-            "pd remote read"
-        );
-        if pull.report.blocks > 0
-            && let Some(modelled) = engine.modelled_pull_time(pull.report.blocks * bs)
-        {
-            tokio::time::sleep_until(pull.started + modelled).await;
-        }
-        if pull.report.blocks == 0 {
-            "failed"
-        } else if pull.report.blocks < hashes.len() - local {
-            "partial"
-        } else if mismatch {
-            "mismatch_partial_read"
-        } else {
-            "pulled"
+            }
+            ReadOutcome::BelowThreshold => "below_threshold",
+            ReadOutcome::Pulled {
+                pull,
+                wanted,
+                mismatch,
+            } => {
+                let bs = engine.kv_layout().block_size.max(1);
+                m.remote_read_tokens
+                    .get_or_create(&PdReadLabel {
+                        leg,
+                        outcome: "pulled",
+                    })
+                    .inc_by((pull.report.blocks * bs) as u64);
+                if pull.report.blocks == 0 {
+                    "failed"
+                } else if pull.report.blocks < wanted {
+                    "partial"
+                } else if mismatch {
+                    "mismatch_partial_read"
+                } else {
+                    "pulled"
+                }
+            }
         }
     }
 
@@ -421,7 +271,6 @@ impl AdmissionHook for PdAdmission {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use serde_json::json;
 
@@ -466,16 +315,5 @@ mod tests {
         // A bad port is no address: nothing is read.
         p.remote_port = Some(json!(70000));
         assert_eq!(classify(&p), PdLeg::Prefill { history: None });
-    }
-
-    #[test]
-    fn prefix_equality_is_by_hash() {
-        let a = [BlockHash(1), BlockHash(2), BlockHash(3)];
-        assert_eq!(matching_prefix(&a, &[BlockHash(1), BlockHash(2)]), 2);
-        assert_eq!(
-            matching_prefix(&a, &[BlockHash(1), BlockHash(9), BlockHash(3)]),
-            1
-        );
-        assert_eq!(matching_prefix(&a, &[]), 0);
     }
 }

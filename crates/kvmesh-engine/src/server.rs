@@ -9,7 +9,8 @@ use kvmesh_text::Tokenizer;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{AdmissionHook, ApiState, router};
+use crate::admission::AdmissionHook;
+use crate::api::{ApiState, router};
 use crate::compute::ComputeBackend;
 use crate::compute::profiles;
 use crate::compute::sim::{SimBackend, SimConfig};

@@ -111,10 +111,29 @@ pub enum ComputeError {
     Backend(String),
 }
 
+/// What a backend's timings and payloads mean, for the code around the compute loop (the P2P
+/// consumer) that must treat a time-modelled backend differently from a real one. Asked once,
+/// when the engine is built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BackendCapabilities {
+    /// Transfers are modelled, not real ([`ComputeBackend::modelled_pull_time`]): a pulled prefix
+    /// is held until the modelled link would have delivered it, and a request whose blocks are
+    /// still being pulled waits for that pull rather than getting them at loopback speed.
+    pub models_pull_time: bool,
+    /// A block's KV payload is a function of its hash (the `sim` backend's synthetic KV), so a
+    /// receiver verifies the content of a pulled block, not only its size and transport CRC.
+    pub hash_derived_payloads: bool,
+}
+
 /// A producer of KV and tokens. Runs on the engine's dedicated compute thread: `step` may block.
 pub trait ComputeBackend: Send {
     /// Short name shown in logs and /metrics ("sim", "model").
     fn name(&self) -> &str;
+    /// How the engine should treat this backend's timings and payloads (default: a real
+    /// backend, nothing modelled).
+    fn capabilities(&self) -> BackendCapabilities {
+        BackendCapabilities::default()
+    }
     /// Layout of a KV block; the engine sizes its arena and CPU tier from it.
     fn kv_layout(&self) -> KvLayout;
     /// Runs one batch step; returns, per input sequence in order, the sampled token if asked.

@@ -9,7 +9,9 @@ use std::time::Duration;
 use kvmesh_core::{BlockHash, TokenId};
 
 use super::profiles::SimProfile;
-use super::{BlockId, ComputeBackend, ComputeError, KvArena, KvLayout, SeqStep};
+use super::{
+    BackendCapabilities, BlockId, ComputeBackend, ComputeError, KvArena, KvLayout, SeqStep,
+};
 
 /// Token the sim never samples unless asked (it generates text until `max_tokens`).
 const SIM_EOS: TokenId = 256;
@@ -154,6 +156,13 @@ impl SimBackend {
 impl ComputeBackend for SimBackend {
     fn name(&self) -> &str {
         "sim"
+    }
+
+    fn capabilities(&self) -> BackendCapabilities {
+        BackendCapabilities {
+            models_pull_time: true,
+            hash_derived_payloads: true,
+        }
     }
 
     fn kv_layout(&self) -> KvLayout {

@@ -1,0 +1,718 @@
+//! The compute loop (see the [module docs](super)): one step at a time, it schedules running
+//! then waiting sequences, runs the backend, finalizes full blocks (publish, offload) and streams
+//! tokens back.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use bytes::Bytes;
+use hashbrown::{HashMap, HashSet};
+use kvmesh_core::events::BlockStored;
+use kvmesh_core::{BlockDigest, BlockHash, BlockHasher, KvEvent, Medium, TokenId};
+use tokio::sync::mpsc;
+
+use crate::compute::{BlockId, ComputeBackend, KvArena, SeqStep};
+use crate::config::EngineConfig;
+use crate::cpu_tier::{CpuTier, OffloadBlock};
+use crate::metrics::{EngineMetrics, SourceLabel};
+use crate::outbox::KvEventSink;
+use crate::pool::{BlockPool, BlockState};
+
+use super::types::{
+    Command, EngineRequest, FinishInfo, FinishReason, NewSeq, SeqOutput, SharedCounters,
+};
+
+struct Seq {
+    req: EngineRequest,
+    tokens: Vec<TokenId>,
+    prompt_len: usize,
+    digests: Vec<BlockDigest>,
+    blocks: Vec<BlockId>,
+    num_computed: usize,
+    /// Full blocks whose hash has been handled (registered or found duplicate).
+    num_finalized: usize,
+    /// Set once, at first scheduling.
+    cached_tokens: Option<usize>,
+    created_cache_tokens: usize,
+    /// Prefix lookup done for the current residency (reset by preemption).
+    resident: bool,
+    first_token_at: Option<Instant>,
+    external: HashSet<BlockHash>,
+    tx: mpsc::UnboundedSender<SeqOutput>,
+}
+
+impl Seq {
+    fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// The compute loop's state: owned by the compute thread, reached only through [`Command`]s.
+pub(super) struct Core {
+    cfg: EngineConfig,
+    pool: BlockPool,
+    arena: KvArena,
+    bytes_per_block: usize,
+    backend: Box<dyn ComputeBackend>,
+    cpu: Arc<CpuTier>,
+    sink: Arc<dyn KvEventSink>,
+    hasher: BlockHasher,
+    eos: Vec<TokenId>,
+    waiting: VecDeque<u64>,
+    running: Vec<u64>,
+    seqs: HashMap<u64, Seq>,
+    metrics: Arc<EngineMetrics>,
+    counters: Arc<SharedCounters>,
+    outbox: Vec<KvEvent>,
+    stop: bool,
+}
+
+/// One scheduled piece of work.
+struct Planned {
+    id: u64,
+    start: usize,
+    n: usize,
+}
+
+impl Core {
+    /// The loop's state for a fresh engine (empty pool and queues).
+    pub(super) fn new(
+        cfg: EngineConfig,
+        backend: Box<dyn ComputeBackend>,
+        cpu: Arc<CpuTier>,
+        sink: Arc<dyn KvEventSink>,
+        hasher: BlockHasher,
+        metrics: Arc<EngineMetrics>,
+        counters: Arc<SharedCounters>,
+    ) -> Self {
+        let layout = backend.kv_layout();
+        let eos = backend.eos_token_ids();
+        Self {
+            pool: BlockPool::new(cfg.num_gpu_blocks),
+            arena: KvArena::new(cfg.num_gpu_blocks, layout.bytes_per_block),
+            bytes_per_block: layout.bytes_per_block,
+            backend,
+            cpu,
+            sink,
+            hasher,
+            eos,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            seqs: HashMap::new(),
+            metrics,
+            counters,
+            outbox: Vec::new(),
+            stop: false,
+            cfg,
+        }
+    }
+
+    pub(super) fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match rx.blocking_recv() {
+                    Some(cmd) => self.handle(cmd),
+                    None => break,
+                }
+                if self.stop {
+                    break;
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        self.abort_all();
+                        return;
+                    }
+                }
+            }
+            if self.stop {
+                break;
+            }
+            let progressed = self.step();
+            self.update_gauges();
+            if !progressed && (!self.running.is_empty() || !self.waiting.is_empty()) {
+                // Waiting work that cannot be scheduled yet and nothing running: wait for a
+                // command (an abort or reset may free blocks) instead of spinning.
+                match rx.blocking_recv() {
+                    Some(cmd) => self.handle(cmd),
+                    None => break,
+                }
+            }
+        }
+        self.abort_all();
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Add(ns) => {
+                let NewSeq {
+                    id,
+                    req,
+                    digests,
+                    tx,
+                } = *ns;
+                let prompt_len = req.prompt.len();
+                let external = req.external_hashes.iter().copied().collect();
+                let seq = Seq {
+                    tokens: req.prompt.clone(),
+                    prompt_len,
+                    digests,
+                    blocks: Vec::new(),
+                    num_computed: 0,
+                    num_finalized: 0,
+                    cached_tokens: None,
+                    created_cache_tokens: 0,
+                    resident: false,
+                    first_token_at: None,
+                    external,
+                    tx,
+                    req,
+                };
+                self.seqs.insert(id, seq);
+                self.waiting.push_back(id);
+            }
+            Command::Abort(id, reason) => {
+                if self.seqs.contains_key(&id) {
+                    self.finish(id, reason, None);
+                }
+            }
+            Command::Reset(reply) => {
+                self.pool.reset(&mut self.outbox);
+                self.flush_events();
+                self.cpu.clear();
+                // Sequences in flight keep computing; their blocks are simply no longer cached
+                // (they will not be re-registered: mark everything finalized).
+                let bs = self.cfg.block_size;
+                for s in self.seqs.values_mut() {
+                    s.num_finalized = (s.num_computed / bs).max(s.num_finalized);
+                }
+                let _ = reply.send(true);
+            }
+            Command::Inspect(f) => f(&self.pool),
+            Command::Shutdown => self.stop = true,
+        }
+    }
+
+    fn abort_all(&mut self) {
+        let ids: Vec<u64> = self.seqs.keys().copied().collect();
+        for id in ids {
+            self.finish(id, FinishReason::Abort, None);
+        }
+    }
+
+    fn flush_events(&mut self) {
+        if !self.outbox.is_empty() {
+            self.sink.publish(std::mem::take(&mut self.outbox));
+        }
+    }
+
+    fn update_gauges(&self) {
+        self.metrics
+            .num_requests_running
+            .set(self.running.len() as f64);
+        self.metrics
+            .num_requests_waiting
+            .set(self.waiting.len() as f64);
+        self.metrics.kv_cache_usage_perc.set(self.pool.usage());
+        self.counters
+            .running
+            .store(self.running.len(), Ordering::Relaxed);
+        let ev = self.pool.evictions();
+        let seen = self.metrics.gpu_evicted_blocks.get();
+        if ev > seen {
+            self.metrics.gpu_evicted_blocks.inc_by(ev - seen);
+        }
+    }
+
+    fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+
+    /// Grows `id`'s block table to cover `upto` tokens. False if the pool ran dry (the blocks
+    /// already taken stay with the sequence).
+    fn ensure_blocks(&mut self, id: u64, upto: usize) -> bool {
+        let bs = self.block_size();
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        let need = upto.div_ceil(bs);
+        while seq.blocks.len() < need {
+            match self.pool.allocate(&mut self.outbox) {
+                Some(b) => seq.blocks.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Frees a sequence's blocks (tail first) and resets its compute state.
+    fn release_blocks(&mut self, id: u64) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            for &b in seq.blocks.iter().rev() {
+                self.pool.release(b);
+            }
+            seq.blocks.clear();
+        }
+    }
+
+    fn preempt(&mut self, id: u64) {
+        self.release_blocks(id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.num_computed = 0;
+            seq.num_finalized = 0;
+            seq.resident = false;
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        self.metrics.num_preemptions.inc();
+        tracing::debug!(seq = id, "preempted (out of GPU blocks)");
+    }
+
+    /// Prefix hit on (re)admission: GPU-tier blocks, then restores from the CPU tier. Returns
+    /// false (and leaves the sequence untouched) when its blocks for `chunk_tokens` more tokens
+    /// cannot be had now.
+    fn admit(&mut self, id: u64, budget: usize) -> Option<usize> {
+        let bs = self.block_size();
+        let seq = self.seqs.get(&id)?;
+        let total = seq.tokens.len();
+        let max_hit_blocks = (total.saturating_sub(1)) / bs;
+        // Digests of every full prompt block: the last one is never a hit, but it is still
+        // computed here and peers may wait for it (PENDING).
+        let prompt_blocks = seq.prompt_len / bs;
+        self.extend_digests(id, max_hit_blocks.max(prompt_blocks));
+        let seq = self.seqs.get(&id)?;
+        let hashes: Vec<BlockHash> = seq.digests[..max_hit_blocks.min(seq.digests.len())]
+            .iter()
+            .map(|d| d.event_hash())
+            .collect();
+        let gpu_hit = self.pool.lookup_prefix(&hashes);
+        // The prefix is in use: keep its CPU copies (what peers pull) from ageing out while the
+        // GPU copy serves it, or a hot prefix vanishes from the tier peers can see.
+        self.cpu.touch(&hashes[..gpu_hit]);
+        let cpu_hit = self.cpu.lookup_prefix(&hashes[gpu_hit..]);
+        let hit_blocks = gpu_hit + cpu_hit;
+        let hit_tokens = hit_blocks * bs;
+        let n = (total - hit_tokens).min(budget);
+        if n == 0 {
+            return None;
+        }
+        // Blocks the hit pins that are currently evictable stop being allocatable.
+        let evictable_hits = hashes[..gpu_hit]
+            .iter()
+            .filter(|h| {
+                self.pool
+                    .get(**h)
+                    .is_some_and(|b| self.pool.state(b) == BlockState::Cached)
+            })
+            .count();
+        let new_blocks = (hit_tokens + n).div_ceil(bs) - gpu_hit;
+        if self.pool.num_allocatable().saturating_sub(evictable_hits) < new_blocks {
+            return None;
+        }
+        let mut blocks = Vec::with_capacity(new_blocks + gpu_hit);
+        for h in &hashes[..gpu_hit] {
+            if let Some(b) = self.pool.acquire_cached(*h) {
+                blocks.push(b);
+            }
+        }
+        // Restore from the CPU tier; stop at the first block that vanished or does not fit.
+        let mut restored = 0;
+        let mut restored_external = 0;
+        let mut stored_run: Option<BlockStored> = None;
+        for (i, h) in hashes.iter().enumerate().skip(gpu_hit).take(cpu_hit) {
+            let Some(payload) = self.cpu.get(*h) else {
+                break;
+            };
+            if payload.len() > self.bytes_per_block {
+                break;
+            }
+            let Some(b) = self.pool.allocate(&mut self.outbox) else {
+                break;
+            };
+            let dst = self.arena.block_mut(b);
+            dst[..payload.len()].copy_from_slice(&payload);
+            blocks.push(b);
+            if self.pool.register(b, *h) {
+                let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+                let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
+                let run = stored_run.get_or_insert_with(|| gpu_stored(parent, bs));
+                run.block_hashes.push(*h);
+                run.token_ids.extend_from_slice(tokens);
+            }
+            restored += 1;
+            if seq.external.contains(h) {
+                restored_external += 1;
+            }
+        }
+        if let Some(run) = stored_run {
+            self.outbox.push(KvEvent::BlockStored(run));
+        }
+        let hit_blocks = gpu_hit + restored;
+        let hit_tokens = hit_blocks * bs;
+        let first_time = seq.cached_tokens.is_none();
+        let prompt_len = seq.prompt_len;
+        let pending: Vec<BlockHash> = if first_time {
+            seq.digests
+                .iter()
+                .take(prompt_len / bs)
+                .skip(hit_blocks)
+                .map(|d| d.event_hash())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let seq = self.seqs.get_mut(&id)?;
+        seq.blocks = blocks;
+        seq.num_computed = hit_tokens;
+        seq.num_finalized = hit_blocks;
+        seq.resident = true;
+        self.metrics.cpu_restored_blocks.inc_by(restored as u64);
+        // Pulled (external) blocks are not charged again: the profile's pull time covers
+        // landing them.
+        if restored > restored_external {
+            self.backend
+                .on_host_restore((restored - restored_external) * bs);
+        }
+        if first_time {
+            let cached = hit_tokens.min(prompt_len);
+            seq.cached_tokens = Some(cached);
+            // External exactly once: the hit blocks this request pulled (or waited for) that
+            // still carry the tier's external flag — whether restored from the CPU tier or
+            // already in the GPU tier because another request restored them first. The first
+            // request to be scheduled takes the flag; later users count a local hit.
+            let claimed: Vec<BlockHash> = hashes[..hit_blocks]
+                .iter()
+                .filter(|h| seq.external.contains(*h))
+                .copied()
+                .collect();
+            let external_blocks = self.cpu.take_external(&claimed);
+            let external_tokens = (external_blocks * bs).min(cached);
+            let local = cached - external_tokens;
+            let m = &self.metrics;
+            m.prefix_cache_queries.inc_by(prompt_len as u64);
+            m.prefix_cache_hits.inc_by(local as u64);
+            m.prompt_tokens.inc_by(prompt_len as u64);
+            if seq.req.external_query_tokens > 0 {
+                m.external_prefix_cache_queries
+                    .inc_by(seq.req.external_query_tokens as u64);
+            }
+            m.external_prefix_cache_hits.inc_by(external_tokens as u64);
+            m.prompt_tokens_by_source
+                .get_or_create(&SourceLabel {
+                    source: "local_cache_hit",
+                })
+                .inc_by(local as u64);
+            m.prompt_tokens_by_source
+                .get_or_create(&SourceLabel {
+                    source: "external_kv_transfer",
+                })
+                .inc_by(external_tokens as u64);
+            m.prompt_tokens_by_source
+                .get_or_create(&SourceLabel {
+                    source: "local_compute",
+                })
+                .inc_by((prompt_len - cached) as u64);
+            let queue_time = seq.req.arrival.elapsed();
+            m.request_queue_time.observe(queue_time.as_secs_f64());
+            self.counters.queued.fetch_sub(1, Ordering::Relaxed);
+            let _ = seq.tx.send(SeqOutput::Started {
+                cached_tokens: cached,
+                queue_time,
+            });
+            // Blocks this request will compute: a peer asking for them now gets PENDING.
+            self.cpu.mark_pending(&pending);
+        }
+        let remaining = seq.tokens.len() - seq.num_computed;
+        let n = remaining.min(budget);
+        if !self.ensure_blocks(id, hit_tokens + n) {
+            // Cannot happen after the capacity check above; undo to stay consistent.
+            self.release_blocks(id);
+            return None;
+        }
+        Some(n)
+    }
+
+    /// Makes sure digests exist for the first `n_blocks` full blocks of the sequence's tokens.
+    fn extend_digests(&mut self, id: u64, n_blocks: usize) {
+        let bs = self.block_size();
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        while seq.digests.len() < n_blocks && (seq.digests.len() + 1) * bs <= seq.tokens.len() {
+            let i = seq.digests.len();
+            let parent = if i == 0 {
+                self.hasher.none_hash()
+            } else {
+                seq.digests[i - 1]
+            };
+            let d = self
+                .hasher
+                .hash_block(&parent, &seq.tokens[i * bs..(i + 1) * bs]);
+            seq.digests.push(d);
+        }
+    }
+
+    /// Plans and runs one step. Returns false when nothing could be scheduled.
+    fn step(&mut self) -> bool {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut plan: Vec<Planned> = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(seq) = self.seqs.get(&id) else {
+                self.running.remove(i);
+                continue;
+            };
+            let start = seq.num_computed;
+            let n = (seq.tokens.len() - start).min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let mut scheduled = true;
+            while !self.ensure_blocks(id, start + n) {
+                let Some(&victim) = self.running.last() else {
+                    break;
+                };
+                if victim == id {
+                    if self.running.len() == 1 {
+                        // Alone and still out of blocks: it can never grow; end it.
+                        self.finish(id, FinishReason::Length, None);
+                    } else {
+                        self.preempt(id);
+                    }
+                    preempted = true;
+                    scheduled = false;
+                    break;
+                }
+                plan.retain(|p| p.id != victim);
+                self.preempt(victim);
+                preempted = true;
+            }
+            if !scheduled {
+                break;
+            }
+            plan.push(Planned { id, start, n });
+            budget -= n;
+            i += 1;
+        }
+        // Recompute budget: preempted sequences' planned tokens were dropped from the plan.
+        budget = self.cfg.max_num_batched_tokens - plan.iter().map(|p| p.n).sum::<usize>();
+        if !preempted {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+                let Some(&id) = self.waiting.front() else {
+                    break;
+                };
+                let Some(n) = self.admit(id, budget) else {
+                    break;
+                };
+                self.waiting.pop_front();
+                self.running.push(id);
+                let start = self.seqs.get(&id).map_or(0, |s| s.num_computed);
+                plan.push(Planned { id, start, n });
+                budget -= n;
+            }
+        }
+        self.flush_events();
+        if plan.is_empty() {
+            return false;
+        }
+        self.execute(&plan);
+        true
+    }
+
+    fn execute(&mut self, plan: &[Planned]) {
+        let t0 = Instant::now();
+        let result = {
+            let mut steps = Vec::with_capacity(plan.len());
+            for p in plan {
+                let Some(seq) = self.seqs.get(&p.id) else {
+                    continue;
+                };
+                let end = p.start + p.n;
+                steps.push(SeqStep {
+                    seq_id: p.id,
+                    tokens: &seq.tokens[p.start..end],
+                    start_pos: p.start,
+                    block_table: &seq.blocks,
+                    sample: (end == seq.tokens.len()).then_some(&seq.req.sampling),
+                    num_generated: seq.output_len(),
+                });
+            }
+            self.backend.step(&steps, &mut self.arena)
+        };
+        self.metrics
+            .step_seconds
+            .observe(t0.elapsed().as_secs_f64());
+        let sampled = match result {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "backend step failed; failing the batch");
+                for p in plan {
+                    if let Some(seq) = self.seqs.get(&p.id) {
+                        let _ = seq.tx.send(SeqOutput::Error(e.to_string()));
+                    }
+                    self.finish(p.id, FinishReason::Abort, None);
+                }
+                return;
+            }
+        };
+        let mut offloads: Vec<Vec<OffloadBlock>> = Vec::new();
+        for p in plan {
+            if let Some(seq) = self.seqs.get_mut(&p.id) {
+                seq.num_computed = p.start + p.n;
+            } else {
+                continue;
+            }
+            if let Some(off) = self.finalize_full_blocks(p.id) {
+                offloads.push(off);
+            }
+        }
+        // GPU stores and removals first, then the CPU tier's own events; both before any
+        // sequence finishes, so a finished request's blocks are already servable to peers.
+        self.flush_events();
+        for off in offloads {
+            self.cpu.insert_run(&off);
+        }
+        for (p, tok) in plan.iter().zip(sampled) {
+            if let Some(t) = tok {
+                self.on_token(p.id, t);
+            }
+        }
+    }
+
+    /// Hashes, publishes and prepares for offload every block that became full.
+    fn finalize_full_blocks(&mut self, id: u64) -> Option<Vec<OffloadBlock>> {
+        let bs = self.block_size();
+        let full = self.seqs.get(&id)?.num_computed / bs;
+        let done = self.seqs.get(&id)?.num_finalized;
+        if full <= done {
+            return None;
+        }
+        self.extend_digests(id, full);
+        let seq = self.seqs.get_mut(&id)?;
+        let mut run: Option<BlockStored> = None;
+        let mut off = Vec::new();
+        for i in done..full.min(seq.digests.len()) {
+            let hash = seq.digests[i].event_hash();
+            let block = seq.blocks[i];
+            let parent = if i == 0 {
+                None
+            } else {
+                Some(seq.digests[i - 1].event_hash())
+            };
+            if self.pool.register(block, hash) {
+                self.backend.finalize_block(block, hash, &mut self.arena);
+                let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+                let r = run.get_or_insert_with(|| gpu_stored(parent, bs));
+                r.block_hashes.push(hash);
+                r.token_ids.extend_from_slice(tokens);
+                if (i + 1) * bs <= seq.prompt_len {
+                    seq.created_cache_tokens += bs;
+                }
+                off.push(OffloadBlock {
+                    hash,
+                    parent,
+                    tokens: tokens.to_vec(),
+                    payload: Bytes::copy_from_slice(self.arena.block(block)),
+                });
+            } else if let Some(r) = run.take() {
+                self.outbox.push(KvEvent::BlockStored(r));
+            }
+            seq.num_finalized = i + 1;
+        }
+        if let Some(r) = run {
+            self.outbox.push(KvEvent::BlockStored(r));
+        }
+        (!off.is_empty()).then_some(off)
+    }
+
+    fn on_token(&mut self, id: u64, token: TokenId) {
+        let max_model_len = self.cfg.max_model_len;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        seq.tokens.push(token);
+        self.metrics.generation_tokens.inc();
+        if seq.first_token_at.is_none() {
+            let now = Instant::now();
+            seq.first_token_at = Some(now);
+            self.metrics
+                .time_to_first_token
+                .observe((now - seq.req.arrival).as_secs_f64());
+        }
+        let _ = seq.tx.send(SeqOutput::Token(token));
+        let is_eos = self.eos.contains(&token);
+        let is_stop_id = seq.req.stop_token_ids.contains(&token);
+        let finish = if is_stop_id {
+            Some((FinishReason::Stop, Some(token)))
+        } else if is_eos && !seq.req.ignore_eos {
+            Some((FinishReason::Stop, None))
+        } else if seq.output_len() >= seq.req.max_tokens || seq.tokens.len() >= max_model_len {
+            Some((FinishReason::Length, None))
+        } else {
+            None
+        };
+        if let Some((reason, stop)) = finish {
+            self.finish(id, reason, stop);
+        }
+    }
+
+    fn finish(&mut self, id: u64, reason: FinishReason, stop_token: Option<TokenId>) {
+        self.release_blocks(id);
+        let was_waiting = self.waiting.iter().any(|&w| w == id);
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        let bs = self.block_size();
+        let Some(seq) = self.seqs.remove(&id) else {
+            return;
+        };
+        if seq.cached_tokens.is_none() && was_waiting {
+            self.counters.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        if seq.num_finalized < seq.prompt_len / bs {
+            // Blocks it promised to compute will not come (aborted, or ended early by
+            // `length`): peers waiting on them stop waiting.
+            let promised: Vec<BlockHash> = seq
+                .digests
+                .iter()
+                .take(seq.prompt_len / bs)
+                .skip(seq.num_finalized)
+                .map(|d| d.event_hash())
+                .collect();
+            self.cpu.clear_pending(&promised);
+        }
+        // `vllm:request_success` is counted by the SeqStream (its owner knows about stop
+        // strings and disconnects).
+        self.metrics
+            .e2e_request_latency
+            .observe(seq.req.arrival.elapsed().as_secs_f64());
+        let info = FinishInfo {
+            reason,
+            stop_token,
+            prompt_tokens: seq.prompt_len,
+            completion_tokens: seq.output_len(),
+            cached_tokens: seq.cached_tokens.unwrap_or(0),
+            created_cache_tokens: seq.created_cache_tokens,
+            kv_transfer_params: None,
+            block_hashes: seq
+                .digests
+                .iter()
+                .take(seq.num_finalized)
+                .map(|d| d.event_hash())
+                .collect(),
+        };
+        let _ = seq.tx.send(SeqOutput::Finished(Box::new(info)));
+    }
+}
+
+fn gpu_stored(parent: Option<BlockHash>, bs: usize) -> BlockStored {
+    BlockStored::run(Medium::Gpu, parent, bs as u32, Vec::new(), Vec::new())
+        .in_full_attention_group()
+}

@@ -1,0 +1,383 @@
+//! [`EngineHandle`]: cloneable access to a running engine, and [`build_engine`], which starts
+//! one. Handlers talk to the compute loop only through the channel it holds.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvmesh_core::{BlockHash, BlockHasher, TokenId};
+use kvmesh_text::Tokenizer;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::compute::{BackendCapabilities, ComputeBackend, KvLayout};
+use crate::config::EngineConfig;
+use crate::cpu_tier::CpuTier;
+use crate::metrics::{EngineMetrics, ReasonLabel};
+use crate::outbox::KvEventSink;
+use crate::pool::BlockPool;
+
+use super::compute_loop::Core;
+use super::types::{
+    Command, EngineRequest, FinishReason, NewSeq, SeqOutput, SharedCounters, SubmitError,
+};
+
+/// Cloneable access to a running engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+    inner: Arc<HandleInner>,
+}
+
+struct HandleInner {
+    config: EngineConfig,
+    tokenizer: Arc<dyn Tokenizer>,
+    hasher: BlockHasher,
+    cpu: Arc<CpuTier>,
+    metrics: Arc<EngineMetrics>,
+    counters: Arc<SharedCounters>,
+    layout: KvLayout,
+    backend_name: String,
+    capabilities: BackendCapabilities,
+    modelled_pull: Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// A submitted request's output stream; dropping it aborts the request.
+pub struct SeqStream {
+    id: u64,
+    rx: mpsc::UnboundedReceiver<SeqOutput>,
+    tx: mpsc::UnboundedSender<Command>,
+    done: bool,
+    cached_tokens: Option<usize>,
+    metrics: Arc<EngineMetrics>,
+    /// The finish reason to count when the stream goes away (`abort` if never finished).
+    outcome: &'static str,
+}
+
+impl SeqStream {
+    /// Next output, `None` when the loop has gone away.
+    pub async fn recv(&mut self) -> Option<SeqOutput> {
+        let out = self.rx.recv().await;
+        match &out {
+            Some(SeqOutput::Started { cached_tokens, .. }) => {
+                self.cached_tokens = Some(*cached_tokens)
+            }
+            Some(SeqOutput::Finished(f)) if self.outcome == "abort" => {
+                self.outcome = f.reason.as_str()
+            }
+            Some(SeqOutput::Error(_)) => self.outcome = "error",
+            _ => {}
+        }
+        if matches!(
+            out,
+            Some(SeqOutput::Finished(_)) | Some(SeqOutput::Error(_)) | None
+        ) {
+            self.done = true;
+        }
+        out
+    }
+
+    /// Ends the sequence as finished by a stop string (counted as `stop`, not `abort`).
+    pub fn finish_stopped(&mut self) {
+        self.outcome = "stop";
+        if !self.done {
+            self.done = true;
+            let _ = self.tx.send(Command::Abort(self.id, FinishReason::Stop));
+        }
+    }
+
+    /// Prompt tokens served from cache, once the request has been scheduled.
+    pub fn cached_tokens(&self) -> Option<usize> {
+        self.cached_tokens
+    }
+
+    /// Engine-internal sequence id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+impl Drop for SeqStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(Command::Abort(self.id, FinishReason::Abort));
+        }
+        self.metrics
+            .request_success
+            .get_or_create(&ReasonLabel {
+                finished_reason: self.outcome,
+            })
+            .inc();
+    }
+}
+
+impl EngineHandle {
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    pub fn tokenizer(&self) -> &Arc<dyn Tokenizer> {
+        &self.inner.tokenizer
+    }
+
+    /// The shared CPU tier (the P2P producer serves from it).
+    pub fn cpu_tier(&self) -> &Arc<CpuTier> {
+        &self.inner.cpu
+    }
+
+    pub fn metrics(&self) -> &Arc<EngineMetrics> {
+        &self.inner.metrics
+    }
+
+    pub fn counters(&self) -> &Arc<SharedCounters> {
+        &self.inner.counters
+    }
+
+    pub fn kv_layout(&self) -> &KvLayout {
+        &self.inner.layout
+    }
+
+    pub fn backend_name(&self) -> &str {
+        &self.inner.backend_name
+    }
+
+    /// What the backend's timings and payloads mean (modelled or real).
+    pub fn capabilities(&self) -> BackendCapabilities {
+        self.inner.capabilities
+    }
+
+    /// A hasher configured like the engine's (algorithm, seed, block size).
+    pub fn hasher(&self) -> BlockHasher {
+        self.inner.hasher.clone()
+    }
+
+    /// The fingerprint peers compare before moving KV.
+    pub fn fingerprint(&self) -> kvmesh_core::Fingerprint {
+        let l = &self.inner.layout;
+        kvmesh_core::Fingerprint {
+            model_id: l.model_id.clone(),
+            kv_dtype: l.dtype.clone(),
+            block_size: l.block_size as u32,
+            num_layers: l.num_layers,
+            num_kv_heads: l.num_kv_heads,
+            head_dim: l.head_dim,
+            hash_algo: self.inner.hasher.algo(),
+            none_hash: self.inner.hasher.none_hash().to_hex(),
+        }
+    }
+
+    /// The backend's modelled pull time for `tokens` (sim only).
+    pub fn modelled_pull_time(&self, tokens: usize) -> Option<Duration> {
+        (self.inner.modelled_pull)(tokens)
+    }
+
+    /// [`EngineHandle::modelled_pull_time`] of `blocks` full blocks, as a shareable function
+    /// (for the P2P client's duration metric).
+    pub fn modelled_block_pull_time(&self) -> Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync> {
+        let per_token = Arc::clone(&self.inner.modelled_pull);
+        let block_size = self.inner.config.block_size;
+        Arc::new(move |blocks| per_token(blocks * block_size))
+    }
+
+    /// Event hashes of every full block of `tokens`.
+    pub fn block_hashes(&self, tokens: &[TokenId]) -> Vec<BlockHash> {
+        self.inner
+            .hasher
+            .clone()
+            .hash_prompt(tokens)
+            .iter()
+            .map(|d| d.event_hash())
+            .collect()
+    }
+
+    /// Event hashes of the blocks of `prompt` a request may take from cache: every full block
+    /// but the one holding the last prompt token (vLLM never serves that token from cache).
+    pub fn cacheable_block_hashes(&self, prompt: &[TokenId]) -> Vec<BlockHash> {
+        let bs = self.inner.layout.block_size.max(1);
+        let mut hashes = self.block_hashes(prompt);
+        hashes.truncate(prompt.len().saturating_sub(1) / bs);
+        hashes
+    }
+
+    /// Queues a request. Fails fast when `--max-waiting` requests already wait.
+    /// `Some(waiting)` when the waiting queue is full: [`EngineHandle::submit`] would refuse.
+    pub fn waiting_at_capacity(&self) -> Option<usize> {
+        let queued = self.inner.counters.queued.load(Ordering::Relaxed);
+        (queued >= self.inner.config.max_waiting).then_some(queued)
+    }
+
+    pub fn submit(&self, req: EngineRequest) -> Result<SeqStream, SubmitError> {
+        let c = &self.inner.counters;
+        let queued = c.queued.load(Ordering::Relaxed);
+        if queued >= self.inner.config.max_waiting {
+            return Err(SubmitError::Overloaded(queued));
+        }
+        let digests = self.inner.hasher.clone().hash_prompt(&req.prompt);
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        c.queued.fetch_add(1, Ordering::Relaxed);
+        if self
+            .tx
+            .send(Command::Add(Box::new(NewSeq {
+                id,
+                req,
+                digests,
+                tx,
+            })))
+            .is_err()
+        {
+            c.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(SubmitError::Stopped);
+        }
+        Ok(SeqStream {
+            id,
+            rx,
+            tx: self.tx.clone(),
+            done: false,
+            cached_tokens: None,
+            metrics: self.inner.metrics.clone(),
+            outcome: "abort",
+        })
+    }
+
+    /// Clears the prefix cache of both tiers (publishes `AllBlocksCleared`).
+    pub async fn reset_prefix_cache(&self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Command::Reset(tx)).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+
+    /// Runs `f` on the compute thread against the GPU pool (tests, debugging).
+    pub async fn inspect_pool<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&BlockPool) -> R + Send + 'static,
+    ) -> Option<R> {
+        let (tx, rx) = oneshot::channel();
+        let cmd = Command::Inspect(Box::new(move |p| {
+            let _ = tx.send(f(p));
+        }));
+        self.tx.send(cmd).ok()?;
+        rx.await.ok()
+    }
+}
+
+/// A running engine: its handle and the compute thread.
+pub struct Engine {
+    pub handle: EngineHandle,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Stops the loop (in-flight requests are aborted) and joins the compute thread.
+    pub fn shutdown(mut self) {
+        let _ = self.handle.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Builds an engine around `backend` and starts its compute thread. `sink` receives KV events.
+pub fn build_engine(
+    config: EngineConfig,
+    backend: Box<dyn ComputeBackend>,
+    tokenizer: Arc<dyn Tokenizer>,
+    sink: Arc<dyn KvEventSink>,
+) -> Result<Engine, crate::config::ConfigError> {
+    config.validate()?;
+    let layout = backend.kv_layout();
+    if layout.block_size != config.block_size {
+        return Err(crate::config::ConfigError::Invalid(format!(
+            "backend block size {} != --block-size {}",
+            layout.block_size, config.block_size
+        )));
+    }
+    let hasher = BlockHasher::new(
+        config.hash_algo,
+        config.hash_seed.as_deref(),
+        config.block_size,
+    );
+    let metrics = Arc::new(EngineMetrics::new(
+        &config.served_model_name,
+        &config.engine_label,
+    ));
+    let cpu = Arc::new(CpuTier::new(
+        config.cpu_offload_bytes,
+        config.block_size,
+        sink.clone(),
+    ));
+    cpu.set_pull_pin_fraction(config.p2p.pull_pin_fraction);
+    let counters = Arc::new(SharedCounters::default());
+    let (tx, rx) = mpsc::unbounded_channel();
+    let backend_name = backend.name().to_owned();
+    let capabilities = backend.capabilities();
+    // The backend lives on the compute thread, but the P2P consumer asks for modelled pull
+    // times from async tasks: sample the backend's curve once (every 256 tokens up to 128K,
+    // linear beyond) and interpolate.
+    let pull_table: Vec<(usize, Option<Duration>)> = (0..=512usize)
+        .map(|i| i * 256)
+        .map(|t| (t, backend.modelled_pull_time(t)))
+        .collect();
+    let modelled_pull: Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync> =
+        Arc::new(move |tokens| interpolate_pull(&pull_table, tokens));
+    let inner = Arc::new(HandleInner {
+        config: config.clone(),
+        tokenizer,
+        hasher: hasher.clone(),
+        cpu: cpu.clone(),
+        metrics: metrics.clone(),
+        counters: counters.clone(),
+        layout: layout.clone(),
+        backend_name,
+        capabilities,
+        modelled_pull,
+        next_id: std::sync::atomic::AtomicU64::new(1),
+    });
+    metrics
+        .cpu_capacity_bytes
+        .set(config.cpu_offload_bytes as f64);
+    let core = Core::new(config, backend, cpu, sink, hasher, metrics, counters);
+    let thread = std::thread::Builder::new()
+        .name("kvmesh-compute".into())
+        .spawn(move || core.run(rx))
+        .map_err(|e| {
+            crate::config::ConfigError::Invalid(format!("cannot start compute thread: {e}"))
+        })?;
+    Ok(Engine {
+        handle: EngineHandle { tx, inner },
+        thread: Some(thread),
+    })
+}
+
+fn interpolate_pull(table: &[(usize, Option<Duration>)], tokens: usize) -> Option<Duration> {
+    let pts: Vec<(f64, f64)> = table
+        .iter()
+        .filter_map(|(t, d)| d.map(|d| (*t as f64, d.as_secs_f64())))
+        .collect();
+    if pts.is_empty() {
+        return None;
+    }
+    if tokens == 0 {
+        return Some(Duration::ZERO);
+    }
+    let x = tokens as f64;
+    let i = pts
+        .iter()
+        .position(|p| p.0 >= x)
+        .unwrap_or(pts.len() - 1)
+        .max(1)
+        .min(pts.len() - 1);
+    if pts.len() == 1 {
+        return Some(Duration::from_secs_f64(pts[0].1));
+    }
+    let (x0, y0) = pts[i - 1];
+    let (x1, y1) = pts[i];
+    let y = if x1 > x0 {
+        y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    } else {
+        y1
+    };
+    Some(Duration::from_secs_f64(y.max(0.0)))
+}

@@ -1,0 +1,122 @@
+//! What goes in and out of the compute loop.
+
+use std::sync::atomic::AtomicUsize;
+use std::time::{Duration, Instant};
+
+use kvmesh_core::{BlockDigest, BlockHash, KvTransferParams, TokenId};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::compute::SamplingParams;
+use crate::pool::BlockPool;
+
+/// Why a sequence finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token id.
+    Stop,
+    /// `max_tokens` or the model length reached.
+    Length,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// A generation request as the compute loop sees it (already tokenized and validated).
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    /// Client-visible id (e.g. `cmpl-…`), for logs.
+    pub request_id: String,
+    pub prompt: Vec<TokenId>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<TokenId>,
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// When the request arrived (TTFT and queue time are measured from here).
+    pub arrival: Instant,
+    /// Blocks a pre-admission hook pulled into the CPU tier for this request from a peer: their
+    /// restores count as external hits (`vllm:external_prefix_cache_hits`), not local ones.
+    pub external_hashes: Vec<BlockHash>,
+    /// Those of `external_hashes` on which this request holds a `Pull` pin (blocks landed
+    /// unpinned at the pull-pin cap are not here): released when it finishes.
+    pub pull_pinned_hashes: Vec<BlockHash>,
+    /// Prompt tokens that were queried against an external source (P2P), for
+    /// `vllm:external_prefix_cache_queries`.
+    pub external_query_tokens: usize,
+}
+
+/// Final accounting of a sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishInfo {
+    pub reason: FinishReason,
+    /// The stop token id that ended it (vLLM `stop_reason`), if any.
+    pub stop_token: Option<TokenId>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from a cache (local or external), per vLLM's rule.
+    pub cached_tokens: usize,
+    /// Prompt tokens in full blocks this request newly stored.
+    pub created_cache_tokens: usize,
+    /// What the response's `kv_transfer_params` should carry (None → null).
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// Hashes of every full block the sequence computed, prompt and generated tokens (P/D
+    /// bi-directional retention); empty when the HTTP layer ended it on a stop string.
+    pub block_hashes: Vec<BlockHash>,
+}
+
+/// What the compute loop sends back for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqOutput {
+    /// First scheduling: how many prompt tokens were cache hits and how long it queued.
+    Started {
+        cached_tokens: usize,
+        queue_time: Duration,
+    },
+    Token(TokenId),
+    Finished(Box<FinishInfo>),
+    Error(String),
+}
+
+/// Counters shared between handlers and the loop.
+#[derive(Debug, Default)]
+pub struct SharedCounters {
+    /// Submitted but not yet scheduled (admission control for `--max-waiting`).
+    pub queued: AtomicUsize,
+    pub running: AtomicUsize,
+}
+
+/// Why a request could not be submitted.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SubmitError {
+    #[error("engine is overloaded: {0} requests waiting")]
+    Overloaded(usize),
+    #[error("engine stopped")]
+    Stopped,
+}
+
+/// What the handle sends the compute loop.
+pub(super) enum Command {
+    Add(Box<NewSeq>),
+    /// End a sequence early: `Abort` when its client left, `Stop` when a stop string matched.
+    Abort(u64, FinishReason),
+    Reset(oneshot::Sender<bool>),
+    /// Runs a closure on the compute thread with the pool (tests / debugging).
+    Inspect(Box<dyn FnOnce(&BlockPool) + Send>),
+    Shutdown,
+}
+
+/// A submitted request, hashed and numbered, on its way to the loop.
+pub(super) struct NewSeq {
+    pub(super) id: u64,
+    pub(super) req: EngineRequest,
+    pub(super) digests: Vec<BlockDigest>,
+    pub(super) tx: mpsc::UnboundedSender<SeqOutput>,
+}
