@@ -102,6 +102,11 @@ impl Arm {
         )
     }
 
+    /// Whether this arm's pulls are priced against recompute (so pulling nothing can be right).
+    pub fn prices_pulls(self) -> bool {
+        matches!(self, Self::CostP2p | Self::TtftP2p)
+    }
+
     /// Whether this arm disaggregates prefill and decode (needs a fleet with both roles).
     pub fn is_pd(self) -> bool {
         matches!(

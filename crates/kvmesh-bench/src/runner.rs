@@ -253,6 +253,9 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     if let Some(d) = died {
         flags.push(format!("CRASHED: {d}"));
     }
+    if let Some(a) = &audit {
+        priced_pull_flags(arm, a, &mut flags);
+    }
     Ok(ArmResult {
         workload: w.name.clone(),
         workload_description: w.description.clone(),
@@ -268,6 +271,23 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         router_version,
         audit,
     })
+}
+
+/// An arm that prices its pulls may rightly pull nothing (the holder was the best place for
+/// every request, or no pull beat recompute): moving 0 bytes is then not a misconfiguration, as
+/// long as the router named no pull. A named pull that moved nothing still is.
+fn priced_pull_flags(arm: Arm, audit: &Audit, flags: &mut Vec<String>) {
+    if !arm.prices_pulls() || audit.pulls_named > 0 {
+        return;
+    }
+    let before = flags.len();
+    flags.retain(|f| !f.starts_with("MISCONFIGURED: P2P arm moved 0 bytes"));
+    if flags.len() != before {
+        flags.push(format!(
+            "no pulls: the router named none ({} skipped for cost), so 0 bytes moved",
+            audit.pulls_skipped_for_cost
+        ));
+    }
 }
 
 /// Joins the router's decision records with what the client saw (see [`crate::audit`]).
@@ -343,6 +363,30 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::workload::{self, Scale};
+
+    #[test]
+    fn a_priced_arm_that_named_no_pull_is_not_misconfigured() {
+        let misconfigured =
+            "MISCONFIGURED: P2P arm moved 0 bytes (check kvmesh_p2p_* counters, router p2p config)";
+        let quiet = Audit {
+            pulls_skipped_for_cost: 3,
+            ..Audit::default()
+        };
+        let mut flags = vec![misconfigured.to_owned()];
+        priced_pull_flags(Arm::TtftP2p, &quiet, &mut flags);
+        assert_eq!(flags.len(), 1);
+        assert!(flags[0].starts_with("no pulls") && flags[0].contains("3 skipped"));
+        // A named pull that moved nothing, or a threshold arm, stays flagged.
+        let named = Audit {
+            pulls_named: 2,
+            ..Audit::default()
+        };
+        for (arm, audit) in [(Arm::TtftP2p, &named), (Arm::LoadP2p, &quiet)] {
+            let mut flags = vec![misconfigured.to_owned()];
+            priced_pull_flags(arm, audit, &mut flags);
+            assert_eq!(flags, vec![misconfigured.to_owned()]);
+        }
+    }
 
     #[test]
     fn arms_differ_only_in_router_policy_and_p2p_service() {
