@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use kvmesh_core::sse::SseDataReader;
 use kvmesh_core::{KvTransferParams, TokenId};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -183,7 +184,7 @@ async fn complete_inner(
         return out;
     }
     let mut stream = resp.bytes_stream();
-    let mut buf: Vec<u8> = Vec::new();
+    let mut sse = SseDataReader::new();
     let mut done = false;
     let mut chunks = 0usize;
     let mut ids: Vec<TokenId> = Vec::new();
@@ -196,60 +197,52 @@ async fn complete_inner(
                 break;
             }
         };
-        buf.extend_from_slice(&bytes);
-        while let Some(pos) = find_event_end(&buf) {
-            let event: Vec<u8> = buf.drain(..pos.0 + pos.1).collect();
-            let text = String::from_utf8_lossy(&event[..pos.0]).into_owned();
-            for line in text.lines() {
-                let Some(data) = line.strip_prefix("data:") else {
-                    continue;
-                };
-                let data = data.trim();
-                if data == "[DONE]" {
-                    done = true;
-                    continue;
+        sse.push(&bytes);
+        while let Some(data) = sse.next_data() {
+            let data = String::from_utf8_lossy(&data);
+            let data = data.trim();
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                out.outcome = Outcome::Error(format!("bad SSE data: {}", truncate(data, 200)));
+                continue;
+            };
+            if let Some(err) = v.get("error") {
+                out.outcome =
+                    Outcome::Error(format!("stream error: {}", truncate(&err.to_string(), 300)));
+                continue;
+            }
+            if let Some(choices) = v.get("choices").and_then(Value::as_array)
+                && !choices.is_empty()
+            {
+                if out.ttft_s.is_none() {
+                    out.ttft_s = Some(start.elapsed().as_secs_f64());
                 }
-                let Ok(v) = serde_json::from_str::<Value>(data) else {
-                    out.outcome = Outcome::Error(format!("bad SSE data: {}", truncate(data, 200)));
-                    continue;
-                };
-                if let Some(err) = v.get("error") {
-                    out.outcome = Outcome::Error(format!(
-                        "stream error: {}",
-                        truncate(&err.to_string(), 300)
-                    ));
-                    continue;
-                }
-                if let Some(choices) = v.get("choices").and_then(Value::as_array)
-                    && !choices.is_empty()
-                {
-                    if out.ttft_s.is_none() {
-                        out.ttft_s = Some(start.elapsed().as_secs_f64());
+                chunks += 1;
+                for c in choices {
+                    if let Some(t) = c.get("text").and_then(Value::as_str) {
+                        out.text.push_str(t);
                     }
-                    chunks += 1;
-                    for c in choices {
-                        if let Some(t) = c.get("text").and_then(Value::as_str) {
-                            out.text.push_str(t);
-                        }
-                        if let Some(t) = c.get("token_ids").and_then(Value::as_array) {
-                            got_ids = true;
-                            ids.extend(
-                                t.iter()
-                                    .filter_map(Value::as_u64)
-                                    .filter_map(|x| TokenId::try_from(x).ok()),
-                            );
-                        }
+                    if let Some(t) = c.get("token_ids").and_then(Value::as_array) {
+                        got_ids = true;
+                        ids.extend(
+                            t.iter()
+                                .filter_map(Value::as_u64)
+                                .filter_map(|x| TokenId::try_from(x).ok()),
+                        );
                     }
                 }
-                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                    if let Some(n) = u.get("completion_tokens").and_then(Value::as_u64) {
-                        out.output_tokens = n as usize;
-                    }
-                    out.cached_tokens = u
-                        .get("prompt_tokens_details")
-                        .and_then(|d| d.get("cached_tokens"))
-                        .and_then(Value::as_u64);
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                if let Some(n) = u.get("completion_tokens").and_then(Value::as_u64) {
+                    out.output_tokens = n as usize;
                 }
+                out.cached_tokens = u
+                    .get("prompt_tokens_details")
+                    .and_then(|d| d.get("cached_tokens"))
+                    .and_then(Value::as_u64);
             }
         }
     }
@@ -266,19 +259,6 @@ async fn complete_inner(
     out
 }
 
-/// End of one SSE event: (index of the blank-line separator, its length).
-fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|p| (p, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
-}
-
 fn truncate(s: &str, n: usize) -> String {
     if s.len() <= n {
         s.to_owned()
@@ -293,7 +273,6 @@ fn truncate(s: &str, n: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     use axum::response::IntoResponse;
@@ -314,13 +293,6 @@ mod tests {
         );
         assert_eq!("tokens".parse::<PromptFormat>(), Ok(PromptFormat::Tokens));
         assert!("ids".parse::<PromptFormat>().is_err());
-    }
-
-    #[test]
-    fn finds_event_boundaries() {
-        assert_eq!(find_event_end(b"data: x\n\ndata: y"), Some((7, 2)));
-        assert_eq!(find_event_end(b"data: x\r\n\r\n"), Some((7, 4)));
-        assert_eq!(find_event_end(b"data: x\n"), None);
     }
 
     async fn fake(body: axum::body::Bytes) -> axum::response::Response {

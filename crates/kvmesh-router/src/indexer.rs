@@ -22,10 +22,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::events::{EventBatch, KvEvent};
+use kvmesh_core::exposition::FloatGauge;
 use kvmesh_events::{SubscriberConfig, SubscriberItem, request_replay, subscribe};
 use kvmesh_index::{EndpointId, IndexStats, PrefixIndex};
 use parking_lot::Mutex;
@@ -131,8 +131,6 @@ struct KindLabel {
     kind: String,
 }
 
-type FGauge = Gauge<f64, AtomicU64>;
-
 /// Prometheus families shared by all source tasks.
 #[derive(Clone, Default)]
 struct Families {
@@ -148,11 +146,11 @@ struct Families {
     aged_out: Family<EndpointLabel, Counter>,
     socket_errors: Family<EndpointLabel, Counter>,
     suspect: Family<EndpointLabel, Gauge>,
-    lag: Family<EndpointLabel, FGauge>,
+    lag: Family<EndpointLabel, FloatGauge>,
     index_blocks: Gauge,
     index_memberships: Gauge,
     index_bytes: Gauge,
-    index_bytes_per_membership: FGauge,
+    index_bytes_per_membership: FloatGauge,
     index_evictions: Gauge,
     index_orphans: Gauge,
 }
@@ -172,7 +170,7 @@ struct SourceMetrics {
     aged_out: Counter,
     socket_errors: Counter,
     suspect: Gauge,
-    lag: FGauge,
+    lag: FloatGauge,
     /// Per event kind / error kind counters are looked up on use (few kinds).
     families: Families,
     label: String,
@@ -755,7 +753,6 @@ async fn sleep_until_opt(at: Option<Instant>) {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use kvmesh_core::BlockHash;
     use kvmesh_core::events::{BlockStored, Medium};

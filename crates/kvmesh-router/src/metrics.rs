@@ -1,13 +1,13 @@
 //! Every router metric, described once and recorded through this module (`kvmesh_router_*`).
 //! Label values come from config (endpoint, profile names) or fixed enums — never from clients.
 
+use kvmesh_core::exposition::FloatGauge;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use std::sync::atomic::AtomicU64;
 
 use crate::cost_model::CostModel;
 use crate::endpoints::EndpointSet;
@@ -44,8 +44,6 @@ pub struct PairLabel {
     pub dest: String,
 }
 
-type FGauge = Gauge<f64, AtomicU64>;
-
 pub struct RouterMetrics {
     pub requests: Family<ProfileEndpoint, Counter>,
     pub decisions: Family<Outcome, Counter>,
@@ -56,13 +54,13 @@ pub struct RouterMetrics {
     in_flight_requests: Family<EndpointLabel, Gauge>,
     in_flight_uncached: Family<EndpointLabel, Gauge>,
     in_flight_decode: Family<EndpointLabel, Gauge>,
-    waiting: Family<EndpointLabel, FGauge>,
-    running: Family<EndpointLabel, FGauge>,
-    kv_usage: Family<EndpointLabel, FGauge>,
+    waiting: Family<EndpointLabel, FloatGauge>,
+    running: Family<EndpointLabel, FloatGauge>,
+    kv_usage: Family<EndpointLabel, FloatGauge>,
     healthy: Family<EndpointLabel, Gauge>,
-    prefill_rate: Family<EndpointLabel, FGauge>,
-    pull_rate: Family<PairLabel, FGauge>,
-    pull_rate_into: Family<EndpointLabel, FGauge>,
+    prefill_rate: Family<EndpointLabel, FloatGauge>,
+    pull_rate: Family<PairLabel, FloatGauge>,
+    pull_rate_into: Family<EndpointLabel, FloatGauge>,
 }
 
 impl RouterMetrics {

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use std::collections::HashMap;
 
+use kvmesh_core::exposition::{Sample, parse_exposition};
 use kvmesh_index::EndpointId;
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -21,42 +22,17 @@ use crate::metrics::{Kind, RouterMetrics};
 /// text has none of them.
 pub fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
     let (mut waiting, mut running, mut kv_sum, mut kv_n, mut seen) = (0.0, 0.0, 0.0, 0u32, false);
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-        let name = &line[..name_end];
-        if !matches!(
-            name,
-            "vllm:num_requests_waiting" | "vllm:num_requests_running" | "vllm:kv_cache_usage_perc"
-        ) {
-            continue;
-        }
-        // The value follows the label set (which may contain spaces inside quotes).
-        let rest = match line[name_end..].rfind('}') {
-            Some(i) => &line[name_end + i + 1..],
-            None => &line[name_end..],
-        };
-        let Some(value) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        else {
-            continue;
-        };
-        if !value.is_finite() {
-            continue;
-        }
-        seen = true;
-        match name {
-            "vllm:num_requests_waiting" => waiting += value,
-            "vllm:num_requests_running" => running += value,
-            _ => {
-                kv_sum += value;
+    for s in samples(text) {
+        match s.name.as_str() {
+            "vllm:num_requests_waiting" => waiting += s.value,
+            "vllm:num_requests_running" => running += s.value,
+            "vllm:kv_cache_usage_perc" => {
+                kv_sum += s.value;
                 kv_n += 1;
             }
+            _ => continue,
         }
+        seen = true;
     }
     seen.then(|| EngineMetrics {
         waiting,
@@ -83,37 +59,27 @@ pub struct PrefillCounters {
     pub external_tokens: f64,
 }
 
-/// The finite samples of an exposition page as `(name, "{labels}" or "", value)`; comments and
-/// lines that do not parse are skipped.
-fn samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|line| {
-            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-            let (labels, rest) = match line[name_end..].rfind('}') {
-                Some(i) => (&line[name_end..name_end + i + 1], &line[name_end + i + 1..]),
-                None => ("", &line[name_end..]),
-            };
-            let v = rest.split_whitespace().next()?.parse::<f64>().ok()?;
-            v.is_finite().then_some((&line[..name_end], labels, v))
-        })
+/// The finite samples of an exposition page; comments and lines that do not parse are skipped.
+fn samples(text: &str) -> impl Iterator<Item = Sample> {
+    parse_exposition(text)
+        .into_iter()
+        .filter(|s| s.value.is_finite())
 }
 
 /// Reads [`PrefillCounters`]; absent series count as 0 (an engine that has served nothing yet
 /// exports no labelled counters), so call it on pages that are engine metrics.
 pub fn parse_prefill_counters(text: &str) -> PrefillCounters {
     let mut c = PrefillCounters::default();
-    for (name, labels, v) in samples(text) {
-        match name {
-            "vllm:time_to_first_token_seconds_sum" => c.ttft_seconds += v,
-            "vllm:request_queue_time_seconds_sum" => c.queue_seconds += v,
-            "vllm:prompt_tokens_by_source_total" if labels.contains("source=\"local_compute\"") => {
+    for s in samples(text) {
+        let v = s.value;
+        match (s.name.as_str(), s.label("source")) {
+            ("vllm:time_to_first_token_seconds_sum", _) => c.ttft_seconds += v,
+            ("vllm:request_queue_time_seconds_sum", _) => c.queue_seconds += v,
+            ("vllm:prompt_tokens_by_source_total", Some("local_compute")) => {
                 c.computed_tokens += v;
             }
-            "vllm:prompt_tokens_by_source_total"
-                if labels.contains("source=\"external_kv_transfer\"") =>
-            {
-                c.external_tokens += v
+            ("vllm:prompt_tokens_by_source_total", Some("external_kv_transfer")) => {
+                c.external_tokens += v;
             }
             _ => {}
         }
@@ -150,13 +116,14 @@ pub struct PullCounters {
 /// Reads [`PullCounters`]; absent series count as 0 (an engine without P2P exports none).
 pub fn parse_pull_counters(text: &str) -> PullCounters {
     let mut c = PullCounters::default();
-    for (name, labels, v) in samples(text) {
-        match name {
+    for s in samples(text) {
+        let v = s.value;
+        match s.name.as_str() {
             "kvmesh_p2p_pull_duration_seconds_sum" => c.duration_seconds += v,
             "kvmesh_p2p_pull_duration_seconds_count" => c.pulls += v,
-            "kvmesh_p2p_blocks_total" if labels.contains("direction=\"in\"") => c.blocks_in += v,
+            "kvmesh_p2p_blocks_total" if s.label("direction") == Some("in") => c.blocks_in += v,
             "vllm:cache_config_info" => {
-                if let Some(bs) = label_value(labels, "block_size").and_then(|v| v.parse().ok())
+                if let Some(bs) = s.label("block_size").and_then(|v| v.parse().ok())
                     && bs > 0
                 {
                     c.block_size = Some(bs);
@@ -166,16 +133,6 @@ pub fn parse_pull_counters(text: &str) -> PullCounters {
         }
     }
     c
-}
-
-/// The value of label `key` in a `{k="v",…}` set (exact key: `block_size` does not match
-/// `mamba_block_size`). Values containing `",` are not handled (not needed for numbers).
-fn label_value<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    let inner = labels.strip_prefix('{')?.strip_suffix('}')?;
-    inner.split("\",").find_map(|kv| {
-        let (k, v) = kv.split_once('=')?;
-        (k.trim() == key).then(|| v.trim().trim_matches('"'))
-    })
 }
 
 /// A destination-level pull-rate sample from two scrapes of the engine that pulled: `(tokens,
