@@ -399,7 +399,6 @@ impl Calibration {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     fn published() -> Vec<LadderRow> {

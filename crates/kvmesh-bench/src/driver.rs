@@ -186,7 +186,6 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::tokens::TokenSpace;
     use crate::workload::{FleetShape, Session, Step};

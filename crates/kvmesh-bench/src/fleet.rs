@@ -729,7 +729,6 @@ pub fn log_tail(path: &Path, n: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]

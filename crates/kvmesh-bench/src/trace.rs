@@ -193,7 +193,6 @@ pub fn workload(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::tokens::TokenGen;
 

@@ -568,7 +568,6 @@ pub fn nominal_prompt_lengths(session: &Session) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::tokens::TokenGen;
 

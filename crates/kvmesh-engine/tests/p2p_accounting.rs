@@ -2,6 +2,7 @@
 //! full of blocks retained for decoders still lands a history read (retentions give way, the
 //! pull is never refused for our own bookkeeping), and pulled tokens count as external hits
 //! exactly once however many requests use them.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

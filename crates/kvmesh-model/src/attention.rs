@@ -147,7 +147,6 @@ fn attend_tiled(
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::load::splitmix64;

@@ -326,7 +326,6 @@ pub(crate) fn random_weights(
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use std::collections::HashMap;
 

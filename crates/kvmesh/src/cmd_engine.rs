@@ -297,7 +297,6 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use clap::Parser;
 
     use super::*;
