@@ -27,6 +27,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use kvmesh_core::chain::chain_keys;
+use kvmesh_core::sse::SseDataReader;
 use kvmesh_core::{KvTransferParams, RemoteKvSource};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -768,6 +769,7 @@ fn tapped_body(
         let mut chunks = upstream.bytes_stream();
         let mut first = true;
         let mut buf: Vec<u8> = Vec::new();
+        let mut sse = SseDataReader::new();
         let mut overflow = false;
         let mut held: Option<Bytes> = None;
         while let Some(chunk) = chunks.next().await {
@@ -782,12 +784,9 @@ fn tapped_body(
                         continue;
                     };
                     if stream {
-                        buf.extend_from_slice(&bytes);
-                        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
-                            let line: Vec<u8> = buf.drain(..=nl).collect();
-                            if let Some(doc) = line.strip_prefix(b"data: ")
-                                && let Some(p) = params_in(doc.trim_ascii())
-                            {
+                        sse.push(&bytes);
+                        while let Some(doc) = sse.next_data() {
+                            if let Some(p) = params_in(doc.trim_ascii()) {
                                 pd.store(key.clone(), p);
                             }
                         }
@@ -830,7 +829,6 @@ fn tapped_body(
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use kvmesh_text::ByteTokenizer;
     use serde_json::json;
