@@ -24,7 +24,8 @@ use crate::admission::AdmissionHook;
 use crate::cpu_tier::PinKind;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
 use crate::p2p::{
-    Inflight, LANDED_LEASE, P2pConsumer, PrefixPull, local_prefix_blocks, release_pulled,
+    Inflight, InflightClaim, LANDED_LEASE, P2pConsumer, PrefixPull, local_prefix_blocks,
+    release_pulled,
 };
 
 /// A remote block set a request may read: where it is, and which of the prompt's blocks it covers.
@@ -73,6 +74,36 @@ impl RemoteRead {
             num_tokens: p.remote_num_tokens,
             expiry_unix: p.remote_blocks_expiry_time,
         })
+    }
+
+    /// The prompt's block hashes this read may take: the cacheable blocks, at most
+    /// `num_tokens`, and only the leading run equal to `block_ids`. The flag is set when the
+    /// peer's hashes diverge from the prompt's before either ends.
+    fn readable_hashes(
+        &self,
+        engine: &EngineHandle,
+        req: &EngineRequest,
+    ) -> (Vec<BlockHash>, bool) {
+        let bs = engine.kv_layout().block_size.max(1);
+        let mut hashes = engine.cacheable_block_hashes(&req.prompt);
+        if let Some(n) = self.num_tokens {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            hashes.truncate(n.min(req.prompt.len()) / bs);
+        }
+        let mut mismatch = false;
+        if let Some(theirs) = &self.block_ids {
+            let same = matching_prefix(&hashes, theirs);
+            if same < hashes.len() && same < theirs.len() {
+                tracing::debug!(
+                    request_id = %req.request_id,
+                    first_differing_block = same,
+                    "remote block hashes differ from the prompt's: reading the matching prefix only"
+                );
+                mismatch = true;
+            }
+            hashes.truncate(same);
+        }
+        (hashes, mismatch)
     }
 }
 
@@ -141,24 +172,7 @@ impl P2pConsumer {
             return ReadOutcome::Expired;
         }
         let bs = engine.kv_layout().block_size.max(1);
-        let mut hashes = engine.cacheable_block_hashes(&req.prompt);
-        if let Some(n) = read.num_tokens {
-            let n = usize::try_from(n).unwrap_or(usize::MAX);
-            hashes.truncate(n.min(req.prompt.len()) / bs);
-        }
-        let mut mismatch = false;
-        if let Some(theirs) = &read.block_ids {
-            let same = matching_prefix(&hashes, theirs);
-            if same < hashes.len() && same < theirs.len() {
-                tracing::debug!(
-                    request_id = %req.request_id,
-                    first_differing_block = same,
-                    "remote block hashes differ from the prompt's: reading the matching prefix only"
-                );
-                mismatch = true;
-            }
-            hashes.truncate(same);
-        }
+        let (hashes, mismatch) = read.readable_hashes(engine, req);
         let mut local = local_prefix_blocks(engine, &hashes).await;
         if local >= hashes.len() {
             return ReadOutcome::NothingMissing { mismatch };
@@ -171,41 +185,13 @@ impl P2pConsumer {
         // waits never compound.
         let deadline = self.read_deadline();
         let _claim = if opts.share_inflight {
-            // One pull per prefix at a time: a request whose first missing block is already
-            // being pulled waits for that pull, then takes what landed as a local hit and pulls
-            // only the rest.
-            loop {
-                match self.claim(&hashes[local..]) {
-                    Inflight::Claimed(c) => break Some(c),
-                    Inflight::Busy(mut rx) => {
-                        if tokio::time::timeout_at(deadline, rx.changed())
-                            .await
-                            .is_err()
-                        {
-                            // The other pull is slow and our budget is spent: compute the rest
-                            // (a fresh pull now would double the wait).
-                            return ReadOutcome::WaitedOut;
-                        }
-                        let before = local;
-                        local = local_prefix_blocks(engine, &hashes).await;
-                        if local > before {
-                            // Landed by the other pull: keep them until we are scheduled, and
-                            // count them as what they are (KV moved from a peer, once).
-                            let n = engine.cpu_tier().pin_as(
-                                PinKind::Pull,
-                                &hashes[before..local],
-                                Instant::now() + LANDED_LEASE,
-                            );
-                            req.external_hashes
-                                .extend_from_slice(&hashes[before..before + n]);
-                            req.pull_pinned_hashes
-                                .extend_from_slice(&hashes[before..before + n]);
-                        }
-                        if local >= hashes.len() {
-                            return ReadOutcome::NothingMissing { mismatch };
-                        }
-                    }
-                }
+            match self
+                .join_inflight(engine, req, &hashes, &mut local, deadline)
+                .await
+            {
+                Some(claim) => claim,
+                None if local >= hashes.len() => return ReadOutcome::NothingMissing { mismatch },
+                None => return ReadOutcome::WaitedOut,
             }
         } else {
             None
@@ -237,6 +223,52 @@ impl P2pConsumer {
             pull,
             wanted,
             mismatch,
+        }
+    }
+
+    /// One pull per prefix at a time: claims `hashes[*local..]` for this request's pull, or,
+    /// while another request's pull holds the first missing block, waits for it, takes what it
+    /// landed as local (pinned until we are scheduled, counted as external once) and tries again
+    /// for the rest. `Some(claim)` to pull; `None` when nothing is missing any more (`*local`
+    /// reached the end) or the budget went on waiting (compute the rest: a fresh pull now would
+    /// double the wait).
+    async fn join_inflight<'s>(
+        &'s self,
+        engine: &EngineHandle,
+        req: &mut EngineRequest,
+        hashes: &[BlockHash],
+        local: &mut usize,
+        deadline: tokio::time::Instant,
+    ) -> Option<Option<InflightClaim<'s>>> {
+        loop {
+            let mut rx = match self.claim(&hashes[*local..]) {
+                Inflight::Claimed(c) => return Some(Some(c)),
+                Inflight::Busy(rx) => rx,
+            };
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return None;
+            }
+            let before = *local;
+            *local = local_prefix_blocks(engine, hashes).await;
+            if *local > before {
+                // Landed by the other pull: keep them until we are scheduled, and count them as
+                // what they are (KV moved from a peer, once).
+                let n = engine.cpu_tier().pin_as(
+                    PinKind::Pull,
+                    &hashes[before..*local],
+                    Instant::now() + LANDED_LEASE,
+                );
+                req.external_hashes
+                    .extend_from_slice(&hashes[before..before + n]);
+                req.pull_pinned_hashes
+                    .extend_from_slice(&hashes[before..before + n]);
+            }
+            if *local >= hashes.len() {
+                return None;
+            }
         }
     }
 
