@@ -217,11 +217,10 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
         let work = parsed.tokens.len().saturating_sub(best_cached) as u64;
         let work_ms = s.cost_model.predict_recompute_ms_configured(work);
         let limit = d.config().max_queued_prefill_tokens;
+        // The same endpoints the request may be placed on (all healthy ones when none is `both`).
         let has_capacity = || {
-            s.endpoints
-                .list()
+            crate::gateway::eligible(&s.endpoints.list())
                 .iter()
-                .filter(|e| e.is_healthy() && e.serves_aggregated())
                 .any(|e| e.load.snapshot().uncached_tokens <= limit)
         };
         let waited = Instant::now();
