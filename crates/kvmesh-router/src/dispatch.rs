@@ -144,6 +144,8 @@ pub struct Dispatcher {
     queue: Mutex<HoldQueue>,
     wake: Notify,
     next_id: AtomicU64,
+    /// Requests let through whose load the gateway has not counted yet (see [`Ticket`]).
+    in_transit: AtomicU64,
     held_total: Counter,
     held_now: Gauge,
     expired_total: Counter,
@@ -165,6 +167,19 @@ impl Drop for Leave<'_> {
     }
 }
 
+/// A request let through by [`Dispatcher::admit`] whose load is not counted yet; dropping it
+/// lets the next one be considered.
+pub struct Ticket<'a> {
+    dispatcher: &'a Dispatcher,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.dispatcher.in_transit.fetch_sub(1, Ordering::SeqCst);
+        self.dispatcher.wake.notify_waiters();
+    }
+}
+
 /// How often a held request re-checks without being woken (aging and `max_hold` move with time).
 const RECHECK: Duration = Duration::from_millis(20);
 
@@ -175,6 +190,7 @@ impl Dispatcher {
             queue: Mutex::new(HoldQueue::default()),
             wake: Notify::new(),
             next_id: AtomicU64::new(1),
+            in_transit: AtomicU64::new(0),
             held_total: Counter::default(),
             held_now: Gauge::default(),
             expired_total: Counter::default(),
@@ -208,10 +224,26 @@ impl Dispatcher {
 
     /// Waits until the request may be placed. `work_ms` is its predicted prefill work (its
     /// priority); `has_capacity` says whether some endpoint is below its prefill share right now.
-    pub async fn admit(&self, work_ms: f64, has_capacity: impl Fn() -> bool) -> Admission {
+    /// Keep the returned [`Ticket`] until the request's load is counted on its endpoint: until
+    /// then nobody else is let through, since `has_capacity` cannot see that request yet.
+    pub async fn admit(
+        &self,
+        work_ms: f64,
+        has_capacity: impl Fn() -> bool,
+    ) -> (Admission, Ticket<'_>) {
+        let how = self.wait_turn(work_ms, has_capacity).await;
+        self.in_transit.fetch_add(1, Ordering::SeqCst);
+        (how, Ticket { dispatcher: self })
+    }
+
+    fn free(&self, has_capacity: &impl Fn() -> bool) -> bool {
+        self.in_transit.load(Ordering::SeqCst) == 0 && has_capacity()
+    }
+
+    async fn wait_turn(&self, work_ms: f64, has_capacity: impl Fn() -> bool) -> Admission {
         {
             let q = self.queue.lock();
-            if q.is_empty() && has_capacity() {
+            if q.is_empty() && self.free(&has_capacity) {
                 return Admission::Direct;
             }
             if q.len() >= self.config.max_held {
@@ -236,7 +268,7 @@ impl Dispatcher {
                     self.expired_total.inc();
                     return Admission::Expired;
                 }
-                if q.next(now, self.config.aging) == Some(id) && has_capacity() {
+                if q.next(now, self.config.aging) == Some(id) && self.free(&has_capacity) {
                     return Admission::Released;
                 }
             }
@@ -279,10 +311,11 @@ mod tests {
         for (name, work) in [("long", 2000.0), ("short", 10.0), ("mid", 300.0)] {
             let (d, free, order) = (Arc::clone(&d), Arc::clone(&free), Arc::clone(&order));
             tasks.push(tokio::spawn(async move {
-                let how = d.admit(work, || free.load(Ordering::SeqCst)).await;
+                let (how, ticket) = d.admit(work, || free.load(Ordering::SeqCst)).await;
                 order.lock().push(name);
                 // Taking the capacity again: the next one waits for the next wake.
                 free.store(false, Ordering::SeqCst);
+                drop(ticket);
                 how
             }));
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -311,11 +344,17 @@ mod tests {
             },
             &mut reg,
         );
-        assert_eq!(d.admit(5.0, || true).await, Admission::Direct);
+        let (how, ticket) = d.admit(5.0, || true).await;
+        assert_eq!(how, Admission::Direct);
+        // Until the first request's load is counted, capacity is not handed out again.
+        let blocked = tokio::time::timeout(Duration::from_millis(30), d.admit(5.0, || true)).await;
+        assert!(blocked.is_err());
+        drop(ticket);
+        assert_eq!(d.admit(5.0, || true).await.0, Admission::Direct);
         let gone = tokio::time::timeout(Duration::from_millis(10), d.admit(5.0, || false)).await;
         assert!(gone.is_err());
         assert_eq!(d.queue.lock().len(), 0);
-        assert_eq!(d.admit(5.0, || false).await, Admission::Expired);
+        assert_eq!(d.admit(5.0, || false).await.0, Admission::Expired);
         assert!(
             DispatchConfig {
                 aging: f64::NAN,

@@ -208,6 +208,8 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
         return ApiError::service_unavailable("no healthy endpoint").into_response();
     }
     let mut held = Duration::ZERO;
+    // Held until this request's load is counted below (then the next one may be let through).
+    let mut admission_ticket = None;
     if let Some(d) = &s.dispatch {
         let best_cached = candidates
             .iter()
@@ -224,7 +226,9 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
                 .any(|e| e.load.snapshot().uncached_tokens <= limit)
         };
         let waited = Instant::now();
-        if d.admit(work_ms, has_capacity).await != Admission::Direct {
+        let (how, ticket) = d.admit(work_ms, has_capacity).await;
+        admission_ticket = Some(ticket);
+        if how != Admission::Direct {
             // Placed as the fleet is now, not as it was when the request arrived.
             held = waited.elapsed();
             (eligible, candidates) = gather(&s, &keys);
@@ -294,6 +298,7 @@ async fn route(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
     if let Some((src, _, _)) = &pulled {
         guard.track_pull(&src.load);
     }
+    drop(admission_ticket);
     let scheduling = t0.elapsed();
     s.metrics
         .scheduling_seconds

@@ -108,7 +108,7 @@ async fn the_admission_queue_lets_short_prompts_overtake_long_ones() {
     a.set_mode(Mode::Slow(Duration::from_millis(800)));
     let yaml = format!(
         "block_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n\
-         dispatch: {{max_queued_prefill_tokens: 1000, aging: 0, max_hold: 30s}}\n{}",
+         dispatch: {{max_queued_prefill_tokens: 50, aging: 0, max_hold: 30s}}\n{}",
         endpoints_yaml(&[&a])
     );
     let router = start_router(&yaml, None).await;
@@ -117,7 +117,8 @@ async fn the_admission_queue_lets_short_prompts_overtake_long_ones() {
         let url = url.clone();
         tokio::spawn(async move { send(&url, common::doc(seed, len)).await })
     };
-    // Fills the engine's share: 5,000 queued prefill tokens > 1,000.
+    // Fills the engine's share: 5,000 queued prefill tokens > 50. Every later prompt is larger
+    // than the share too, so each waits for the previous one's first byte: the order is exact.
     let first = spawn(5000, 1);
     common::eventually(5, "the first prompt to arrive", || a.count() == 1).await;
     let long = spawn(4000, 2);
