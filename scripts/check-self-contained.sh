@@ -3,8 +3,8 @@
 # scripts and docs need must be in a bare `git clone`. Run by .ci/run before the tests.
 #
 # Checked in every tracked text file (recorded fixture data and Cargo.lock excluded):
-#  1. paths that name another machine's or folder's layout: the sibling `../shared` folder and its
-#     contents, the workplace's `/work/`, home directories (`/root/`, `/home/<user>/`, `/Users/<user>/`);
+#  1. paths that name another machine's or folder's layout: a sibling `shared` folder next to the
+#     clone and its contents, the workplace's `/work/`, home directories (`/root/`, `/home/<user>/`, `/Users/<user>/`);
 #     and references to design notes that lived there (`DESIGN §N`, `DESIGN.md`, `protocols §N`)
 #     instead of docs/architecture.md and docs/protocols.md;
 #  2. relative paths that climb out of the repository: in a crate, `CARGO_MANIFEST_DIR`-relative
@@ -57,7 +57,7 @@ PATTERNS=(
   'DESIGN( §|\.md)|(^|[^.[:alnum:]])protocols §'
 )
 WHAT=(
-  'the ../shared folder is not part of a clone: copy what is needed into the repository'
+  'a sibling shared folder is not part of a clone: copy what is needed into the repository'
   'a workplace path: use a path inside the repository'
   'a home directory: use a path inside the repository'
   'design notes outside the repository: link docs/architecture.md or docs/protocols.md'
