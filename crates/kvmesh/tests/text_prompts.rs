@@ -18,6 +18,18 @@ use serde_json::{Value, json};
 
 const BLOCK: usize = 16;
 
+/// POSTs `body` and returns the JSON answer.
+async fn post_json(http: &reqwest::Client, url: &str, body: Value) -> Value {
+    http.post(url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 async fn send(
     http: &reqwest::Client,
     base: &str,
@@ -69,15 +81,12 @@ async fn text_and_token_prompts_are_the_same_tokens_in_engine_and_router() {
     // 1. The engine's tokenizer turns the text back into exactly the ids.
     let a = g.render(&[Segment::seeded(1, 40 * BLOCK + 5)]);
     let a_text = prompt_text(&a).expect("the default token space is printable ASCII");
-    let tok: Value = http
-        .post(format!("{engine}/tokenize"))
-        .json(&json!({"prompt": a_text}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let tok = post_json(
+        &http,
+        &format!("{engine}/tokenize"),
+        json!({"prompt": a_text}),
+    )
+    .await;
     let ids: Vec<u32> = serde_json::from_value(tok["tokens"].clone()).unwrap();
     assert_eq!(ids, a, "engine /tokenize of the text prompt");
 
@@ -98,15 +107,12 @@ async fn text_and_token_prompts_are_the_same_tokens_in_engine_and_router() {
     let name = fleet.engines[0].name.clone();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
-        let v: Value = http
-            .post(format!("{router}/debug/prefix"))
-            .json(&json!({"prompt": a_text}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = post_json(
+            &http,
+            &format!("{router}/debug/prefix"),
+            json!({"prompt": a_text}),
+        )
+        .await;
         assert_eq!(v["prompt_tokens"], json!(a.len()), "{v}");
         let held = v["endpoints"][&name]["any_tokens"].as_u64().unwrap_or(0);
         if held >= (a.len() / BLOCK * BLOCK) as u64 - BLOCK as u64 {
