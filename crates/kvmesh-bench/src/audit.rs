@@ -9,7 +9,7 @@
 //!    stale index (evicted blocks still listed, or a pull that came back partial); less is a
 //!    late one (events not yet seen).
 //! 2. **How far was each placement from the cost function's choice?** Every candidate the
-//!    router saw is re-priced with [`kvmesh_router::predict`] on the router's view at decision
+//!    router saw is re-priced with [`kvmesh_sched::predict`] on the router's view at decision
 //!    time (its index matches, its in-flight prefill tokens and requests); the regret of a
 //!    decision is the chosen endpoint's predicted TTFT minus the best one's. This is an oracle
 //!    over the router's view, not over the engines' hidden state; item 1 bounds how wrong that
@@ -22,9 +22,9 @@
 use std::sync::Arc;
 
 use kvmesh_index::EndpointId;
-use kvmesh_router::cost_model::{CostModel, CostModelParams};
-use kvmesh_router::plugins::{Candidate, SchedulingContext};
-use kvmesh_router::predict::{TtftParams, predict};
+use kvmesh_sched::cost_model::{CostModel, CostModelParams};
+use kvmesh_sched::predict::{TtftParams, predict};
+use kvmesh_sched::{Candidate, SchedulingContext};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 

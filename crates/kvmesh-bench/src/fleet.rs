@@ -8,31 +8,11 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 use tokio::process::{Child, Command};
 
+pub use crate::launch::{FleetError, KV_EVENTS_TOPIC, Role, log_tail};
 use crate::peers::{self, PeerEngine, PeerLaunch};
 use crate::router_config::{self, Arm, EndpointInfo};
-
-/// Engine role (`docs/architecture.md#pd-disaggregation`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    #[default]
-    Both,
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Both => "both",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-}
 
 fn one() -> usize {
     1
@@ -209,28 +189,6 @@ impl FleetSpec {
     }
 }
 
-#[derive(Debug, Error)]
-pub enum FleetError {
-    #[error("fleet spec: {0}")]
-    Spec(String),
-    #[error("io: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("{what} did not become ready within {secs:.0} s (log: {log})\n{tail}")]
-    NotReady {
-        what: String,
-        secs: f64,
-        log: String,
-        tail: String,
-    },
-    #[error("{what} exited during start-up with {status} (log: {log})\n{tail}")]
-    Exited {
-        what: String,
-        status: String,
-        log: String,
-        tail: String,
-    },
-}
-
 /// A running engine.
 #[derive(Debug)]
 pub struct EngineProc {
@@ -271,9 +229,6 @@ pub struct Fleet {
     pub log_dir: PathBuf,
     pub served_model_name: String,
 }
-
-/// The topic the fleet's engines publish KV events under (and routers subscribe to).
-pub const KV_EVENTS_TOPIC: &str = "";
 
 /// Picks a free loopback port (bind to :0, read, release).
 pub fn free_port() -> Result<u16, FleetError> {
@@ -718,13 +673,6 @@ async fn wait_ready(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// The last `n` lines of a log file (for error messages).
-pub fn log_tail(path: &Path, n: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 #[cfg(test)]

@@ -2,15 +2,18 @@
 //! (`docs/architecture.md#reference-experiments`): the library behind `kvmesh up`, `kvmesh bench`, `kvmesh calibrate` and
 //! `kvmesh demo`.
 //!
-//! Layers: [`tokens`] and [`workload`]/[`trace`] are pure (seeded data); [`stats`], [`metrics`],
+//! Layers: [`tokens`] and [`workload`]/[`trace`] are pure (seeded data), named in [`catalog`]; [`stats`], [`metrics`],
 //! [`router_config`] and [`report`] are pure transformations; [`client`], [`driver`], [`fleet`],
-//! [`peers`] (external routers as arms), [`runner`] and [`calibrate`] do the I/O.
+//! [`peers`] (external routers as arms), [`runner`] and [`calibrate`] do the I/O, sharing
+//! [`launch`]'s vocabulary.
 
 pub mod audit;
 pub mod calibrate;
+pub mod catalog;
 pub mod client;
 pub mod driver;
 pub mod fleet;
+pub mod launch;
 pub mod metrics;
 pub mod peers;
 pub mod report;

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::process::{Child, Command};
 
-use crate::fleet::{FleetError, log_tail};
+use crate::launch::{FleetError, log_tail};
 
 /// Environment variable naming the peer routers' virtual environment.
 pub const PEER_VENV_ENV: &str = "KVMESH_PEER_VENV";

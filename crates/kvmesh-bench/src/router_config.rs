@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::fleet::Role;
+use crate::launch::Role;
 use crate::peers::PeerArm;
 
 /// A router policy under test.
@@ -228,7 +228,7 @@ decisions_capacity: 2048
             y,
             "    kv_events: {{endpoint: \"{}\", topic: \"{}\"}}",
             e.kv_events,
-            crate::fleet::KV_EVENTS_TOPIC
+            crate::launch::KV_EVENTS_TOPIC
         );
         if let Some(p) = &e.p2p {
             let _ = writeln!(y, "    p2p: \"{p}\"");
@@ -269,7 +269,7 @@ decisions_capacity: 2048
         }
         Arm::Ttft | Arm::TtftP2p => {
             let p2p = arm == Arm::TtftP2p;
-            let cm = kvmesh_router::cost_model::CostModelParams::default();
+            let cm = kvmesh_sched::cost_model::CostModelParams::default();
             let _ = writeln!(
                 y,
                 "cost_model: {{prefill_tokens_per_second: {}, pull_tokens_per_second: {}, pull_floor_ms: {}}}",
@@ -416,7 +416,7 @@ mod tests {
                 (PD_PREFILL_PROFILE, PD_DECODE_PROFILE)
             );
             assert_eq!(pd.bidirectional, bidir);
-            assert_eq!(pd.decider, kvmesh_router::pd::Decider::default());
+            assert_eq!(pd.decider, kvmesh_router::config::Decider::default());
             assert!(pd.conversation_ttl_s < 480.0);
         }
         let a: serde_json::Value = serde_norway::from_str(&render(Arm::Pd, &e, None, 1)).unwrap();
@@ -442,7 +442,7 @@ mod tests {
             let cfg = kvmesh_router::RouterConfig::load(path.path()).unwrap();
             let pd = cfg.pd.unwrap();
             assert_eq!(pd.bidirectional, bidir);
-            assert_eq!(pd.decider, kvmesh_router::pd::Decider::default());
+            assert_eq!(pd.decider, kvmesh_router::config::Decider::default());
             assert_eq!(cfg.default_profile.as_deref(), Some(PD_DECODE_PROFILE));
         }
         let v = |arm| -> serde_json::Value {

@@ -13,7 +13,6 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::tokens::{Segment, TokenSpace, mix};
-use crate::trace;
 
 /// How big a run is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,58 +138,6 @@ pub struct WorkloadOptions {
     /// `trace`: `(start, length)` of the replayed window in trace seconds.
     pub window: Option<(f64, f64)>,
     pub token_space: Option<TokenSpace>,
-}
-
-/// Names accepted by [`build`].
-pub const WORKLOAD_NAMES: &[&str] = &[
-    "ladder",
-    "fork",
-    "pool",
-    "docqa",
-    "agentic-pd",
-    "trace:<file>",
-];
-
-/// Builds the workload(s) named by `spec`. `pool` yields one workload per offered rate.
-pub fn build(
-    spec: &str,
-    scale: Scale,
-    seed: u64,
-    opts: &WorkloadOptions,
-) -> Result<Vec<Workload>, WorkloadError> {
-    let space = opts.token_space.unwrap_or_default();
-    let mut out = match spec {
-        "ladder" => vec![ladder(scale, seed)],
-        "fork" => vec![fork(scale, seed)],
-        "pool" => {
-            let rates = opts.rates.clone().unwrap_or_else(|| match scale {
-                Scale::Quick => vec![4.0, 12.0],
-                Scale::Full => vec![4.0, 8.0, 12.0, 16.0],
-            });
-            rates.into_iter().map(|r| pool(scale, seed, r)).collect()
-        }
-        "docqa" => vec![docqa(scale, seed)],
-        "agentic-pd" => vec![agentic_pd(scale, seed)],
-        other => {
-            if let Some(path) = other.strip_prefix("trace:") {
-                vec![trace::workload(path, scale, seed, opts)?]
-            } else if let Some(rate) = other.strip_prefix("pool@") {
-                let r: f64 = rate
-                    .parse()
-                    .map_err(|_| WorkloadError::Unknown(format!("pool rate {rate:?}")))?;
-                vec![pool(scale, seed, r)]
-            } else {
-                return Err(WorkloadError::Unknown(format!(
-                    "workload {other:?}; known: {}",
-                    WORKLOAD_NAMES.join(", ")
-                )));
-            }
-        }
-    };
-    for w in &mut out {
-        w.token_space = space;
-    }
-    Ok(out)
 }
 
 fn key(parts: &[u64]) -> u64 {
@@ -569,6 +516,7 @@ pub fn nominal_prompt_lengths(session: &Session) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::catalog::build;
     use crate::tokens::TokenGen;
 
     #[test]

@@ -18,9 +18,12 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer, Serialize};
-
-use crate::cost_model::CostModelParams;
+use kvmesh_sched::Scheduler;
+use kvmesh_sched::config::duration_str;
+pub use kvmesh_sched::config::{PluginRef, PluginSpec, ProfileSpec};
+use kvmesh_sched::cost_model::CostModelParams;
+use kvmesh_sched::hold_queue::DispatchConfig;
+use serde::{Deserialize, Serialize};
 
 /// Why a config could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -91,37 +94,6 @@ impl EndpointSpec {
         let host = host.trim_start_matches('[').trim_end_matches(']');
         Some((host.to_owned(), port.parse().ok()?))
     }
-}
-
-/// A plugin instance (`plugins:` entry).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PluginSpec {
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// Reference name; defaults to the type.
-    #[serde(default)]
-    pub name: Option<String>,
-    #[serde(default)]
-    pub parameters: Option<serde_json::Value>,
-}
-
-/// A plugin used by a profile; `weight` applies to scorers (default 1).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PluginRef {
-    #[serde(rename = "pluginRef", alias = "plugin_ref")]
-    pub plugin_ref: String,
-    #[serde(default)]
-    pub weight: Option<f64>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ProfileSpec {
-    pub name: String,
-    #[serde(default)]
-    pub plugins: Vec<PluginRef>,
 }
 
 /// Tokenizer used to cut prompts into blocks; must match the engines'. In YAML: `tokenizer: byte`
@@ -293,11 +265,11 @@ pub struct RouterConfig {
     pub max_body_bytes: usize,
     /// P/D disaggregation (prefill + decode profiles, decider, bi-directional conversations).
     #[serde(default)]
-    pub pd: Option<crate::pd::PdConfig>,
+    pub pd: Option<PdConfig>,
     /// Admission queue: hold requests while every endpoint has its share of prefill queued and
-    /// release them shortest work first (`crate::dispatch`). Absent = place on arrival.
+    /// release them shortest work first (`kvmesh_sched::hold_queue`). Absent = place on arrival.
     #[serde(default)]
-    pub dispatch: Option<crate::dispatch::DispatchConfig>,
+    pub dispatch: Option<DispatchConfig>,
 }
 
 impl Default for RouterConfig {
@@ -399,64 +371,65 @@ pub fn load_endpoints_file(path: &Path) -> Result<Vec<EndpointSpec>, ConfigError
     Ok(list)
 }
 
-/// The pipeline used when a config has no profiles: the lowest predicted time to first token
-/// (`predicted-ttft-scorer` with pulls) and pulls priced by the same function. A pull source needs
-/// a `p2p` address, so a fleet without P2P gets pure predicted-TTFT placement.
-pub fn default_pipeline() -> (Vec<PluginSpec>, Vec<ProfileSpec>) {
-    let p = |kind: &str, parameters: Option<serde_json::Value>| PluginSpec {
-        kind: kind.to_owned(),
-        name: None,
-        parameters,
-    };
-    let r = |name: &str, weight: Option<f64>| PluginRef {
-        plugin_ref: name.to_owned(),
-        weight,
-    };
-    (
-        vec![
-            p(
-                "predicted-ttft-scorer",
-                Some(serde_json::json!({"p2p": true, "minPullTokens": 512})),
-            ),
-            p("max-score-picker", None),
-            p(
-                "p2p-source-producer",
-                Some(
-                    serde_json::json!({"mode": "predicted", "minCachedTokenDelta": 512, "marginMs": 5}),
-                ),
-            ),
-        ],
-        vec![ProfileSpec {
-            name: "default".to_owned(),
-            plugins: vec![
-                r("predicted-ttft-scorer", Some(1.0)),
-                r("max-score-picker", None),
-                r("p2p-source-producer", None),
-            ],
-        }],
-    )
+/// When to disaggregate.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Decider {
+    /// `always`.
+    Named(String),
+    /// Disaggregate only when at least this many prompt tokens are uncached on the prefill side;
+    /// otherwise the decoder serves the whole request.
+    MinUncached { min_uncached_tokens: u64 },
 }
 
-/// Durations as humantime strings (`"500ms"`, `"2s"`) or plain numbers of seconds.
-pub mod duration_str {
-    use super::*;
-
-    pub fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
+impl Default for Decider {
+    fn default() -> Self {
+        Decider::Named("always".to_owned())
     }
+}
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Secs(f64),
-            Text(String),
+fn default_ttl() -> f64 {
+    450.0
+}
+
+/// The `pd:` section of the router config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PdConfig {
+    pub prefill_profile: String,
+    pub decode_profile: String,
+    #[serde(default)]
+    pub decider: Decider,
+    /// Cache decoders' returned params per conversation and attach them to the next prefill leg.
+    #[serde(default)]
+    pub bidirectional: bool,
+    /// Lifetime of a cached conversation entry (keep it below the engines' 480 s TTL).
+    #[serde(default = "default_ttl")]
+    pub conversation_ttl_s: f64,
+}
+
+impl PdConfig {
+    pub fn validate(&self, scheduler: &Scheduler) -> Result<(), ConfigError> {
+        for p in [&self.prefill_profile, &self.decode_profile] {
+            if scheduler.profile(Some(p)).is_none() {
+                return Err(ConfigError::Invalid(format!(
+                    "pd: unknown scheduling profile {p:?}"
+                )));
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::Secs(s) if s.is_finite() && s >= 0.0 => Ok(Duration::from_secs_f64(s)),
-            Raw::Secs(s) => Err(serde::de::Error::custom(format!("invalid duration {s}"))),
-            Raw::Text(t) => humantime::parse_duration(&t).map_err(serde::de::Error::custom),
+        if let Decider::Named(n) = &self.decider
+            && n != "always"
+        {
+            return Err(ConfigError::Invalid(format!(
+                "pd.decider: `always` or {{min_uncached_tokens: N}}, not {n:?}"
+            )));
         }
+        if !(self.conversation_ttl_s.is_finite() && self.conversation_ttl_s > 0.0) {
+            return Err(ConfigError::Invalid(
+                "pd.conversation_ttl_s must be > 0".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -546,8 +519,10 @@ schedulingProfiles:
                 .join("../../configs")
                 .join(f);
             let cfg = RouterConfig::load(&path).unwrap_or_else(|e| panic!("{f}: {e}"));
-            let cm = std::sync::Arc::new(crate::cost_model::CostModel::new(cfg.cost_model.clone()));
-            crate::scheduler::Scheduler::build(
+            let cm = std::sync::Arc::new(kvmesh_sched::cost_model::CostModel::new(
+                cfg.cost_model.clone(),
+            ));
+            Scheduler::build(
                 &cfg.plugins,
                 &cfg.scheduling_profiles,
                 cfg.default_profile.as_deref(),
@@ -556,5 +531,50 @@ schedulingProfiles:
             )
             .unwrap_or_else(|e| panic!("{f}: {e}"));
         }
+    }
+
+    #[test]
+    fn example_pd_config_is_valid() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/router-pd.yaml");
+        let cfg = RouterConfig::load(std::path::Path::new(path)).unwrap();
+        let pd = cfg.pd.clone().unwrap();
+        assert!(pd.bidirectional);
+        assert_eq!(
+            pd.decider,
+            Decider::MinUncached {
+                min_uncached_tokens: 512
+            }
+        );
+        let cm = std::sync::Arc::new(kvmesh_sched::cost_model::CostModel::new(
+            cfg.cost_model.clone(),
+        ));
+        let s = Scheduler::build(
+            &cfg.plugins,
+            &cfg.scheduling_profiles,
+            cfg.default_profile.as_deref(),
+            cfg.seed,
+            &cm,
+        )
+        .unwrap();
+        pd.validate(&s).unwrap();
+        let mut bad = pd.clone();
+        bad.decode_profile = "nope".into();
+        assert!(bad.validate(&s).is_err());
+        bad = pd;
+        bad.decider = Decider::Named("sometimes".into());
+        assert!(bad.validate(&s).is_err());
+    }
+
+    #[test]
+    fn decider_parses_both_forms() {
+        let d: Decider = serde_norway::from_str("always").unwrap();
+        assert_eq!(d, Decider::Named("always".into()));
+        let d: Decider = serde_norway::from_str("{min_uncached_tokens: 256}").unwrap();
+        assert_eq!(
+            d,
+            Decider::MinUncached {
+                min_uncached_tokens: 256
+            }
+        );
     }
 }

@@ -1,129 +1,19 @@
-//! Admission queue: holds requests at the router while every endpoint already has enough prefill
-//! work queued, and releases them shortest predicted work first (with aging).
+//! The router's admission queue: [`kvmesh_sched::hold_queue::HoldQueue`] (which request goes
+//! next, and why — see that module) behind a wake-up signal, with tickets and metrics.
 //!
-//! Why: engines prefill first come, first served. A 500-token prompt that reaches an engine behind
-//! a 60K-token one waits for all of it, and once it is there nothing can reorder it. The router can:
-//! while some endpoint has at most `max_queued_prefill_tokens` of prefill sent by this router and
-//! not yet computed, requests pass straight through; beyond that they wait here, and whenever a
-//! prefill finishes (first byte) the waiting request with the lowest `work_ms − aging × waited_ms`
-//! goes next. Short prompts overtake long ones (shortest-job-first minimises mean waiting), aging
-//! bounds how long a long prompt can be overtaken, and `max_hold` bounds the hold outright. A held
-//! request is placed when it leaves the queue, with the index and queues as they are then (late
-//! binding), not as they were when it arrived.
-//!
-//! [`HoldQueue`] is the pure part (clock passed in); [`Dispatcher`] wraps it with a `Notify`.
-//! A held request whose client goes away leaves the queue (the entry is removed on drop).
+//! A held request whose client goes away leaves the queue (the entry is removed on drop). A
+//! request let through holds a [`Ticket`] until the gateway has counted its load, so capacity is
+//! not handed out twice.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use kvmesh_sched::hold_queue::{DispatchConfig, HoldQueue};
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
-
-/// `dispatch:` in the router config. Absent = off (every request is placed on arrival).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DispatchConfig {
-    /// Requests pass straight through while some eligible endpoint has at most this many prompt
-    /// tokens sent by this router and not yet computed (about one engine step of prefill keeps
-    /// every engine busy).
-    pub max_queued_prefill_tokens: u64,
-    /// Milliseconds of priority a held request gains per millisecond it waits.
-    pub aging: f64,
-    /// Longest a request is held; then it is placed whatever the queues say.
-    #[serde(with = "crate::config::duration_str")]
-    pub max_hold: Duration,
-    /// At most this many requests are held; later ones are placed on arrival.
-    pub max_held: usize,
-}
-
-impl Default for DispatchConfig {
-    fn default() -> Self {
-        DispatchConfig {
-            max_queued_prefill_tokens: 8192,
-            aging: 2.0,
-            max_hold: Duration::from_secs(10),
-            max_held: 4096,
-        }
-    }
-}
-
-impl DispatchConfig {
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.aging.is_finite() && self.aging >= 0.0) {
-            return Err("dispatch.aging must be a finite number >= 0".to_owned());
-        }
-        if self.max_held == 0 {
-            return Err("dispatch.max_held must be >= 1".to_owned());
-        }
-        Ok(())
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Entry {
-    id: u64,
-    work_ms: f64,
-    since: Instant,
-}
-
-/// The held requests (pure: the clock is an argument).
-#[derive(Debug, Default)]
-pub struct HoldQueue {
-    entries: Vec<Entry>,
-}
-
-impl HoldQueue {
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
-    pub fn push(&mut self, id: u64, work_ms: f64, now: Instant) {
-        let work_ms = if work_ms.is_finite() { work_ms } else { 0.0 };
-        self.entries.push(Entry {
-            id,
-            work_ms,
-            since: now,
-        });
-    }
-
-    pub fn remove(&mut self, id: u64) -> bool {
-        let before = self.entries.len();
-        self.entries.retain(|e| e.id != id);
-        self.entries.len() != before
-    }
-
-    /// The entry that goes next: lowest `work_ms − aging × waited_ms`, the oldest on ties.
-    pub fn next(&self, now: Instant, aging: f64) -> Option<u64> {
-        let priority = |e: &Entry| {
-            e.work_ms - aging * now.saturating_duration_since(e.since).as_secs_f64() * 1000.0
-        };
-        self.entries
-            .iter()
-            .min_by(|a, b| {
-                priority(a)
-                    .total_cmp(&priority(b))
-                    .then(a.since.cmp(&b.since))
-            })
-            .map(|e| e.id)
-    }
-
-    /// Whether `id` has been held longer than `max_hold`.
-    pub fn expired(&self, id: u64, now: Instant, max_hold: Duration) -> bool {
-        self.entries
-            .iter()
-            .find(|e| e.id == id)
-            .is_some_and(|e| now.saturating_duration_since(e.since) >= max_hold)
-    }
-}
 
 /// How a request left the admission queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,21 +175,6 @@ mod tests {
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::AtomicBool;
-
-    #[test]
-    fn shortest_work_goes_first_until_aging_lets_a_long_one_through() {
-        let t0 = Instant::now();
-        let mut q = HoldQueue::default();
-        q.push(1, 3000.0, t0); // a 75K-token prompt
-        q.push(2, 40.0, t0 + Duration::from_millis(100));
-        assert_eq!(q.next(t0 + Duration::from_millis(100), 2.0), Some(2));
-        assert!(q.remove(2));
-        q.push(3, 40.0, t0 + Duration::from_millis(1500));
-        // Entry 1 has waited 1.5 s: 3000 − 2×1500 = 0 < 40 → it goes before the newcomer.
-        assert_eq!(q.next(t0 + Duration::from_millis(1500), 2.0), Some(1));
-        assert!(q.expired(1, t0 + Duration::from_secs(10), Duration::from_secs(10)));
-        assert!(!q.expired(3, t0 + Duration::from_secs(10), Duration::from_secs(10)));
-    }
 
     #[tokio::test]
     async fn held_requests_leave_in_priority_order_when_capacity_frees() {

@@ -42,7 +42,7 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    fn new(id: EndpointId, spec: EndpointSpec) -> Endpoint {
+    pub(crate) fn new(id: EndpointId, spec: EndpointSpec) -> Endpoint {
         Endpoint {
             id,
             name: Arc::from(spec.name.as_str()),

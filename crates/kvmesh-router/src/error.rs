@@ -71,7 +71,7 @@ pub enum RouterError {
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
     #[error(transparent)]
-    Plugin(#[from] crate::plugins::PluginError),
+    Plugin(#[from] kvmesh_sched::plugins::PluginError),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("http client: {0}")]

@@ -8,7 +8,20 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::KvEventsSpec;
 use crate::indexer::{EventSource, Indexer, IndexerConfig};
-use crate::server::EventFeed;
+
+/// Subscribes the prefix index to endpoints' KV events (the indexer implements it).
+pub trait EventFeed: Send + Sync {
+    fn add_source(&self, endpoint: EndpointId, name: &str, spec: &KvEventsSpec);
+    fn remove_source(&self, endpoint: EndpointId);
+}
+
+/// A feed that subscribes to nothing (tests with a fake index).
+pub struct NoEvents;
+
+impl EventFeed for NoEvents {
+    fn add_source(&self, _: EndpointId, _: &str, _: &KvEventsSpec) {}
+    fn remove_source(&self, _: EndpointId) {}
+}
 
 impl EventFeed for Indexer {
     fn add_source(&self, endpoint: EndpointId, name: &str, spec: &KvEventsSpec) {

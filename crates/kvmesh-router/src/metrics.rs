@@ -9,8 +9,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::cost_model::CostModel;
 use crate::endpoints::EndpointSet;
+use kvmesh_sched::cost_model::CostModel;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ProfileEndpoint {
@@ -71,7 +71,7 @@ impl RouterMetrics {
         profile: &str,
         endpoint: &str,
         outcome: &'static str,
-        p2p: Option<&crate::plugins::p2p_source_producer::P2pDecision>,
+        p2p: Option<&kvmesh_sched::plugins::p2p_source_producer::P2pDecision>,
     ) {
         self.requests
             .get_or_create(&ProfileEndpoint {

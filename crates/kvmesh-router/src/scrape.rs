@@ -11,7 +11,7 @@ use kvmesh_index::EndpointId;
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::cost_model::CostModel;
+use kvmesh_sched::cost_model::CostModel;
 
 use crate::config::HealthCheckConfig;
 use crate::endpoints::{EndpointSet, EngineMetrics};
@@ -386,7 +386,7 @@ mod tests {
         assert_eq!(pull_sample(&b, &a, 16, floor), None);
         assert_eq!(pull_sample(&b, &c(0.05, 1.0, 64.0, None), 16, floor), None);
         // Wired into the cost model: below `min_sample_tokens` is skipped.
-        let m = CostModel::new(crate::cost_model::CostModelParams::default());
+        let m = CostModel::new(kvmesh_sched::cost_model::CostModelParams::default());
         let id = EndpointId(3);
         let small = pull_sample(&a, &c(1.1, 11.0, 1010.0, None), 16, floor).expect("sample");
         assert!(!m.observe_pull_rate_into(id, small.0, small.1));

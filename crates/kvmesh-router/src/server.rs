@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::serve::ListenerExt;
 
-use kvmesh_index::{EndpointId, IndexConfig, PrefixIndex};
+use kvmesh_index::{IndexConfig, PrefixIndex};
 use kvmesh_text::{ByteTokenizer, Tokenizer};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -16,30 +16,20 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{EndpointSpec, KvEventsSpec, RouterConfig, TokenizerSpec, load_endpoints_file};
-use crate::cost_model::CostModel;
-use crate::decisions::DecisionLog;
+use kvmesh_sched::Scheduler;
+use kvmesh_sched::cost_model::CostModel;
+use kvmesh_sched::decisions::DecisionLog;
+
+use crate::app::app;
+use crate::config::{EndpointSpec, RouterConfig, TokenizerSpec, load_endpoints_file};
+use crate::conversations::PdRouter;
 use crate::endpoints::EndpointSet;
 use crate::error::RouterError;
-use crate::gateway::{RouterState, app};
+use crate::feed::{EventFeed, NoEvents};
 use crate::metrics::{Kind, RouterMetrics};
 use crate::prefix::PrefixLookup;
-use crate::scheduler::Scheduler;
 use crate::scrape::{health_loop, scrape_loop};
-
-/// Subscribes the prefix index to endpoints' KV events (the indexer implements it).
-pub trait EventFeed: Send + Sync {
-    fn add_source(&self, endpoint: EndpointId, name: &str, spec: &KvEventsSpec);
-    fn remove_source(&self, endpoint: EndpointId);
-}
-
-/// A feed that subscribes to nothing (tests with a fake index).
-pub struct NoEvents;
-
-impl EventFeed for NoEvents {
-    fn add_source(&self, _: EndpointId, _: &str, _: &KvEventsSpec) {}
-    fn remove_source(&self, _: EndpointId) {}
-}
+use crate::state::RouterState;
 
 /// Optional overrides, mostly for tests.
 #[derive(Default)]
@@ -165,7 +155,7 @@ pub async fn start(
         .map_err(|e| RouterError::Http(e.to_string()))?;
     let endpoints = Arc::new(EndpointSet::default());
     let pd = match &config.pd {
-        Some(c) => Some(Arc::new(crate::pd::PdRouter::new(
+        Some(c) => Some(Arc::new(PdRouter::new(
             c.clone(),
             &scheduler,
             &mut registry,

@@ -14,12 +14,13 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use kvmesh_bench::calibrate::{self, DEFAULT_LENGTHS, PairConfig};
+use kvmesh_bench::catalog;
 use kvmesh_bench::client::PromptFormat;
 use kvmesh_bench::fleet::{EngineGroup, Fleet, FleetSpec};
 use kvmesh_bench::peers;
 use kvmesh_bench::runner::{self, FleetOptions, Plan};
 use kvmesh_bench::tokens::TokenSpace;
-use kvmesh_bench::workload::{self, Scale, WorkloadOptions};
+use kvmesh_bench::workload::{Scale, WorkloadOptions};
 use kvmesh_bench::{Arm, BenchReport};
 
 #[derive(clap::Args)]
@@ -289,7 +290,7 @@ pub async fn run_bench(args: BenchCmd) -> anyhow::Result<()> {
     };
     let mut workloads = Vec::new();
     for w in &args.workload {
-        workloads.extend(workload::build(w, scale, args.seed, &opts)?);
+        workloads.extend(catalog::build(w, scale, args.seed, &opts)?);
     }
     // A P/D workload under an aggregated arm (or the reverse) would not measure what it says:
     // refuse before starting any fleet.
@@ -532,12 +533,12 @@ pub async fn run_demo(args: DemoCmd) -> anyhow::Result<()> {
         return Ok(());
     }
     let scale: Scale = args.scale.parse()?;
-    let mut workloads = workload::build("fork", scale, 1, &WorkloadOptions::default())?;
+    let mut workloads = catalog::build("fork", scale, 1, &WorkloadOptions::default())?;
     let pool_rate = match scale {
         Scale::Quick => "pool@12",
         Scale::Full => "pool@16",
     };
-    workloads.extend(workload::build(
+    workloads.extend(catalog::build(
         pool_rate,
         scale,
         1,

@@ -34,7 +34,7 @@ async fn fleet_launch_drive_scrape_shutdown_with_real_engines() {
     .expect("engines start");
     assert_eq!(fleet.engines.len(), 2);
     assert!(fleet.describe().contains(&fleet.engines[1].url));
-    let w = workload::build("ladder", Scale::Quick, 3, &WorkloadOptions::default())
+    let w = catalog::build("ladder", Scale::Quick, 3, &WorkloadOptions::default())
         .unwrap()
         .remove(0);
     let cfg = DriveConfig {
@@ -72,14 +72,15 @@ async fn fleet_launch_drive_scrape_shutdown_with_real_engines() {
         "engine stopped"
     );
 }
+use kvmesh_bench::catalog;
 use kvmesh_bench::runner::{self, FleetOptions, Plan};
-use kvmesh_bench::workload::{self, Scale, WorkloadOptions};
+use kvmesh_bench::workload::{Scale, WorkloadOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quick_fork_ab_moves_kv_only_with_p2p() {
     let out = tempfile::tempdir().unwrap();
     let plan = Plan {
-        workloads: workload::build("fork", Scale::Quick, 7, &WorkloadOptions::default()).unwrap(),
+        workloads: catalog::build("fork", Scale::Quick, 7, &WorkloadOptions::default()).unwrap(),
         arms: vec![Arm::Load, Arm::LoadP2p],
         exe: PathBuf::from(env!("CARGO_BIN_EXE_kvmesh")),
         out_dir: out.path().to_owned(),

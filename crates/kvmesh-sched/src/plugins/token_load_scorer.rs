@@ -4,7 +4,8 @@
 
 use serde::Deserialize;
 
-use super::{Candidate, SchedulingContext, Scorer};
+use crate::candidate::{Candidate, SchedulingContext};
+use crate::plugin::Scorer;
 
 pub const TYPE: &str = "token-load-scorer";
 

@@ -16,9 +16,10 @@
 
 use std::sync::Arc;
 
+use kvmesh_index::EndpointId;
 use serde::{Deserialize, Serialize};
 
-use super::{Candidate, SchedulingContext};
+use crate::candidate::{Candidate, SchedulingContext};
 use crate::cost_model::CostModel;
 use crate::predict::{RateSource, TtftParams, predict};
 
@@ -98,9 +99,9 @@ impl SkipReason {
 /// Outcome of source selection, with everything `/debug/decisions` shows.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct P2pDecision {
-    /// Index (into the candidates given) of the named source.
+    /// The named source (what the router turns into `remote_kv_source`).
     #[serde(skip)]
-    pub source: Option<usize>,
+    pub source: Option<EndpointId>,
     pub source_endpoint: Option<String>,
     pub skipped: Option<SkipReason>,
     /// CPU-tier tokens of the sampled source (0 if none).
@@ -251,7 +252,7 @@ impl P2pSourceProducer {
                 return d;
             }
         }
-        d.source = Some(src);
+        d.source = Some(source.endpoint);
         d.why = format!("pull {} tokens from {}", d.delta_tokens, source.name);
         d
     }
@@ -362,7 +363,7 @@ mod tests {
         let refs: Vec<&Candidate> = c.iter().collect();
         let p = producer(512, P2pMode::Predicted);
         let d = p.select(&ctx("a"), &refs, 0);
-        assert_eq!(d.source, Some(1), "{d:?}");
+        assert_eq!(d.source, Some(EndpointId(1)), "{d:?}");
         assert_eq!(d.delta_tokens, 3200);
         let (pull, rec) = (
             d.predicted_pull_ms.expect("priced"),
@@ -404,11 +405,11 @@ mod tests {
         // "a": 0xe40c292c / 2^32 = 0.8908 × 1.5 = 1.336 → past e1's 1.0 → e2.
         let d = p.select(&ctx("a"), &refs, 0);
         assert_eq!(d.band, vec!["e1", "e2"]);
-        assert_eq!(d.source, Some(2));
+        assert_eq!(d.source, Some(EndpointId(2)));
         assert_eq!(d.source_tokens, 99 * 16);
         assert_eq!(d.delta_tokens, 99 * 16);
         // "": 0x811c9dc5 / 2^32 = 0.5043 × 1.5 = 0.756 → e1.
-        assert_eq!(p.select(&ctx(""), &refs, 0).source, Some(1));
+        assert_eq!(p.select(&ctx(""), &refs, 0).source, Some(EndpointId(1)));
     }
 
     #[test]
@@ -419,7 +420,7 @@ mod tests {
         let d = producer(160, P2pMode::Threshold).select(&ctx("x"), &refs, 0);
         assert_eq!(
             (d.source, d.computing_tokens, d.delta_tokens),
-            (Some(1), 1440, 160)
+            (Some(EndpointId(1)), 1440, 160)
         );
         let d = producer(161, P2pMode::Threshold).select(&ctx("x"), &refs, 0);
         assert_eq!(d.skipped, Some(SkipReason::BelowThreshold));
@@ -472,7 +473,7 @@ mod tests {
         assert!((d.predicted_recompute_ms.expect("ran") - 25.6).abs() < 1e-9);
         let c = [cand(0, 0, 0, 0.0), cand(1, 100, 100, 0.0)];
         let refs: Vec<&Candidate> = c.iter().collect();
-        assert_eq!(p.select(&ctx("x"), &refs, 0).source, Some(1));
+        assert_eq!(p.select(&ctx("x"), &refs, 0).source, Some(EndpointId(1)));
     }
 
     #[test]

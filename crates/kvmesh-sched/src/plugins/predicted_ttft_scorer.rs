@@ -12,8 +12,9 @@
 
 use std::sync::Arc;
 
-use super::{Candidate, SchedulingContext, Scorer};
+use crate::candidate::{Candidate, SchedulingContext};
 use crate::cost_model::CostModel;
+use crate::plugin::Scorer;
 use crate::predict::{Prediction, TtftParams, predict};
 
 pub const TYPE: &str = "predicted-ttft-scorer";

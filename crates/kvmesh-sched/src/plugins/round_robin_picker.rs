@@ -3,7 +3,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::{Candidate, Picker, SchedulingContext};
+use crate::candidate::{Candidate, SchedulingContext};
+use crate::plugin::Picker;
 
 pub const TYPE: &str = "round-robin-picker";
 

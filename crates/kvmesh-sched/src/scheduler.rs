@@ -13,13 +13,14 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
+use kvmesh_index::EndpointId;
+
+use crate::candidate::{Candidate, SchedulingContext};
 use crate::config::{PluginSpec, ProfileSpec};
 use crate::cost_model::CostModel;
+use crate::plugin::{Filter, Picker, Scorer};
 use crate::plugins::p2p_source_producer::{P2pDecision, P2pSourceProducer};
-use crate::plugins::{
-    Candidate, Filter, Picker, Plugin, PluginError, SchedulingContext, Scorer, build_plugin,
-    max_score_picker,
-};
+use crate::plugins::{Plugin, PluginError, build_plugin, max_score_picker};
 use crate::predict::Prediction;
 
 /// A named scheduling profile.
@@ -68,9 +69,9 @@ pub struct FilterReport {
 #[derive(Debug, Clone, Serialize)]
 pub struct Decision {
     pub profile: String,
-    /// Index into the candidates passed to [`Profile::schedule`].
+    /// The chosen endpoint (its name is `endpoint`).
     #[serde(skip)]
-    pub chosen: Option<usize>,
+    pub chosen: Option<EndpointId>,
     pub endpoint: Option<String>,
     pub picker: String,
     pub filters: Vec<FilterReport>,
@@ -80,9 +81,15 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// The P2P source index, if one was named.
-    pub fn p2p_source(&self) -> Option<usize> {
+    /// The P2P source, if one was named.
+    pub fn p2p_source(&self) -> Option<EndpointId> {
         self.p2p.as_ref().and_then(|p| p.source)
+    }
+
+    /// The chosen endpoint's entry among the candidates the decision was made over.
+    pub fn chosen_candidate<'a>(&self, candidates: &'a [Candidate]) -> Option<&'a Candidate> {
+        let id = self.chosen?;
+        candidates.iter().find(|c| c.endpoint == id)
     }
 }
 
@@ -152,17 +159,19 @@ impl Profile {
         self.p2p.is_some()
     }
 
-    /// Runs only the profile's P2P source selection over `candidates` with `computing` as the
-    /// computing endpoint (P/D: a prefill pick, sources among prefill and decode endpoints).
+    /// Runs only the profile's P2P source selection over `candidates` with `computing` (one of
+    /// them) as the computing endpoint (P/D: a prefill pick, sources among prefill and decode
+    /// endpoints). None when the profile has no P2P plugin or `computing` is not a candidate.
     pub fn select_source(
         &self,
         ctx: &SchedulingContext<'_>,
         candidates: &[Candidate],
-        computing: usize,
+        computing: EndpointId,
     ) -> Option<P2pDecision> {
         let (_, p) = self.p2p.as_ref()?;
+        let at = candidates.iter().position(|c| c.endpoint == computing)?;
         let all: Vec<&Candidate> = candidates.iter().collect();
-        Some(p.select(ctx, &all, computing))
+        Some(p.select(ctx, &all, at))
     }
 
     /// Runs the pipeline over `candidates` (healthy endpoints able to serve the request).
@@ -250,7 +259,7 @@ impl Profile {
         };
         Decision {
             profile: self.name.clone(),
-            chosen,
+            chosen: chosen.map(|i| candidates[i].endpoint),
             endpoint: chosen.map(|i| candidates[i].name.to_string()),
             picker: self.picker.0.clone(),
             filters: filter_reports,
@@ -346,7 +355,16 @@ impl Scheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{PluginRef, RouterConfig};
+    use crate::config::PluginRef;
+
+    /// The scheduling part of a router YAML.
+    #[derive(serde::Deserialize)]
+    struct RouterConfig {
+        #[serde(default)]
+        plugins: Vec<PluginSpec>,
+        #[serde(rename = "schedulingProfiles", default)]
+        scheduling_profiles: Vec<ProfileSpec>,
+    }
     use crate::cost_model::CostModelParams;
     use crate::plugins::test_util::{ctx, rng};
 
@@ -418,7 +436,7 @@ schedulingProfiles:
         assert_eq!(d.endpoint.as_deref(), Some("b"));
         let p2p = d.p2p.as_ref().expect("ran");
         assert_eq!(p2p.source_endpoint.as_deref(), Some("a"));
-        assert_eq!(d.p2p_source(), Some(0));
+        assert_eq!(d.p2p_source(), Some(EndpointId(0)));
     }
 
     #[test]

@@ -8,7 +8,8 @@
 
 use serde::Deserialize;
 
-use super::{Candidate, SchedulingContext, Scorer};
+use crate::candidate::{Candidate, SchedulingContext};
+use crate::plugin::Scorer;
 
 pub const TYPE: &str = "queue-scorer";
 

@@ -2,7 +2,8 @@
 //! (`max(scraped waiting + running, router in-flight)`), then the fewest in-flight uncached tokens;
 //! remaining ties broken randomly.
 
-use super::{Candidate, Picker, SchedulingContext, choose};
+use crate::candidate::{Candidate, SchedulingContext};
+use crate::plugin::{Picker, choose};
 
 pub const TYPE: &str = "least-loaded-picker";
 

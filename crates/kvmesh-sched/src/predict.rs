@@ -28,8 +28,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use kvmesh_index::EndpointId;
+
+use crate::candidate::{Candidate, SchedulingContext};
 use crate::cost_model::CostModel;
-use crate::plugins::{Candidate, SchedulingContext};
 
 /// Knobs of the prediction (camelCase in YAML, snake_case accepted).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -116,9 +118,9 @@ impl TtftParams {
 /// A pull the prediction considered for one destination.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PullPlan {
-    /// Index of the source in the candidates given.
+    /// The source endpoint.
     #[serde(skip)]
-    pub source: usize,
+    pub source: EndpointId,
     pub source_endpoint: String,
     /// Tokens the source holds in its CPU tier.
     pub source_tokens: u64,
@@ -216,7 +218,7 @@ pub fn predict(
             let floor = cm.params().pull_floor_ms.min(base);
             let pull_ms = floor + (base - floor) * (1 + sharing) as f64;
             let plan = PullPlan {
-                source: i,
+                source: s.endpoint,
                 source_endpoint: s.name.to_string(),
                 source_tokens: src,
                 delta_tokens: delta,
@@ -334,7 +336,7 @@ mod tests {
         assert!(with.pulls, "{with:?}");
         assert!(with.total_ms < without.total_ms);
         let plan = with.best_pull.expect("plan");
-        assert_eq!((plan.source, plan.delta_tokens), (0, 16_384));
+        assert_eq!((plan.source, plan.delta_tokens), (EndpointId(0), 16_384));
         // A link already carrying 20 transfers makes the same pull lose to recompute.
         let mut busy = holder.clone();
         busy.pulls_out = 20;

@@ -1,7 +1,8 @@
 //! `max-score-picker`: the highest weighted score; ties broken *randomly* (with the injected rng), so
 //! cold requests do not all land on the first endpoint (`docs/architecture.md#pitfalls-we-avoid`).
 
-use super::{Candidate, Picker, SchedulingContext, argmax_all, choose};
+use crate::candidate::{Candidate, SchedulingContext};
+use crate::plugin::{Picker, argmax_all, choose};
 
 pub const TYPE: &str = "max-score-picker";
 

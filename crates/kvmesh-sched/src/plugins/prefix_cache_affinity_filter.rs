@@ -11,7 +11,8 @@
 use serde::Deserialize;
 
 use super::prefix_cache_scorer::PrefixParams;
-use super::{Candidate, Filter, FilterOutcome, SchedulingContext};
+use crate::candidate::{Candidate, SchedulingContext};
+use crate::plugin::{Filter, FilterOutcome};
 
 pub const TYPE: &str = "prefix-cache-affinity-filter";
 

@@ -1,7 +1,8 @@
 //! `kv-cache-utilization-scorer`: `1 − kv_cache_usage` (scraped `vllm:kv_cache_usage_perc`, 0..1).
 //! An endpoint not yet scraped scores as empty (1.0) — the same for all of them, so it does not bias.
 
-use super::{Candidate, SchedulingContext, Scorer};
+use crate::candidate::{Candidate, SchedulingContext};
+use crate::plugin::Scorer;
 
 pub const TYPE: &str = "kv-cache-utilization-scorer";
 

@@ -3,7 +3,8 @@
 
 use rand::Rng;
 
-use super::{Candidate, Picker, SchedulingContext};
+use crate::candidate::{Candidate, SchedulingContext};
+use crate::plugin::Picker;
 
 pub const TYPE: &str = "weighted-random-picker";
 

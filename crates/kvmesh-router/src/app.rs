@@ -1,0 +1,216 @@
+//! The HTTP surface: the axum app, the OpenAI endpoints (parsed once, then the aggregated or the
+//! P/D route), and the operator endpoints (`/health`, `/metrics`, `/debug/prefix`,
+//! `/debug/decisions`, `/v1/models`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvmesh_core::chain::chain_keys;
+use kvmesh_sched::decisions::DecisionRecord;
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::pd_route::route_pd;
+use crate::prefix::match_of;
+use crate::request::{self, ApiKind};
+use crate::route::route_aggregated;
+use crate::state::RouterState;
+
+/// Request header selecting a scheduling profile by name.
+pub const PROFILE_HEADER: &str = "x-kvmesh-profile";
+
+/// Bodies larger than this are parsed and tokenized on a blocking thread.
+const BLOCKING_PARSE_BYTES: usize = 64 * 1024;
+
+/// The axum app.
+pub fn app(state: Arc<RouterState>) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/debug/prefix", post(debug_prefix))
+        .route("/debug/decisions", get(debug_decisions))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn completions(
+    State(s): State<Arc<RouterState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    serve(s, ApiKind::Completions, headers, body).await
+}
+
+async fn chat_completions(
+    State(s): State<Arc<RouterState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    serve(s, ApiKind::Chat, headers, body).await
+}
+
+/// Parses an OpenAI request (400 on bad input, no engine touched) and routes it: the P/D path
+/// when configured and no profile is named, else the named (or default) profile's aggregated path.
+async fn serve(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Bytes) -> Response {
+    let t0 = Instant::now();
+    // Big prompts (hundreds of thousands of tokens) take real CPU to parse and tokenize: keep that
+    // off the async workers.
+    let parsed = if body.len() > BLOCKING_PARSE_BYTES {
+        let tokenizer = Arc::clone(&s.tokenizer);
+        match tokio::task::spawn_blocking(move || request::parse(kind, body, &*tokenizer)).await {
+            Ok(r) => r,
+            Err(e) => Err(ApiError::bad_request(format!(
+                "request parsing failed: {e}"
+            ))),
+        }
+    } else {
+        request::parse(kind, body, &*s.tokenizer)
+    };
+    let parsed = match parsed {
+        Ok(p) => p,
+        Err(e) => {
+            s.metrics.error("bad_request");
+            return e.into_response();
+        }
+    };
+    let profile_name = headers.get(PROFILE_HEADER).and_then(|v| v.to_str().ok());
+    // P/D: requests not pinned to a profile take the prefill + decode path.
+    if profile_name.is_none()
+        && let Some(pd) = s.pd.clone()
+    {
+        return route_pd(s, pd, kind, headers, parsed).await;
+    }
+    let Some(profile) = s.scheduler.profile(profile_name) else {
+        s.metrics.error("bad_request");
+        return ApiError::bad_request(format!(
+            "unknown scheduling profile {:?}; configured: {:?}",
+            profile_name.unwrap_or_default(),
+            s.scheduler.profile_names()
+        ))
+        .into_response();
+    };
+    route_aggregated(s, profile, kind, headers, parsed, t0).await
+}
+
+async fn models(State(s): State<Arc<RouterState>>) -> Response {
+    let list = s.endpoints.list();
+    let Some(ep) = list.iter().find(|e| e.is_healthy()) else {
+        return ApiError::service_unavailable("no healthy endpoint").into_response();
+    };
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        s.client.get(ep.url("/v1/models")).send(),
+    )
+    .await
+    {
+        Ok(Ok(r)) => {
+            let status = r.status();
+            let ct = r.headers().get(header::CONTENT_TYPE).cloned();
+            match r.bytes().await {
+                Ok(b) => {
+                    let mut resp = Response::new(Body::from(b));
+                    *resp.status_mut() = status;
+                    if let Some(ct) = ct {
+                        resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+                    }
+                    resp
+                }
+                Err(e) => {
+                    ApiError::bad_gateway(format!("endpoint {}: {e}", ep.name)).into_response()
+                }
+            }
+        }
+        Ok(Err(e)) => ApiError::bad_gateway(format!("endpoint {}: {e}", ep.name)).into_response(),
+        Err(_) => ApiError::gateway_timeout(format!("endpoint {} did not answer", ep.name))
+            .into_response(),
+    }
+}
+
+async fn health(State(s): State<Arc<RouterState>>) -> Response {
+    let list = s.endpoints.list();
+    let healthy = list.iter().filter(|e| e.is_healthy()).count();
+    let status = if healthy > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let mut body = json!({"status": if healthy > 0 {"ok"} else {"no healthy endpoint"}, "healthy_endpoints": healthy, "endpoints": list.len()});
+    if let Some(pd) = &s.pd {
+        // vLLM's multi-turn proxy reports these two.
+        let (cached, evicted) = pd.health();
+        body["cached_conversations"] = json!(cached);
+        body["evicted_stale"] = json!(evicted);
+    }
+    (status, axum::Json(body)).into_response()
+}
+
+async fn metrics(State(s): State<Arc<RouterState>>) -> Response {
+    s.metrics.refresh(&s.endpoints, &s.cost_model);
+    let mut text = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &s.registry) {
+        return ApiError::service_unavailable(format!("encoding metrics: {e}")).into_response();
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn debug_prefix(State(s): State<Arc<RouterState>>, body: Bytes) -> Response {
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return ApiError::bad_request(format!("invalid JSON: {e}")).into_response(),
+    };
+    let tokens = if let Some(ids) = value.get("token_ids") {
+        request::prompt_tokens(ids, &*s.tokenizer)
+    } else if let Some(p) = value.get("prompt") {
+        request::prompt_tokens(p, &*s.tokenizer)
+    } else if let Some(m) = value.get("messages") {
+        request::chat_tokens(m, true, &*s.tokenizer)
+    } else {
+        Err(ApiError::bad_request(
+            "give one of 'prompt', 'token_ids' or 'messages'",
+        ))
+    };
+    let tokens = match tokens {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    let bs = s.config.block_size;
+    let keys = chain_keys(&tokens, bs);
+    let matches = s.prefix.find_matches(&keys);
+    let mut per = serde_json::Map::new();
+    for e in s.endpoints.list().iter() {
+        let m = match_of(&matches, e.id);
+        per.insert(
+            e.name.to_string(),
+            json!({"gpu_tokens": m.gpu_blocks * bs, "cpu_tokens": m.cpu_blocks * bs, "any_tokens": m.any_blocks * bs, "healthy": e.is_healthy()}),
+        );
+    }
+    axum::Json(json!({"prompt_tokens": tokens.len(), "blocks": keys.len(), "block_size": bs, "endpoints": per})).into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct LastN {
+    last: Option<usize>,
+}
+
+async fn debug_decisions(State(s): State<Arc<RouterState>>, Query(q): Query<LastN>) -> Response {
+    let last = s.decisions.last(q.last.unwrap_or(10));
+    let refs: Vec<&DecisionRecord> = last.iter().map(|r| &**r).collect();
+    axum::Json(refs).into_response()
+}

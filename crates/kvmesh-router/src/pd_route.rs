@@ -1,0 +1,532 @@
+//! P/D disaggregation in the gateway (`docs/protocols.md#pd-and-bi-directional-transfer`,
+//! `docs/architecture.md#pd-disaggregation`), NixlConnector-compatible.
+//!
+//! For each request (when `pd:` is configured and no `x-kvmesh-profile` header names a profile):
+//! 1. the conversation key is the top-level body field `conversation_id` (removed before
+//!    forwarding) or the `X-Session-ID` header; with `bidirectional: true` the decoder params
+//!    cached for it (single use, `conversation_ttl_s` < the engines' `--decoder-kv-blocks-ttl`)
+//!    are taken;
+//! 2. the decider picks P/D (`always`, or `{min_uncached_tokens: N}`: only when the prompt's
+//!    best prefill-side cache match leaves at least N tokens to compute) or decode-only;
+//! 3. prefill leg on the `prefill_profile`'s pick among `role: prefill` endpoints: body with
+//!    `stream=false`, `max_tokens=1` (and `max_completion_tokens=1` if present), no
+//!    `stream_options`, `kv_transfer_params` = [`KvTransferParams::prefill_leg`] merged with the
+//!    conversation's decoder params; without those, the prefill profile's `p2p-source-producer`
+//!    may name any endpoint (a decoder publishes its CPU-tier history) as `remote_kv_source`;
+//! 4. decode leg on the `decode_profile`'s pick among `role: decode` endpoints with the prefill
+//!    response's `kv_transfer_params` verbatim; the decoder's answer streams to the client while
+//!    its final `kv_transfer_params` (last chunk / non-stream body) is cached for the
+//!    conversation. A failed prefill leg falls back to decode-only (the decoder computes).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use kvmesh_core::chain::chain_keys;
+use kvmesh_core::{KvTransferParams, RemoteKvSource};
+use kvmesh_index::EndpointMatch;
+use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
+use kvmesh_sched::{Candidate, Decision, SchedulingContext};
+use serde_json::Value;
+
+use crate::candidates::{by_id, candidates_of, with_role};
+use crate::config::{Decider, Role};
+use crate::conversations::PdRouter;
+use crate::endpoints::Endpoint;
+use crate::error::ApiError;
+use crate::forward::{
+    DECISION_HEADER, ParamsSink, Tap, engine_request, error_chain, forwarded_headers, request_id,
+    send_to_engine, tap_body, wants_explanation,
+};
+use crate::prefix::match_of;
+use crate::remote_source::{NamedSource, name_source};
+use crate::request::{ApiKind, ParsedRequest};
+use crate::state::{Placement, RouterState, outcome};
+
+/// Response header naming the endpoint that ran the prefill leg.
+pub const PREFILL_ENDPOINT_HEADER: &str = "x-kvmesh-prefill-endpoint";
+/// Request header carrying a conversation id (vLLM's multi-turn benchmark sends it).
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// The prefill leg's body fields (`docs/protocols.md#pd-and-bi-directional-transfer`), given the
+/// client's request.
+pub fn prefill_leg_body(
+    parsed: &ParsedRequest,
+    history: Option<&KvTransferParams>,
+    source: Option<RemoteKvSource>,
+) -> Result<ParsedRequest, serde_json::Error> {
+    let mut p = parsed.clone();
+    p.set_field("stream", &false)?;
+    p.set_field("max_tokens", &1)?;
+    if p.fields.contains_key("max_completion_tokens") {
+        p.set_field("max_completion_tokens", &1)?;
+    }
+    p.fields.remove("stream_options");
+    let mut kv = KvTransferParams::prefill_leg();
+    if let Some(h) = history {
+        // The decoder's location of the conversation so far: the prefill engine reads it.
+        kv.remote_engine_id = h.remote_engine_id.clone();
+        kv.remote_block_ids = h.remote_block_ids.clone();
+        kv.remote_host = h.remote_host.clone();
+        kv.remote_port = h.remote_port.clone();
+        kv.remote_request_id = h.remote_request_id.clone();
+        kv.remote_num_tokens = h.remote_num_tokens;
+        kv.remote_blocks_expiry_time = h.remote_blocks_expiry_time;
+        kv.tp_size = h.tp_size;
+    }
+    kv.remote_kv_source = source;
+    p.set_field("kv_transfer_params", &kv)?;
+    Ok(p)
+}
+
+/// Takes the conversation key out of the request (`conversation_id` is never forwarded).
+fn conversation_key(parsed: &mut ParsedRequest, headers: &HeaderMap) -> Option<String> {
+    let from_body = parsed.fields.remove("conversation_id").map(|raw| {
+        parsed.modified = true;
+        serde_json::from_str::<Value>(raw.get())
+            .ok()
+            .map(|v| match v {
+                Value::String(s) => s,
+                other => other.to_string(),
+            })
+    });
+    from_body.flatten().or_else(|| {
+        headers
+            .get(SESSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|s| !s.is_empty() && s.len() <= 256)
+            .map(str::to_owned)
+    })
+}
+
+/// The P/D path (see the module docs).
+pub(crate) async fn route_pd(
+    s: Arc<RouterState>,
+    pd: Arc<PdRouter>,
+    kind: ApiKind,
+    headers: HeaderMap,
+    mut parsed: ParsedRequest,
+) -> Response {
+    let conv = conversation_key(&mut parsed, &headers);
+    let rid = request_id(&headers);
+    let bs = s.config.block_size;
+    let keys = chain_keys(&parsed.tokens, bs);
+    let matches = s.prefix.find_matches(&keys);
+    let list = s.endpoints.list();
+    let mut decoders = with_role(&list, Role::Decode);
+    if decoders.is_empty() {
+        decoders = with_role(&list, Role::Both);
+    }
+    if decoders.is_empty() {
+        s.metrics.error("no_endpoint");
+        return ApiError::service_unavailable("no healthy decode endpoint").into_response();
+    }
+    let history = match (&conv, pd.config.bidirectional) {
+        (Some(c), true) => pd.take(c),
+        _ => None,
+    };
+    let ctx = SchedulingContext {
+        request_id: &rid,
+        prompt_tokens: parsed.tokens.len(),
+        total_blocks: keys.len(),
+        block_size: bs,
+        max_tokens: parsed.max_tokens,
+    };
+    let legs = Legs {
+        s: &s,
+        pd: &pd,
+        kind,
+        headers: &headers,
+        ctx: &ctx,
+        list: &list,
+        matches: &matches,
+    };
+    let prefill = legs.prefill(&parsed, history).await;
+    legs.decode(&decoders, parsed, prefill, conv).await
+}
+
+/// What the prefill leg produced for the decode leg.
+#[derive(Default)]
+struct Prefilled {
+    /// The prefill engine's `kv_transfer_params` (None: the decoder computes everything).
+    decode_params: Option<Value>,
+    /// The endpoint that ran it.
+    endpoint: Option<Arc<str>>,
+    /// Its part of the `x-kvmesh-decision` summary.
+    explain: Option<Value>,
+}
+
+/// One P/D request's shared inputs.
+struct Legs<'a> {
+    s: &'a RouterState,
+    pd: &'a Arc<PdRouter>,
+    kind: ApiKind,
+    headers: &'a HeaderMap,
+    ctx: &'a SchedulingContext<'a>,
+    list: &'a [Arc<Endpoint>],
+    matches: &'a [EndpointMatch],
+}
+
+impl Legs<'_> {
+    /// Decides whether to disaggregate and, if so, runs the prefill leg. A failed prefill leg is
+    /// logged and counted; the decoder then computes the whole prompt.
+    async fn prefill(
+        &self,
+        parsed: &ParsedRequest,
+        history: Option<KvTransferParams>,
+    ) -> Prefilled {
+        let s = self.s;
+        let prefillers = with_role(self.list, Role::Prefill);
+        let pcands = candidates_of(&prefillers, self.matches);
+        let bs = self.ctx.block_size;
+        let best_prefill_hit = pcands.iter().map(|c| c.any_blocks * bs).max().unwrap_or(0);
+        let uncached = parsed.tokens.len().saturating_sub(best_prefill_hit) as u64;
+        let disaggregate = !prefillers.is_empty()
+            && match &self.pd.config.decider {
+                Decider::MinUncached {
+                    min_uncached_tokens,
+                } => uncached >= *min_uncached_tokens,
+                Decider::Named(_) => true,
+            };
+        let profile = match s.scheduler.profile(Some(&self.pd.config.prefill_profile)) {
+            Some(p) if disaggregate => p,
+            _ => return Prefilled::default(),
+        };
+        let t0 = Instant::now();
+        let mut decision = s.scheduler.schedule(&profile, self.ctx, &pcands);
+        let chosen = decision.chosen_candidate(&pcands).cloned();
+        // What the prefiller is told to read, recorded as the decision's P2P part: the
+        // conversation history from its decoder, else (the profile's pick over every endpoint
+        // holding the prefix in its CPU tier — decoders publish theirs) a P2P source.
+        let source = match (&chosen, &history) {
+            (Some(_), Some(h)) => {
+                decision.p2p = Some(history_read(h, self.list));
+                None
+            }
+            (Some(c), None) => {
+                let mut all = pcands.clone();
+                let others: Vec<Arc<Endpoint>> = self
+                    .list
+                    .iter()
+                    .filter(|e| e.is_healthy() && e.spec.role != Role::Prefill)
+                    .cloned()
+                    .collect();
+                all.extend(candidates_of(&others, self.matches));
+                decision.p2p = profile.select_source(self.ctx, &all, c.endpoint);
+                name_source(decision.p2p.as_mut(), self.list, self.ctx.request_id)
+            }
+            (None, _) => None,
+        };
+        let mut out = Prefilled::default();
+        let Some(chosen) = chosen else {
+            self.record(t0, "pd_prefill", decision);
+            return out;
+        };
+        let reads = history.is_some() || source.is_some();
+        out.explain = Some(self.placed_leg(&profile.name, &chosen, reads, &decision, t0));
+        self.record(t0, "pd_prefill", decision);
+        let Some(pep) = by_id(self.list, chosen.endpoint).cloned() else {
+            return out;
+        };
+        let source_hp = source.as_ref().map(NamedSource::host_port);
+        let body = match prefill_leg_body(
+            parsed,
+            history.as_ref(),
+            source.as_ref().map(|n| n.params.clone()),
+        ) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot encode prefill leg");
+                return out;
+            }
+        };
+        let mut guard = pep.load.acquire(uncached, 1);
+        if let Some(src) = &source {
+            guard.track_pull(&src.endpoint.load);
+        }
+        match self.run_prefill(&pep, body, source_hp.as_deref()).await {
+            Ok(params) => {
+                self.pd.leg("prefill", "ok");
+                out.decode_params = Some(params);
+                out.endpoint = Some(Arc::clone(&pep.name));
+            }
+            Err(e) => {
+                self.pd.leg("prefill", "error");
+                tracing::warn!(endpoint = %pep.name, error = %e, "prefill leg failed; decoding without it");
+            }
+        }
+        drop(guard);
+        out
+    }
+
+    /// Places and forwards the decode leg (with the prefill leg's params, if any); its body
+    /// streams to the client while the decoder's final params are cached for the conversation.
+    async fn decode(
+        &self,
+        decoders: &[Arc<Endpoint>],
+        mut parsed: ParsedRequest,
+        prefill: Prefilled,
+        conv: Option<String>,
+    ) -> Response {
+        let s = self.s;
+        let dcands = candidates_of(decoders, self.matches);
+        let dprofile = s
+            .scheduler
+            .profile(Some(&self.pd.config.decode_profile))
+            .or_else(|| s.scheduler.profile(None));
+        let Some(dprofile) = dprofile else {
+            return ApiError::service_unavailable("no decode profile").into_response();
+        };
+        let t0 = Instant::now();
+        let decision = s.scheduler.schedule(&dprofile, self.ctx, &dcands);
+        let chosen = decision.chosen_candidate(&dcands).cloned();
+        let reads = prefill.decode_params.is_some();
+        let leg = if reads { "decode" } else { "decode_only" };
+        let explain_decode = chosen
+            .as_ref()
+            .map(|c| self.placed_leg(&dprofile.name, c, reads, &decision, t0));
+        self.record(
+            t0,
+            if reads { "pd_decode" } else { "decode_only" },
+            decision,
+        );
+        let Some(dep) = chosen.and_then(|c| by_id(decoders, c.endpoint).cloned()) else {
+            s.metrics.error("no_endpoint");
+            return ApiError::service_unavailable("no decode endpoint chosen").into_response();
+        };
+        if let Some(p) = &prefill.decode_params
+            && let Err(e) = parsed.set_field("kv_transfer_params", p)
+        {
+            tracing::warn!(error = %e, "cannot encode decode-leg params");
+        }
+        let payload = match parsed.body() {
+            Ok(p) => p,
+            Err(e) => {
+                s.metrics.error("internal");
+                return ApiError::bad_request(format!("cannot re-encode body: {e}"))
+                    .into_response();
+            }
+        };
+        let local = match_of(self.matches, dep.id).any_blocks as u64 * self.ctx.block_size as u64;
+        let prompt = parsed.tokens.len() as u64;
+        let read = if reads { prompt } else { local };
+        let guard = dep
+            .load
+            .acquire(prompt.saturating_sub(read), parsed.max_tokens.unwrap_or(16));
+        let req = engine_request(
+            s,
+            &dep,
+            self.kind,
+            self.ctx.request_id,
+            self.headers,
+            payload,
+            None,
+        );
+        let upstream = match send_to_engine(s, &dep, req).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.pd.leg(leg, "error");
+                return e.into_response();
+            }
+        };
+        let status = upstream.status();
+        self.pd
+            .leg(leg, if status.is_success() { "ok" } else { "error" });
+        let mut resp_headers = forwarded_headers(&upstream, &dep);
+        if let Some(p) = &prefill.endpoint
+            && let Ok(v) = HeaderValue::from_str(p)
+        {
+            resp_headers.insert(HeaderName::from_static(PREFILL_ENDPOINT_HEADER), v);
+        }
+        if wants_explanation(self.headers) {
+            let summary = serde_json::json!({
+                "request_id": self.ctx.request_id,
+                "prefill": prefill.explain,
+                "decode": explain_decode,
+            });
+            if let Ok(v) = HeaderValue::from_str(&summary.to_string()) {
+                resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
+            }
+        }
+        let capture = (self.pd.config.bidirectional && status.is_success())
+            .then_some(conv)
+            .flatten()
+            .map(|key| {
+                let pd = Arc::clone(self.pd);
+                let sink: ParamsSink = Box::new(move |p| pd.store(key.clone(), p));
+                (parsed.stream, sink)
+            });
+        let tap = Tap {
+            guard,
+            learn: None,
+            dispatch: None,
+            capture,
+        };
+        let mut resp = Response::new(tap_body(upstream, tap));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = resp_headers;
+        resp
+    }
+
+    /// Counts one scheduled leg (placed on `chosen`, reading KV from a peer or not) in the
+    /// router's placement metrics; returns its part of the `x-kvmesh-decision` explanation.
+    fn placed_leg(
+        &self,
+        profile: &str,
+        chosen: &Candidate,
+        reads_from_peer: bool,
+        decision: &Decision,
+        t0: Instant,
+    ) -> Value {
+        let outcome = outcome(reads_from_peer, chosen.any_blocks as u64);
+        let p2p = decision.p2p.as_ref();
+        self.s
+            .count_placement(profile, &chosen.name, outcome, p2p, t0.elapsed());
+        serde_json::json!({
+            "endpoint": chosen.name.as_ref(),
+            "outcome": outcome,
+            "p2p_source": p2p.and_then(|p| p.source_endpoint.clone()),
+            "p2p_why": p2p.map(|p| p.why.clone()),
+        })
+    }
+
+    /// Adds a P/D leg's decision to `/debug/decisions` (outcome `pd_prefill`, `pd_decode` or
+    /// `decode_only`).
+    fn record(&self, t0: Instant, outcome: &'static str, decision: Decision) {
+        let placement = Placement {
+            kind: self.kind,
+            ctx: self.ctx,
+            outcome,
+            scheduling: t0.elapsed(),
+            held: Duration::ZERO,
+        };
+        self.s.record(placement, decision);
+    }
+
+    /// Sends the prefill leg and returns the engine's `kv_transfer_params` (must be an object).
+    async fn run_prefill(
+        &self,
+        ep: &Endpoint,
+        body: ParsedRequest,
+        source_host_port: Option<&str>,
+    ) -> Result<Value, String> {
+        let s = self.s;
+        let payload = body.body().map_err(|e| e.to_string())?;
+        let req = engine_request(
+            s,
+            ep,
+            self.kind,
+            self.ctx.request_id,
+            self.headers,
+            payload,
+            source_host_port,
+        );
+        let fut = async {
+            let r = req.send().await.map_err(|e| error_chain(&e))?;
+            let status = r.status();
+            let bytes = r.bytes().await.map_err(|e| error_chain(&e))?;
+            if !status.is_success() {
+                return Err(format!("status {status}"));
+            }
+            let v: Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+            match v.get("kv_transfer_params") {
+                Some(p @ Value::Object(_)) => Ok(p.clone()),
+                _ => Err("no kv_transfer_params in the prefill response".to_owned()),
+            }
+        };
+        tokio::time::timeout(s.config.request_timeout, fut)
+            .await
+            .map_err(|_| "timeout".to_owned())?
+    }
+}
+
+/// The prefill leg's read of a conversation's history from the decoder that holds it, as a P2P
+/// decision for `/debug/decisions`.
+fn history_read(h: &KvTransferParams, list: &[Arc<Endpoint>]) -> P2pDecision {
+    let text = |v: &Option<Value>| match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => "?".to_owned(),
+    };
+    let host_port = format!("{}:{}", text(&h.remote_host), text(&h.remote_port));
+    let decoder = list
+        .iter()
+        .find(|e| {
+            e.spec
+                .p2p_host_port()
+                .is_some_and(|(host, port)| format!("{host}:{port}") == host_port)
+        })
+        .map_or_else(|| host_port.clone(), |e| e.name.to_string());
+    P2pDecision {
+        source: None,
+        source_endpoint: Some(decoder),
+        skipped: None,
+        source_tokens: h.remote_num_tokens.unwrap_or(0),
+        computing_tokens: 0,
+        delta_tokens: 0,
+        predicted_recompute_ms: None,
+        predicted_pull_ms: None,
+        band: Vec::new(),
+        why: format!("conversation history held by its decoder at {host_port}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Bytes;
+    use kvmesh_text::ByteTokenizer;
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn prefill_leg_body_follows_the_protocol() {
+        let raw = Bytes::from(
+            json!({"model": "m", "prompt": "hello", "stream": true, "max_tokens": 50,
+                   "max_completion_tokens": 50, "stream_options": {"include_usage": true}})
+            .to_string(),
+        );
+        let parsed = crate::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
+        let hist = KvTransferParams {
+            do_remote_decode: Some(true),
+            remote_host: Some(json!("10.0.0.9")),
+            remote_port: Some(json!(7777)),
+            remote_block_ids: Some(json!([1, 2])),
+            remote_num_tokens: Some(40),
+            remote_blocks_expiry_time: Some(1.0e10),
+            ..Default::default()
+        };
+        let body = prefill_leg_body(&parsed, Some(&hist), None).unwrap();
+        let v: Value = serde_json::from_slice(&body.body().unwrap()).unwrap();
+        assert_eq!(v["stream"], json!(false));
+        assert_eq!(v["max_tokens"], json!(1));
+        assert_eq!(v["max_completion_tokens"], json!(1));
+        assert!(v.get("stream_options").is_none());
+        let kv = &v["kv_transfer_params"];
+        assert_eq!(kv["do_remote_decode"], json!(true));
+        assert_eq!(kv["do_remote_prefill"], json!(false));
+        assert_eq!(kv["remote_host"], json!("10.0.0.9"));
+        assert_eq!(kv["remote_num_tokens"], json!(40));
+        let plain = prefill_leg_body(&parsed, None, None).unwrap();
+        let v: Value = serde_json::from_slice(&plain.body().unwrap()).unwrap();
+        assert_eq!(
+            v["kv_transfer_params"],
+            serde_json::to_value(KvTransferParams::prefill_leg()).unwrap()
+        );
+    }
+
+    #[test]
+    fn conversation_id_is_removed_before_forwarding() {
+        let raw =
+            Bytes::from(json!({"model": "m", "prompt": "x", "conversation_id": "c-1"}).to_string());
+        let mut parsed = crate::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
+        let key = conversation_key(&mut parsed, &HeaderMap::new());
+        assert_eq!(key.as_deref(), Some("c-1"));
+        let v: Value = serde_json::from_slice(&parsed.body().unwrap()).unwrap();
+        assert!(v.get("conversation_id").is_none());
+        let mut h = HeaderMap::new();
+        h.insert(SESSION_HEADER, HeaderValue::from_static("s-9"));
+        assert_eq!(conversation_key(&mut parsed, &h).as_deref(), Some("s-9"));
+    }
+}

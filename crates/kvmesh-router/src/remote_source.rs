@@ -1,0 +1,136 @@
+//! From a scheduling decision to the `remote_kv_source` an engine is told to pull from — the one
+//! translation, used by the aggregated route and by the P/D route's prefill leg alike.
+//!
+//! The decision names its source by endpoint id ([`P2pDecision::source`]); here it becomes that
+//! endpoint's P2P address plus the request id the producer logs (`docs/protocols.md`, keys as in
+//! vLLM's P2P tier and llm-d).
+
+use std::sync::Arc;
+
+use kvmesh_core::RemoteKvSource;
+use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
+
+use crate::candidates::by_id;
+use crate::endpoints::Endpoint;
+
+/// A pull the router names: the source endpoint and what the computing engine receives.
+#[derive(Clone)]
+pub(crate) struct NamedSource {
+    pub endpoint: Arc<Endpoint>,
+    pub params: RemoteKvSource,
+    /// Tokens the decision expects the pull to bring (the source's lead over the computing end).
+    pub delta_tokens: u64,
+}
+
+impl NamedSource {
+    /// `host:port`, as llm-d's `x-kv-cache-source-host-port` header carries it.
+    pub fn host_port(&self) -> String {
+        format!("{}:{}", self.params.remote_host, self.params.remote_port)
+    }
+}
+
+/// The source `p2p` names among `endpoints`, as parameters for the computing engine. A source that
+/// is no longer listed or has no P2P address is not named, and the decision is corrected to say
+/// so: nothing is sent, so `/debug/decisions` must not claim a pull.
+pub(crate) fn name_source(
+    p2p: Option<&mut P2pDecision>,
+    endpoints: &[Arc<Endpoint>],
+    request_id: &str,
+) -> Option<NamedSource> {
+    let d = p2p?;
+    let id = d.source?;
+    let named = by_id(endpoints, id).and_then(|ep| {
+        let (host, port) = ep.spec.p2p_host_port()?;
+        Some(NamedSource {
+            endpoint: Arc::clone(ep),
+            params: RemoteKvSource {
+                kv_request_id: request_id.to_owned(),
+                remote_host: host,
+                remote_port: port,
+            },
+            delta_tokens: d.delta_tokens.max(0) as u64,
+        })
+    });
+    if named.is_none() {
+        d.why = format!(
+            "{} (not named: {} has no p2p address)",
+            d.why,
+            d.source_endpoint.as_deref().unwrap_or("?")
+        );
+        d.source = None;
+        d.source_endpoint = None;
+    }
+    named
+}
+
+#[cfg(test)]
+mod tests {
+    use kvmesh_index::EndpointId;
+
+    use super::*;
+    use crate::config::EndpointSpec;
+
+    fn endpoint(id: u32, name: &str, p2p: Option<&str>) -> Arc<Endpoint> {
+        let spec = EndpointSpec {
+            name: name.to_owned(),
+            url: format!("http://127.0.0.1:{}", 8100 + id),
+            kv_events: None,
+            p2p: p2p.map(str::to_owned),
+            role: Default::default(),
+        };
+        Arc::new(Endpoint::new(EndpointId(id), spec))
+    }
+
+    fn decision(source: Option<u32>) -> P2pDecision {
+        P2pDecision {
+            source: source.map(EndpointId),
+            source_endpoint: source.map(|i| format!("e{i}")),
+            skipped: None,
+            source_tokens: 512,
+            computing_tokens: 0,
+            delta_tokens: 512,
+            predicted_recompute_ms: None,
+            predicted_pull_ms: None,
+            band: Vec::new(),
+            why: "pull".to_owned(),
+        }
+    }
+
+    #[test]
+    fn the_named_endpoint_is_found_by_id_wherever_it_is_listed() {
+        // The decision was made over a different list (P/D: prefill + decode candidates); the id
+        // still finds the right endpoint.
+        let list = vec![
+            endpoint(7, "e7", Some("10.0.0.7:7100")),
+            endpoint(3, "e3", Some("10.0.0.3:7100")),
+        ];
+        let mut d = decision(Some(3));
+        let named = name_source(Some(&mut d), &list, "req-9").expect("named");
+        assert_eq!(named.endpoint.name.as_ref(), "e3");
+        assert_eq!(named.params.remote_host, "10.0.0.3");
+        assert_eq!(named.params.remote_port, 7100);
+        assert_eq!(named.params.kv_request_id, "req-9");
+        assert_eq!(named.host_port(), "10.0.0.3:7100");
+        assert_eq!(named.delta_tokens, 512);
+        assert_eq!(d.source, Some(EndpointId(3)), "the record keeps its source");
+    }
+
+    #[test]
+    fn a_source_without_p2p_address_is_not_named_and_the_record_says_so() {
+        let list = vec![endpoint(1, "e1", None)];
+        let mut d = decision(Some(1));
+        assert!(name_source(Some(&mut d), &list, "r").is_none());
+        assert_eq!(d.source, None);
+        assert!(
+            d.why.contains("not named: e1 has no p2p address"),
+            "{}",
+            d.why
+        );
+        let mut gone = decision(Some(5));
+        assert!(name_source(Some(&mut gone), &list, "r").is_none());
+        assert_eq!(gone.source_endpoint, None);
+        let mut none = decision(None);
+        assert!(name_source(Some(&mut none), &list, "r").is_none());
+        assert_eq!(none.why, "pull", "no source named: nothing to correct");
+    }
+}

@@ -1,0 +1,236 @@
+//! The aggregated route: one engine computes the prompt and decodes.
+//!
+//! Block keys are computed once; the index lookup, the admission queue (when configured) and the
+//! profile's pipeline decide the endpoint and, if the profile has a P2P plugin, a peer to pull the
+//! prefix from (`remote_kv_source`, merged into the client's `kv_transfer_params`). Load is
+//! reserved with a [`crate::load::LoadGuard`] before forwarding and released by the response tap.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use kvmesh_core::chain::chain_keys;
+use kvmesh_core::{ChainKey, KvTransferParams};
+use kvmesh_sched::{Candidate, Profile, SchedulingContext};
+use serde_json::json;
+
+use crate::candidates::{by_id, eligible, gather};
+use crate::dispatch::{Admission, Ticket};
+use crate::endpoints::Endpoint;
+use crate::error::ApiError;
+use crate::forward::{
+    DECISION_HEADER, Learn, Tap, engine_request, forwarded_headers, request_id, send_to_engine,
+    tap_body, wants_explanation,
+};
+use crate::remote_source::{NamedSource, name_source};
+use crate::request::{ApiKind, ParsedRequest};
+use crate::state::{Placement, RouterState, outcome};
+
+/// Decode tokens assumed for load accounting when a request does not say (vLLM's completions default).
+const DEFAULT_DECODE_TOKENS: u64 = 16;
+
+/// The endpoints a request may be placed on, and what the scheduler is told about each.
+struct Fleet {
+    eligible: Vec<Arc<Endpoint>>,
+    candidates: Vec<Candidate>,
+}
+
+/// Places and forwards an aggregated request (`t0`: when the router received it).
+pub(crate) async fn route_aggregated(
+    s: Arc<RouterState>,
+    profile: Arc<Profile>,
+    kind: ApiKind,
+    headers: HeaderMap,
+    mut parsed: ParsedRequest,
+    t0: Instant,
+) -> Response {
+    let request_id = request_id(&headers);
+    let bs = s.config.block_size;
+    let keys = chain_keys(&parsed.tokens, bs);
+    let Some((fleet, held, admission_ticket)) = admit(&s, &keys, parsed.tokens.len()).await else {
+        s.metrics.error("no_endpoint");
+        return ApiError::service_unavailable("no healthy endpoint").into_response();
+    };
+    let ctx = SchedulingContext {
+        request_id: &request_id,
+        prompt_tokens: parsed.tokens.len(),
+        total_blocks: keys.len(),
+        block_size: bs,
+        max_tokens: parsed.max_tokens,
+    };
+    let mut decision = s.scheduler.schedule(&profile, &ctx, &fleet.candidates);
+    let Some(chosen) = decision.chosen_candidate(&fleet.candidates).cloned() else {
+        s.metrics.error("no_endpoint");
+        return ApiError::service_unavailable("no endpoint chosen").into_response();
+    };
+    let Some(ep) = by_id(&fleet.eligible, chosen.endpoint).cloned() else {
+        s.metrics.error("no_endpoint");
+        return ApiError::service_unavailable("no endpoint chosen").into_response();
+    };
+    let source = name_source(decision.p2p.as_mut(), &fleet.eligible, &request_id);
+    let source = source.filter(|src| attach_source(&mut parsed, src));
+    let local_tokens = chosen.any_blocks as u64 * bs as u64;
+    let outcome = outcome(source.is_some(), local_tokens);
+    let pulled_tokens = source.as_ref().map_or(0, |p| p.delta_tokens);
+    let uncached = (parsed.tokens.len() as u64)
+        .saturating_sub(local_tokens)
+        .saturating_sub(pulled_tokens);
+    let decode = parsed.max_tokens.unwrap_or(DEFAULT_DECODE_TOKENS);
+    let idle_before = ep.load.snapshot().requests == 0;
+    let mut guard = ep.load.acquire(uncached, decode);
+    if let Some(src) = &source {
+        guard.track_pull(&src.endpoint.load);
+    }
+    drop(admission_ticket);
+    let scheduling = t0.elapsed();
+    s.count_placement(
+        &profile.name,
+        &ep.name,
+        outcome,
+        decision.p2p.as_ref(),
+        scheduling,
+    );
+    let summary = wants_explanation(&headers).then(|| {
+        json!({
+            "request_id": request_id,
+            "profile": profile.name,
+            "endpoint": ep.name.as_ref(),
+            "outcome": outcome,
+            "p2p_source": source.as_ref().map(|p| p.endpoint.name.to_string()),
+            "p2p_why": decision.p2p.as_ref().map(|p| p.why.clone()),
+            "scheduling_us": scheduling.as_micros() as u64,
+        })
+        .to_string()
+    });
+    let placement = Placement {
+        kind,
+        ctx: &ctx,
+        outcome,
+        scheduling: scheduling.saturating_sub(held),
+        held,
+    };
+    s.record(placement, decision);
+
+    // Forward.
+    let payload = match parsed.body() {
+        Ok(p) => p,
+        Err(e) => {
+            s.metrics.error("internal");
+            return ApiError::bad_request(format!("cannot re-encode body: {e}")).into_response();
+        }
+    };
+    let source_hp = source.as_ref().map(NamedSource::host_port);
+    let req = engine_request(
+        &s,
+        &ep,
+        kind,
+        &request_id,
+        &headers,
+        payload,
+        source_hp.as_deref(),
+    );
+    let dispatched = Instant::now();
+    let upstream = match send_to_engine(&s, &ep, req).await {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let status = upstream.status();
+    if status.is_server_error() || status.is_client_error() {
+        s.metrics.error("upstream_status");
+    }
+    let mut resp_headers = forwarded_headers(&upstream, &ep);
+    if let Some(summary) = summary
+        && let Ok(v) = HeaderValue::from_str(&summary)
+    {
+        resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
+    }
+    // Learn rates only from clean samples: a prefill-bound first byte on an otherwise idle endpoint.
+    let learn = (status.is_success()
+        && idle_before
+        && (parsed.stream || parsed.max_tokens.is_some_and(|m| m <= 1)))
+    .then(|| Learn {
+        cost_model: Arc::clone(&s.cost_model),
+        endpoint: ep.id,
+        computed_tokens: uncached,
+        pulled: source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
+        dispatched,
+    });
+    let tap = Tap {
+        guard,
+        learn,
+        dispatch: s.dispatch.clone(),
+        capture: None,
+    };
+    let mut resp = Response::new(tap_body(upstream, tap));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = resp_headers;
+    resp
+}
+
+/// The fleet to place on, after the admission queue (when configured) let the request through;
+/// with how long it was held and the ticket that holds its place until its load is counted.
+/// None when no endpoint is healthy.
+async fn admit<'a>(
+    s: &'a RouterState,
+    keys: &[ChainKey],
+    prompt_tokens: usize,
+) -> Option<(Fleet, Duration, Option<Ticket<'a>>)> {
+    let (eligible_now, candidates) = gather(s, keys);
+    if eligible_now.is_empty() {
+        return None;
+    }
+    let fleet = Fleet {
+        eligible: eligible_now,
+        candidates,
+    };
+    let Some(d) = &s.dispatch else {
+        return Some((fleet, Duration::ZERO, None));
+    };
+    let bs = s.config.block_size;
+    let best_cached = fleet
+        .candidates
+        .iter()
+        .map(|c| c.any_blocks.saturating_mul(bs))
+        .max()
+        .unwrap_or(0);
+    let work = prompt_tokens.saturating_sub(best_cached) as u64;
+    let work_ms = s.cost_model.predict_recompute_ms_configured(work);
+    let limit = d.config().max_queued_prefill_tokens;
+    // The same endpoints the request may be placed on (all healthy ones when none is `both`).
+    let has_capacity = || {
+        eligible(&s.endpoints.list())
+            .iter()
+            .any(|e| e.load.snapshot().uncached_tokens <= limit)
+    };
+    let waited = Instant::now();
+    let (how, ticket) = d.admit(work_ms, has_capacity).await;
+    if how == Admission::Direct {
+        return Some((fleet, Duration::ZERO, Some(ticket)));
+    }
+    // Placed as the fleet is now, not as it was when the request arrived.
+    let held = waited.elapsed();
+    let (eligible_now, candidates) = gather(s, keys);
+    if eligible_now.is_empty() {
+        return None;
+    }
+    let fleet = Fleet {
+        eligible: eligible_now,
+        candidates,
+    };
+    Some((fleet, held, Some(ticket)))
+}
+
+/// Puts `remote_kv_source` into the request's `kv_transfer_params` (keeping any other keys).
+/// False (and nothing pulled) when the parameters cannot be encoded.
+fn attach_source(parsed: &mut ParsedRequest, src: &NamedSource) -> bool {
+    let mut params: KvTransferParams = parsed.field("kv_transfer_params").unwrap_or_default();
+    params.remote_kv_source = Some(src.params.clone());
+    match parsed.set_field("kv_transfer_params", &params) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not encode kv_transfer_params; not pulling");
+            false
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! What every handler shares ([`RouterState`]), and how a placed request is recorded: the
+//! placement metrics, `/debug/decisions`, and the `x-kvmesh-decision` summary.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kvmesh_sched::cost_model::CostModel;
+use kvmesh_sched::decisions::{DecisionLog, DecisionRecord};
+use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
+use kvmesh_sched::{Decision, Scheduler, SchedulingContext};
+use kvmesh_text::Tokenizer;
+use prometheus_client::registry::Registry;
+
+use crate::config::RouterConfig;
+use crate::conversations::PdRouter;
+use crate::dispatch::Dispatcher;
+use crate::endpoints::EndpointSet;
+use crate::metrics::RouterMetrics;
+use crate::prefix::PrefixLookup;
+use crate::request::ApiKind;
+
+/// Everything the handlers share.
+pub struct RouterState {
+    pub config: RouterConfig,
+    pub endpoints: Arc<EndpointSet>,
+    pub prefix: Arc<dyn PrefixLookup>,
+    pub scheduler: Scheduler,
+    pub cost_model: Arc<CostModel>,
+    pub decisions: DecisionLog,
+    pub metrics: Arc<RouterMetrics>,
+    pub registry: Registry,
+    pub client: reqwest::Client,
+    pub tokenizer: Arc<dyn Tokenizer>,
+    /// P/D disaggregation, when the config has a `pd:` section.
+    pub pd: Option<Arc<PdRouter>>,
+    /// The admission queue, when the config has a `dispatch:` section.
+    pub dispatch: Option<Arc<Dispatcher>>,
+}
+
+/// Seconds since the Unix epoch (decision records carry wall-clock time).
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// How a placed request gets its prompt's KV: `pull_named` (told to read it from a peer),
+/// `local_hit` (the chosen endpoint holds some of it) or `cold`.
+pub(crate) fn outcome(reads_from_peer: bool, local_tokens: u64) -> &'static str {
+    if reads_from_peer {
+        "pull_named"
+    } else if local_tokens > 0 {
+        "local_hit"
+    } else {
+        "cold"
+    }
+}
+
+/// One scheduled placement, as the router reports it.
+pub(crate) struct Placement<'a> {
+    pub kind: ApiKind,
+    pub ctx: &'a SchedulingContext<'a>,
+    /// `pull_named` / `local_hit` / `cold`, or a P/D leg's record outcome.
+    pub outcome: &'static str,
+    /// Tokenize + keys + lookup + pipeline, without time held by the admission queue.
+    pub scheduling: Duration,
+    pub held: Duration,
+}
+
+impl RouterState {
+    /// Counts a placement on `endpoint` in the placement metrics.
+    pub(crate) fn count_placement(
+        &self,
+        profile: &str,
+        endpoint: &str,
+        outcome: &'static str,
+        p2p: Option<&P2pDecision>,
+        scheduling: Duration,
+    ) {
+        self.metrics.placed(profile, endpoint, outcome, p2p);
+        self.metrics
+            .scheduling_seconds
+            .observe(scheduling.as_secs_f64());
+    }
+
+    /// Adds a decision to `/debug/decisions`.
+    pub(crate) fn record(&self, p: Placement<'_>, decision: Decision) {
+        self.decisions.push(Arc::new(DecisionRecord {
+            request_id: p.ctx.request_id.to_owned(),
+            at: unix_now(),
+            path: p.kind.path().to_owned(),
+            prompt_tokens: p.ctx.prompt_tokens,
+            blocks: p.ctx.total_blocks,
+            scheduling_us: p.scheduling.as_micros() as u64,
+            held_ms: p.held.as_secs_f64() * 1000.0,
+            outcome: p.outcome,
+            decision,
+        }));
+    }
+}

@@ -1,0 +1,83 @@
+//! What a plugin sees: the request ([`SchedulingContext`]) and each endpoint ([`Candidate`]).
+//!
+//! Inputs come in borrowed structs whose optional fields are `Option`s, so adding an input never
+//! breaks an existing plugin. A candidate is named by its [`EndpointId`]: decisions carry ids, never
+//! positions in a list, so whoever acts on a decision finds the endpoint without translating.
+
+use std::sync::Arc;
+
+use kvmesh_index::EndpointId;
+
+/// What the scheduler knows about one endpoint for one request.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub endpoint: EndpointId,
+    pub name: Arc<str>,
+    /// Longest consecutive prefix of the request held in the GPU tier, in blocks.
+    pub gpu_blocks: usize,
+    /// Longest consecutive prefix held in the CPU tier, in blocks (what a P2P producer can serve).
+    pub cpu_blocks: usize,
+    /// Longest consecutive prefix held in either tier, in blocks.
+    pub any_blocks: usize,
+    /// Requests this router has in flight to the endpoint.
+    pub in_flight_requests: u64,
+    /// Prompt tokens of in-flight requests the endpoint still has to compute (not cached, not pulled).
+    pub in_flight_uncached_tokens: u64,
+    /// Decode tokens (max_tokens) of in-flight requests.
+    pub in_flight_decode_tokens: u64,
+    /// Scraped `vllm:num_requests_waiting` (None until the first successful scrape).
+    pub waiting: Option<f64>,
+    /// Scraped `vllm:num_requests_running`.
+    pub running: Option<f64>,
+    /// Scraped `vllm:kv_cache_usage_perc` (0..1).
+    pub kv_usage: Option<f64>,
+    /// Whether the endpoint has a P2P producer address (can be named as a pull source).
+    pub has_p2p: bool,
+    /// Pulls this router named into the endpoint that have not finished yet.
+    pub pulls_in: u64,
+    /// Pulls this router named with the endpoint as source that have not finished yet.
+    pub pulls_out: u64,
+}
+
+impl Candidate {
+    /// A candidate with no prefix, no load and no scraped metrics (tests and cold starts).
+    pub fn idle(endpoint: u32, name: &str) -> Candidate {
+        Candidate {
+            endpoint: EndpointId(endpoint),
+            name: Arc::from(name),
+            gpu_blocks: 0,
+            cpu_blocks: 0,
+            any_blocks: 0,
+            in_flight_requests: 0,
+            in_flight_uncached_tokens: 0,
+            in_flight_decode_tokens: 0,
+            waiting: None,
+            running: None,
+            kv_usage: None,
+            has_p2p: true,
+            pulls_in: 0,
+            pulls_out: 0,
+        }
+    }
+}
+
+/// What the scheduler knows about the request.
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulingContext<'a> {
+    /// The id forwarded to the engine and used for deterministic P2P sampling.
+    pub request_id: &'a str,
+    pub prompt_tokens: usize,
+    /// Full blocks of the prompt (`prompt_tokens / block_size`).
+    pub total_blocks: usize,
+    pub block_size: usize,
+    /// Requested decode length, if the request said.
+    pub max_tokens: Option<u64>,
+}
+
+impl SchedulingContext<'_> {
+    /// Prompt tokens `c` would still compute if it got the request (tier-blind local prefix).
+    pub fn uncached_tokens(&self, c: &Candidate) -> u64 {
+        let cached = c.any_blocks.saturating_mul(self.block_size);
+        self.prompt_tokens.saturating_sub(cached) as u64
+    }
+}
