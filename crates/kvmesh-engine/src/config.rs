@@ -29,9 +29,14 @@ pub struct KvEventsConfig {
     /// Only `"zmq"` publishes; `"null"` disables.
     #[serde(default = "default_publisher")]
     pub publisher: String,
-    /// `tcp://*:5557` binds; any other host connects (the subscriber then binds).
+    /// `tcp://*:5557` binds on all interfaces; any other host connects (the subscriber then binds),
+    /// unless `bind` is set. Without the key: bind `tcp://127.0.0.1:5557` (loopback; vLLM's own
+    /// default is `tcp://*:5557`, all interfaces).
     #[serde(default = "default_endpoint")]
     pub endpoint: String,
+    /// kvmesh extension: bind `endpoint` even though its host is concrete (e.g. loopback only).
+    #[serde(default)]
+    pub bind: bool,
     /// Optional ROUTER socket answering replay requests.
     #[serde(default)]
     pub replay_endpoint: Option<String>,
@@ -45,8 +50,11 @@ pub struct KvEventsConfig {
 fn default_publisher() -> String {
     "null".to_owned()
 }
+/// Where events go when the JSON names no endpoint: bound, on loopback only.
+pub const DEFAULT_KV_EVENTS_ENDPOINT: &str = "tcp://127.0.0.1:5557";
+
 fn default_endpoint() -> String {
-    "tcp://*:5557".to_owned()
+    DEFAULT_KV_EVENTS_ENDPOINT.to_owned()
 }
 fn default_buffer_steps() -> usize {
     10_000
@@ -55,8 +63,13 @@ fn default_buffer_steps() -> usize {
 impl KvEventsConfig {
     /// Parses the JSON given to `--kv-events-config`.
     pub fn parse(json: &str) -> Result<Self, ConfigError> {
-        let cfg: KvEventsConfig =
+        let raw: serde_json::Value =
             serde_json::from_str(json).map_err(|e| ConfigError::KvEvents(e.to_string()))?;
+        let defaulted = raw.get("endpoint").is_none();
+        let mut cfg: KvEventsConfig =
+            serde_json::from_value(raw).map_err(|e| ConfigError::KvEvents(e.to_string()))?;
+        // The default must not listen beyond this host; an explicit `*` still means all interfaces.
+        cfg.bind |= defaulted;
         if cfg.enabled() && !cfg.endpoint.contains("://") {
             return Err(ConfigError::KvEvents(format!(
                 "endpoint `{}` has no transport (e.g. tcp://*:5557)",
@@ -340,5 +353,19 @@ mod tests {
         assert!(KvEventsConfig::parse("{not json").is_err());
         let off = KvEventsConfig::parse(r#"{"enable_kv_cache_events":false}"#).unwrap();
         assert!(!off.enabled());
+        // An explicit `*` keeps vLLM's meaning (all interfaces, bound by the engine)...
+        assert!(!c.bind);
+        // ...while no endpoint at all binds loopback only.
+        let d = KvEventsConfig::parse(r#"{"enable_kv_cache_events":true,"publisher":"zmq"}"#)
+            .unwrap();
+        assert_eq!(
+            (d.endpoint.as_str(), d.bind),
+            (DEFAULT_KV_EVENTS_ENDPOINT, true)
+        );
+        let b = KvEventsConfig::parse(
+            r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:6000","bind":true}"#,
+        )
+        .unwrap();
+        assert!(b.bind);
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::{EventBatch, KvEvent};
-use kvmesh_events::{Publisher, PublisherConfig, PublisherHandle};
+use kvmesh_events::{EndpointMode, Publisher, PublisherConfig, PublisherHandle};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KvEventsConfig;
@@ -41,6 +41,8 @@ pub struct EventPublishing {
     pub sink: Arc<dyn KvEventSink>,
     /// The PUB endpoint actually bound (real port for `:0`) or connected to.
     pub endpoint: Option<String>,
+    /// Whether the PUB socket bound `endpoint` or connects to it (vLLM's rule: only `*` binds).
+    pub mode: Option<EndpointMode>,
     pub replay_endpoint: Option<String>,
 }
 
@@ -54,21 +56,25 @@ pub async fn start_event_publisher(
         return Ok(EventPublishing {
             sink: Arc::new(NullSink),
             endpoint: None,
+            mode: None,
             replay_endpoint: None,
         });
     };
     let mut pc = PublisherConfig::new(cfg.endpoint.clone(), cfg.topic.clone());
+    pc.bind = cfg.bind;
     pc.replay_endpoint = cfg.replay_endpoint.clone();
     pc.replay_buffer = cfg.buffer_steps.max(1);
     // One batch per engine step and per CPU-tier change; leave room for bursts.
     pc.queue_capacity = 65_536;
     let publisher = Publisher::start(pc).await?;
     let endpoint = Some(publisher.local_endpoint().to_owned());
+    let mode = Some(publisher.mode());
     let replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
     let handle = publisher.spawn(cancel);
     Ok(EventPublishing {
         sink: Arc::new(PublisherSink { handle }),
         endpoint,
+        mode,
         replay_endpoint,
     })
 }

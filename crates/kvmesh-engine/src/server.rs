@@ -54,6 +54,8 @@ pub struct RunningServer {
     pub engine: EngineHandle,
     /// The KV-event PUB endpoint bound (real port) or connected to, if events are on.
     pub events_endpoint: Option<String>,
+    /// Whether the PUB socket bound `events_endpoint` or connects to it.
+    pub events_mode: Option<kvmesh_events::EndpointMode>,
     pub replay_endpoint: Option<String>,
     /// The P2P producer's bound address (real port), when `--p2p-port` is set.
     pub p2p_addr: Option<SocketAddr>,
@@ -190,6 +192,7 @@ pub async fn start_server(
         addr: local,
         engine,
         events_endpoint: publishing.endpoint,
+        events_mode: publishing.mode,
         replay_endpoint: publishing.replay_endpoint,
         p2p_addr: producer.as_ref().map(|p| p.addr),
         p2p: consumer,

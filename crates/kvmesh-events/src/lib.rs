@@ -1,26 +1,40 @@
 //! KV-event transport over ZMQ: publisher with replay, subscriber with gap detection.
 //!
-//! Speaks vLLM's `ZmqEventPublisher` protocol (`docs/protocols.md#kv-events`) with the pure-Rust
-//! `zeromq` crate: three-part messages `[topic, seq (u64 BE), msgpack payload]` on a PUB socket,
-//! and an optional ROUTER socket that replays recent batches by sequence number. The codec lives
-//! in `kvmesh_core::events`; this crate only moves frames.
+//! Speaks vLLM's `ZmqEventPublisher` protocol (`docs/protocols.md#kv-events`) over its own ZMTP 3.0
+//! implementation ([`zmtp`]), which bounds everything a peer can make it buffer
+//! ([`limits`]: 64 MiB per event frame and message, 128 MiB buffered per SUB socket, 1 KiB per
+//! subscription or replay-request frame, 64 connections per socket, 5 s handshakes). Messages are
+//! `[topic, seq (u64 BE), msgpack payload]` on a PUB socket, plus an optional ROUTER socket that
+//! replays recent batches by sequence number in vLLM 0.32's exact framing. The codec lives in
+//! `kvmesh_core::events`; this crate only moves frames.
 //!
-//! - [`Publisher`] binds when the endpoint contains `*` (`tcp://*:5557`) and connects otherwise,
-//!   like vLLM. [`Publisher::spawn`] turns it into a task fed by a cheap, cloneable, sync-callable
+//! - [`Publisher`] binds when the endpoint contains `*` or `::` or is `ipc://` (vLLM 0.32's rule)
+//!   and connects otherwise, buffering boundedly until its subscriber is there.
+//!   [`Publisher::spawn`] turns it into a task fed by a cheap, cloneable, sync-callable
 //!   [`PublisherHandle`].
-//! - [`subscribe`] runs a background task that decodes every message and reports sequence gaps,
+//! - [`subscribe`] runs background tasks that decode every message and report sequence gaps,
 //!   publisher restarts and malformed frames as [`SubscriberItem`]s; it never panics on input.
 //! - [`request_replay`] asks a replay endpoint for every buffered batch from a sequence number.
 
 mod endpoint;
+pub mod limits;
 mod publisher;
 mod replay;
 mod subscriber;
+mod transport;
+pub mod zmtp;
 
-pub use endpoint::{EndpointMode, resolve_endpoint};
-pub use publisher::{PublishError, Publisher, PublisherConfig, PublisherHandle};
-pub use replay::{REPLAY_END_SEQ, ReplayBuffer, request_replay};
-pub use subscriber::{SeqTracker, SeqVerdict, SubscriberConfig, SubscriberItem, subscribe};
+pub use endpoint::{EndpointMode, resolve_endpoint, subscriber_mode};
+pub use publisher::{PublishError, Publisher, PublisherConfig, PublisherHandle, PublisherStats};
+pub use replay::{
+    REPLAY_END_SEQ, ReplayBuffer, ReplayOutcome, replay_failures_total, replay_malformed_total,
+    request_replay, request_replay_outcome,
+};
+pub use subscriber::{
+    SeqTracker, SeqVerdict, SubscriberConfig, SubscriberItem, SubscriberStats, subscribe,
+    subscribe_with_stats,
+};
+pub use zmtp::ZmtpError;
 
 /// Errors of the ZMQ transport.
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +45,7 @@ pub enum EventsError {
     Zmq {
         endpoint: String,
         #[source]
-        source: zeromq::ZmqError,
+        source: ZmtpError,
     },
     #[error("replay from `{endpoint}` failed: {reason}")]
     Replay { endpoint: String, reason: String },

@@ -1,24 +1,35 @@
 //! The KV-event publisher: a PUB socket that numbers batches and keeps a replay ring.
 //!
-//! Like vLLM's `ZmqEventPublisher`: bind when the endpoint has a `*` host, connect otherwise; each
-//! batch is sent as `[topic, seq, payload]` with `seq` from 0, +1 per batch. In connect mode the
-//! publisher (re)connects in the background of `publish` calls, so an engine never waits on an
-//! absent subscriber — PUB drops what nobody listens to, the replay ring keeps it.
+//! Like vLLM's `ZmqEventPublisher`: bind when the endpoint has a `*` host (see
+//! [`resolve_endpoint`]), connect otherwise; each batch is sent as `[topic, seq, payload]` with
+//! `seq` from 0, +1 per batch. Publishing never waits on a peer: each subscriber has a bounded
+//! queue (ZMQ's SNDHWM) drained by its own task, and a full queue drops the message for that peer.
+//! In connect mode the socket reconnects in the background (at most 1 s apart) and, while no
+//! subscriber is there, keeps the newest batches in a bounded buffer that it delivers as soon as
+//! one subscribes, so an engine that starts before its router loses nothing.
+//! What a subscriber may send is bounded by [`crate::limits`].
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvmesh_core::events::{EventBatch, EventEncoding, encode_batch};
+use parking_lot::Mutex;
+use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use zeromq::{PubSocket, Socket, SocketEvent, SocketOptions, SocketSend, ZmqMessage};
 
 use crate::EventsError;
 use crate::endpoint::{EndpointMode, resolve_endpoint};
-use crate::replay::{ReplayBuffer, bind_replay_server, serve_replay};
+use crate::limits::{
+    CONNECT_BUFFER_BYTES, CONNECT_BUFFER_MESSAGES, MAX_EVENT_MESSAGE, MAX_PEERS,
+    MAX_SUBSCRIPTION_FRAME, MAX_SUBSCRIPTIONS_PER_PEER, PUB_PEER_QUEUE, WRITE_TIMEOUT,
+};
+use crate::replay::{ReplayBuffer, bind_replay_server};
+use crate::transport::{Addr, BoxStream, Listener, Slots, connect, timed_handshake};
+use crate::zmtp::{Limits, SocketType, encode_message, read_inbound, subscription};
 
 /// Where and how to publish.
 #[derive(Debug, Clone)]
@@ -56,10 +67,145 @@ impl PublisherConfig {
     }
 }
 
+/// Counters of what peers did to a publisher's sockets (shared, cheap to clone).
+#[derive(Debug, Clone, Default)]
+pub struct PublisherStats {
+    inner: Arc<PublisherCounters>,
+}
+
+#[derive(Debug, Default)]
+struct PublisherCounters {
+    peers_refused: AtomicU64,
+    protocol_errors: AtomicU64,
+    peer_queue_drops: AtomicU64,
+    buffered_drops: AtomicU64,
+    oversized_batches: AtomicU64,
+}
+
+impl PublisherStats {
+    /// Connections closed because every slot was taken ([`MAX_PEERS`]).
+    pub fn peers_refused(&self) -> u64 {
+        self.inner.peers_refused.load(Ordering::Relaxed)
+    }
+    /// Peers dropped for a bad handshake or for exceeding a bound (PUB and replay sockets).
+    pub fn protocol_errors(&self) -> u64 {
+        self.inner.protocol_errors.load(Ordering::Relaxed)
+    }
+    /// Messages a slow subscriber's full queue did not take.
+    pub fn peer_queue_drops(&self) -> u64 {
+        self.inner.peer_queue_drops.load(Ordering::Relaxed)
+    }
+    /// Messages the connect-mode buffer let go (oldest first) while no subscriber was there.
+    pub fn buffered_drops(&self) -> u64 {
+        self.inner.buffered_drops.load(Ordering::Relaxed)
+    }
+    /// Batches not sent because they exceeded [`MAX_EVENT_MESSAGE`] (subscribers would drop them).
+    pub fn oversized_batches(&self) -> u64 {
+        self.inner.oversized_batches.load(Ordering::Relaxed)
+    }
+    pub(crate) fn protocol_error(&self) {
+        self.inner.protocol_errors.fetch_add(1, Ordering::Relaxed);
+    }
+    pub(crate) fn peer_refused(&self) {
+        self.inner.peers_refused.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One connected subscriber.
+struct Peer {
+    id: u64,
+    subscriptions: Vec<Bytes>,
+    tx: mpsc::Sender<Bytes>,
+}
+
+impl Peer {
+    fn wants(&self, topic: &[u8]) -> bool {
+        self.subscriptions.iter().any(|s| topic.starts_with(s))
+    }
+}
+
+/// The PUB socket's shared state: peers with their subscriptions, and the connect-mode buffer.
+struct Hub {
+    peers: Vec<Peer>,
+    next_id: u64,
+    /// Connect mode: messages published while no peer wanted them, `(topic, wire)`.
+    pending: VecDeque<(Bytes, Bytes)>,
+    pending_bytes: usize,
+    buffer_when_alone: bool,
+    stats: PublisherStats,
+}
+
+impl Hub {
+    fn deliver(&mut self, topic: &Bytes, wire: Bytes) {
+        let mut wanted = false;
+        for peer in self.peers.iter().filter(|p| p.wants(topic)) {
+            wanted = true;
+            if peer.tx.try_send(wire.clone()).is_err() {
+                self.stats
+                    .inner
+                    .peer_queue_drops
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if !wanted && self.buffer_when_alone {
+            self.pending_bytes += wire.len();
+            self.pending.push_back((topic.clone(), wire));
+            while self.pending.len() > CONNECT_BUFFER_MESSAGES
+                || self.pending_bytes > CONNECT_BUFFER_BYTES
+            {
+                if let Some((_, old)) = self.pending.pop_front() {
+                    self.pending_bytes -= old.len();
+                    self.stats
+                        .inner
+                        .buffered_drops
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Applies a subscription change; `false` when the peer exceeded its subscription bound.
+    fn subscribe(&mut self, id: u64, add: bool, topic: Bytes) -> bool {
+        let Some(peer) = self.peers.iter_mut().find(|p| p.id == id) else {
+            return false;
+        };
+        if !add {
+            if let Some(i) = peer.subscriptions.iter().position(|s| *s == topic) {
+                peer.subscriptions.swap_remove(i);
+            }
+            return true;
+        }
+        if peer.subscriptions.len() >= MAX_SUBSCRIPTIONS_PER_PEER {
+            return false;
+        }
+        peer.subscriptions.push(topic);
+        // Hand the buffered backlog to the first peer that wants it, oldest first.
+        let mut keep = VecDeque::new();
+        while let Some((t, wire)) = self.pending.pop_front() {
+            if peer.wants(&t) {
+                self.pending_bytes -= wire.len();
+                if peer.tx.try_send(wire).is_err() {
+                    self.stats
+                        .inner
+                        .peer_queue_drops
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            } else {
+                keep.push_back((t, wire));
+            }
+        }
+        self.pending = keep;
+        true
+    }
+
+    fn remove(&mut self, id: u64) {
+        self.peers.retain(|p| p.id != id);
+    }
+}
+
 /// A PUB socket plus sequence numbering and a replay ring.
 pub struct Publisher {
-    socket: PubSocket,
-    monitor: futures::channel::mpsc::Receiver<SocketEvent>,
+    hub: Arc<Mutex<Hub>>,
     config: PublisherConfig,
     topic: Bytes,
     next_seq: u64,
@@ -67,28 +213,29 @@ pub struct Publisher {
     /// Resolved endpoint we bound (bind mode) or connect to (connect mode).
     local_endpoint: String,
     mode: EndpointMode,
-    connected: bool,
-    next_connect_attempt: Instant,
-    connect_backoff: Duration,
     replay_endpoint: Option<String>,
-    /// Cancels the replay server task when the publisher goes away.
-    replay_cancel: CancellationToken,
+    /// Stops the socket tasks (listener/connector, peers, replay server) with the publisher.
+    cancel: CancellationToken,
     /// Batches a handle refused; added to the sequence so subscribers see the loss as a gap.
     skipped: Arc<AtomicU64>,
+    stats: PublisherStats,
 }
 
 impl Drop for Publisher {
     fn drop(&mut self) {
-        self.replay_cancel.cancel();
+        self.cancel.cancel();
     }
 }
 
-/// Per-attempt connect timeout in connect mode: short, so a missing subscriber never stalls us.
-const CONNECT_ATTEMPT: Duration = Duration::from_millis(250);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Reconnect delays in connect mode: short, so events flow soon after a subscriber appears.
+const MIN_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(2);
+/// How long [`Publisher::start`] waits for its first connect attempt in connect mode.
+const FIRST_ATTEMPT_WAIT: Duration = Duration::from_millis(500);
 
 impl Publisher {
-    /// Binds (or prepares to connect) the PUB socket and binds the replay socket if configured.
+    /// Binds (or starts connecting) the PUB socket and binds the replay socket if configured.
     /// Must be called inside a tokio runtime.
     pub async fn start(config: PublisherConfig) -> Result<Publisher, EventsError> {
         let (endpoint, mode) = resolve_endpoint(&config.endpoint)?;
@@ -97,49 +244,74 @@ impl Publisher {
         } else {
             mode
         };
-        let mut options = SocketOptions::default();
-        options.connect_timeout(CONNECT_ATTEMPT);
-        let mut socket = PubSocket::with_options(options);
-        let monitor = socket.monitor();
+        let addr = Addr::parse(&endpoint).ok_or_else(|| EventsError::InvalidEndpoint {
+            endpoint: config.endpoint.clone(),
+            reason: "unsupported transport".into(),
+        })?;
+        let stats = PublisherStats::default();
+        let hub = Arc::new(Mutex::new(Hub {
+            peers: Vec::new(),
+            next_id: 0,
+            pending: VecDeque::new(),
+            pending_bytes: 0,
+            buffer_when_alone: mode == EndpointMode::Connect,
+            stats: stats.clone(),
+        }));
+        let cancel = CancellationToken::new();
         let local_endpoint = match mode {
-            EndpointMode::Bind => socket
-                .bind(&endpoint)
-                .await
-                .map_err(|source| EventsError::Zmq {
-                    endpoint: config.endpoint.clone(),
-                    source,
-                })?
-                .to_string(),
-            EndpointMode::Connect => endpoint,
+            EndpointMode::Bind => {
+                let (listener, bound) =
+                    Listener::bind(&addr)
+                        .await
+                        .map_err(|source| EventsError::Zmq {
+                            endpoint: config.endpoint.clone(),
+                            source: source.into(),
+                        })?;
+                tokio::spawn(accept_loop(listener, hub.clone(), cancel.clone()));
+                bound
+            }
+            EndpointMode::Connect => {
+                // Like a ZMQ connect, starting waits for the first attempt (briefly), so a
+                // subscriber that is already there gets the very first batch.
+                let (first_tx, first_rx) = tokio::sync::oneshot::channel();
+                tokio::spawn(connect_loop(
+                    addr,
+                    endpoint.clone(),
+                    hub.clone(),
+                    cancel.clone(),
+                    first_tx,
+                ));
+                let _ = tokio::time::timeout(FIRST_ATTEMPT_WAIT, first_rx).await;
+                endpoint
+            }
         };
         let ring = ReplayBuffer::new(config.replay_buffer);
-        let replay_cancel = CancellationToken::new();
         let replay_endpoint = match &config.replay_endpoint {
-            Some(ep) => {
-                let (router, bound) = bind_replay_server(ep).await?;
-                tokio::spawn(serve_replay(router, ring.clone(), replay_cancel.clone()));
-                Some(bound)
-            }
+            Some(ep) => Some(
+                bind_replay_server(
+                    ep,
+                    ring.clone(),
+                    Bytes::copy_from_slice(config.topic.as_bytes()),
+                    stats.clone(),
+                    cancel.clone(),
+                )
+                .await?,
+            ),
             None => None,
         };
-        let mut publisher = Publisher {
-            socket,
-            monitor,
+        Ok(Publisher {
+            hub,
             topic: Bytes::copy_from_slice(config.topic.as_bytes()),
             config,
             next_seq: 0,
             ring,
             local_endpoint,
             mode,
-            connected: false,
-            next_connect_attempt: Instant::now(),
-            connect_backoff: Duration::from_millis(100),
             replay_endpoint,
-            replay_cancel,
+            cancel,
             skipped: Arc::new(AtomicU64::new(0)),
-        };
-        publisher.ensure_connected().await;
-        Ok(publisher)
+            stats,
+        })
     }
 
     /// The bound endpoint with the real port (bind mode), or the endpoint connected to.
@@ -147,9 +319,19 @@ impl Publisher {
         &self.local_endpoint
     }
 
+    /// Whether the PUB socket bound [`Self::local_endpoint`] or connects to it.
+    pub fn mode(&self) -> EndpointMode {
+        self.mode
+    }
+
     /// The bound replay endpoint with the real port, if replay is on.
     pub fn replay_endpoint(&self) -> Option<&str> {
         self.replay_endpoint.as_deref()
+    }
+
+    /// Counters of peer misbehaviour and drops.
+    pub fn stats(&self) -> PublisherStats {
+        self.stats.clone()
     }
 
     /// The sequence number the next batch will carry.
@@ -164,7 +346,7 @@ impl Publisher {
 
     /// Whether a connect-mode publisher currently has its subscriber (always true when bound).
     pub fn is_connected(&self) -> bool {
-        self.mode == EndpointMode::Bind || self.connected
+        self.mode == EndpointMode::Bind || !self.hub.lock().peers.is_empty()
     }
 
     /// Encodes and publishes one batch; returns its sequence number.
@@ -173,75 +355,51 @@ impl Publisher {
         self.publish_payload(payload).await
     }
 
-    /// Publishes an already-encoded payload under the next sequence number.
+    /// Publishes an already-encoded payload under the next sequence number. Never waits for a
+    /// peer; a payload beyond [`MAX_EVENT_MESSAGE`] is not sent (its number is used, so
+    /// subscribers see a gap) because every subscriber would drop it.
     pub async fn publish_payload(&mut self, payload: Bytes) -> Result<u64, EventsError> {
         self.next_seq += self.skipped.swap(0, Ordering::Relaxed);
         let seq = self.next_seq;
         self.next_seq += 1;
+        if payload.len() + self.topic.len() + 8 > MAX_EVENT_MESSAGE {
+            self.stats
+                .inner
+                .oversized_batches
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                seq,
+                bytes = payload.len(),
+                "kv-event batch larger than the message bound; not sent"
+            );
+            return Ok(seq);
+        }
         self.ring.push(seq, payload.clone());
-        self.ensure_connected().await;
-        let mut msg = ZmqMessage::from(self.topic.clone());
-        msg.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
-        msg.push_back(payload);
-        self.socket
-            .send(msg)
-            .await
-            .map_err(|source| EventsError::Zmq {
-                endpoint: self.config.endpoint.clone(),
-                source,
-            })?;
+        let wire = encode_message(&[
+            self.topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ]);
+        self.hub.lock().deliver(&self.topic, wire);
         Ok(seq)
     }
 
     /// Sends arbitrary message parts as they are, without numbering or buffering (tests use it
     /// to inject garbage frames).
     pub async fn send_raw_parts(&mut self, parts: Vec<Bytes>) -> Result<(), EventsError> {
-        self.ensure_connected().await;
-        let msg = ZmqMessage::try_from(parts).map_err(|_| EventsError::InvalidEndpoint {
-            endpoint: self.config.endpoint.clone(),
-            reason: "a message needs at least one part".into(),
-        })?;
-        self.socket
-            .send(msg)
-            .await
-            .map_err(|source| EventsError::Zmq {
+        let Some(topic) = parts.first().cloned() else {
+            return Err(EventsError::InvalidEndpoint {
                 endpoint: self.config.endpoint.clone(),
-                source,
-            })
-    }
-
-    /// In connect mode, tracks disconnects and retries the connection with backoff. Each attempt
-    /// waits at most [`CONNECT_ATTEMPT`].
-    async fn ensure_connected(&mut self) {
-        if self.mode == EndpointMode::Bind {
-            return;
-        }
-        while let Ok(ev) = self.monitor.try_recv() {
-            if matches!(ev, SocketEvent::Disconnected(_)) {
-                tracing::info!(endpoint = %self.local_endpoint, "kv-event subscriber disconnected");
-                self.connected = false;
-            }
-        }
-        if self.connected || Instant::now() < self.next_connect_attempt {
-            return;
-        }
-        match self.socket.connect(&self.local_endpoint).await {
-            Ok(()) => {
-                tracing::info!(endpoint = %self.local_endpoint, "kv-event publisher connected");
-                self.connected = true;
-                self.connect_backoff = Duration::from_millis(100);
-            }
-            Err(e) => {
-                tracing::debug!(endpoint = %self.local_endpoint, error = %e, "kv-event connect failed");
-                self.next_connect_attempt = Instant::now() + self.connect_backoff;
-                self.connect_backoff = (self.connect_backoff * 2).min(MAX_BACKOFF);
-            }
-        }
+                reason: "a message needs at least one part".into(),
+            });
+        };
+        let wire = encode_message(&parts);
+        self.hub.lock().deliver(&topic, wire);
+        Ok(())
     }
 
     /// Moves the publisher into a task fed by the returned handle. The task publishes queued
-    /// batches in order, keeps reconnecting in connect mode, and stops on `cancel` or when every
-    /// handle is dropped.
+    /// batches in order and stops on `cancel` or when every handle is dropped.
     pub fn spawn(mut self, cancel: CancellationToken) -> PublisherHandle {
         let (tx, mut rx) = mpsc::channel::<EventBatch>(self.config.queue_capacity.max(1));
         let handle = PublisherHandle {
@@ -251,26 +409,17 @@ impl Publisher {
         };
         let errors = handle.refused.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(250));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut held: Option<EventBatch> = None;
             loop {
-                let next = match held.take() {
-                    Some(b) => Some(b),
+                let first = match held.take() {
+                    Some(b) => b,
                     None => tokio::select! {
                         _ = cancel.cancelled() => break,
                         b = rx.recv() => match b {
-                            Some(b) => Some(b),
+                            Some(b) => b,
                             None => break,
                         },
-                        _ = tick.tick() => {
-                            self.ensure_connected().await;
-                            None
-                        }
                     },
-                };
-                let Some(first) = next else {
-                    continue;
                 };
                 let (batch, rest) = coalesce(first, &mut rx);
                 held = rest;
@@ -282,6 +431,155 @@ impl Publisher {
         });
         handle
     }
+}
+
+/// Bind mode: accepts subscribers up to [`MAX_PEERS`].
+async fn accept_loop(listener: Listener, hub: Arc<Mutex<Hub>>, cancel: CancellationToken) {
+    let slots = Slots::new(MAX_PEERS);
+    loop {
+        let stream = tokio::select! {
+            _ = cancel.cancelled() => return,
+            s = listener.accept() => s,
+        };
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                // E.g. out of file descriptors: back off instead of spinning.
+                tracing::debug!(error = %e, "kv-event accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(slot) = slots.take() else {
+            hub.lock().stats.peer_refused();
+            continue;
+        };
+        let (hub, cancel) = (hub.clone(), cancel.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            serve_peer(stream, hub, cancel, None).await;
+        });
+    }
+}
+
+/// Connect mode: keeps one connection to the subscriber, reconnecting after failures.
+async fn connect_loop(
+    addr: Addr,
+    endpoint: String,
+    hub: Arc<Mutex<Hub>>,
+    cancel: CancellationToken,
+    first: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut backoff = MIN_BACKOFF;
+    let mut first = Some(first);
+    loop {
+        let attempt = tokio::time::timeout(CONNECT_ATTEMPT, connect(&addr));
+        let stream = tokio::select! {
+            _ = cancel.cancelled() => return,
+            s = attempt => s,
+        };
+        match stream {
+            Ok(Ok(stream)) => {
+                tracing::info!(endpoint = %endpoint, "kv-event publisher connected");
+                let served = serve_peer(stream, hub.clone(), cancel.clone(), first.take()).await;
+                if cancel.is_cancelled() {
+                    return;
+                }
+                tracing::info!(endpoint = %endpoint, "kv-event subscriber gone; reconnecting");
+                if served {
+                    backoff = MIN_BACKOFF;
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(endpoint = %endpoint, error = %e, "kv-event connect failed")
+            }
+            Err(_) => tracing::debug!(endpoint = %endpoint, "kv-event connect timed out"),
+        }
+        if let Some(first) = first.take() {
+            let _ = first.send(());
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// Runs one subscriber connection until it ends; returns whether the handshake succeeded.
+async fn serve_peer(
+    mut stream: BoxStream,
+    hub: Arc<Mutex<Hub>>,
+    cancel: CancellationToken,
+    registered: Option<tokio::sync::oneshot::Sender<()>>,
+) -> bool {
+    let stats = hub.lock().stats.clone();
+    if let Err(e) = timed_handshake(&mut stream, SocketType::Pub).await {
+        tracing::debug!(error = %e, "kv-event subscriber handshake failed");
+        stats.protocol_error();
+        return false;
+    }
+    let (tx, mut rx) = mpsc::channel::<Bytes>(PUB_PEER_QUEUE);
+    let id = {
+        let mut h = hub.lock();
+        let id = h.next_id;
+        h.next_id += 1;
+        h.peers.push(Peer {
+            id,
+            subscriptions: Vec::new(),
+            tx,
+        });
+        id
+    };
+    if let Some(registered) = registered {
+        let _ = registered.send(());
+    }
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    // Subscriptions are read in a task of their own: a frame read is not cancel-safe.
+    let reader_hub = hub.clone();
+    let reader_stats = stats.clone();
+    let mut reading = tokio::spawn(async move {
+        let limits = Limits {
+            max_frame: MAX_SUBSCRIPTION_FRAME,
+            max_parts: 1,
+            max_message: MAX_SUBSCRIPTION_FRAME,
+        };
+        loop {
+            match read_inbound(&mut reader, &limits, None).await {
+                Ok(inbound) => {
+                    if let Some((add, topic)) = subscription(&inbound)
+                        && !reader_hub.lock().subscribe(id, add, topic)
+                    {
+                        tracing::debug!("kv-event subscriber exceeded its subscription bound");
+                        reader_stats.protocol_error();
+                        return;
+                    }
+                }
+                Err(crate::zmtp::ZmtpError::Io(_)) => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, "kv-event subscriber dropped");
+                    reader_stats.protocol_error();
+                    return;
+                }
+            }
+        }
+    });
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = &mut reading => break,
+            wire = rx.recv() => {
+                let Some(wire) = wire else { break };
+                match tokio::time::timeout(WRITE_TIMEOUT, writer.write_all(&wire)).await {
+                    Ok(Ok(())) => {}
+                    _ => break,
+                }
+            }
+        }
+    }
+    reading.abort();
+    hub.lock().remove(id);
+    true
 }
 
 /// Most events merged into one message by [`coalesce`].

@@ -1,20 +1,35 @@
 //! vLLM's replay protocol: a ROUTER socket that resends recent batches from a sequence number.
 //!
-//! Request `[identity, "", start_seq (8 B BE)]` (what a REQ or DEALER client sends, the identity
-//! being added by ROUTER); one reply `[identity, "", seq (8 B BE), payload]` per buffered batch
-//! with `seq >= start_seq`, then the end marker `[identity, "", -1 (8 B BE signed), ""]`.
+//! Checked against vLLM 0.32's `vllm/distributed/kv_events.py` (`ZmqEventPublisher._service_replay`):
+//! a request is `[identity, "", start_seq]` at the ROUTER (what a REQ, or a DEALER that sends the
+//! empty delimiter itself, puts on the wire as `["", start_seq]`), `start_seq` a big-endian
+//! integer; each buffered batch with `seq >= start_seq` is answered as
+//! `[identity, "", topic, seq (8 B BE), payload]`, then the end marker
+//! `[identity, "", "", -1 (8 B BE signed), ""]`. The client therefore receives
+//! `["", topic, seq, payload]`. kvmesh's server answers exactly so; the client also accepts the
+//! 3-part `["", seq, payload]` that kvmesh servers sent before.
+//!
+//! A ROUTER's routing reduces to "answer on the connection that asked", so each connection is
+//! served by its own task; requests are bounded by [`crate::limits`].
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use kvmesh_core::events::{EventBatch, decode_batch, parse_seq};
+use kvmesh_core::events::{EventBatch, decode_batch};
 use parking_lot::Mutex;
+use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
-use zeromq::{DealerSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::EventsError;
+use crate::limits::{
+    MAX_EVENT_FRAME, MAX_EVENT_MESSAGE, MAX_EVENT_PARTS, MAX_REPLAY_ANSWER, MAX_REPLAY_PEERS,
+    MAX_REPLAY_REQUEST_FRAME, MAX_REPLAY_REQUEST_PARTS, REPLAY_TIMEOUT, WRITE_TIMEOUT,
+};
+use crate::publisher::PublisherStats;
+use crate::transport::{Addr, BoxStream, Listener, Slots, connect, timed_handshake};
+use crate::zmtp::{Inbound, Limits, SocketType, ZmtpError, encode_message, read_inbound};
 
 /// The end-of-replay marker: `-1` as a signed 64-bit big-endian integer.
 pub const REPLAY_END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
@@ -66,138 +81,281 @@ impl ReplayBuffer {
     }
 }
 
-/// Binds the ROUTER socket; returns the bound endpoint.
+/// Binds the ROUTER socket and serves it until `cancel`; returns the bound endpoint.
 pub(crate) async fn bind_replay_server(
     endpoint: &str,
-) -> Result<(RouterSocket, String), EventsError> {
+    buffer: ReplayBuffer,
+    topic: Bytes,
+    stats: PublisherStats,
+    cancel: CancellationToken,
+) -> Result<String, EventsError> {
     let (ep, _) = crate::endpoint::resolve_endpoint(endpoint)?;
-    let mut socket = RouterSocket::new();
-    let bound = socket.bind(&ep).await.map_err(|source| EventsError::Zmq {
+    let addr = Addr::parse(&ep).ok_or_else(|| EventsError::InvalidEndpoint {
         endpoint: endpoint.to_owned(),
-        source,
+        reason: "unsupported transport".into(),
     })?;
-    Ok((socket, bound.to_string()))
+    let (listener, bound) = Listener::bind(&addr)
+        .await
+        .map_err(|source| EventsError::Zmq {
+            endpoint: endpoint.to_owned(),
+            source: source.into(),
+        })?;
+    tokio::spawn(async move {
+        let slots = Slots::new(MAX_REPLAY_PEERS);
+        loop {
+            let stream = tokio::select! {
+                _ = cancel.cancelled() => return,
+                s = listener.accept() => s,
+            };
+            let Ok(stream) = stream else {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            };
+            let Some(slot) = slots.take() else {
+                stats.peer_refused();
+                continue;
+            };
+            let (buffer, topic, stats, cancel) =
+                (buffer.clone(), topic.clone(), stats.clone(), cancel.clone());
+            tokio::spawn(async move {
+                let _slot = slot;
+                tokio::select! {
+                    _ = cancel.cancelled() => {}
+                    r = serve_replay_peer(stream, &buffer, &topic) => {
+                        if let Err(e) = r
+                            && !matches!(e, ZmtpError::Io(_))
+                        {
+                            tracing::debug!(error = %e, "replay client dropped");
+                            stats.protocol_error();
+                        }
+                    }
+                }
+            });
+        }
+    });
+    Ok(bound)
 }
 
-/// Serves replay requests until cancelled. Malformed requests are logged and ignored.
-pub(crate) async fn serve_replay(
-    mut socket: RouterSocket,
-    buffer: ReplayBuffer,
-    cancel: CancellationToken,
-) {
+/// The start sequence of a request as it arrives on the wire: `["", start]` (REQ, or a DEALER
+/// sending the delimiter, as vLLM expects) or `[start]` (a bare DEALER). `start` is read as a
+/// big-endian integer of up to 8 bytes, as vLLM's `int.from_bytes(…, "big")` reads it.
+pub(crate) fn parse_request(parts: &[Bytes]) -> Option<u64> {
+    let start = match parts {
+        [delim, start] if delim.is_empty() => start,
+        [start] => start,
+        _ => return None,
+    };
+    if start.is_empty() || start.len() > 8 {
+        return None;
+    }
+    Some(start.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+}
+
+/// One replayed batch as vLLM frames it after the ROUTER strips the identity.
+pub(crate) fn reply_parts(topic: &Bytes, seq: u64, payload: Bytes) -> [Bytes; 4] {
+    [
+        Bytes::new(),
+        topic.clone(),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        payload,
+    ]
+}
+
+/// The end marker as vLLM frames it: empty delimiter, empty topic, -1, empty payload.
+pub(crate) fn end_parts() -> [Bytes; 4] {
+    [
+        Bytes::new(),
+        Bytes::new(),
+        Bytes::from_static(&REPLAY_END_SEQ),
+        Bytes::new(),
+    ]
+}
+
+async fn serve_replay_peer(
+    mut stream: BoxStream,
+    buffer: &ReplayBuffer,
+    topic: &Bytes,
+) -> Result<(), ZmtpError> {
+    timed_handshake(&mut stream, SocketType::Router).await?;
+    let limits = Limits {
+        max_frame: MAX_REPLAY_REQUEST_FRAME,
+        max_parts: MAX_REPLAY_REQUEST_PARTS,
+        max_message: MAX_REPLAY_REQUEST_FRAME * MAX_REPLAY_REQUEST_PARTS,
+    };
     loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return,
-            m = socket.recv() => m,
+        // Requests are answered one at a time on this connection, so reading here (not in a
+        // `select!`) is safe.
+        let parts = match read_inbound(&mut stream, &limits, None).await? {
+            Inbound::Message(parts, _) => parts,
+            Inbound::Command { .. } => continue,
         };
-        let msg = match msg {
-            Ok(m) => m.into_vec(),
-            Err(e) => {
-                tracing::debug!(error = %e, "replay socket receive error");
-                continue;
-            }
-        };
-        // [identity, "", start_seq] from REQ/DEALER-with-delimiter, or [identity, start_seq].
-        let (identity, start) = match msg.as_slice() {
-            [id, delim, start] if delim.is_empty() => (id.clone(), start),
-            [id, start] => (id.clone(), start),
-            _ => {
-                tracing::warn!(parts = msg.len(), "invalid replay request ignored");
-                continue;
-            }
-        };
-        let Ok(start_seq) = parse_seq(start) else {
-            tracing::warn!(
-                len = start.len(),
-                "replay request with a malformed start_seq ignored"
-            );
+        let Some(start_seq) = parse_request(&parts) else {
+            tracing::warn!(parts = parts.len(), "invalid replay request ignored");
             continue;
         };
         for (seq, payload) in buffer.since(start_seq) {
-            let reply = reply_message(&identity, &seq.to_be_bytes(), payload);
-            if let Err(e) = socket.send(reply).await {
-                tracing::debug!(error = %e, "replay reply failed");
-                break;
-            }
+            write_timed(
+                &mut stream,
+                &encode_message(&reply_parts(topic, seq, payload)),
+            )
+            .await?;
         }
-        let end = reply_message(&identity, &REPLAY_END_SEQ, Bytes::new());
-        if let Err(e) = socket.send(end).await {
-            tracing::debug!(error = %e, "replay end marker failed");
-        }
+        write_timed(&mut stream, &encode_message(&end_parts())).await?;
     }
 }
 
-fn reply_message(identity: &Bytes, seq: &[u8; 8], payload: Bytes) -> ZmqMessage {
-    let mut m = ZmqMessage::from(identity.clone());
-    m.push_back(Bytes::new());
-    m.push_back(Bytes::copy_from_slice(seq));
-    m.push_back(payload);
-    m
+async fn write_timed(stream: &mut BoxStream, wire: &[u8]) -> Result<(), ZmtpError> {
+    match tokio::time::timeout(WRITE_TIMEOUT, stream.write_all(wire)).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(ZmtpError::Timeout),
+    }
 }
 
-/// How long [`request_replay`] waits for the whole answer.
-const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// What a replay answer held.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct ReplayOutcome {
+    /// Decoded batches in the order sent.
+    pub batches: Vec<(u64, EventBatch)>,
+    /// Replies skipped: unreadable framing or sequence number, or a payload that did not decode.
+    pub malformed: u64,
+}
+
+/// Process-wide replay counters, for callers that do not keep their own.
+static REPLAY_FAILURES: AtomicU64 = AtomicU64::new(0);
+static REPLAY_MALFORMED: AtomicU64 = AtomicU64::new(0);
+
+/// Replay requests of this process that failed (connection, handshake, bound or timeout).
+pub fn replay_failures_total() -> u64 {
+    REPLAY_FAILURES.load(Ordering::Relaxed)
+}
+
+/// Replies skipped as malformed by replay requests of this process.
+pub fn replay_malformed_total() -> u64 {
+    REPLAY_MALFORMED.load(Ordering::Relaxed)
+}
 
 /// Asks a replay endpoint for every buffered batch with `seq >= start_seq`.
 ///
-/// Returns the decoded batches in order. A batch whose payload does not decode is skipped (and
-/// logged) rather than failing the whole replay. Times out after 5 s.
+/// Returns the decoded batches in order. A reply that cannot be read is skipped (and logged)
+/// rather than failing the whole replay; [`request_replay_outcome`] also counts them.
+/// Times out after [`REPLAY_TIMEOUT`].
 pub async fn request_replay(
     replay_endpoint: &str,
     start_seq: u64,
 ) -> Result<Vec<(u64, EventBatch)>, EventsError> {
-    let raw = request_replay_raw(replay_endpoint, start_seq).await?;
-    let mut out = Vec::with_capacity(raw.len());
-    for (seq, payload) in raw {
-        match decode_batch(&payload) {
-            Ok(b) => out.push((seq, b)),
-            Err(e) => tracing::warn!(seq, error = %e, "replayed batch does not decode; skipped"),
-        }
-    }
-    Ok(out)
+    Ok(request_replay_outcome(replay_endpoint, start_seq)
+        .await?
+        .batches)
 }
 
-/// [`request_replay`] without decoding: `(seq, payload)` pairs as sent.
+/// [`request_replay`] with the count of malformed replies.
+pub async fn request_replay_outcome(
+    replay_endpoint: &str,
+    start_seq: u64,
+) -> Result<ReplayOutcome, EventsError> {
+    let (raw, mut malformed) = match request_replay_raw(replay_endpoint, start_seq).await {
+        Ok(r) => r,
+        Err(e) => {
+            REPLAY_FAILURES.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+    };
+    let mut batches = Vec::with_capacity(raw.len());
+    for (seq, payload) in raw {
+        match decode_batch(&payload) {
+            Ok(b) => batches.push((seq, b)),
+            Err(e) => {
+                malformed += 1;
+                tracing::warn!(seq, error = %e, "replayed batch does not decode; skipped");
+            }
+        }
+    }
+    REPLAY_MALFORMED.fetch_add(malformed, Ordering::Relaxed);
+    Ok(ReplayOutcome { batches, malformed })
+}
+
+/// A reply as the client sees it.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Reply {
+    Batch(u64, Bytes),
+    End,
+    Malformed(String),
+}
+
+/// Reads one reply in either framing: vLLM's `["", topic, seq, payload]` or kvmesh's older
+/// `["", seq, payload]` (a DEALER that did not strip the delimiter sees both; `[seq, payload]`
+/// is taken too). The end marker is `-1` in the seq position.
+pub(crate) fn parse_reply(parts: &[Bytes]) -> Reply {
+    let (seq, payload) = match parts {
+        [delim, _topic, seq, payload] if delim.is_empty() => (seq, payload),
+        [_, seq, payload] => (seq, payload),
+        [seq, payload] => (seq, payload),
+        _ => return Reply::Malformed(format!("reply with {} parts", parts.len())),
+    };
+    if seq.as_ref() == REPLAY_END_SEQ {
+        return Reply::End;
+    }
+    match <[u8; 8]>::try_from(seq.as_ref()) {
+        Ok(b) => Reply::Batch(u64::from_be_bytes(b), payload.clone()),
+        Err(_) => Reply::Malformed(format!("seq of {} bytes", seq.len())),
+    }
+}
+
+/// [`request_replay`] without decoding: `(seq, payload)` pairs as sent, and how many replies
+/// were skipped as unreadable.
 pub(crate) async fn request_replay_raw(
     replay_endpoint: &str,
     start_seq: u64,
-) -> Result<Vec<(u64, Bytes)>, EventsError> {
+) -> Result<(Vec<(u64, Bytes)>, u64), EventsError> {
     let err = |reason: String| EventsError::Replay {
         endpoint: replay_endpoint.to_owned(),
         reason,
     };
     let (ep, _) = crate::endpoint::resolve_endpoint(replay_endpoint)?;
     let ep = crate::endpoint::connectable(&ep);
+    let addr = Addr::parse(&ep).ok_or_else(|| err("unsupported transport".into()))?;
     let work = async {
-        let mut socket = DealerSocket::new();
-        socket
-            .connect(&ep)
+        let mut stream = connect(&addr).await.map_err(|e| err(e.to_string()))?;
+        timed_handshake(&mut stream, SocketType::Dealer)
             .await
-            .map_err(|source| EventsError::Zmq {
-                endpoint: replay_endpoint.to_owned(),
-                source,
-            })?;
-        // A DEALER mimics REQ's envelope with an empty delimiter frame.
-        let mut req = ZmqMessage::from(Bytes::new());
-        req.push_back(Bytes::copy_from_slice(&start_seq.to_be_bytes()));
-        socket.send(req).await.map_err(|e| err(e.to_string()))?;
+            .map_err(|e| err(e.to_string()))?;
+        // A DEALER mimics REQ's envelope with an empty delimiter frame (vLLM requires it).
+        let req = encode_message(&[
+            Bytes::new(),
+            Bytes::copy_from_slice(&start_seq.to_be_bytes()),
+        ]);
+        stream
+            .write_all(&req)
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let limits = Limits {
+            max_frame: MAX_EVENT_FRAME,
+            max_parts: MAX_EVENT_PARTS,
+            max_message: MAX_EVENT_MESSAGE,
+        };
         let mut out = Vec::new();
+        let mut malformed = 0u64;
+        let mut total = 0usize;
         loop {
-            let msg = socket
-                .recv()
+            let parts = match read_inbound(&mut stream, &limits, None)
                 .await
                 .map_err(|e| err(e.to_string()))?
-                .into_vec();
-            let (seq, payload) = match msg.as_slice() {
-                [delim, seq, payload] if delim.is_empty() => (seq, payload),
-                [seq, payload] => (seq, payload),
-                _ => return Err(err(format!("unexpected reply with {} parts", msg.len()))),
+            {
+                Inbound::Message(parts, _) => parts,
+                Inbound::Command { .. } => continue,
             };
-            if seq.as_ref() == REPLAY_END_SEQ {
-                return Ok(out);
+            total += parts.iter().map(Bytes::len).sum::<usize>();
+            if total > MAX_REPLAY_ANSWER {
+                return Err(err(format!("answer exceeds {MAX_REPLAY_ANSWER} bytes")));
             }
-            let seq = parse_seq(seq).map_err(|e| err(e.to_string()))?;
-            out.push((seq, payload.clone()));
+            match parse_reply(&parts) {
+                Reply::End => return Ok((out, malformed)),
+                Reply::Batch(seq, payload) => out.push((seq, payload)),
+                Reply::Malformed(why) => {
+                    malformed += 1;
+                    tracing::warn!(reason = %why, "malformed replay reply skipped");
+                }
+            }
         }
     };
     match tokio::time::timeout(REPLAY_TIMEOUT, work).await {
@@ -206,5 +364,51 @@ pub(crate) async fn request_replay_raw(
             endpoint: replay_endpoint.to_owned(),
             millis: REPLAY_TIMEOUT.as_millis() as u64,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(s: &'static [u8]) -> Bytes {
+        Bytes::from_static(s)
+    }
+
+    #[test]
+    fn requests_as_vllm_reads_them() {
+        assert_eq!(
+            parse_request(&[b(b""), Bytes::copy_from_slice(&7u64.to_be_bytes())]),
+            Some(7)
+        );
+        assert_eq!(parse_request(&[b(b""), b(b"\x01\x00")]), Some(256));
+        assert_eq!(
+            parse_request(&[Bytes::copy_from_slice(&3u64.to_be_bytes())]),
+            Some(3)
+        );
+        assert_eq!(parse_request(&[b(b"x"), b(b"\x01")]), None);
+        assert_eq!(parse_request(&[b(b""), Bytes::from(vec![1u8; 9])]), None);
+        assert_eq!(parse_request(&[]), None);
+    }
+
+    #[test]
+    fn replies_in_both_framings() {
+        let seq = Bytes::copy_from_slice(&5u64.to_be_bytes());
+        let vllm = reply_parts(&b(b"kv-events"), 5, b(b"p"));
+        assert_eq!(parse_reply(&vllm), Reply::Batch(5, b(b"p")));
+        assert_eq!(
+            parse_reply(&[b(b""), seq.clone(), b(b"p")]),
+            Reply::Batch(5, b(b"p"))
+        );
+        assert_eq!(parse_reply(&end_parts()), Reply::End);
+        assert_eq!(
+            parse_reply(&[b(b""), Bytes::from_static(&REPLAY_END_SEQ), b(b"")]),
+            Reply::End
+        );
+        assert!(matches!(
+            parse_reply(&[b(b""), b(b"t"), b(b"123"), b(b"p")]),
+            Reply::Malformed(_)
+        ));
+        assert!(matches!(parse_reply(&[b(b"only")]), Reply::Malformed(_)));
     }
 }

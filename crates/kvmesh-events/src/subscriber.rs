@@ -1,24 +1,33 @@
-//! The KV-event subscriber: a SUB socket in a background task that decodes, checks sequence
-//! numbers and reports what it sees as [`SubscriberItem`]s.
+//! The KV-event subscriber: a SUB socket in background tasks that decode, check sequence numbers
+//! and report what they see as [`SubscriberItem`]s.
 //!
-//! Nothing a peer sends can stop the task: undecodable messages become `Malformed` items, a
-//! sequence that jumps forward becomes `Gap` (filled from the replay endpoint first, if one is
-//! configured), one that goes backwards becomes `Restart` (a new publisher incarnation). Sequence
-//! numbers are tracked per topic, so several publishers may connect to one bound subscriber as long
-//! as their topics differ (llm-d's `kv@<pod>@<model>` topics do).
+//! Nothing a peer sends can stop it or grow it past [`crate::limits`]: a frame, message or
+//! handshake beyond a bound drops that connection (an `Error` item, counted in
+//! [`SubscriberStats`]), undecodable messages become `Malformed` items, a sequence that jumps
+//! forward becomes `Gap` (filled from the replay endpoint first, if one is configured), one that
+//! goes backwards becomes `Restart` (a new publisher incarnation). Sequence numbers are tracked per
+//! topic, so several publishers may connect to one bound subscriber as long as their topics differ
+//! (llm-d's `kv@<pod>@<model>` topics do). A connected subscriber reconnects by itself (at most
+//! 1 s apart) when its publisher goes away.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::StreamExt;
 use kvmesh_core::events::{EventBatch, EventFrame, decode_batch, parse_seq};
-use tokio::sync::mpsc;
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
-use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket};
 
-use crate::endpoint::{EndpointMode, resolve_endpoint};
+use crate::endpoint::{EndpointMode, subscriber_mode};
+use crate::limits::{
+    MAX_EVENT_FRAME, MAX_EVENT_MESSAGE, MAX_EVENT_PARTS, MAX_PEERS, MAX_SUBSCRIBER_BUFFERED,
+};
 use crate::replay::request_replay_raw;
+use crate::transport::{Addr, BoxStream, Listener, Slots, connect, timed_handshake};
+use crate::zmtp::{Inbound, Limits, SocketType, ZmtpError, read_inbound, subscribe_message};
 
 /// What to subscribe to.
 #[derive(Debug, Clone)]
@@ -135,171 +144,318 @@ impl SeqTracker {
     }
 }
 
-/// Starts a subscriber task; items arrive on the returned channel until `cancel` fires or the
+/// Counters of one subscriber (shared, cheap to clone), for callers that export metrics.
+#[derive(Debug, Clone, Default)]
+pub struct SubscriberStats {
+    inner: Arc<SubscriberCounters>,
+}
+
+#[derive(Debug, Default)]
+struct SubscriberCounters {
+    messages: AtomicU64,
+    malformed: AtomicU64,
+    protocol_errors: AtomicU64,
+    peers_refused: AtomicU64,
+    filtered: AtomicU64,
+    replay_failures: AtomicU64,
+    replay_malformed: AtomicU64,
+}
+
+impl SubscriberStats {
+    /// Messages received (well-formed or not).
+    pub fn messages(&self) -> u64 {
+        self.inner.messages.load(Ordering::Relaxed)
+    }
+    /// Messages reported as `Malformed` (bad framing, seq or payload).
+    pub fn malformed(&self) -> u64 {
+        self.inner.malformed.load(Ordering::Relaxed)
+    }
+    /// Connections dropped for a bad handshake or for exceeding a bound.
+    pub fn protocol_errors(&self) -> u64 {
+        self.inner.protocol_errors.load(Ordering::Relaxed)
+    }
+    /// Connections refused because every slot was taken (bind mode).
+    pub fn peers_refused(&self) -> u64 {
+        self.inner.peers_refused.load(Ordering::Relaxed)
+    }
+    /// Messages on a topic we did not subscribe to (a peer ignoring its subscription).
+    pub fn filtered(&self) -> u64 {
+        self.inner.filtered.load(Ordering::Relaxed)
+    }
+    /// Gap or catch-up replays that failed (only with `replay_endpoint` set).
+    pub fn replay_failures(&self) -> u64 {
+        self.inner.replay_failures.load(Ordering::Relaxed)
+    }
+    /// Replayed replies skipped as malformed.
+    pub fn replay_malformed(&self) -> u64 {
+        self.inner.replay_malformed.load(Ordering::Relaxed)
+    }
+}
+
+/// Starts a subscriber; items arrive on the returned channel until `cancel` fires or the
 /// receiver is dropped. Must be called inside a tokio runtime. Never blocks: binding, connecting
-/// and reconnecting happen in the task (failures are reported as `Error` items and retried).
+/// and reconnecting happen in background tasks (failures are reported as `Error` items and
+/// retried).
 pub fn subscribe(
     config: SubscriberConfig,
     cancel: CancellationToken,
 ) -> mpsc::Receiver<SubscriberItem> {
+    subscribe_with_stats(config, cancel).0
+}
+
+/// [`subscribe`], plus the subscriber's counters.
+pub fn subscribe_with_stats(
+    config: SubscriberConfig,
+    cancel: CancellationToken,
+) -> (mpsc::Receiver<SubscriberItem>, SubscriberStats) {
     let (tx, rx) = mpsc::channel(1024);
+    let stats = SubscriberStats::default();
+    let task_stats = stats.clone();
     tokio::spawn(async move {
+        let socket = cancel.child_token();
         tokio::select! {
             _ = cancel.cancelled() => {}
-            _ = run(config, tx) => {}
+            _ = run(config, tx, task_stats, socket.clone()) => {}
         }
+        socket.cancel();
     });
-    rx
+    (rx, stats)
+}
+
+/// What the socket tasks hand to the decoding task.
+enum Incoming {
+    Listening(String),
+    /// A message and the buffer budget it holds until decoded.
+    Message(Vec<Bytes>, Option<OwnedSemaphorePermit>),
+    Error(String),
+}
+
+async fn run(
+    config: SubscriberConfig,
+    tx: mpsc::Sender<SubscriberItem>,
+    stats: SubscriberStats,
+    socket: CancellationToken,
+) {
+    let (in_tx, mut in_rx) = mpsc::channel::<Incoming>(256);
+    tokio::spawn(run_socket(config.clone(), in_tx, stats.clone(), socket));
+    // Kept across reconnects so a restarted publisher shows up as `Restart`.
+    let mut tracker = SeqTracker::default();
+    while let Some(incoming) = in_rx.recv().await {
+        let items = match incoming {
+            Incoming::Listening(endpoint) => vec![SubscriberItem::Listening { endpoint }],
+            Incoming::Error(error) => vec![SubscriberItem::Error { error }],
+            Incoming::Message(parts, _permit) => {
+                stats.inner.messages.fetch_add(1, Ordering::Relaxed);
+                if !parts
+                    .first()
+                    .is_some_and(|t| t.starts_with(config.topic.as_bytes()))
+                {
+                    stats.inner.filtered.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                handle_message(parts, &config, &mut tracker, &stats).await
+            }
+        };
+        for item in items {
+            if matches!(item, SubscriberItem::Malformed { .. }) {
+                stats.inner.malformed.fetch_add(1, Ordering::Relaxed);
+            }
+            if tx.send(item).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Owns the socket: binds and accepts publishers, or connects and reconnects.
+async fn run_socket(
+    config: SubscriberConfig,
+    tx: mpsc::Sender<Incoming>,
+    stats: SubscriberStats,
+    cancel: CancellationToken,
+) {
+    let budget = Arc::new(Semaphore::new(MAX_SUBSCRIBER_BUFFERED));
+    let mut backoff = Duration::from_millis(50);
+    let resolved = subscriber_mode(&config.endpoint).and_then(|(ep, mode)| {
+        let addr = Addr::parse(&ep).ok_or_else(|| crate::EventsError::InvalidEndpoint {
+            endpoint: config.endpoint.clone(),
+            reason: "unsupported transport".into(),
+        })?;
+        Ok((ep, mode, addr))
+    });
+    let (endpoint, mode, addr) = match resolved {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = tx.send(Incoming::Error(e.to_string())).await;
+            return;
+        }
+    };
+    loop {
+        if config.bind || mode == EndpointMode::Bind {
+            match Listener::bind(&addr).await {
+                Ok((listener, bound)) => {
+                    if tx.send(Incoming::Listening(bound)).await.is_err() {
+                        return;
+                    }
+                    accept_publishers(listener, &config, &tx, &stats, &budget, &cancel).await;
+                    return;
+                }
+                Err(e) => {
+                    let error = format!("bind {endpoint}: {e}");
+                    if tx.send(Incoming::Error(error)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        } else {
+            match connect_publisher(&addr).await {
+                Ok(stream) => {
+                    backoff = Duration::from_millis(50);
+                    if tx
+                        .send(Incoming::Listening(endpoint.clone()))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    let ended = tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        e = read_publisher(stream, &config, &tx, &stats, &budget) => e,
+                    };
+                    let error = match ended {
+                        Ended::ReceiverGone => return,
+                        Ended::Closed => "publisher disconnected; reconnecting".to_owned(),
+                        Ended::Refused(e) => format!("publisher dropped: {e}; reconnecting"),
+                    };
+                    if tx.send(Incoming::Error(error)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let error = format!("connect {endpoint}: {e}");
+                    if tx.send(Incoming::Error(error)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+    }
 }
 
 /// How long one connect attempt (TCP + ZMTP handshake) may take before it is retried.
 const CONNECT_ATTEMPT: Duration = Duration::from_secs(5);
 
-async fn run(config: SubscriberConfig, tx: mpsc::Sender<SubscriberItem>) {
-    // Kept across reconnects so a restarted publisher shows up as `Restart`.
-    let mut tracker = SeqTracker::default();
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        match open(&config).await {
-            Ok(opened) => {
-                backoff = Duration::from_millis(100);
-                let endpoint = opened.endpoint.clone();
-                if tx
-                    .send(SubscriberItem::Listening { endpoint })
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                match receive(opened, &config, &tx, &mut tracker).await {
-                    Ended::ReceiverGone => return,
-                    Ended::Disconnected => {
-                        let error = "publisher disconnected; reconnecting".to_owned();
-                        if tx.send(SubscriberItem::Error { error }).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-            Err(error) => {
-                if tx.send(SubscriberItem::Error { error }).await.is_err() {
-                    return;
-                }
-            }
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+async fn connect_publisher(addr: &Addr) -> Result<BoxStream, String> {
+    let attempt = async {
+        let mut stream = connect(addr).await.map_err(|e| e.to_string())?;
+        timed_handshake(&mut stream, SocketType::Sub)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(stream)
+    };
+    match tokio::time::timeout(CONNECT_ATTEMPT, attempt).await {
+        Ok(r) => r,
+        Err(_) => Err("timed out".into()),
     }
 }
 
-struct Opened {
-    socket: SubSocket,
-    monitor: futures::channel::mpsc::Receiver<SocketEvent>,
-    endpoint: String,
-    connected: bool,
-}
-
-async fn open(config: &SubscriberConfig) -> Result<Opened, String> {
-    let (endpoint, mode) = resolve_endpoint(&config.endpoint).map_err(|e| e.to_string())?;
-    let mut options = SocketOptions::default();
-    // Bounded, so a connection that hangs in the handshake (e.g. into a dying listener's
-    // backlog) is abandoned and retried instead of blocking forever.
-    options.connect_timeout(CONNECT_ATTEMPT);
-    let mut socket = SubSocket::with_options(options);
-    let monitor = socket.monitor();
-    socket
-        .subscribe(&config.topic)
-        .await
-        .map_err(|e| format!("subscribe: {e}"))?;
-    if config.bind || mode == EndpointMode::Bind {
-        let bound = socket
-            .bind(&endpoint)
-            .await
-            .map_err(|e| format!("bind {endpoint}: {e}"))?;
-        Ok(Opened {
-            socket,
-            monitor,
-            endpoint: bound.to_string(),
-            connected: false,
-        })
-    } else {
-        socket
-            .connect(&endpoint)
-            .await
-            .map_err(|e| format!("connect {endpoint}: {e}"))?;
-        Ok(Opened {
-            socket,
-            monitor,
-            endpoint,
-            connected: true,
-        })
+async fn accept_publishers(
+    listener: Listener,
+    config: &SubscriberConfig,
+    tx: &mpsc::Sender<Incoming>,
+    stats: &SubscriberStats,
+    budget: &Arc<Semaphore>,
+    cancel: &CancellationToken,
+) {
+    let slots = Slots::new(MAX_PEERS);
+    loop {
+        let stream = tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tx.closed() => return,
+            s = listener.accept() => s,
+        };
+        let Ok(mut stream) = stream else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let Some(slot) = slots.take() else {
+            stats.inner.peers_refused.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let (config, tx, stats, budget, cancel) = (
+            config.clone(),
+            tx.clone(),
+            stats.clone(),
+            budget.clone(),
+            cancel.clone(),
+        );
+        tokio::spawn(async move {
+            let _slot = slot;
+            if let Err(e) = timed_handshake(&mut stream, SocketType::Sub).await {
+                tracing::debug!(error = %e, "kv-event publisher handshake failed");
+                stats.inner.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                ended = read_publisher(stream, &config, &tx, &stats, &budget) => {
+                    // A bound subscriber outlives its publishers: a leaving peer is normal, a
+                    // misbehaving one is reported.
+                    if let Ended::Refused(e) = ended {
+                        let _ = tx.send(Incoming::Error(format!("publisher dropped: {e}"))).await;
+                    }
+                }
+            }
+        });
     }
 }
 
 enum Ended {
     ReceiverGone,
-    /// The publisher we connected to went away. The `zeromq` crate would try to reconnect by
-    /// itself, but its attempt can hang in the handshake forever, so we reopen the socket.
-    Disconnected,
+    Closed,
+    /// The peer broke the protocol or a bound; its connection was dropped.
+    Refused(ZmtpError),
 }
 
-async fn receive(
-    opened: Opened,
+/// Subscribes on a handshaken connection and forwards its messages until it ends.
+async fn read_publisher(
+    mut stream: BoxStream,
     config: &SubscriberConfig,
-    tx: &mpsc::Sender<SubscriberItem>,
-    tracker: &mut SeqTracker,
+    tx: &mpsc::Sender<Incoming>,
+    stats: &SubscriberStats,
+    budget: &Arc<Semaphore>,
 ) -> Ended {
-    let Opened {
-        mut socket,
-        mut monitor,
-        connected,
-        ..
-    } = opened;
+    if let Err(e) = stream
+        .write_all(&subscribe_message(config.topic.as_bytes()))
+        .await
+    {
+        return Ended::Refused(e.into());
+    }
+    let limits = Limits {
+        max_frame: MAX_EVENT_FRAME,
+        max_parts: MAX_EVENT_PARTS,
+        max_message: MAX_EVENT_MESSAGE,
+    };
     loop {
-        let msg = tokio::select! {
-            m = socket.recv() => m,
-            ev = next_event(&mut monitor, connected) => {
-                if matches!(ev, Some(SocketEvent::Disconnected(_)) | None) {
-                    return Ended::Disconnected;
-                }
-                continue;
-            }
-        };
-        let msg = match msg {
-            Ok(m) => m,
-            Err(e) => {
-                // A peer's broken stream; the socket stays usable.
-                if tx
-                    .send(SubscriberItem::Error {
-                        error: e.to_string(),
-                    })
-                    .await
-                    .is_err()
-                {
+        match read_inbound(&mut stream, &limits, Some(budget)).await {
+            Ok(Inbound::Message(parts, permit)) => {
+                if tx.send(Incoming::Message(parts, permit)).await.is_err() {
                     return Ended::ReceiverGone;
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
             }
-        };
-        for item in handle_message(msg.into_vec(), config, tracker).await {
-            if tx.send(item).await.is_err() {
-                return Ended::ReceiverGone;
+            // PING and other commands need no answer from a SUB without heartbeats.
+            Ok(Inbound::Command { .. }) => {}
+            Err(ZmtpError::Io(_)) => return Ended::Closed,
+            Err(e) => {
+                stats.inner.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                return Ended::Refused(e);
             }
         }
-    }
-}
-
-/// The next socket event when connected; never resolves for a bound socket, where a peer
-/// leaving is normal and the peer's reconnect is its own business.
-async fn next_event(
-    monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
-    active: bool,
-) -> Option<SocketEvent> {
-    if active {
-        monitor.next().await
-    } else {
-        std::future::pending().await
     }
 }
 
@@ -308,6 +464,7 @@ async fn handle_message(
     parts: Vec<Bytes>,
     config: &SubscriberConfig,
     tracker: &mut SeqTracker,
+    stats: &SubscriberStats,
 ) -> Vec<SubscriberItem> {
     let seq_hint = parts.get(1).and_then(|p| parse_seq(p).ok());
     let frame = match EventFrame::from_owned_parts(parts) {
@@ -328,7 +485,7 @@ async fn handle_message(
         // that is unknown, not lost, so no gap is reported for it.
         SeqVerdict::First => {
             if frame.seq > 0 && config.replay_endpoint.is_some() {
-                fill(topic, 0, frame.seq, false, config, &mut items).await;
+                fill(topic, 0, frame.seq, false, config, stats, &mut items).await;
             }
         }
         SeqVerdict::Restart { last_seq, new_seq } => {
@@ -338,11 +495,11 @@ async fn handle_message(
                 new_seq,
             });
             if new_seq > 0 {
-                fill(topic, 0, new_seq, true, config, &mut items).await;
+                fill(topic, 0, new_seq, true, config, stats, &mut items).await;
             }
         }
         SeqVerdict::Gap { expected, got } => {
-            fill(topic, expected, got, true, config, &mut items).await;
+            fill(topic, expected, got, true, config, stats, &mut items).await;
         }
     }
     items.push(decode_item(topic, frame.seq, &frame.payload));
@@ -357,6 +514,7 @@ async fn fill(
     got: u64,
     report_leading: bool,
     config: &SubscriberConfig,
+    stats: &SubscriberStats,
     items: &mut Vec<SubscriberItem>,
 ) {
     let mut next = from;
@@ -368,7 +526,11 @@ async fn fill(
     };
     if let Some(ep) = &config.replay_endpoint {
         match request_replay_raw(ep, from).await {
-            Ok(replayed) => {
+            Ok((replayed, malformed)) => {
+                stats
+                    .inner
+                    .replay_malformed
+                    .fetch_add(malformed, Ordering::Relaxed);
                 for (seq, payload) in replayed {
                     if seq < next || seq >= got {
                         continue;
@@ -381,9 +543,12 @@ async fn fill(
                     next = seq + 1;
                 }
             }
-            Err(e) => items.push(SubscriberItem::Error {
-                error: e.to_string(),
-            }),
+            Err(e) => {
+                stats.inner.replay_failures.fetch_add(1, Ordering::Relaxed);
+                items.push(SubscriberItem::Error {
+                    error: format!("replay: {e}"),
+                });
+            }
         }
     }
     if next < got && (report_leading || !leading) {

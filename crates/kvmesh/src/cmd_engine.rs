@@ -279,10 +279,10 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
         println!("kvmesh engine p2p listening on {addr}");
     }
     if let Some(ep) = &server.events_endpoint {
-        println!("kvmesh engine kv events on {ep}");
+        println!("{}", kv_events_line(ep, server.events_mode));
     }
     if let Some(ep) = &server.replay_endpoint {
-        println!("kvmesh engine kv events replay on {ep}");
+        println!("kvmesh engine kv events replay bound on {ep}{}", scope(ep));
     }
     let cancel = server.cancel_token();
     tokio::spawn(async move {
@@ -295,11 +295,49 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The startup line for the PUB socket: says whether it listens or dials out, and where, because
+/// a connecting engine with no subscriber bound there publishes into the void.
+fn kv_events_line(endpoint: &str, mode: Option<kvmesh_events::EndpointMode>) -> String {
+    match mode {
+        Some(kvmesh_events::EndpointMode::Connect) => format!(
+            "kvmesh engine kv events connecting to {endpoint} (the subscriber must bind it; \
+             events wait in a bounded buffer until it does)"
+        ),
+        _ => format!(
+            "kvmesh engine kv events bound on {endpoint}{}",
+            scope(endpoint)
+        ),
+    }
+}
+
+/// Says so when a bound socket listens beyond this host.
+fn scope(endpoint: &str) -> &'static str {
+    if endpoint.starts_with("tcp://0.0.0.0:") || endpoint.starts_with("tcp://[::]:") {
+        " (all interfaces)"
+    } else {
+        ""
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
 
     use super::*;
+
+    #[test]
+    fn the_kv_events_line_says_bind_or_connect_and_where() {
+        use kvmesh_events::EndpointMode::{Bind, Connect};
+        let c = kv_events_line("tcp://127.0.0.1:5557", Some(Connect));
+        assert!(
+            c.contains("connecting to tcp://127.0.0.1:5557") && c.contains("must bind"),
+            "{c}"
+        );
+        let b = kv_events_line("tcp://127.0.0.1:5557", Some(Bind));
+        assert_eq!(b, "kvmesh engine kv events bound on tcp://127.0.0.1:5557");
+        let all = kv_events_line("tcp://0.0.0.0:5557", Some(Bind));
+        assert!(all.ends_with("(all interfaces)"), "{all}");
+    }
 
     #[derive(Parser)]
     struct Cli {

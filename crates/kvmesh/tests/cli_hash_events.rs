@@ -1,7 +1,8 @@
 //! The `kvmesh hash` and `kvmesh events listen` commands, run as the built binary.
 //!
-//! `hash` must reproduce every golden vLLM digest; `events listen` is driven by a Rust `zeromq`
-//! PUB socket in both directions, with a deliberate sequence gap and garbage frames.
+//! `hash` must reproduce every golden vLLM digest; `events listen` is driven by a libzmq PUB socket
+//! (the library vLLM's pyzmq wraps) in both directions, with a deliberate sequence gap and garbage
+//! frames.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
@@ -16,7 +17,24 @@ use kvmesh_core::hashing::BlockHash;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::sync::mpsc;
 use tokio::time::timeout;
-use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+/// A libzmq PUB socket; its sends never block (PUB drops at its high-water mark).
+struct PubSocket(zmq::Socket);
+
+impl PubSocket {
+    fn new() -> PubSocket {
+        let ctx = zmq::Context::new();
+        let s = ctx.socket(zmq::PUB).unwrap();
+        s.set_linger(0).unwrap();
+        PubSocket(s)
+    }
+
+    async fn send(&mut self, parts: Vec<Vec<u8>>) -> zmq::Result<()> {
+        self.0.send_multipart(parts, zmq::DONTWAIT)
+    }
+}
+
+type ZmqMessage = Vec<Vec<u8>>;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvmesh");
 
@@ -162,7 +180,7 @@ fn raw(seq: u64, payload: Vec<u8>) -> ZmqMessage {
         seq,
         payload: payload.into(),
     };
-    ZmqMessage::try_from(frame.to_parts().to_vec()).unwrap()
+    frame.to_parts().iter().map(|p| p.to_vec()).collect()
 }
 
 /// A running `kvmesh events listen`, its stderr lines forwarded to a channel.
@@ -264,7 +282,7 @@ async fn send_script(publisher: &mut PubSocket, seq: u64) {
         .await
         .unwrap();
     publisher
-        .send(ZmqMessage::from("kv-events but a single part"))
+        .send(vec![b"kv-events but a single part".to_vec()])
         .await
         .unwrap();
     publisher
@@ -313,11 +331,8 @@ fn check_run(lines: &[serde_json::Value], stderr: &[String], seq: u64) {
 #[tokio::test]
 async fn events_listen_connects_to_a_binding_publisher() {
     let mut publisher = PubSocket::new();
-    let ep = publisher
-        .bind("tcp://127.0.0.1:0")
-        .await
-        .unwrap()
-        .to_string();
+    publisher.0.bind("tcp://127.0.0.1:0").unwrap();
+    let ep = publisher.0.get_last_endpoint().unwrap().unwrap();
     let mut listener = Listener::start(&[ep.as_str(), "--count", "4", "--topic", "kv"]);
     let seq = listener.warm_up(&mut publisher).await;
     send_script(&mut publisher, seq).await;
@@ -335,7 +350,7 @@ async fn events_listen_binds_for_a_connecting_publisher() {
         "{line}"
     );
     let mut publisher = PubSocket::new();
-    publisher.connect(&ep).await.unwrap();
+    publisher.0.connect(&ep).unwrap();
     let seq = listener.warm_up(&mut publisher).await;
     send_script(&mut publisher, seq).await;
     let (lines, stderr) = listener.finish().await;

@@ -1,5 +1,5 @@
 //! `kvmesh engine` run as the built binary: port 0 reported on stdout, OpenAI completions with
-//! cached-token accounting, and KV events read by a plain Rust `zeromq` SUB socket (bound on
+//! cached-token accounting, and KV events read by a libzmq SUB socket (bound on
 //! loopback; the engine connects to it, vLLM's non-`*` endpoint rule); and the real-model backend
 //! answering a chat question over HTTP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -10,7 +10,14 @@ use kvmesh_core::events::{KvEvent, Medium, decode_batch};
 use kvmesh_core::{BlockHasher, HashAlgo};
 use serde_json::{Value, json};
 use tokio::time::timeout;
-use zeromq::{Socket, SocketRecv, SubSocket};
+
+/// Receives one message from a libzmq SUB socket within `wait` (blocking this test thread).
+fn recv(sub: &zmq::Socket, wait: Duration) -> Option<Vec<Vec<u8>>> {
+    match sub.poll(zmq::POLLIN, wait.as_millis() as i64) {
+        Ok(n) if n > 0 => sub.recv_multipart(zmq::DONTWAIT).ok(),
+        _ => None,
+    }
+}
 
 mod common;
 
@@ -19,9 +26,12 @@ use common::spawn_engine;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_binary_serves_completions_and_publishes_kv_events() {
     timeout(Duration::from_secs(60), async {
-        let mut sub = SubSocket::new();
-        let ep = sub.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        sub.subscribe("").await.unwrap();
+        let ctx = zmq::Context::new();
+        let sub = ctx.socket(zmq::SUB).unwrap();
+        sub.set_linger(0).unwrap();
+        sub.bind("tcp://127.0.0.1:0").unwrap();
+        let ep = sub.get_last_endpoint().unwrap().unwrap();
+        sub.set_subscribe(b"").unwrap();
         let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ep, "topic": "kv-events"});
         let cfg = cfg.to_string();
         let mut engine = spawn_engine([
@@ -36,14 +46,14 @@ async fn engine_binary_serves_completions_and_publishes_kv_events() {
         loop {
             let r = client.post(format!("{base}/reset_prefix_cache")).send().await.unwrap();
             assert_eq!(r.status(), 200);
-            if let Ok(msg) = timeout(Duration::from_millis(200), sub.recv()).await {
-                let batch = decode_batch(&msg.unwrap().into_vec()[2]).unwrap();
+            if let Some(msg) = recv(&sub, Duration::from_millis(200)) {
+                let batch = decode_batch(&msg[2]).unwrap();
                 assert_eq!(batch.events, vec![KvEvent::AllBlocksCleared]);
                 break;
             }
         }
         // Drop any further probe echoes.
-        while timeout(Duration::from_millis(200), sub.recv()).await.is_ok() {}
+        while recv(&sub, Duration::from_millis(200)).is_some() {}
         let prompt: Vec<u32> = (0..100u32).map(|i| (i * 7 + 3) % 256).collect();
         let mut cached = Vec::new();
         for _ in 0..2 {
@@ -61,8 +71,7 @@ async fn engine_binary_serves_completions_and_publishes_kv_events() {
         }
         assert_eq!(cached, vec![0, 96]);
         // First message: GPU BlockStored of the 6 full prompt blocks, hashed like vLLM.
-        let msg = timeout(Duration::from_secs(5), sub.recv()).await.expect("no kv event").unwrap();
-        let frames: Vec<Vec<u8>> = msg.into_vec().into_iter().map(|b| b.to_vec()).collect();
+        let frames = recv(&sub, Duration::from_secs(5)).expect("no kv event");
         assert_eq!(frames.len(), 3);
         assert_eq!(frames[0], b"kv-events");
         assert_eq!(frames[1].len(), 8);
