@@ -155,7 +155,17 @@ pub struct P2pConfig {
     /// may hold pinned; beyond it pulled blocks land evictable (`--p2p-pull-pin-fraction`).
     pub pull_pin_fraction: f64,
     /// Optional shared secret peers must prove (`--p2p-secret-file`; never on the command line).
+    /// With it every P2P frame after the handshake is MACed.
     pub secret: Option<kvmesh_transfer::Secret>,
+    /// Addresses or networks (`10.0.0.7`, `10.0.0.0/8`) our producer serves; empty = any, which
+    /// is allowed only on loopback or with a secret (`--p2p-allowed-consumers`).
+    pub allowed_consumers: Vec<String>,
+    /// Connections one peer address may hold on our producer (`--p2p-max-connections-per-ip`).
+    pub max_connections_per_ip: usize,
+    /// Blocks one peer lookup may pin on our producer (`--p2p-max-pins-per-lookup`).
+    pub max_pins_per_lookup: usize,
+    /// Blocks one peer address may hold pinned on our producer (`--p2p-max-pinned-per-peer`).
+    pub max_pinned_per_peer: usize,
     pub role: Role,
     pub bidirectional_kv_xfer: bool,
     /// How long a decode engine retains a finished request's blocks (vLLM default 480 s).
@@ -173,6 +183,10 @@ impl Default for P2pConfig {
             pending_deadline: Duration::from_millis(2_000),
             pull_pin_fraction: crate::cpu_tier::DEFAULT_PULL_PIN_FRACTION,
             secret: None,
+            allowed_consumers: Vec::new(),
+            max_connections_per_ip: kvmesh_transfer::server::DEFAULT_MAX_CONNECTIONS_PER_IP,
+            max_pins_per_lookup: kvmesh_transfer::server::DEFAULT_MAX_PINS_PER_LOOKUP,
+            max_pinned_per_peer: kvmesh_transfer::server::DEFAULT_MAX_PINNED_PER_PEER,
             role: Role::Both,
             bidirectional_kv_xfer: false,
             decoder_kv_blocks_ttl: Duration::from_secs(480),
@@ -284,8 +298,43 @@ impl EngineConfig {
                 self.p2p.pull_pin_fraction
             )));
         }
+        self.validate_producer()
+    }
+
+    /// A P2P producer beyond loopback must authenticate its consumers or list them: otherwise
+    /// any host that reaches the port reads this engine's KV and pins its CPU tier.
+    fn validate_producer(&self) -> Result<(), ConfigError> {
+        if self.p2p.port.is_none() {
+            return Ok(());
+        }
+        let p2p = &self.p2p;
+        let consumers = crate::p2p::parse_allowed_consumers(&p2p.allowed_consumers)
+            .map_err(|e| ConfigError::Invalid(format!("--p2p-allowed-consumers: {e}")))?;
+        if p2p.max_connections_per_ip == 0 {
+            return Err(ConfigError::Invalid(
+                "--p2p-max-connections-per-ip must be > 0".into(),
+            ));
+        }
+        if !is_loopback_host(&self.host) && p2p.secret.is_none() && consumers.is_empty() {
+            return Err(ConfigError::Invalid(format!(
+                "--p2p-port with --host {} would serve this engine's KV cache to any host that \
+                 can reach it: set --p2p-secret-file (peers authenticate, every frame is MACed) \
+                 and/or --p2p-allowed-consumers (addresses or networks, e.g. 10.0.0.0/8), or bind \
+                 --host 127.0.0.1",
+                self.host
+            )));
+        }
         Ok(())
     }
+}
+
+/// Whether `host` names only this machine (`localhost`, `127.0.0.0/8`, `::1`).
+pub fn is_loopback_host(host: &str) -> bool {
+    let bare = host.trim().trim_start_matches('[').trim_end_matches(']');
+    bare.eq_ignore_ascii_case("localhost")
+        || bare
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
 }
 
 #[cfg(test)]
@@ -310,6 +359,40 @@ mod tests {
         assert!(err.contains("--p2p-pull-pin-fraction"), "{err}");
         c.p2p.pull_pin_fraction = 0.0;
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn a_p2p_producer_beyond_loopback_needs_a_secret_or_an_allow_list() {
+        let mut c = EngineConfig::default();
+        c.p2p.port = Some(0);
+        assert!(
+            c.validate().is_ok(),
+            "loopback stays open (tests, the demo)"
+        );
+        for host in ["0.0.0.0", "::", "10.1.2.3", "engine-a"] {
+            c.host = host.into();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(
+                err.contains("--p2p-secret-file") && err.contains("--p2p-allowed-consumers"),
+                "{host}: {err}"
+            );
+        }
+        c.host = "0.0.0.0".into();
+        c.p2p.allowed_consumers = vec!["10.0.0.0/8".into()];
+        assert!(c.validate().is_ok());
+        c.p2p.allowed_consumers = vec!["not-an-ip".into()];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("--p2p-allowed-consumers"), "{err}");
+        c.p2p.allowed_consumers.clear();
+        c.p2p.secret = Some(kvmesh_transfer::Secret::from("s"));
+        assert!(c.validate().is_ok());
+        // Without a producer there is nothing to protect.
+        c.p2p.secret = None;
+        c.p2p.port = None;
+        assert!(c.validate().is_ok());
+        for host in ["127.0.0.1", "127.9.9.9", "localhost", "::1", "[::1]"] {
+            assert!(is_loopback_host(host), "{host}");
+        }
     }
 
     #[test]

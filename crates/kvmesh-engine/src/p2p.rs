@@ -3,7 +3,11 @@
 //!
 //! - [`CpuTierSource`] adapts the [`CpuTier`] to the transfer crate's [`BlockSource`]
 //!   (atomic lookup + counted pins, checksums kept from store time, pending waiters);
-//!   [`start_producer`] serves it.
+//!   [`start_producer`] serves it, with the engine's secret, consumer allow-list, per-IP
+//!   connection cap and pin quotas.
+//! - [`Handoffs`] remembers which P/D reader (`remote_request_id`) each retained block was kept
+//!   for, so that only that reader's fetch releases the retention: any other peer reading the
+//!   same block leaves it held (before, any client's read freed blocks kept for a decoder).
 //! - [`P2pConsumer`] owns the one shared [`PullClient`] of the engine (allow-list from
 //!   `--p2p-allowed-peers`; `remote_host` is untrusted input), the pulls in flight (so a burst
 //!   on one prefix moves it once) and the pull itself (blocks land in the CPU tier, verified,
@@ -15,6 +19,7 @@
 //! by reason in `kvmesh_p2p_pulls_total` (the engine's [`crate::metrics::EngineMetrics::p2p`]).
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,8 +28,9 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint, RemoteKvSource, TokenId};
 use kvmesh_transfer::{
-    AllowList, AllowListError, BlockSink, BlockSource, BlockStatus as WireStatus, ClientConfig,
-    ModelledDuration, PeerAddr, ProducerServer, PullClient, PullReport, ServerConfig, SinkError,
+    AllowList, AllowListError, BindError, BlockSink, BlockSource, BlockStatus as WireStatus,
+    ClientConfig, IpNet, IpNetError, ModelledDuration, PeerAddr, ProducerServer, PullClient,
+    PullReport, ServerConfig, SinkError,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -42,16 +48,110 @@ pub(crate) const LANDED_LEASE: Duration = Duration::from_secs(60);
 /// tier's alone (a long step can hold the loop; a stale answer only costs a redundant pull).
 const GPU_LOOKUP_WAIT: Duration = Duration::from_millis(50);
 
+/// Most P/D hand-offs remembered at once; beyond it (after dropping expired ones) a new one is
+/// not recorded and its retention simply runs to its expiry.
+const MAX_HANDOFFS: usize = 65_536;
+
+/// One request's retained blocks, each with the retentions a read by that request may release.
+#[derive(Debug)]
+struct Handoff {
+    blocks: HashMap<BlockHash, usize>,
+    expires: Instant,
+}
+
+/// Which blocks are retained for which P/D reader (the `remote_request_id` the engine returned),
+/// shared by the P/D hook that retains them and the producer that serves them. The request id is
+/// a key, not a proof: it travels in `kv_transfer_params` (the router's to hand out) and in the
+/// reader's `Lookup`; it keeps other peers' reads from freeing what a decoder still needs.
+#[derive(Debug, Default)]
+pub struct Handoffs {
+    map: parking_lot::Mutex<HashMap<String, Handoff>>,
+}
+
+impl Handoffs {
+    /// Remember that `hashes` hold one retention each for `request_id`, until `expires`.
+    pub fn record(&self, request_id: &str, hashes: &[BlockHash], expires: Instant) {
+        if request_id.is_empty() || hashes.is_empty() {
+            return;
+        }
+        let mut map = self.map.lock();
+        if map.len() >= MAX_HANDOFFS && !map.contains_key(request_id) {
+            let now = Instant::now();
+            map.retain(|_, h| h.expires > now);
+            if map.len() >= MAX_HANDOFFS {
+                tracing::debug!(
+                    request_id,
+                    "p2p: hand-off table full; retention expires unread"
+                );
+                return;
+            }
+        }
+        let entry = map.entry(request_id.to_owned()).or_insert_with(|| Handoff {
+            blocks: HashMap::new(),
+            expires,
+        });
+        entry.expires = entry.expires.max(expires);
+        for h in hashes {
+            *entry.blocks.entry(*h).or_default() += 1;
+        }
+    }
+
+    /// Whether `request_id` holds a retention on `hash` it may release now; takes it if so.
+    pub fn take(&self, request_id: &str, hash: BlockHash) -> bool {
+        if request_id.is_empty() {
+            return false;
+        }
+        let mut map = self.map.lock();
+        let Entry::Occupied(mut slot) = map.entry(request_id.to_owned()) else {
+            return false;
+        };
+        if slot.get().expires <= Instant::now() {
+            slot.remove();
+            return false;
+        }
+        let handoff = slot.get_mut();
+        let taken = match handoff.blocks.get_mut(&hash) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                true
+            }
+            Some(_) => {
+                handoff.blocks.remove(&hash);
+                true
+            }
+            None => false,
+        };
+        if handoff.blocks.is_empty() {
+            slot.remove();
+        }
+        taken
+    }
+
+    /// Requests with blocks still held for them (tests, debugging).
+    pub fn len(&self) -> usize {
+        self.map.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The CPU tier as a transfer [`BlockSource`].
 #[derive(Debug, Clone)]
 pub struct CpuTierSource {
     tier: Arc<CpuTier>,
     fingerprint: Fingerprint,
+    handoffs: Arc<Handoffs>,
 }
 
 impl CpuTierSource {
-    pub fn new(tier: Arc<CpuTier>, fingerprint: Fingerprint) -> Self {
-        Self { tier, fingerprint }
+    pub fn new(tier: Arc<CpuTier>, fingerprint: Fingerprint, handoffs: Arc<Handoffs>) -> Self {
+        Self {
+            tier,
+            fingerprint,
+            handoffs,
+        }
     }
 }
 
@@ -81,8 +181,15 @@ impl BlockSource for CpuTierSource {
     }
 
     fn read_with_checksum(&self, hash: BlockHash) -> Option<(Bytes, u32)> {
-        // A peer's read: releases one P/D retention on the block (its reader came).
-        self.tier.read_for_peer(hash)
+        // Releases nothing: only the reader a retention is for may release it (`served`).
+        self.tier.get_with_checksum(hash)
+    }
+
+    fn served(&self, kv_request_id: &str, hash: BlockHash) {
+        // The reader a P/D retention was kept for has its block: release that one retention.
+        if self.handoffs.take(kv_request_id, hash) {
+            self.tier.unpin_as(PinKind::Retain, &[hash]);
+        }
     }
 
     fn unpin(&self, hashes: &[BlockHash]) {
@@ -106,21 +213,53 @@ pub struct P2pProducer {
     pub task: JoinHandle<()>,
 }
 
+/// The producer's settings from the engine's `p2p` config: secret, consumer allow-list
+/// (`--p2p-allowed-consumers`; empty = none), per-IP connection cap and pin quotas.
+pub fn producer_config(engine: &EngineHandle) -> Result<ServerConfig, P2pConfigError> {
+    let cfg = &engine.config().p2p;
+    let allowed = parse_allowed_consumers(&cfg.allowed_consumers)?;
+    Ok(ServerConfig {
+        secret: cfg.secret.clone(),
+        allowed_ips: (!allowed.is_empty()).then_some(allowed),
+        max_connections_per_ip: cfg.max_connections_per_ip,
+        max_pins_per_lookup: cfg.max_pins_per_lookup,
+        max_pinned_per_peer: cfg.max_pinned_per_peer,
+        metrics: engine.metrics().p2p.clone(),
+        ..ServerConfig::default()
+    })
+}
+
+/// `--p2p-allowed-consumers` entries (blank ones skipped) as networks.
+pub fn parse_allowed_consumers(items: &[String]) -> Result<Vec<IpNet>, IpNetError> {
+    items
+        .iter()
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+        .map(str::parse)
+        .collect()
+}
+
 /// Binds the producer on `host:port` when `--p2p-port` is set (port 0 picks a free one).
+/// `handoffs` is shared with the P/D hook ([`P2pConsumer::handoffs`]). Beyond loopback the
+/// engine's config must set a secret or an allow-list ([`P2pConfigError::Unprotected`]).
 pub async fn start_producer(
     engine: &EngineHandle,
     host: &str,
     port: u16,
+    handoffs: Arc<Handoffs>,
     cancel: CancellationToken,
-) -> std::io::Result<P2pProducer> {
-    let cfg = &engine.config().p2p;
-    let source = CpuTierSource::new(engine.cpu_tier().clone(), engine.fingerprint());
-    let server = ServerConfig {
-        secret: cfg.secret.clone(),
-        metrics: engine.metrics().p2p.clone(),
-        ..ServerConfig::default()
-    };
-    let (addr, task) = ProducerServer::bind((host, port), Arc::new(source), server, cancel).await?;
+) -> Result<P2pProducer, P2pConfigError> {
+    let server = producer_config(engine)?;
+    let source = CpuTierSource::new(engine.cpu_tier().clone(), engine.fingerprint(), handoffs);
+    let (addr, task) = ProducerServer::bind((host, port), Arc::new(source), server, cancel)
+        .await
+        .map_err(|e| match e {
+            BindError::Io(source) => P2pConfigError::Bind {
+                addr: format!("{host}:{port}"),
+                source,
+            },
+            unprotected @ BindError::Unprotected { .. } => P2pConfigError::Unprotected(unprotected),
+        })?;
     Ok(P2pProducer { addr, task })
 }
 
@@ -200,11 +339,20 @@ impl BlockSink for TierSink<'_> {
     }
 }
 
-/// Why a consumer could not be built from the engine's config.
+/// Why the P2P consumer or producer could not be built from the engine's config.
 #[derive(Debug, thiserror::Error)]
 pub enum P2pConfigError {
     #[error("--p2p-allowed-peers: {0}")]
     AllowList(#[from] AllowListError),
+    #[error("--p2p-allowed-consumers: {0}")]
+    AllowedConsumers(#[from] IpNetError),
+    #[error("p2p producer: {0}")]
+    Unprotected(BindError),
+    #[error("cannot listen on {addr} (p2p): {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
 }
 
 /// The engine's P2P consumer: one shared pull client (pooled connections per peer).
@@ -219,6 +367,8 @@ pub struct P2pConsumer {
     /// block is a key, not just the first, because a request arriving mid-pull already sees the
     /// landed blocks as local: its first missing block is one the pull has not landed yet.
     inflight: parking_lot::Mutex<HashMap<BlockHash, watch::Receiver<()>>>,
+    /// Blocks this engine retains for P/D readers, by request (shared with the producer).
+    handoffs: Arc<Handoffs>,
 }
 
 /// Holds a claim on an in-flight pull; dropping it wakes the requests waiting for it.
@@ -267,7 +417,14 @@ impl P2pConsumer {
             timeout: cfg.timeout,
             pending_deadline: cfg.pending_deadline,
             inflight: parking_lot::Mutex::default(),
+            handoffs: Arc::default(),
         })
+    }
+
+    /// The hand-off ledger: the P/D hook records retentions in it, the producer releases them
+    /// only for the request they were kept for.
+    pub fn handoffs(&self) -> &Arc<Handoffs> {
+        &self.handoffs
     }
 
     /// Claims the blocks `want` (non-empty) for one pull, unless its first block is already part
@@ -453,7 +610,31 @@ mod tests {
             timeout: Duration::from_secs(1),
             pending_deadline: Duration::from_secs(1),
             inflight: parking_lot::Mutex::default(),
+            handoffs: Arc::default(),
         }
+    }
+
+    #[test]
+    fn a_hand_off_is_released_only_by_its_request_once_per_retention() {
+        let h = Handoffs::default();
+        let far = Instant::now() + Duration::from_secs(60);
+        h.record("r1", &[BlockHash(1), BlockHash(2)], far);
+        h.record("r1", &[BlockHash(1)], far); // retained twice for the same reader
+        assert!(
+            !h.take("evil", BlockHash(1)),
+            "another request releases nothing"
+        );
+        assert!(!h.take("", BlockHash(1)));
+        assert!(!h.take("r1", BlockHash(3)), "not retained for r1");
+        assert!(h.take("r1", BlockHash(1)));
+        assert!(h.take("r1", BlockHash(1)));
+        assert!(!h.take("r1", BlockHash(1)), "two retentions, two releases");
+        assert!(h.take("r1", BlockHash(2)));
+        assert!(h.is_empty(), "a fully read hand-off is forgotten");
+        // An expired hand-off releases nothing (its retention already ran out).
+        h.record("r2", &[BlockHash(5)], Instant::now());
+        assert!(!h.take("r2", BlockHash(5)));
+        assert!(h.is_empty());
     }
 
     #[test]

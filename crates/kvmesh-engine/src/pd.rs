@@ -30,10 +30,11 @@
 //! `remote_block_ids` are the engine's block hashes (`BlockHash`, the KV-event value, as JSON
 //! integers): peers identify blocks by hash, never by slot id. Blocks were already offloaded to
 //! the CPU tier (write-through) and published as `BlockStored` CPU when computed; the pin keeps
-//! them there. The pins are *retentions* ([`crate::cpu_tier::PinKind::Retain`]): a peer's read of
-//! a retained block releases one (the reader came, as vLLM frees a request's blocks once its
-//! decoder read them), the rest expire; under pressure retained blocks are evicted after
-//! unprotected ones, so a prefiller pinning every prompt never makes its own pulls (history reads)
+//! them there. The pins are *retentions* ([`crate::cpu_tier::PinKind::Retain`]): a read of a
+//! retained block by the request it was kept for (its `remote_request_id` as the `Lookup`'s
+//! `kv_request_id`) releases one (the reader came, as vLLM frees a request's blocks once its
+//! decoder read them), reads by anyone else release nothing, the rest expire; under pressure
+//! retained blocks are evicted after unprotected ones, so a prefiller pinning every prompt never makes its own pulls (history reads)
 //! fail for want of room — a reader that comes too late recomputes.
 
 use std::net::SocketAddr;
@@ -170,9 +171,14 @@ impl PdAdmission {
     ) -> Option<KvTransferParams> {
         let addr = self.advertised?;
         let ttl = engine.config().p2p.decoder_kv_blocks_ttl;
-        let n = engine
-            .cpu_tier()
-            .pin_as(PinKind::Retain, hashes, Instant::now() + ttl);
+        let until = Instant::now() + ttl;
+        let n = engine.cpu_tier().pin_as(PinKind::Retain, hashes, until);
+        // Only this request's reader may release these retentions (a peer's read of the same
+        // blocks under another request id leaves them held): see `p2p::Handoffs`.
+        self.p2p
+            .consumer
+            .handoffs()
+            .record(&req.request_id, &hashes[..n], until);
         let m = &engine.metrics().pd;
         m.retained.get_or_create(&PdRetainLabel { role }).inc();
         m.retained_blocks

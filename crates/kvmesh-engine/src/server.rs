@@ -143,12 +143,14 @@ pub async fn start_server(
         let consumer = Arc::new(P2pConsumer::new(&engine)?);
         let producer = match p2p_port {
             Some(port) => Some(
-                start_producer(&engine, &host, port, cancel.child_token())
-                    .await
-                    .map_err(|source| ServerError::Bind {
-                        addr: format!("{host}:{port} (p2p)"),
-                        source,
-                    })?,
+                start_producer(
+                    &engine,
+                    &host,
+                    port,
+                    Arc::clone(consumer.handoffs()),
+                    cancel.child_token(),
+                )
+                .await?,
             ),
             None => None,
         };

@@ -1,11 +1,12 @@
-//! Optional shared-secret authentication of peers (mutual challenge–response).
+//! Shared-secret authentication of peers (mutual challenge–response).
 //!
 //! The secret never crosses the wire. Each side sends a fresh random nonce; the consumer proves
 //! knowledge of the secret with `HMAC-SHA256(secret, "kvmesh-p2p/consumer" | producer_nonce |
 //! consumer_nonce)`, the producer answers with the same construction under the label
 //! `"kvmesh-p2p/producer"` and the nonces swapped, so neither proof can be replayed or reflected.
 //! Proofs are compared in constant time. HMAC-SHA256 comes from the `hmac` crate (checked against
-//! the RFC 4231 test vectors below).
+//! the RFC 4231 test vectors below). What protects the frames after the handshake is in
+//! [`crate::mac`].
 
 use std::fmt;
 
@@ -34,6 +35,11 @@ impl Secret {
     /// Proof the producer returns in `HelloOk`.
     pub fn producer_proof(&self, producer_nonce: &Nonce, consumer_nonce: &Nonce) -> [u8; 32] {
         hmac_sha256(&self.0, &[PRODUCER_LABEL, consumer_nonce, producer_nonce])
+    }
+
+    /// HMAC-SHA256 keyed by the secret: the PRF of the session-key derivation ([`crate::mac`]).
+    pub(crate) fn prf(&self, parts: &[&[u8]]) -> [u8; 32] {
+        hmac_sha256(&self.0, parts)
     }
 }
 

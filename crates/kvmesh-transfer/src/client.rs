@@ -22,7 +22,8 @@ use tokio::time::{Instant, timeout};
 
 use crate::auth::{self, Secret};
 use crate::connection::{Connection, ConnectionError};
-use crate::frame::DEFAULT_MAX_FRAME;
+use crate::frame::{DEFAULT_MAX_FRAME, HEADER_LEN, PREAUTH_MAX_FRAME};
+use crate::mac::{self, Role, SessionKeys};
 use crate::message::{
     Auth, BlockStatus, Fetch, FetchEnd, Hello, Lookup, Message, PROTOCOL_VERSION, RefuseReason,
 };
@@ -290,6 +291,7 @@ impl Stop {
 fn conn_reason(e: &ConnectionError) -> PullReason {
     match e {
         ConnectionError::Checksum { .. } => PullReason::Checksum,
+        ConnectionError::Mac { .. } => PullReason::MacFailed,
         ConnectionError::Message(_) => PullReason::Protocol,
         e if e.is_closed() => PullReason::PeerClosed,
         ConnectionError::Io(_) | ConnectionError::ClosedMidFrame => PullReason::PeerClosed,
@@ -396,10 +398,13 @@ impl PullClient {
             .metrics
             .record_pull(&outcome, experienced.as_secs_f64());
         if let Some(reason) = outcome.reason() {
-            if *reason == PullReason::Protocol {
+            if matches!(reason, PullReason::Protocol | PullReason::MacFailed) {
                 self.config.metrics.record_protocol_error(Direction::In);
             }
-            if reason.is_misconfiguration() {
+            if *reason == PullReason::MacFailed {
+                // Someone on the path altered or injected a frame; the pooled connection is gone.
+                tracing::warn!(%peer, kv_request_id, "p2p pull stopped: a frame failed authentication");
+            } else if reason.is_misconfiguration() {
                 // Every pull to this peer will fail the same way until an operator acts.
                 tracing::warn!(%peer, kv_request_id, %reason, "p2p pull refused: fleet misconfigured");
             } else {
@@ -494,21 +499,34 @@ impl PullClient {
             Ok(Err(_)) => return Err(PullReason::Connect),
             Ok(Ok(s)) => s,
         };
-        let mut conn = Connection::new(stream, self.config.max_frame);
-        match timeout(self.config.timeout, self.handshake(&mut conn)).await {
-            Err(_) => Err(PullReason::Timeout),
-            Ok(r) => r.map(|()| conn),
+        // Whatever the producer sends before accepting us is bounded small.
+        let mut conn = Connection::new(stream, PREAUTH_MAX_FRAME);
+        let keys = match timeout(self.config.timeout, self.handshake(&mut conn)).await {
+            Err(_) => return Err(PullReason::Timeout),
+            Ok(r) => r?,
+        };
+        conn.set_max_frame(self.config.max_frame);
+        if let Some(keys) = keys {
+            conn.enable_mac(&keys);
         }
+        Ok(conn)
     }
 
-    async fn handshake(&self, conn: &mut Connection) -> Result<(), PullReason> {
+    /// Returns the session keys when authenticated with a secret (then every later frame is
+    /// MACed), `None` for an open producer.
+    async fn handshake(&self, conn: &mut Connection) -> Result<Option<SessionKeys>, PullReason> {
         let ours = auth::nonce();
-        let hello = Hello {
+        let hello = Message::Hello(Hello {
             version: PROTOCOL_VERSION,
             fingerprint: self.fingerprint.clone(),
             nonce: ours,
+        });
+        // The keys are bound to the Hello exactly as the producer receives it.
+        let transcript = match hello.encode(PREAUTH_MAX_FRAME) {
+            Ok(f) => mac::transcript_hash(f.head.get(HEADER_LEN..).unwrap_or_default()),
+            Err(_) => return Err(PullReason::Protocol),
         };
-        conn.write_message(&Message::Hello(hello))
+        conn.write_message(&hello)
             .await
             .map_err(|e| conn_reason(&e))?;
         let mut challenged = None;
@@ -528,14 +546,20 @@ impl PullClient {
                 }
                 Some(Message::HelloOk(ok)) => {
                     return match (&self.config.secret, challenged, ok.proof) {
-                        (None, None, _) => Ok(()),
+                        (None, None, _) => Ok(None),
                         (Some(secret), Some(theirs), Some(proof))
                             if auth::constant_time_eq(
                                 &proof,
                                 &secret.producer_proof(&theirs, &ours),
                             ) =>
                         {
-                            Ok(())
+                            Ok(Some(SessionKeys::derive(
+                                secret,
+                                Role::Consumer,
+                                &ours,
+                                &theirs,
+                                &transcript,
+                            )))
                         }
                         // We hold a secret but the producer did not prove it holds it too.
                         _ => Err(PullReason::AuthFailed),
@@ -548,7 +572,12 @@ impl PullClient {
                         }
                         RefuseReason::AuthFailed => PullReason::AuthFailed,
                         RefuseReason::NotAllowed => PullReason::NotAllowed,
-                        RefuseReason::Version { .. } => PullReason::Protocol,
+                        RefuseReason::TooManyConnections => PullReason::Busy,
+                        // Theirs from the producer's side: its `ours` is the version it speaks.
+                        RefuseReason::Version { ours, .. } => PullReason::Version {
+                            ours: PROTOCOL_VERSION,
+                            theirs: ours,
+                        },
                     });
                 }
                 Some(_) => return Err(PullReason::Protocol),

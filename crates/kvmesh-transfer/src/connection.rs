@@ -7,15 +7,25 @@
 //! surfaces as [`ConnectionError::Checksum`] without a second pass over the payload. Writes of
 //! block frames are vectored (header, payload, checksum) so
 //! the payload `Bytes` is never copied into a staging buffer.
+//!
+//! Once [`Connection::enable_mac`] is called (after a handshake with a shared secret) every frame
+//! carries a MAC trailer ([`crate::mac`]): outgoing frames are sealed on write; incoming frames are
+//! MACed progressively as their bytes arrive and verified before they are decoded, so nothing a
+//! forger sends is ever parsed as a message. A connection starts with the small pre-handshake
+//! frame bound ([`crate::frame::PREAUTH_MAX_FRAME`] when the caller passes it) and is raised with
+//! [`Connection::set_max_frame`] once the peer is accepted.
 
 use std::io;
 use std::net::SocketAddr;
 
-use bytes::{BufMut, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::frame::{self, Check, FrameError, Tag};
+use crate::frame::{self, Check, FrameError, HEADER_LEN, Tag};
+use crate::mac::{FrameMac, MAC_LEN, SessionKeys};
 use crate::message::{BLOCK_PAYLOAD_OFFSET, BLOCK_TRAILER, Message, MessageError};
 
 /// Most bytes taken per read call: small enough that the progressive checksum of a block
@@ -36,6 +46,9 @@ pub enum ConnectionError {
     Message(#[from] MessageError),
     #[error("block {index}: payload does not match its checksum")]
     Checksum { index: u32 },
+    /// A frame whose MAC does not verify: forged, altered, replayed, reordered or truncated.
+    #[error("frame {seq} failed authentication")]
+    Mac { seq: u64 },
 }
 
 impl From<FrameError> for ConnectionError {
@@ -56,7 +69,9 @@ impl ConnectionError {
                     | io::ErrorKind::BrokenPipe
                     | io::ErrorKind::UnexpectedEof
             ),
-            ConnectionError::Message(_) | ConnectionError::Checksum { .. } => false,
+            ConnectionError::Message(_)
+            | ConnectionError::Checksum { .. }
+            | ConnectionError::Mac { .. } => false,
         }
     }
 }
@@ -72,6 +87,12 @@ pub struct Connection {
     /// CRC32 of the payload bytes of the block frame at the front of `buf` hashed so far, and
     /// the offset (from the frame start) up to which they are hashed.
     block_crc: Option<(crc32fast::Hasher, usize)>,
+    /// Frame MACs once authenticated: what we send, what we receive.
+    send_mac: Option<FrameMac>,
+    recv_mac: Option<FrameMac>,
+    /// MAC of the frame at the front of `buf` over the bytes received so far, and the offset up
+    /// to which they are fed.
+    frame_mac: Option<(Hmac<Sha256>, usize)>,
 }
 
 impl Connection {
@@ -83,7 +104,33 @@ impl Connection {
             buf: BytesMut::with_capacity(READ_AHEAD),
             max_frame,
             block_crc: None,
+            send_mac: None,
+            recv_mac: None,
+            frame_mac: None,
         }
+    }
+
+    /// Raise (or lower) the frame bound, e.g. from the pre-handshake bound once the peer is
+    /// accepted.
+    pub fn set_max_frame(&mut self, max_frame: usize) {
+        self.max_frame = max_frame;
+    }
+
+    /// From the next frame on, seal what we send and verify what we receive. Call right after
+    /// the last handshake frame (both ends switch at `HelloOk`).
+    pub fn enable_mac(&mut self, keys: &SessionKeys) {
+        self.send_mac = Some(FrameMac::new(keys.send));
+        self.recv_mac = Some(FrameMac::new(keys.recv));
+        self.frame_mac = None;
+    }
+
+    /// Whether frames are authenticated.
+    pub fn authenticated(&self) -> bool {
+        self.recv_mac.is_some()
+    }
+
+    fn mac_len(&self) -> usize {
+        if self.recv_mac.is_some() { MAC_LEN } else { 0 }
     }
 
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
@@ -92,23 +139,40 @@ impl Connection {
 
     /// The next message, or `None` when the peer closed cleanly between frames.
     pub async fn read_message(&mut self) -> Result<Option<Message>, ConnectionError> {
+        Ok(self.read_message_with_body().await?.map(|(m, _)| m))
+    }
+
+    /// As [`Connection::read_message`], with the frame body as received (zero-copy), for the
+    /// handshake transcript the session keys are bound to.
+    pub async fn read_message_with_body(
+        &mut self,
+    ) -> Result<Option<(Message, Bytes)>, ConnectionError> {
         loop {
             match frame::check(&self.buf, self.max_frame)? {
                 Check::Complete { total } => {
+                    self.digest_mac(total)?;
+                    self.verify_mac(total)?;
                     self.digest_block(total);
                     let crc = self.block_crc.take().map(|(h, _)| h.finalize());
-                    if let Some(f) = frame::parse(&mut self.buf, self.max_frame)? {
+                    if let Some(mut f) = frame::parse(&mut self.buf, self.max_frame)? {
+                        // Verified above; the decoder sees the body without its MAC.
+                        f.body.truncate(f.body.len().saturating_sub(self.mac_len()));
+                        let body = f.body.clone();
                         let msg = Message::from_frame(f)?;
                         if let (Message::Block(b), Some(crc)) = (&msg, crc)
                             && b.crc != crc
                         {
                             return Err(ConnectionError::Checksum { index: b.index });
                         }
-                        return Ok(Some(msg));
+                        return Ok(Some((msg, body)));
                     }
                 }
                 Check::Incomplete { needed } => {
-                    self.digest_block(self.buf.len() + needed);
+                    // Until the length prefix is in, `needed` is not the frame's size.
+                    if self.buf.len() >= 4 {
+                        self.digest_mac(self.buf.len() + needed)?;
+                        self.digest_block(self.buf.len() + needed);
+                    }
                     let spare = self.buf.capacity() - self.buf.len();
                     if spare < needed.max(4096) {
                         self.buf.reserve(needed + READ_AHEAD);
@@ -130,15 +194,49 @@ impl Connection {
         }
     }
 
+    /// Feed the newly buffered bytes of the frame of `total` bytes at the front of the buffer to
+    /// its MAC (everything but the MAC itself). A frame too short to carry a MAC is a forgery.
+    fn digest_mac(&mut self, total: usize) -> Result<(), ConnectionError> {
+        let Some(rx) = &self.recv_mac else {
+            return Ok(());
+        };
+        if total < HEADER_LEN + MAC_LEN {
+            return Err(ConnectionError::Mac { seq: rx.seq() });
+        }
+        let end = self.buf.len().min(total - MAC_LEN);
+        let (mac, upto) = self.frame_mac.get_or_insert_with(|| (rx.begin(), 0));
+        if end > *upto {
+            mac.update(&self.buf[*upto..end]);
+            *upto = end;
+        }
+        Ok(())
+    }
+
+    /// Check the MAC of the whole frame of `total` bytes at the front of the buffer (all fed).
+    fn verify_mac(&mut self, total: usize) -> Result<(), ConnectionError> {
+        let Some(rx) = &mut self.recv_mac else {
+            return Ok(());
+        };
+        let seq = rx.seq();
+        let Some((mac, _)) = self.frame_mac.take() else {
+            return Err(ConnectionError::Mac { seq });
+        };
+        let tag = self.buf.get(total - MAC_LEN..total).unwrap_or_default();
+        if rx.verify(mac, tag) {
+            Ok(())
+        } else {
+            Err(ConnectionError::Mac { seq })
+        }
+    }
+
     /// Hash the newly buffered payload bytes of a block frame of `total` bytes at the front of
     /// the buffer. Malformed block frames are left to the message decoder to reject.
     fn digest_block(&mut self, total: usize) {
-        if self.buf.get(4) != Some(&(Tag::Block as u8))
-            || total < BLOCK_PAYLOAD_OFFSET + BLOCK_TRAILER
-        {
+        let trailer = BLOCK_TRAILER + self.mac_len();
+        if self.buf.get(4) != Some(&(Tag::Block as u8)) || total < BLOCK_PAYLOAD_OFFSET + trailer {
             return;
         }
-        let end = self.buf.len().min(total - BLOCK_TRAILER);
+        let end = self.buf.len().min(total - trailer);
         let (hasher, upto) = self
             .block_crc
             .get_or_insert_with(|| (crc32fast::Hasher::new(), BLOCK_PAYLOAD_OFFSET));
@@ -150,9 +248,27 @@ impl Connection {
 
     /// Write one message (vectored for blocks) and flush it to the socket.
     pub async fn write_message(&mut self, msg: &Message) -> Result<(), ConnectionError> {
-        let encoded = msg.encode(self.max_frame)?;
+        let mut encoded = msg.encode_framed(self.max_frame, self.mac_len())?;
+        if let Some(tx) = &mut self.send_mac {
+            let mut mac = tx.begin();
+            mac.update(&encoded.head);
+            mac.update(&encoded.payload);
+            mac.update(&encoded.tail);
+            let tag = tx.finish(mac);
+            let mut tail = BytesMut::with_capacity(encoded.tail.len() + MAC_LEN);
+            tail.put_slice(&encoded.tail);
+            tail.put_slice(&tag);
+            encoded.tail = tail.freeze();
+        }
         let mut buf = encoded.into_buf();
         self.stream.write_all_buf(&mut buf).await?;
+        Ok(())
+    }
+
+    /// Test hook: write `bytes` as they are, bypassing framing and MAC (hostile-peer tests).
+    #[doc(hidden)]
+    pub async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), ConnectionError> {
+        self.stream.write_all(bytes).await?;
         Ok(())
     }
 

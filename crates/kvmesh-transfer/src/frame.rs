@@ -5,7 +5,9 @@
 //! says whether a whole frame is there (`Incomplete` is a normal answer, not an error), then
 //! [`parse`] splits exactly that frame off the buffer without copying the body. Every frame has a
 //! maximum size, enforced on the length prefix before any body byte is buffered, so a peer cannot
-//! make us allocate more than `max_frame` bytes per connection.
+//! make us allocate more than `max_frame` bytes per connection. Until the handshake has
+//! succeeded the bound is [`PREAUTH_MAX_FRAME`] (4 KiB): an unauthenticated peer cannot make us
+//! buffer more than that, whatever its length prefix claims.
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -15,6 +17,10 @@ pub const HEADER_LEN: usize = 5;
 /// Default bound on one frame (tag + body). A block frame carries one KV block; 64 MiB leaves room
 /// for a 64-token block of a large model (~93 KB/token ⇒ ~6 MB) many times over.
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
+
+/// Bound on every frame before the handshake has succeeded (`Hello`, `Challenge`, `Auth`,
+/// `HelloOk`, `Refused`): they carry a fingerprint, nonces and proofs, a few hundred bytes.
+pub const PREAUTH_MAX_FRAME: usize = 4 << 10;
 
 /// What a frame carries; the body layout per tag lives in [`crate::message`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,7 +5,8 @@
 //! Layers, innermost first (the mini-redis shape):
 //! - [`frame`]: bytes ⇄ length-prefixed frames, two-phase parse, bounded size;
 //! - [`message`]: frames ⇄ protocol messages (`Hello`, `Lookup`, `Fetch`, block frames, `Done`…);
-//! - [`connection`]: messages over one TCP stream (zero-copy reads, vectored block writes);
+//! - [`connection`]: messages over one TCP stream (zero-copy reads, vectored block writes,
+//!   per-frame MACs once authenticated: [`auth`] for the handshake, [`mac`] for the frames);
 //! - [`server`] ([`ProducerServer`]) and [`client`] ([`PullClient`]): the service, talking to a
 //!   block store only through the [`BlockSource`] / [`BlockSink`] seams in [`source`].
 //!
@@ -16,6 +17,8 @@ pub mod auth;
 pub mod client;
 pub mod connection;
 pub mod frame;
+pub mod limits;
+pub mod mac;
 pub mod message;
 pub mod metrics;
 pub mod report;
@@ -24,7 +27,8 @@ pub mod source;
 
 pub use auth::Secret;
 pub use client::{AllowList, AllowListError, ClientConfig, ModelledDuration, PeerAddr, PullClient};
+pub use limits::{IpNet, IpNetError};
 pub use metrics::{Direction, TransferMetrics};
 pub use report::{PullOutcome, PullReason, PullReport};
-pub use server::{ProducerServer, ServerConfig};
+pub use server::{BindError, ProducerServer, ServerConfig};
 pub use source::{BlockSink, BlockSource, BlockStatus, MemorySource, SinkError, VecSink};

@@ -12,8 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::frame::{self, FrameError, HEADER_LEN, RawFrame, Tag};
 
-/// Bumped on any incompatible wire change; checked in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Bumped on any incompatible wire change; checked in `Hello`. Version 2: frames after the
+/// handshake carry a MAC when a secret is set ([`crate::mac`]), handshake frames are bounded by
+/// [`frame::PREAUTH_MAX_FRAME`], `Refused` may say `TooManyConnections`.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Random bytes exchanged in the handshake so authentication proofs cannot be replayed.
 pub type Nonce = [u8; 16];
@@ -61,6 +63,8 @@ pub enum RefuseReason {
     },
     AuthFailed,
     NotAllowed,
+    /// The consumer's address already holds the producer's per-IP connection cap.
+    TooManyConnections,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -316,13 +320,23 @@ impl Message {
 
     /// Encode into frame buffers, refusing frames larger than `max_frame`.
     pub fn encode(&self, max_frame: usize) -> Result<EncodedFrame, MessageError> {
+        self.encode_framed(max_frame, 0)
+    }
+
+    /// As [`Message::encode`], with a length prefix that also counts `trailer` bytes the caller
+    /// appends after the body (the frame MAC, [`crate::mac`]).
+    pub fn encode_framed(
+        &self,
+        max_frame: usize,
+        trailer: usize,
+    ) -> Result<EncodedFrame, MessageError> {
         let tag = self.tag();
         let enc = |e: rmp_serde::encode::Error| MessageError::Encode {
             tag,
             detail: e.to_string(),
         };
         let body = match self {
-            Message::Block(b) => return encode_block(b, max_frame),
+            Message::Block(b) => return encode_block(b, max_frame, trailer),
             Message::Hello(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
             Message::Challenge(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
             Message::Auth(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
@@ -338,8 +352,11 @@ impl Message {
             Message::Done(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
             Message::Error(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
         };
+        let mut head = BytesMut::with_capacity(HEADER_LEN + body.len());
+        head.put_slice(&frame::header(tag, body.len() + trailer, max_frame)?);
+        head.put_slice(&body);
         Ok(EncodedFrame {
-            head: frame::encode(tag, &body, max_frame)?,
+            head: head.freeze(),
             payload: Bytes::new(),
             tail: Bytes::new(),
         })
@@ -373,8 +390,12 @@ fn decode_block(mut body: Bytes) -> Result<BlockFrame, MessageError> {
     })
 }
 
-fn encode_block(b: &BlockFrame, max_frame: usize) -> Result<EncodedFrame, MessageError> {
-    let body_len = BLOCK_HEAD + b.payload.len() + 4;
+fn encode_block(
+    b: &BlockFrame,
+    max_frame: usize,
+    trailer: usize,
+) -> Result<EncodedFrame, MessageError> {
+    let body_len = BLOCK_HEAD + b.payload.len() + 4 + trailer;
     let payload_len = u32::try_from(b.payload.len()).map_err(|_| FrameError::TooLarge {
         len: b.payload.len(),
         max: max_frame,

@@ -82,12 +82,20 @@ impl Default for TransferMetrics {
     }
 }
 
-/// Why a producer refuses a connection (`kvmesh_p2p_refused_connections_total{reason}`).
-pub const REFUSE_REASONS: [&str; 4] = [
+/// Why a producer refuses a peer (`kvmesh_p2p_refused_connections_total{reason}`): at accept
+/// (`not_allowed`, `connection_cap`), in the handshake (`version`, `fingerprint_mismatch`,
+/// `auth_failed`, `oversized_frame`: a pre-authentication frame above its bound), after it
+/// (`mac_failed`: the connection closes) or per lookup (`pin_quota`: pins beyond the peer's
+/// quota refused, the connection stays open).
+pub const REFUSE_REASONS: [&str; 8] = [
     "not_allowed",
     "version",
     "fingerprint_mismatch",
     "auth_failed",
+    "connection_cap",
+    "oversized_frame",
+    "mac_failed",
+    "pin_quota",
 ];
 
 impl TransferMetrics {
@@ -142,7 +150,7 @@ impl TransferMetrics {
         );
         registry.register(
             "kvmesh_p2p_refused_connections",
-            "Producer: peer connections refused, by reason",
+            "Producer: peers refused (connections, handshakes, unauthenticated frames, pins over quota), by reason",
             self.refused.clone(),
         );
         registry.register(
@@ -192,7 +200,7 @@ impl TransferMetrics {
     }
 
     /// `reason` is one of [`REFUSE_REASONS`].
-    pub(crate) fn record_refused(&self, reason: &'static str) {
+    pub fn record_refused(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabels { reason }).inc();
     }
 

@@ -29,6 +29,12 @@ pub enum PullReason {
     Protocol,
     /// Our sink refused a block (e.g. content verification failed).
     SinkRejected,
+    /// The peer speaks another protocol version (`theirs`; we speak `ours`).
+    Version { ours: u16, theirs: u16 },
+    /// The producer refused us: our address holds its per-IP connection cap.
+    Busy,
+    /// A frame after the handshake failed its MAC: forged or altered on the way.
+    MacFailed,
 }
 
 impl PullReason {
@@ -40,11 +46,12 @@ impl PullReason {
             PullReason::NotAllowed
                 | PullReason::FingerprintMismatch { .. }
                 | PullReason::AuthFailed
+                | PullReason::Version { .. }
         )
     }
 
     /// Every reason, for metric pre-registration and tests.
-    pub const ALL: [PullReason; 11] = [
+    pub const ALL: [PullReason; 14] = [
         PullReason::NotAllowed,
         PullReason::Connect,
         PullReason::FingerprintMismatch {
@@ -58,6 +65,9 @@ impl PullReason {
         PullReason::PeerClosed,
         PullReason::Protocol,
         PullReason::SinkRejected,
+        PullReason::Version { ours: 0, theirs: 0 },
+        PullReason::Busy,
+        PullReason::MacFailed,
     ];
 
     /// Stable label for metrics and logs.
@@ -74,6 +84,9 @@ impl PullReason {
             PullReason::PeerClosed => "peer_closed",
             PullReason::Protocol => "protocol",
             PullReason::SinkRejected => "sink_rejected",
+            PullReason::Version { .. } => "version",
+            PullReason::Busy => "busy",
+            PullReason::MacFailed => "mac_failed",
         }
     }
 }
@@ -82,6 +95,10 @@ impl fmt::Display for PullReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             PullReason::FingerprintMismatch { field } => write!(f, "fingerprint_mismatch({field})"),
+            PullReason::Version { ours, theirs } => write!(
+                f,
+                "version(peer speaks P2P protocol v{theirs}, we speak v{ours}: upgrade the older engine)"
+            ),
             other => f.write_str(other.label()),
         }
     }

@@ -5,6 +5,14 @@
 //! accept loop stops at once; connection tasks finish the request they are serving (an in-flight
 //! fetch is drained, not cut) and close when idle. Every pin a connection takes is released when
 //! its fetch ends, when the next lookup replaces it, and when the connection closes for any reason.
+//!
+//! Hostile peers: [`ProducerServer::bind`] refuses an address beyond loopback unless a secret or
+//! an allow-list protects it; a peer address holds at most `max_connections_per_ip` connections
+//! and `max_pinned_per_peer` pinned blocks (`max_pins_per_lookup` per lookup); handshake frames
+//! are bounded by [`PREAUTH_MAX_FRAME`]; with a secret every later frame is MAC-verified before it
+//! is decoded ([`crate::mac`]). A connection releases only pins it took itself, and only while
+//! their lease runs (after it, the source's count may already belong to another connection).
+//! Each refusal is counted by reason and logged once per peer ([`crate::limits`]).
 
 use std::collections::HashMap;
 use std::io;
@@ -24,10 +32,12 @@ use tracing::{debug, warn};
 
 use crate::auth::{self, Secret};
 use crate::connection::{Connection, ConnectionError};
-use crate::frame::DEFAULT_MAX_FRAME;
+use crate::frame::{DEFAULT_MAX_FRAME, FrameError, PREAUTH_MAX_FRAME};
+use crate::limits::{IpNet, PeerSlot, PeerTable, RefusalLog};
+use crate::mac::{self, Role, SessionKeys};
 use crate::message::{
     BlockFrame, BlockStatus, Done, ErrorMsg, Fetch, FetchEnd, HelloOk, Lookup, LookupReply,
-    Message, PROTOCOL_VERSION, RefuseReason, Refused,
+    Message, MessageError, PROTOCOL_VERSION, RefuseReason, Refused,
 };
 use crate::metrics::{Direction, TransferMetrics};
 use crate::source::BlockSource;
@@ -51,12 +61,34 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// Most hashes one lookup or fetch may name.
     pub max_blocks_per_request: usize,
-    /// When set, consumers must prove knowledge of it (and we prove it back).
+    /// When set, consumers must prove knowledge of it (and we prove it back), and every frame
+    /// after the handshake is MACed.
     pub secret: Option<Secret>,
-    /// When set, only these consumer IPs may connect.
-    pub allowed_ips: Option<Vec<IpAddr>>,
+    /// When set, only consumers in these addresses / networks may connect.
+    pub allowed_ips: Option<Vec<IpNet>>,
+    /// Connections one peer address may hold at once (handshaking ones included); more are
+    /// refused with `TooManyConnections`.
+    pub max_connections_per_ip: usize,
+    /// Blocks one lookup may pin; hits beyond it are answered `MISS`.
+    pub max_pins_per_lookup: usize,
+    /// Blocks one peer address may hold pinned over all its connections.
+    pub max_pinned_per_peer: usize,
     pub metrics: TransferMetrics,
 }
+
+/// Default [`ServerConfig::max_connections_per_ip`]: room for a busy consumer's concurrent pulls
+/// (its pool keeps 4 idle), a quarter of the overall 256.
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 64;
+
+/// Default [`ServerConfig::max_pins_per_lookup`]: a 128K-token prompt in 16-token blocks.
+pub const DEFAULT_MAX_PINS_PER_LOOKUP: usize = 8192;
+
+/// Default [`ServerConfig::max_pinned_per_peer`]: four such prompts at once.
+pub const DEFAULT_MAX_PINNED_PER_PEER: usize = 32_768;
+
+/// A connection does not release a pin whose lease ends within this: the source may already
+/// have dropped it, and its release would take another connection's pin instead.
+const RELEASE_MARGIN: Duration = Duration::from_millis(50);
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -71,9 +103,33 @@ impl Default for ServerConfig {
             max_blocks_per_request: 1 << 16,
             secret: None,
             allowed_ips: None,
+            max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
+            max_pins_per_lookup: DEFAULT_MAX_PINS_PER_LOOKUP,
+            max_pinned_per_peer: DEFAULT_MAX_PINNED_PER_PEER,
             metrics: TransferMetrics::default(),
         }
     }
+}
+
+impl ServerConfig {
+    /// Whether consumers must authenticate or come from listed addresses.
+    pub fn protected(&self) -> bool {
+        self.secret.is_some() || self.allowed_ips.is_some()
+    }
+}
+
+/// Why the producer did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    /// Beyond loopback, anyone who can reach the port could read (and with pins, hold) the KV.
+    #[error(
+        "refusing to serve KV blocks on {addr} to any host: set a shared secret \
+         (`kvmesh engine --p2p-secret-file`) or an allow-list of consumer addresses \
+         (`--p2p-allowed-consumers`), or bind to loopback"
+    )]
+    Unprotected { addr: SocketAddr },
 }
 
 /// State shared by every connection task.
@@ -82,6 +138,16 @@ struct Shared {
     config: ServerConfig,
     /// Per-peer-IP semaphores capping concurrent fetch streams.
     per_peer: Mutex<HashMap<IpAddr, Arc<Semaphore>>>,
+    /// Connections and pins per peer address.
+    peers: Arc<PeerTable>,
+    refusals: RefusalLog,
+}
+
+impl Shared {
+    fn refuse(&self, peer: SocketAddr, reason: &'static str, detail: &dyn std::fmt::Display) {
+        self.refusals
+            .refuse(&self.config.metrics, peer, reason, detail);
+    }
 }
 
 impl Shared {
@@ -105,19 +171,29 @@ pub struct ProducerServer;
 
 impl ProducerServer {
     /// Bind and start serving. The handle completes after `cancel` fires and every connection
-    /// task has finished its in-flight request.
+    /// task has finished its in-flight request. An address beyond loopback needs a secret or an
+    /// allow-list ([`BindError::Unprotected`]).
     pub async fn bind(
         addr: impl ToSocketAddrs,
         source: Arc<dyn BlockSource>,
         config: ServerConfig,
         cancel: CancellationToken,
-    ) -> io::Result<(SocketAddr, JoinHandle<()>)> {
-        let listener = TcpListener::bind(addr).await?;
+    ) -> Result<(SocketAddr, JoinHandle<()>), BindError> {
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr).await?.collect();
+        if !config.protected()
+            && let Some(open) = addrs.iter().find(|a| !a.ip().to_canonical().is_loopback())
+        {
+            return Err(BindError::Unprotected { addr: *open });
+        }
+        let listener = TcpListener::bind(&addrs[..]).await?;
         let local = listener.local_addr()?;
+        let peers = PeerTable::new(config.max_connections_per_ip, config.max_pinned_per_peer);
         let shared = Arc::new(Shared {
             source,
             config,
             per_peer: Mutex::default(),
+            peers,
+            refusals: RefusalLog::default(),
         });
         let handle = tokio::spawn(accept_loop(listener, shared, cancel));
         Ok((local, handle))
@@ -148,31 +224,49 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cancel: Cancell
                 continue;
             }
         };
-        let mut conn = Connection::new(stream, shared.config.max_frame);
+        // Until the handshake succeeds, no frame may exceed the small pre-auth bound.
+        let conn = Connection::new(stream, PREAUTH_MAX_FRAME);
         if let Some(allowed) = &shared.config.allowed_ips
-            && !allowed.contains(&peer.ip())
+            && !allowed.iter().any(|net| net.contains(peer.ip()))
         {
-            shared.config.metrics.record_refused("not_allowed");
-            tracker.spawn(async move {
-                let msg = Message::Refused(Refused {
-                    reason: RefuseReason::NotAllowed,
-                });
-                let _ = timeout(Duration::from_secs(1), conn.write_message(&msg)).await;
-            });
+            shared.refuse(peer, "not_allowed", &"address not in the allow-list");
+            tracker.spawn(refuse(conn, RefuseReason::NotAllowed));
             continue;
         }
+        let Some(slot) = shared.peers.admit(peer.ip()) else {
+            let cap = shared.config.max_connections_per_ip;
+            shared.refuse(
+                peer,
+                "connection_cap",
+                &format_args!("already holds {cap} connections"),
+            );
+            tracker.spawn(refuse(conn, RefuseReason::TooManyConnections));
+            continue;
+        };
         let handler = Handler {
             conn,
             peer,
             shared: Arc::clone(&shared),
             cancel: cancel.clone(),
             pins: Vec::new(),
+            kv_request_id: String::new(),
+            accepted: false,
+            slot,
         };
         tracker.spawn(handler.run(permit));
     }
     tracker.close();
     tracker.wait().await;
 }
+
+/// Tell a refused consumer why (briefly: it may not be reading), then close.
+async fn refuse(mut conn: Connection, reason: RefuseReason) {
+    let msg = Message::Refused(Refused { reason });
+    let _ = timeout(Duration::from_secs(1), conn.write_message(&msg)).await;
+}
+
+/// Longest `kv_request_id` remembered for hand-off releases (the router's ids are ≤ 128).
+const MAX_KV_REQUEST_ID: usize = 256;
 
 /// Why a connection task stopped serving.
 #[derive(Debug, thiserror::Error)]
@@ -189,8 +283,15 @@ struct Handler {
     peer: SocketAddr,
     shared: Arc<Shared>,
     cancel: CancellationToken,
-    /// Every pin this connection holds (released on fetch end, next lookup, and close).
-    pins: Vec<BlockHash>,
+    /// Every pin this connection holds, with its lease end (released on fetch end, next
+    /// lookup, and close).
+    pins: Vec<(BlockHash, Instant)>,
+    /// The last lookup's request id: blocks fetched after it are served to that request.
+    kv_request_id: String,
+    /// The handshake succeeded.
+    accepted: bool,
+    /// This connection's slot under the per-IP cap (and the key of its pin quota).
+    slot: PeerSlot,
 }
 
 impl Handler {
@@ -206,8 +307,28 @@ impl Handler {
                 let msg = Message::Error(ErrorMsg { message: why });
                 let _ = timeout(Duration::from_secs(1), self.conn.write_message(&msg)).await;
             }
+            Err(HandlerError::Connection(ConnectionError::Mac { seq })) => {
+                // Forged, altered or replayed: say nothing more to whoever sent it.
+                metrics.record_protocol_error(Direction::Out);
+                self.shared.refuse(
+                    self.peer,
+                    "mac_failed",
+                    &format_args!("frame {seq} failed authentication"),
+                );
+            }
             Err(HandlerError::Connection(ConnectionError::Message(e))) => {
                 metrics.record_protocol_error(Direction::Out);
+                if !self.accepted
+                    && let MessageError::Frame(FrameError::TooLarge { len, .. }) = &e
+                {
+                    self.shared.refuse(
+                        self.peer,
+                        "oversized_frame",
+                        &format_args!(
+                            "a {len}-byte frame before authentication (max {PREAUTH_MAX_FRAME})"
+                        ),
+                    );
+                }
                 debug!(peer = %self.peer, error = %e, "p2p producer: garbled frame");
                 let msg = Message::Error(ErrorMsg {
                     message: e.to_string(),
@@ -225,11 +346,26 @@ impl Handler {
         self.conn.shutdown().await;
     }
 
+    /// Releases this connection's pins: those whose lease still runs at the source, and the
+    /// whole count from the peer's quota.
     fn release_pins(&mut self) {
-        if !self.pins.is_empty() {
-            self.shared.source.unpin(&self.pins);
-            self.pins.clear();
+        if self.pins.is_empty() {
+            return;
         }
+        let soon = Instant::now() + RELEASE_MARGIN;
+        let live: Vec<BlockHash> = self
+            .pins
+            .iter()
+            .filter(|(_, until)| *until > soon)
+            .map(|(h, _)| *h)
+            .collect();
+        self.shared
+            .peers
+            .release_pins(self.slot.ip(), self.pins.len());
+        if !live.is_empty() {
+            self.shared.source.unpin(&live);
+        }
+        self.pins.clear();
     }
 
     async fn serve(&mut self) -> Result<(), HandlerError> {
@@ -268,19 +404,25 @@ impl Handler {
 
     /// Returns whether the consumer was accepted.
     async fn handshake(&mut self) -> Result<bool, HandlerError> {
-        let hello = match self.conn.read_message().await? {
-            Some(Message::Hello(h)) => h,
+        let (hello, hello_body) = match self.conn.read_message_with_body().await? {
+            Some((Message::Hello(h), body)) => (h, body),
             None => return Ok(false),
-            Some(other) => {
+            Some((other, _)) => {
                 return Err(HandlerError::Protocol(format!(
                     "expected Hello, got {:?}",
                     other.tag()
                 )));
             }
         };
-        let metrics = &self.shared.config.metrics;
         if hello.version != PROTOCOL_VERSION {
-            metrics.record_refused("version");
+            self.shared.refuse(
+                self.peer,
+                "version",
+                &format_args!(
+                    "speaks P2P protocol v{}, we speak v{PROTOCOL_VERSION}",
+                    hello.version
+                ),
+            );
             let reason = RefuseReason::Version {
                 ours: PROTOCOL_VERSION,
                 theirs: hello.version,
@@ -290,8 +432,8 @@ impl Handler {
                 .await?;
             return Ok(false);
         }
-        let proof = match &self.shared.config.secret {
-            None => None,
+        let (proof, keys) = match &self.shared.config.secret {
+            None => (None, None),
             Some(secret) => {
                 let ours = auth::nonce();
                 self.conn
@@ -310,14 +452,25 @@ impl Handler {
                     }
                 };
                 if !auth::constant_time_eq(&proof, &secret.consumer_proof(&ours, &hello.nonce)) {
-                    metrics.record_refused("auth_failed");
+                    self.shared
+                        .refuse(self.peer, "auth_failed", &"wrong shared-secret proof");
                     let reason = RefuseReason::AuthFailed;
                     self.conn
                         .write_message(&Message::Refused(Refused { reason }))
                         .await?;
                     return Ok(false);
                 }
-                Some(secret.producer_proof(&ours, &hello.nonce).to_vec())
+                let keys = SessionKeys::derive(
+                    secret,
+                    Role::Producer,
+                    &hello.nonce,
+                    &ours,
+                    &mac::transcript_hash(&hello_body),
+                );
+                (
+                    Some(secret.producer_proof(&ours, &hello.nonce).to_vec()),
+                    Some(keys),
+                )
             }
         };
         // Authenticate before comparing fingerprints, so an unauthenticated peer learns nothing
@@ -328,8 +481,11 @@ impl Handler {
             .fingerprint()
             .check_compatible(&hello.fingerprint)
         {
-            metrics.record_refused("fingerprint_mismatch");
-            tracing::warn!(peer = %self.peer, %m, "p2p producer: refusing a peer whose KV is incompatible");
+            self.shared.refuse(
+                self.peer,
+                "fingerprint_mismatch",
+                &format_args!("its KV is incompatible: {m}"),
+            );
             let reason = RefuseReason::Fingerprint {
                 field: m.field.to_string(),
                 ours: m.ours,
@@ -346,7 +502,27 @@ impl Handler {
                 proof,
             }))
             .await?;
+        // Accepted: the configured frame bound applies, and with a secret every frame from now
+        // on, both ways, is MACed.
+        self.accepted = true;
+        self.conn.set_max_frame(self.shared.config.max_frame);
+        if let Some(keys) = keys {
+            self.conn.enable_mac(&keys);
+        }
         Ok(true)
+    }
+
+    /// Counts (and logs once) pins refused over the lookup cap or the peer's quota.
+    fn refuse_pins(&self, refused: usize) {
+        let cfg = &self.shared.config;
+        self.shared.refuse(
+            self.peer,
+            "pin_quota",
+            &format_args!(
+                "{refused} blocks not pinned (max {} per lookup, {} per peer)",
+                cfg.max_pins_per_lookup, cfg.max_pinned_per_peer
+            ),
+        );
     }
 
     fn check_len(&self, n: usize) -> Result<(), HandlerError> {
@@ -363,22 +539,43 @@ impl Handler {
         self.check_len(l.hashes.len())?;
         // A new lookup supersedes the previous one's pins.
         self.release_pins();
-        let lease = self.shared.config.pin_lease;
-        let statuses = self.shared.source.lookup_and_pin(&l.hashes, lease);
-        if statuses.len() != l.hashes.len() {
+        self.kv_request_id = if l.kv_request_id.len() <= MAX_KV_REQUEST_ID {
+            l.kv_request_id
+        } else {
+            String::new()
+        };
+        let cfg = &self.shared.config;
+        let lease = cfg.pin_lease;
+        // Pins this lookup may take: its own cap, and what is left of the peer's quota. Hits
+        // beyond are answered MISS (the consumer computes them).
+        let want = l.hashes.len().min(cfg.max_pins_per_lookup);
+        let allowed = self.shared.peers.reserve_pins(self.slot.ip(), want);
+        let until = Instant::now() + lease;
+        let statuses = self
+            .shared
+            .source
+            .lookup_and_pin(&l.hashes[..allowed], lease);
+        if statuses.len() != allowed {
             warn!(
                 "p2p producer: BlockSource returned {} statuses for {} hashes",
                 statuses.len(),
-                l.hashes.len()
+                allowed
             );
         }
         let leading = statuses
             .iter()
             .take_while(|s| **s == BlockStatus::Hit)
-            .count();
+            .count()
+            .min(allowed);
+        self.shared
+            .peers
+            .release_pins(self.slot.ip(), allowed - leading);
         self.pins
-            .extend_from_slice(&l.hashes[..leading.min(l.hashes.len())]);
-        debug!(peer = %self.peer, kv_request_id = %l.kv_request_id, blocks = l.hashes.len(), hits = leading, "p2p lookup");
+            .extend(l.hashes[..leading].iter().map(|&h| (h, until)));
+        if leading == allowed && allowed < l.hashes.len() {
+            self.refuse_pins(l.hashes.len() - allowed);
+        }
+        debug!(peer = %self.peer, kv_request_id = %self.kv_request_id, blocks = l.hashes.len(), hits = leading, "p2p lookup");
         let mut statuses = statuses;
         statuses.resize(l.hashes.len(), BlockStatus::Miss);
         let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
@@ -399,7 +596,7 @@ impl Handler {
         let wait = Duration::from_millis(u64::from(f.pending_wait_ms)).min(cfg.max_pending_wait);
         let deadline = Instant::now() + wait;
         // Blocks pinned by the preceding lookup, in order.
-        let looked_up: Vec<BlockHash> = self.pins.clone();
+        let looked_up: Vec<BlockHash> = self.pins.iter().map(|(h, _)| *h).collect();
         let (mut blocks, mut bytes) = (0u32, 0u64);
         let mut end = FetchEnd::Complete;
         for (i, &hash) in f.hashes.iter().enumerate() {
@@ -421,6 +618,8 @@ impl Handler {
             let len = payload.len();
             let block = BlockFrame::with_checksum(index, hash, payload, crc);
             self.conn.write_message(&Message::Block(block)).await?;
+            // Only the request the blocks were kept for releases a hand-off hold on them.
+            self.shared.source.served(&self.kv_request_id, hash);
             self.shared.config.metrics.record_block(Direction::Out, len);
             blocks += 1;
             bytes += len as u64;
@@ -432,8 +631,28 @@ impl Handler {
         Ok(())
     }
 
-    /// Pin one block not covered by the lookup, waiting for it if pending.
+    /// Pin one block not covered by the lookup, waiting for it if pending; within the lookup
+    /// cap and the peer's quota.
     async fn pin_one(
+        &mut self,
+        hash: BlockHash,
+        deadline: Instant,
+    ) -> Result<(), fn(u32) -> FetchEnd> {
+        let ip = self.slot.ip();
+        if self.pins.len() >= self.shared.config.max_pins_per_lookup
+            || self.shared.peers.reserve_pins(ip, 1) == 0
+        {
+            self.refuse_pins(1);
+            return Err(|index| FetchEnd::Miss { index });
+        }
+        let pinned = self.pin_one_reserved(hash, deadline).await;
+        if pinned.is_err() {
+            self.shared.peers.release_pins(ip, 1);
+        }
+        pinned
+    }
+
+    async fn pin_one_reserved(
         &mut self,
         hash: BlockHash,
         deadline: Instant,
@@ -457,7 +676,7 @@ impl Handler {
         }
         match status {
             BlockStatus::Hit => {
-                self.pins.push(hash);
+                self.pins.push((hash, Instant::now() + lease));
                 Ok(())
             }
             BlockStatus::Miss | BlockStatus::Pending => Err(|index| FetchEnd::Miss { index }),

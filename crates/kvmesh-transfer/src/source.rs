@@ -11,6 +11,9 @@
 //! - `read` is cheap (a `Bytes` clone); it is called on async threads and must not block.
 //! - `wait_ready` resolves `true` as soon as a pending block becomes readable, `false` at the
 //!   deadline or at once if the block is not pending.
+//! - `served` is told which request each sent block went to (the `kv_request_id` of the
+//!   connection's last lookup). Holds kept for one reader (P/D hand-off) are released there, and
+//!   only for that reader: a read by anyone else must not free them.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -45,6 +48,11 @@ pub trait BlockSource: Send + Sync + 'static {
     fn unpin(&self, hashes: &[BlockHash]);
     /// Resolve `true` once a `Pending` block is readable, `false` at `deadline` or if not pending.
     fn wait_ready(&self, hash: BlockHash, deadline: Instant) -> BoxFuture<'static, bool>;
+    /// A block was sent to a consumer whose last lookup named `kv_request_id` (untrusted: any
+    /// peer may name any id; it is a key, not a proof). Default: nothing to release.
+    fn served(&self, kv_request_id: &str, hash: BlockHash) {
+        let _ = (kv_request_id, hash);
+    }
 }
 
 /// Why a sink refused a block; the pull stops there.
@@ -157,6 +165,16 @@ impl MemorySource {
 
     pub fn contains(&self, hash: BlockHash) -> bool {
         self.inner.lock().blocks.contains_key(&hash)
+    }
+
+    /// Unexpired pins on one block (each lookup that pinned it holds one).
+    pub fn pin_count(&self, hash: BlockHash) -> usize {
+        let now = Instant::now();
+        self.inner
+            .lock()
+            .pins
+            .get(&hash)
+            .map_or(0, |leases| leases.iter().filter(|&&t| t > now).count())
     }
 }
 

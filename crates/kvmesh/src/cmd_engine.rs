@@ -89,9 +89,24 @@ pub struct EngineCmd {
     /// scheduled; beyond it they land evictable (a pull never stalls on a full tier).
     #[arg(long, default_value_t = kvmesh_engine::cpu_tier::DEFAULT_PULL_PIN_FRACTION)]
     p2p_pull_pin_fraction: f64,
-    /// File holding a shared secret P2P peers must prove (never pass it on the command line).
+    /// File holding a shared secret P2P peers must prove (never pass it on the command line);
+    /// every P2P frame after the handshake is then MACed.
     #[arg(long)]
     p2p_secret_file: Option<std::path::PathBuf>,
+    /// Comma-separated addresses or networks (10.0.0.7, 10.0.0.0/8) allowed to pull from this
+    /// engine's P2P producer. A producer on a non-loopback --host needs this or
+    /// --p2p-secret-file.
+    #[arg(long, value_delimiter = ',')]
+    p2p_allowed_consumers: Vec<String>,
+    /// Connections one peer address may hold on this engine's P2P producer.
+    #[arg(long, default_value_t = kvmesh_transfer::server::DEFAULT_MAX_CONNECTIONS_PER_IP)]
+    p2p_max_connections_per_ip: usize,
+    /// Blocks one peer lookup may pin on this engine's P2P producer (the rest are answered MISS).
+    #[arg(long, default_value_t = kvmesh_transfer::server::DEFAULT_MAX_PINS_PER_LOOKUP)]
+    p2p_max_pins_per_lookup: usize,
+    /// Blocks one peer address may hold pinned on this engine's P2P producer.
+    #[arg(long, default_value_t = kvmesh_transfer::server::DEFAULT_MAX_PINNED_PER_PEER)]
+    p2p_max_pinned_per_peer: usize,
     /// both | prefill | decode.
     #[arg(long, default_value = "both")]
     role: String,
@@ -169,6 +184,10 @@ impl EngineCmd {
                     .as_deref()
                     .map(read_secret)
                     .transpose()?,
+                allowed_consumers: self.p2p_allowed_consumers.clone(),
+                max_connections_per_ip: self.p2p_max_connections_per_ip,
+                max_pins_per_lookup: self.p2p_max_pins_per_lookup,
+                max_pinned_per_peer: self.p2p_max_pinned_per_peer,
                 role: self.role.parse::<Role>()?,
                 bidirectional_kv_xfer: self.bidirectional_kv_xfer,
                 decoder_kv_blocks_ttl: Duration::from_secs(self.decoder_kv_blocks_ttl),
@@ -343,6 +362,69 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         engine: EngineCmd,
+    }
+
+    fn config(args: &[&str]) -> anyhow::Result<EngineConfig> {
+        let cli = Cli::try_parse_from(std::iter::once("kvmesh-engine").chain(args.iter().copied()))
+            .unwrap();
+        cli.engine.to_config()
+    }
+
+    /// Beyond loopback, a P2P producer must authenticate or list its consumers; the error names
+    /// the flags that fix it.
+    #[test]
+    fn a_p2p_producer_on_all_interfaces_without_secret_or_allow_list_is_refused() {
+        let err = config(&["--host", "0.0.0.0", "--p2p-port", "0"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--p2p-secret-file") && err.contains("--p2p-allowed-consumers"),
+            "{err}"
+        );
+        let listed = config(&[
+            "--host",
+            "0.0.0.0",
+            "--p2p-port",
+            "0",
+            "--p2p-allowed-consumers",
+            "10.0.0.0/8,192.168.1.7",
+            "--p2p-max-connections-per-ip",
+            "8",
+            "--p2p-max-pins-per-lookup",
+            "100",
+            "--p2p-max-pinned-per-peer",
+            "1000",
+        ])
+        .unwrap();
+        assert_eq!(listed.p2p.allowed_consumers, ["10.0.0.0/8", "192.168.1.7"]);
+        assert_eq!(
+            (
+                listed.p2p.max_connections_per_ip,
+                listed.p2p.max_pins_per_lookup,
+                listed.p2p.max_pinned_per_peer
+            ),
+            (8, 100, 1000)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "s3cret\n").unwrap();
+        let secret = secret.display().to_string();
+        assert!(
+            config(&[
+                "--host",
+                "0.0.0.0",
+                "--p2p-port",
+                "0",
+                "--p2p-secret-file",
+                &secret
+            ])
+            .is_ok()
+        );
+        assert!(config(&["--p2p-port", "0"]).is_ok(), "loopback by default");
+        assert!(
+            config(&["--host", "0.0.0.0"]).is_ok(),
+            "no producer, nothing to protect"
+        );
     }
 
     fn served(args: &[&str]) -> String {

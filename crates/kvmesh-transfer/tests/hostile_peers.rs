@@ -1,0 +1,579 @@
+//! Hostile peers against a real producer and consumer on loopback: frames forged, altered,
+//! replayed or sent unauthenticated after a secret handshake; a producer tampering with blocks
+//! behind a valid CRC; per-IP connection caps; pin quotas; pins and hand-off holds released only
+//! by the session that took them; an unprotected producer beyond loopback; a peer of another
+//! protocol version. Every test is bounded in time (`bounded`, `eventually`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{
+    bounded, client_for, eventually, fp, handshake_raw, hashes, lookup_raw, memory_source,
+    payload_for, pull, start_producer, start_with_source,
+};
+use futures::future::BoxFuture;
+use kvmesh_core::{BlockHash, Fingerprint};
+use kvmesh_transfer::connection::Connection;
+use kvmesh_transfer::mac::{self, FrameMac, MAC_LEN, Role, SessionKeys};
+use kvmesh_transfer::message::{
+    Auth, BlockFrame, BlockStatus, Fetch, Hello, HelloOk, Lookup, LookupReply, Message,
+    PROTOCOL_VERSION, RefuseReason, Refused,
+};
+use kvmesh_transfer::{
+    BindError, BlockSource, MemorySource, ProducerServer, PullOutcome, PullReason, Secret,
+    ServerConfig,
+};
+use parking_lot::Mutex;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+const SECRET: &str = "correct horse battery staple";
+
+fn with_secret() -> ServerConfig {
+    ServerConfig {
+        secret: Some(Secret::from(SECRET)),
+        ..ServerConfig::default()
+    }
+}
+
+/// A consumer that completed the secret handshake by hand; returns its connection (MAC on)
+/// and its keys, so the test can seal frames itself.
+async fn authenticated_raw(addr: SocketAddr) -> (Connection, SessionKeys) {
+    let secret = Secret::from(SECRET);
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let mut conn = Connection::new(stream, 4096);
+    let ours = [5u8; 16];
+    let hello = Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        fingerprint: fp(),
+        nonce: ours,
+    });
+    let transcript = mac::transcript_hash(&hello.encode(4096).unwrap().head[5..]);
+    conn.write_message(&hello).await.unwrap();
+    let Some(Message::Challenge(c)) = bounded(conn.read_message()).await.unwrap() else {
+        panic!("expected a challenge")
+    };
+    let proof = secret.consumer_proof(&c.nonce, &ours).to_vec();
+    conn.write_message(&Message::Auth(Auth { proof }))
+        .await
+        .unwrap();
+    let Some(Message::HelloOk(ok)) = bounded(conn.read_message()).await.unwrap() else {
+        panic!("expected HelloOk")
+    };
+    assert_eq!(
+        ok.proof.as_deref(),
+        Some(&secret.producer_proof(&c.nonce, &ours)[..])
+    );
+    let keys = SessionKeys::derive(&secret, Role::Consumer, &ours, &c.nonce, &transcript);
+    conn.set_max_frame(1 << 20);
+    conn.enable_mac(&keys);
+    (conn, keys)
+}
+
+/// The bytes of `msg` sealed as frame number `seq` under `key`.
+fn sealed(msg: &Message, key: [u8; 32], seq: u64) -> Vec<u8> {
+    let mut wire = msg.encode_framed(1 << 20, MAC_LEN).unwrap().to_vec();
+    let mut mac = FrameMac::new(key);
+    for _ in 0..seq {
+        mac.seal(b"advance");
+    }
+    let tag = mac.seal(&wire);
+    wire.extend_from_slice(&tag);
+    wire
+}
+
+fn lookup(hs: &[BlockHash]) -> Message {
+    Message::Lookup(Lookup {
+        kv_request_id: "r".into(),
+        hashes: hs.to_vec(),
+    })
+}
+
+/// The producer closes the connection without answering (EOF or reset, never a reply).
+async fn closes_without_reply(conn: &mut Connection) {
+    match bounded(conn.read_message()).await {
+        Ok(None) | Err(_) => {}
+        Ok(Some(m)) => panic!("the producer answered a frame it must reject: {m:?}"),
+    }
+}
+
+#[tokio::test]
+async fn after_a_secret_handshake_every_frame_is_authenticated_both_ways() {
+    let hs = hashes(3);
+    let p = start_producer(&hs, with_secret()).await;
+    let (mut conn, _) = authenticated_raw(p.addr).await;
+    // A sealed lookup is answered, and the answer verifies under the producer's key.
+    let r = lookup_raw(&mut conn, &hs).await;
+    assert_eq!(r.statuses, vec![BlockStatus::Hit; 3]);
+    // The real client pulls through the same MACed conversation.
+    let client = client_for(p.addr, |c| c.secret = Some(Secret::from(SECRET)));
+    let (report, sink) = pull(&client, p.addr, &hs).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!(sink.got, hs);
+    assert_eq!(p.metrics.refused("mac_failed"), 0);
+}
+
+#[tokio::test]
+async fn forged_flipped_replayed_and_unsealed_frames_after_auth_are_rejected_and_counted() {
+    let hs = hashes(2);
+    let p = start_producer(&hs, with_secret()).await;
+    type Attack = fn(&SessionKeys, &[BlockHash]) -> Vec<u8>;
+    let attacks: [(&str, Attack); 5] = [
+        ("bit flip in the body", |k, hs| {
+            let mut w = sealed(&lookup(hs), k.send, 0);
+            w[9] ^= 0x01;
+            w
+        }),
+        ("bit flip in the MAC", |k, hs| {
+            let mut w = sealed(&lookup(hs), k.send, 0);
+            let last = w.len() - 1;
+            w[last] ^= 0x80;
+            w
+        }),
+        ("forged under a guessed key", |_, hs| {
+            sealed(&lookup(hs), [0x42; 32], 0)
+        }),
+        (
+            "reflected: sealed under the producer's own direction key",
+            |k, hs| sealed(&lookup(hs), k.recv, 0),
+        ),
+        ("unsealed, as a v1 peer would send it", |_, hs| {
+            lookup(hs).encode(1 << 20).unwrap().to_vec()
+        }),
+    ];
+    for (i, (what, attack)) in attacks.iter().enumerate() {
+        let (mut conn, keys) = authenticated_raw(p.addr).await;
+        conn.write_raw(&attack(&keys, &hs)).await.unwrap();
+        closes_without_reply(&mut conn).await;
+        eventually(what, || p.metrics.refused("mac_failed") == i as u64 + 1).await;
+    }
+    // Replay and reorder: frame 0 twice, or frame 1 before frame 0.
+    let (mut conn, keys) = authenticated_raw(p.addr).await;
+    conn.write_raw(&sealed(&lookup(&hs), keys.send, 0))
+        .await
+        .unwrap();
+    let Some(Message::LookupReply(_)) = bounded(conn.read_message()).await.unwrap() else {
+        panic!("the genuine frame is answered")
+    };
+    conn.write_raw(&sealed(&lookup(&hs), keys.send, 0))
+        .await
+        .unwrap();
+    closes_without_reply(&mut conn).await;
+    let (mut conn, keys) = authenticated_raw(p.addr).await;
+    conn.write_raw(&sealed(&lookup(&hs), keys.send, 1))
+        .await
+        .unwrap();
+    closes_without_reply(&mut conn).await;
+    eventually("replay and reorder counted", || {
+        p.metrics.refused("mac_failed") == 7
+    })
+    .await;
+    // Nothing a rejected frame asked for was pinned.
+    eventually("no pins left", || p.source.pinned_blocks() == 0).await;
+}
+
+/// A producer that authenticates properly, then sends a block whose payload was replaced by an
+/// on-path attacker: CRC32 recomputed to match, MAC under a key the attacker had to guess.
+async fn tampering_producer() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let secret = Secret::from(SECRET);
+        let mut conn = Connection::new(stream, 4096);
+        let Ok(Some((Message::Hello(h), body))) = conn.read_message_with_body().await else {
+            return;
+        };
+        let ours = [9u8; 16];
+        conn.write_message(&Message::Challenge(kvmesh_transfer::message::Challenge {
+            nonce: ours,
+        }))
+        .await
+        .unwrap();
+        let Ok(Some(Message::Auth(_))) = conn.read_message().await else {
+            return;
+        };
+        let proof = Some(secret.producer_proof(&ours, &h.nonce).to_vec());
+        conn.write_message(&Message::HelloOk(HelloOk {
+            version: PROTOCOL_VERSION,
+            proof,
+        }))
+        .await
+        .unwrap();
+        let keys = SessionKeys::derive(
+            &secret,
+            Role::Producer,
+            &h.nonce,
+            &ours,
+            &mac::transcript_hash(&body),
+        );
+        conn.set_max_frame(1 << 20);
+        conn.enable_mac(&keys);
+        let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
+            return;
+        };
+        conn.write_message(&Message::LookupReply(LookupReply {
+            statuses: vec![BlockStatus::Hit; l.hashes.len()],
+            lease_ms: 1000,
+        }))
+        .await
+        .unwrap();
+        let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
+            return;
+        };
+        // Block 0 genuine (frame 1 from us after HelloOk), block 1 poisoned.
+        let b0 = BlockFrame::new(0, f.hashes[0], payload_for(f.hashes[0]));
+        conn.write_message(&Message::Block(b0)).await.unwrap();
+        let mut poison = payload_for(f.hashes[1]).to_vec();
+        poison[100] ^= 0xff;
+        let b1 = Message::Block(BlockFrame::new(1, f.hashes[1], Bytes::from(poison)));
+        conn.write_raw(&sealed(&b1, [0x13; 32], 2)).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_block_with_a_valid_crc_but_a_forged_mac_is_not_delivered() {
+    let addr = tampering_producer().await;
+    let client = client_for(addr, |c| c.secret = Some(Secret::from(SECRET)));
+    let (report, sink) = pull(&client, addr, &hashes(3)).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Partial {
+            reason: PullReason::MacFailed
+        }
+    );
+    assert_eq!(sink.got.len(), 1, "only the genuine block reached the sink");
+    assert_eq!(client.metrics().pulls("partial", "mac_failed"), 1);
+    assert_eq!(
+        client
+            .metrics()
+            .protocol_errors(kvmesh_transfer::Direction::In),
+        1
+    );
+    assert_eq!(
+        client.idle_connections(addr),
+        0,
+        "a tampered connection is not reused"
+    );
+}
+
+#[tokio::test]
+async fn a_second_connection_over_the_per_ip_cap_is_refused() {
+    let hs = hashes(2);
+    let p = start_producer(
+        &hs,
+        ServerConfig {
+            max_connections_per_ip: 1,
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let first = handshake_raw(p.addr).await;
+    // A second connection from the same address is told why and closed.
+    let stream = TcpStream::connect(p.addr).await.unwrap();
+    let mut second = Connection::new(stream, 4096);
+    let reply = bounded(second.read_message()).await.unwrap();
+    assert_eq!(
+        reply,
+        Some(Message::Refused(Refused {
+            reason: RefuseReason::TooManyConnections
+        }))
+    );
+    let client = client_for(p.addr, |_| {});
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::Busy
+        }
+    );
+    assert_eq!(p.metrics.refused("connection_cap"), 2);
+    // The slot comes back when the first connection closes.
+    drop(first);
+    let start = Instant::now();
+    loop {
+        let (report, _) = pull(&client, p.addr, &hs).await;
+        if report.outcome == PullOutcome::Complete {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "{report:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_peer_over_its_pin_quota_gets_misses_not_pins() {
+    let hs = hashes(10);
+    let p = start_producer(
+        &hs,
+        ServerConfig {
+            max_pins_per_lookup: 4,
+            max_pinned_per_peer: 6,
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let mut a = handshake_raw(p.addr).await;
+    let r = lookup_raw(&mut a, &hs).await;
+    let hits = |r: &LookupReply| {
+        r.statuses
+            .iter()
+            .filter(|s| **s == BlockStatus::Hit)
+            .count()
+    };
+    assert_eq!(
+        r.statuses.len(),
+        10,
+        "one status per hash, as the protocol says"
+    );
+    assert_eq!(hits(&r), 4, "per-lookup cap");
+    assert_eq!(p.source.pinned_blocks(), 4);
+    // Another connection from the same address shares the address's quota.
+    let mut b = handshake_raw(p.addr).await;
+    assert_eq!(
+        hits(&lookup_raw(&mut b, &hs).await),
+        2,
+        "6 per peer, 4 held"
+    );
+    // A huge lookup pins nothing beyond the quota either.
+    let many: Vec<BlockHash> = hs.iter().copied().cycle().take(65_536).collect();
+    let mut c = handshake_raw(p.addr).await;
+    let r = lookup_raw(&mut c, &many).await;
+    assert_eq!((r.statuses.len(), hits(&r)), (65_536, 0));
+    eventually("refusals counted", || p.metrics.refused("pin_quota") == 3).await;
+    // A fetch cannot pin past the cap either: the stream ends with a miss at the cap.
+    a.write_message(&Message::Fetch(Fetch {
+        hashes: hs.clone(),
+        pending_wait_ms: 0,
+    }))
+    .await
+    .unwrap();
+    let mut blocks = 0;
+    let done = loop {
+        match bounded(a.read_message()).await.unwrap() {
+            Some(Message::Block(_)) => blocks += 1,
+            Some(Message::Done(d)) => break d,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(blocks, 4);
+    assert_eq!(
+        done.end,
+        kvmesh_transfer::message::FetchEnd::Miss { index: 4 }
+    );
+    // Releasing gives the quota back.
+    drop((a, b, c));
+    eventually("pins released", || p.source.pinned_blocks() == 0).await;
+    let client = client_for(p.addr, |_| {});
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(
+        (report.blocks, report.outcome),
+        (
+            4,
+            PullOutcome::Partial {
+                reason: PullReason::Miss
+            }
+        ),
+        "a capped pull delivers the pinned prefix; the rest is computed"
+    );
+}
+
+#[tokio::test]
+async fn a_connection_releases_only_its_own_pins_and_never_after_its_lease() {
+    let hs = hashes(1);
+    let p = start_producer(
+        &hs,
+        ServerConfig {
+            pin_lease: Duration::from_millis(1500),
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let mut a = handshake_raw(p.addr).await;
+    lookup_raw(&mut a, &hs).await;
+    let mut b = handshake_raw(p.addr).await;
+    lookup_raw(&mut b, &hs).await;
+    assert_eq!(p.source.pin_count(hs[0]), 2);
+    drop(a);
+    eventually("a's pin released", || p.source.pin_count(hs[0]) == 1).await;
+    // b keeps its pin: a's close took one pin, not all of them.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(p.source.pin_count(hs[0]), 1);
+    drop(b);
+    eventually("b's pin released", || p.source.pin_count(hs[0]) == 0).await;
+
+    // c's lease runs out while it idles, then d pins; when c finally closes it must not take
+    // d's pin (the source counts pins, not owners).
+    let mut c = handshake_raw(p.addr).await;
+    lookup_raw(&mut c, &hs).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let mut d = handshake_raw(p.addr).await;
+    lookup_raw(&mut d, &hs).await;
+    tokio::time::sleep(Duration::from_millis(700)).await; // c's lease is over, d's is not
+    drop(c);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(p.source.pin_count(hs[0]), 1, "d's pin survives c's close");
+    drop(d);
+}
+
+/// A source that records which request each served block went to, holding one hand-off per
+/// block for request `owner` (as the engine's P/D retention does).
+struct HandOffSource {
+    inner: MemorySource,
+    owner: String,
+    held: Mutex<Vec<BlockHash>>,
+}
+
+impl BlockSource for HandOffSource {
+    fn fingerprint(&self) -> Fingerprint {
+        self.inner.fingerprint()
+    }
+    fn lookup_and_pin(&self, hashes: &[BlockHash], lease: Duration) -> Vec<BlockStatus> {
+        self.inner.lookup_and_pin(hashes, lease)
+    }
+    fn read(&self, hash: BlockHash) -> Option<Bytes> {
+        self.inner.read(hash)
+    }
+    fn unpin(&self, hashes: &[BlockHash]) {
+        self.inner.unpin(hashes);
+    }
+    fn wait_ready(&self, hash: BlockHash, deadline: Instant) -> BoxFuture<'static, bool> {
+        self.inner.wait_ready(hash, deadline)
+    }
+    fn served(&self, kv_request_id: &str, hash: BlockHash) {
+        if kv_request_id == self.owner {
+            self.held.lock().retain(|h| *h != hash);
+        }
+    }
+}
+
+#[tokio::test]
+async fn only_the_request_a_block_was_kept_for_releases_its_hand_off() {
+    let hs = hashes(3);
+    let source = memory_source(&hs);
+    let served = Arc::new(HandOffSource {
+        inner: source.clone(),
+        owner: "prefill-req-1".into(),
+        held: Mutex::new(hs.clone()),
+    });
+    let p = start_with_source(source, served.clone(), ServerConfig::default()).await;
+    let client = client_for(p.addr, |_| {});
+    let mut sink = common::VerifySink::default();
+    let report = bounded(client.pull(p.addr, "someone-else", &hs, &mut sink)).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!(
+        served.held.lock().len(),
+        3,
+        "another request's read releases nothing"
+    );
+    let mut sink = common::VerifySink::default();
+    let report = bounded(client.pull(p.addr, "prefill-req-1", &hs, &mut sink)).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert!(
+        served.held.lock().is_empty(),
+        "the owner's read releases them"
+    );
+}
+
+#[tokio::test]
+async fn a_producer_beyond_loopback_needs_a_secret_or_an_allow_list() {
+    let bind = |cfg: ServerConfig| async move {
+        ProducerServer::bind(
+            "0.0.0.0:0",
+            Arc::new(memory_source(&[])),
+            cfg,
+            CancellationToken::new(),
+        )
+        .await
+    };
+    let err = bind(ServerConfig::default()).await.unwrap_err();
+    assert!(matches!(err, BindError::Unprotected { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("--p2p-secret-file") && msg.contains("--p2p-allowed-consumers"),
+        "{msg}"
+    );
+    let (_, task) = bind(with_secret()).await.unwrap();
+    task.abort();
+    let (_, task) = bind(ServerConfig {
+        allowed_ips: Some(vec!["10.0.0.0/8".parse().unwrap()]),
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    task.abort();
+    // Loopback stays open for tests and the local demo.
+    let (_, task) = ProducerServer::bind(
+        "127.0.0.1:0",
+        Arc::new(memory_source(&[])),
+        ServerConfig::default(),
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    task.abort();
+}
+
+#[tokio::test]
+async fn a_producer_of_another_protocol_version_is_named_clearly() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut conn = Connection::new(stream, 4096);
+        let _ = conn.read_message().await;
+        let reason = RefuseReason::Version {
+            ours: 1,
+            theirs: PROTOCOL_VERSION,
+        };
+        let _ = conn
+            .write_message(&Message::Refused(Refused { reason }))
+            .await;
+    });
+    let client = client_for(addr, |_| {});
+    let (report, _) = pull(&client, addr, &hashes(1)).await;
+    let reason = report.outcome.reason().cloned().unwrap();
+    assert_eq!(
+        reason,
+        PullReason::Version {
+            ours: PROTOCOL_VERSION,
+            theirs: 1
+        }
+    );
+    assert!(reason.to_string().contains("v1"), "{reason}");
+    assert_eq!(client.metrics().pulls("failed", "version"), 1);
+}
+
+#[tokio::test]
+async fn handshake_frames_beyond_the_preauth_bound_are_refused() {
+    let p = start_producer(&hashes(1), with_secret()).await;
+    let stream = TcpStream::connect(p.addr).await.unwrap();
+    let mut conn = Connection::new(stream, 1 << 20);
+    // A Hello padded to 8 KiB: a legal frame after auth, not before.
+    let mut fat = fp();
+    fat.model_id = "m".repeat(8 << 10);
+    conn.write_message(&Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        fingerprint: fat,
+        nonce: [1; 16],
+    }))
+    .await
+    .unwrap();
+    let reply = bounded(conn.read_message()).await;
+    assert!(
+        !matches!(reply, Ok(Some(Message::Challenge(_) | Message::HelloOk(_)))),
+        "{reply:?}"
+    );
+    eventually("oversized pre-auth frame counted", || {
+        p.metrics.refused("oversized_frame") == 1
+    })
+    .await;
+}
