@@ -26,7 +26,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::events::{EventBatch, KvEvent};
 use kvmesh_core::exposition::FloatGauge;
-use kvmesh_events::{SubscriberConfig, SubscriberItem, request_replay, subscribe};
+use kvmesh_events::{SubscriberConfig, SubscriberItem, request_replay_outcome, subscribe};
 use kvmesh_index::{EndpointId, IndexStats, PrefixIndex};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -96,8 +96,9 @@ pub struct SourceMetricsSnapshot {
     /// Replay requests that filled their gap completely / that failed or fell short.
     pub replays: u64,
     pub replay_failures: u64,
-    /// Replay requests made on joining a stream already past seq 0.
+    /// Replay requests made on joining a stream already past seq 0, and those that failed.
     pub catch_ups: u64,
+    pub catch_up_failures: u64,
     /// Events the index refused, all kinds (orphans included).
     pub apply_errors: u64,
     /// `BlockStored` events skipped because their parent was unknown.
@@ -167,6 +168,7 @@ struct SourceMetrics {
     replays_ok: Counter,
     replays_failed: Counter,
     catch_ups: Counter,
+    catch_ups_failed: Counter,
     aged_out: Counter,
     socket_errors: Counter,
     suspect: Gauge,
@@ -204,6 +206,7 @@ impl SourceMetrics {
             replays_ok: handle(&families.replays, &k("ok")),
             replays_failed: handle(&families.replays, &k("failed")),
             catch_ups: handle(&families.replays, &k("catch_up")),
+            catch_ups_failed: handle(&families.replays, &k("catch_up_failed")),
             aged_out: handle(&families.aged_out, &l),
             socket_errors: handle(&families.socket_errors, &l),
             suspect: handle(&families.suspect, &l),
@@ -255,6 +258,7 @@ impl SourceMetrics {
             replays: self.replays_ok.get(),
             replay_failures: self.replays_failed.get(),
             catch_ups: self.catch_ups.get(),
+            catch_up_failures: self.catch_ups_failed.get(),
             apply_errors: sum_kinds(&fam.apply_errors, &ERROR_KINDS),
             orphans: sum_kinds(&fam.apply_errors, &["orphan"]),
             aged_out_blocks: self.aged_out.get(),
@@ -291,7 +295,7 @@ impl SourceMetrics {
         for k in ERROR_KINDS {
             f.apply_errors.remove(&self.kind(k));
         }
-        for k in ["ok", "failed", "catch_up"] {
+        for k in ["ok", "failed", "catch_up", "catch_up_failed"] {
             f.replays.remove(&self.kind(k));
         }
     }
@@ -509,7 +513,7 @@ impl Indexer {
         );
         registry.register(
             "kvmesh_indexer_replays",
-            "Replay requests by outcome",
+            "Replay requests by kind: ok / failed (gap fills), catch_up / catch_up_failed (joining a running stream)",
             f.replays,
         );
         registry.register(
@@ -580,6 +584,15 @@ fn publish_index_stats(f: &Families, st: &IndexStats) {
     f.index_orphans.set(i(st.orphan_events));
 }
 
+/// Where one source's stream stands.
+#[derive(Default)]
+struct StreamState {
+    /// A first batch has been seen (a later first batch with seq > 0 means catching up).
+    joined: bool,
+    /// When the suspect entries age out, if a gap could not be filled.
+    expire_at: Option<Instant>,
+}
+
 /// One source's consumer.
 struct SourceTask {
     source: EventSource,
@@ -598,62 +611,72 @@ impl SourceTask {
             replay_endpoint: None,
         };
         let mut rx = subscribe(config, cancel.child_token());
-        let mut expire_at: Option<Instant> = None;
-        let mut joined = false;
+        let mut stream = StreamState::default();
         loop {
             let item = tokio::select! {
                 _ = cancel.cancelled() => return,
-                _ = sleep_until_opt(expire_at) => {
-                    expire_at = None;
+                _ = sleep_until_opt(stream.expire_at) => {
+                    stream.expire_at = None;
                     self.expire();
                     continue;
                 }
                 item = rx.recv() => item,
             };
             let Some(item) = item else { return };
-            match item {
-                SubscriberItem::Listening { endpoint } => {
-                    tracing::info!(endpoint = %self.source.name, address = %endpoint, "KV-event subscriber ready");
-                    self.metrics.state.lock().listening = Some(endpoint);
+            self.handle(item, &mut stream).await;
+        }
+    }
+
+    async fn handle(&self, item: SubscriberItem, stream: &mut StreamState) {
+        match item {
+            SubscriberItem::Listening { endpoint } => {
+                tracing::info!(endpoint = %self.source.name, address = %endpoint, "KV-event subscriber ready");
+                self.metrics.state.lock().listening = Some(endpoint);
+            }
+            SubscriberItem::Batch { seq, batch, .. } => {
+                if !std::mem::replace(&mut stream.joined, true) && seq > 0 {
+                    self.catch_up(seq).await;
                 }
-                SubscriberItem::Batch { seq, batch, .. } => {
-                    if !std::mem::replace(&mut joined, true) && seq > 0 {
-                        self.catch_up(seq).await;
-                    }
-                    self.apply_batch(seq, &batch);
-                }
-                SubscriberItem::Gap { expected, got, .. } => {
-                    joined = true;
-                    if !self.fill_gap(expected, got).await {
-                        if self.gap_grace.is_zero() {
-                            self.index.mark_suspect(self.source.endpoint);
-                            self.expire();
-                        } else if expire_at.is_none() {
-                            self.index.mark_suspect(self.source.endpoint);
-                            self.metrics.suspect.set(1);
-                            expire_at = Some(Instant::now() + self.gap_grace);
-                        }
-                    }
-                }
-                SubscriberItem::Restart {
-                    last_seq, new_seq, ..
-                } => {
-                    joined = true;
-                    tracing::info!(endpoint = %self.source.name, last_seq, new_seq, "KV-event publisher restarted; clearing its entries");
-                    self.metrics.restarts.inc();
-                    self.index.clear_endpoint(self.source.endpoint);
-                    self.metrics.suspect.set(0);
-                    expire_at = None;
-                }
-                SubscriberItem::Malformed { seq, error } => {
-                    tracing::debug!(endpoint = %self.source.name, ?seq, %error, "malformed KV-event message skipped");
-                    self.metrics.malformed.inc();
-                }
-                SubscriberItem::Error { error } => {
-                    tracing::debug!(endpoint = %self.source.name, %error, "KV-event socket error");
-                    self.metrics.socket_errors.inc();
+                self.apply_batch(seq, &batch);
+            }
+            SubscriberItem::Gap { expected, got, .. } => {
+                stream.joined = true;
+                if !self.fill_gap(expected, got).await {
+                    self.suspect(stream);
                 }
             }
+            SubscriberItem::Restart {
+                last_seq, new_seq, ..
+            } => {
+                stream.joined = true;
+                tracing::info!(endpoint = %self.source.name, last_seq, new_seq, "KV-event publisher restarted; clearing its entries");
+                self.metrics.restarts.inc();
+                self.index.clear_endpoint(self.source.endpoint);
+                self.metrics.suspect.set(0);
+                stream.expire_at = None;
+            }
+            SubscriberItem::Malformed { seq, error } => {
+                tracing::debug!(endpoint = %self.source.name, ?seq, %error, "malformed KV-event message skipped");
+                self.metrics.malformed.inc();
+            }
+            SubscriberItem::Error { error } => {
+                tracing::debug!(endpoint = %self.source.name, %error, "KV-event socket error");
+                self.metrics.socket_errors.inc();
+            }
+        }
+    }
+
+    /// A gap that replay could not fill: the endpoint's entries may be stale. They are marked
+    /// suspect and aged out after `gap_grace` unless confirmed by later events (at once when the
+    /// grace is zero).
+    fn suspect(&self, stream: &mut StreamState) {
+        if self.gap_grace.is_zero() {
+            self.index.mark_suspect(self.source.endpoint);
+            self.expire();
+        } else if stream.expire_at.is_none() {
+            self.index.mark_suspect(self.source.endpoint);
+            self.metrics.suspect.set(1);
+            stream.expire_at = Some(Instant::now() + self.gap_grace);
         }
     }
 
@@ -697,10 +720,11 @@ impl SourceTask {
             return;
         };
         self.metrics.catch_ups.inc();
-        match request_replay(replay, 0).await {
-            Ok(batches) => {
+        match request_replay_outcome(replay, 0).await {
+            Ok(outcome) => {
+                self.metrics.malformed.inc_by(outcome.malformed);
                 let mut applied = 0usize;
-                for (seq, batch) in batches {
+                for (seq, batch) in outcome.batches {
                     if seq < got {
                         self.apply_batch(seq, &batch);
                         applied += 1;
@@ -709,6 +733,7 @@ impl SourceTask {
                 tracing::info!(endpoint = %self.source.name, batches = applied, before_seq = got, "caught up on KV events published before the router joined");
             }
             Err(e) => {
+                self.metrics.catch_ups_failed.inc();
                 tracing::warn!(endpoint = %self.source.name, error = %e, "KV-event catch-up replay failed; starting from the live stream");
             }
         }
@@ -718,9 +743,10 @@ impl SourceTask {
     async fn fill_gap(&self, expected: u64, got: u64) -> bool {
         let mut next = expected;
         if let Some(replay) = &self.source.replay_endpoint {
-            match request_replay(replay, expected).await {
-                Ok(batches) => {
-                    for (seq, batch) in batches {
+            match request_replay_outcome(replay, expected).await {
+                Ok(outcome) => {
+                    self.metrics.malformed.inc_by(outcome.malformed);
+                    for (seq, batch) in outcome.batches {
                         if seq == next && seq < got {
                             self.apply_batch(seq, &batch);
                             next += 1;

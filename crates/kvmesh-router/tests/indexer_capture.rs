@@ -583,15 +583,32 @@ async fn gaps_are_filled_from_the_replay_endpoint() {
 
 /// A router that joins a stream already running (started after the engine, or restarted) fills
 /// its index from what the engine's replay ring still holds — without calling that a gap.
+///
+/// The restart case: a publisher that connects holds early batches until its first subscriber
+/// comes, so a first router takes them live; the router that replaces it joins mid-stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_joiner_catches_up_from_the_replay_ring() {
     tokio::time::timeout(Duration::from_secs(30), async {
         let (a, b): (Vec<u32>, Vec<u32>) = ((0..8).collect(), (100..108).collect());
         let cancel = CancellationToken::new();
         let (mut publisher, bind) = replaying_publisher().await;
-        // Published before any router listens: only the ring keeps them.
+        let first_cancel = CancellationToken::new();
+        let first = replay_indexer(&bind, &publisher, &first_cancel);
         publisher.publish_payload(store(&a, 10)).await.unwrap();
         publisher.publish_payload(store(&b, 20)).await.unwrap();
+        eventually(10, "the first router indexed both batches", || {
+            gpu_blocks(&first, &a) == 2 && gpu_blocks(&first, &b) == 2
+        })
+        .await;
+        assert_eq!(
+            source_metrics(&first).catch_ups,
+            0,
+            "it was there from seq 0"
+        );
+        // The router restarts: only the engine's ring still has the early batches.
+        first_cancel.cancel();
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(100)).await;
         let indexer = replay_indexer(&bind, &publisher, &cancel);
         // Live batches (empty) until one reaches the subscriber: its seq is past 0.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -605,6 +622,50 @@ async fn a_late_joiner_catches_up_from_the_replay_ring() {
         }
         eventually(10, "both early batches indexed", || {
             gpu_blocks(&indexer, &a) == 2 && gpu_blocks(&indexer, &b) == 2
+        })
+        .await;
+        let m = source_metrics(&indexer);
+        assert_eq!((m.catch_ups, m.gaps, m.suspect), (1, 0, false), "{m:?}");
+        cancel.cancel();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A router joining mid-stream whose engine's replay endpoint does not answer starts from the live
+/// stream and says so in `/metrics` (`kvmesh_indexer_replays_total{kind="catch_up_failed"}`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_catch_up_is_counted() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let cancel = CancellationToken::new();
+        let (mut publisher, bind) = replaying_publisher().await;
+        publisher.set_next_seq(5);
+        let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let source = EventSource {
+            endpoint: EP,
+            name: EP_NAME.to_owned(),
+            zmq_endpoint: bind.clone(),
+            bind: true,
+            topic: TOPIC.to_owned(),
+            replay_endpoint: Some(format!("tcp://127.0.0.1:{dead_port}")),
+        };
+        let index = Arc::new(PrefixIndex::new(IndexConfig {
+            block_size: 4,
+            ..IndexConfig::default()
+        }));
+        let indexer = Indexer::start(index, vec![source], cancel.clone());
+        let a: Vec<u32> = (0..8).collect();
+        publisher.publish_payload(store(&a, 10)).await.unwrap();
+        eventually(10, "the live batch indexed", || {
+            gpu_blocks(&indexer, &a) == 2
+        })
+        .await;
+        eventually(10, "the failed catch-up counted", || {
+            source_metrics(&indexer).catch_up_failures == 1
         })
         .await;
         let m = source_metrics(&indexer);

@@ -133,6 +133,43 @@ async fn router_metric(r: &RouterHandle, name: &str, labels: &str) -> f64 {
     scrape_metric(&format!("http://{}", r.addr), name, labels).await
 }
 
+/// After a 4-turn conversation: the router is healthy, counted 4 prefill and 4 decode legs, and
+/// (bi-directional) cached the conversation and found it on turns 2–4.
+async fn assert_router_counted_four_pd_turns(r: &RouterHandle, bidirectional: bool) {
+    let health = get_json(&format!("http://{}/health", r.addr)).await;
+    assert_eq!(health["status"], json!("ok"));
+    assert_eq!(
+        health["cached_conversations"],
+        json!(if bidirectional { 1 } else { 0 }),
+        "{health}"
+    );
+    assert_eq!(health["evicted_stale"], json!(0));
+    assert_eq!(
+        router_metric(
+            r,
+            "kvmesh_router_pd_legs_total",
+            "leg=\"prefill\",outcome=\"ok\""
+        )
+        .await,
+        4.0
+    );
+    assert_eq!(
+        router_metric(
+            r,
+            "kvmesh_router_pd_legs_total",
+            "leg=\"decode\",outcome=\"ok\""
+        )
+        .await,
+        4.0
+    );
+    if bidirectional {
+        assert_eq!(
+            router_metric(r, "kvmesh_router_pd_conversations_total", "result=\"hit\"").await,
+            3.0
+        );
+    }
+}
+
 /// Runs a 4-turn conversation; returns per turn (ttft, external hits on the turn's prefiller,
 /// expected history tokens, modelled pull time of that history).
 async fn conversation(
@@ -211,38 +248,7 @@ async fn conversation(
         out.push((t.ttft, ext, expected, pull));
         history = format!("{prompt}{}", t.text);
     }
-    let health = get_json(&format!("http://{}/health", r.addr)).await;
-    assert_eq!(health["status"], json!("ok"));
-    assert_eq!(
-        health["cached_conversations"],
-        json!(if bidirectional { 1 } else { 0 }),
-        "{health}"
-    );
-    assert_eq!(health["evicted_stale"], json!(0));
-    assert_eq!(
-        router_metric(
-            &r,
-            "kvmesh_router_pd_legs_total",
-            "leg=\"prefill\",outcome=\"ok\""
-        )
-        .await,
-        4.0
-    );
-    assert_eq!(
-        router_metric(
-            &r,
-            "kvmesh_router_pd_legs_total",
-            "leg=\"decode\",outcome=\"ok\""
-        )
-        .await,
-        4.0
-    );
-    if bidirectional {
-        assert_eq!(
-            router_metric(&r, "kvmesh_router_pd_conversations_total", "result=\"hit\"").await,
-            3.0
-        );
-    }
+    assert_router_counted_four_pd_turns(&r, bidirectional).await;
     // The decoder computed only what it was not given: its external hits are the prompts'
     // new parts pulled from the prefillers.
     let d_ext = engine_metric(&engines[4].url, "vllm:external_prefix_cache_hits_total").await;
