@@ -1,6 +1,9 @@
 //! P2P pull throughput against the loopback TCP limit, in one run.
 //!
-//! `cargo run --release -p kvmesh-transfer --example p2p_bench [-- --bytes-per-token N --block-tokens N --runs N]`
+//! `cargo run --release -p kvmesh-transfer --example p2p_bench [-- --bytes-per-token N --block-tokens N --runs N --secret 0|1]`
+//!
+//! `--secret 1` authenticates both ends with a shared secret, so every frame is MACed (the cost
+//! of the authenticated mesh).
 //!
 //! 1. limit: a plain tokio socket moves the same total bytes as a 48K-token prefix, written in
 //!    block-sized `write_all`s and read into one reused buffer;
@@ -29,6 +32,7 @@ struct Args {
     block_tokens: usize,
     prefix_tokens: usize,
     runs: usize,
+    secret: bool,
 }
 
 fn args() -> Args {
@@ -37,6 +41,7 @@ fn args() -> Args {
         block_tokens: 64,
         prefix_tokens: 48 * 1024,
         runs: 3,
+        secret: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     for pair in argv.chunks(2) {
@@ -49,6 +54,7 @@ fn args() -> Args {
             "--block-tokens" => a.block_tokens = v,
             "--prefix-tokens" => a.prefix_tokens = v,
             "--runs" => a.runs = v,
+            "--secret" => a.secret = v != 0,
             other => panic!("unknown flag {other}"),
         }
     }
@@ -163,6 +169,8 @@ async fn run(a: Args) {
     let block_bytes = a.bytes_per_token * a.block_tokens;
     let blocks = a.prefix_tokens / a.block_tokens;
     let total = (blocks * block_bytes) as u64;
+    let secret = a.secret.then(|| kvmesh_transfer::Secret::from("bench"));
+    println!("frames MACed (shared secret): {}", a.secret);
     println!(
         "prefix {} tokens = {blocks} blocks × {block_bytes} B ({} tokens × {} B/token); total {:.3} GB",
         a.prefix_tokens,
@@ -199,6 +207,7 @@ async fn run(a: Args) {
         Arc::new(source),
         ServerConfig {
             max_frame: block_bytes + 1024,
+            secret: secret.clone(),
             ..ServerConfig::default()
         },
         cancel.clone(),
@@ -213,6 +222,7 @@ async fn run(a: Args) {
             allowed_peers: allowed,
             max_frame: block_bytes + 1024,
             timeout: Duration::from_secs(30),
+            secret: secret.clone(),
             ..ClientConfig::default()
         },
     );
