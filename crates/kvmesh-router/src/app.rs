@@ -11,6 +11,7 @@ use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures::StreamExt;
 use kvmesh_core::chain::chain_keys;
 use kvmesh_sched::decisions::DecisionRecord;
 use serde_json::{Value, json};
@@ -20,7 +21,7 @@ use crate::pd_route::route_pd;
 use crate::prefix::match_of;
 use crate::request::{self, ApiKind};
 use crate::route::route_aggregated;
-use crate::state::RouterState;
+use crate::state::{InFlight, RouterState, enter};
 
 /// Request header selecting a scheduling profile by name.
 pub const PROFILE_HEADER: &str = "x-kvmesh-profile";
@@ -62,6 +63,40 @@ async fn chat_completions(
 /// Parses an OpenAI request (400 on bad input, no engine touched) and routes it: the P/D path
 /// when configured and no profile is named, else the named (or default) profile's aggregated path.
 async fn serve(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(slot) = enter(&s) else {
+        s.metrics.error("overloaded");
+        return ApiError::overloaded(
+            format!(
+                "the router holds {} requests (max_in_flight); retry shortly",
+                s.config.max_in_flight
+            ),
+            1,
+        )
+        .into_response();
+    };
+    let resp = route_parsed(s, kind, headers, body).await;
+    hold_until_body_ends(resp, slot)
+}
+
+/// The response with `slot` released only when its body is done (streamed, failed or dropped).
+fn hold_until_body_ends(resp: Response, slot: InFlight) -> Response {
+    let (parts, body) = resp.into_parts();
+    let mut data = body.into_data_stream();
+    let held = async_stream::stream! {
+        let _slot = slot;
+        while let Some(chunk) = data.next().await {
+            yield chunk;
+        }
+    };
+    Response::from_parts(parts, Body::from_stream(held))
+}
+
+async fn route_parsed(
+    s: Arc<RouterState>,
+    kind: ApiKind,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let t0 = Instant::now();
     // Big prompts (hundreds of thousands of tokens) take real CPU to parse and tokenize: keep that
     // off the async workers.
@@ -76,13 +111,21 @@ async fn serve(s: Arc<RouterState>, kind: ApiKind, headers: HeaderMap, body: Byt
     } else {
         request::parse(kind, body, &*s.tokenizer)
     };
-    let parsed = match parsed {
+    let mut parsed = match parsed {
         Ok(p) => p,
         Err(e) => {
             s.metrics.error("bad_request");
             return e.into_response();
         }
     };
+    // The router names `remote_kv_source` and P/D parameters; a client's own would let it point
+    // engines at any port of an allowed host, or hold pins.
+    if !s.config.trust_client_kv_transfer_params
+        && parsed.fields.remove("kv_transfer_params").is_some()
+    {
+        parsed.modified = true;
+        s.metrics.client_params_dropped.inc();
+    }
     let profile_name = headers.get(PROFILE_HEADER).and_then(|v| v.to_str().ok());
     // P/D: requests not pinned to a profile take the prefill + decode path.
     if profile_name.is_none()

@@ -71,10 +71,16 @@ pub(crate) fn candidates_of(
         .collect()
 }
 
-/// The endpoints that may serve an aggregated request now, and what the router knows about each.
-pub(crate) fn gather(s: &RouterState, keys: &[ChainKey]) -> (Vec<Arc<Endpoint>>, Vec<Candidate>) {
+/// The endpoints that may serve an aggregated request now (never `excluded`), and what the router
+/// knows about each.
+pub(crate) fn gather(
+    s: &RouterState,
+    keys: &[ChainKey],
+    excluded: Option<EndpointId>,
+) -> (Vec<Arc<Endpoint>>, Vec<Candidate>) {
     let matches = s.prefix.find_matches(keys);
-    let eligible = eligible(&s.endpoints.list());
+    let mut eligible = eligible(&s.endpoints.list());
+    eligible.retain(|e| Some(e.id) != excluded);
     let candidates = candidates_of(&eligible, &matches);
     (eligible, candidates)
 }

@@ -215,6 +215,10 @@ fn default_request_timeout() -> Duration {
 fn default_decisions() -> usize {
     1024
 }
+fn default_max_in_flight() -> usize {
+    4096
+}
+
 fn default_max_body() -> usize {
     64 << 20
 }
@@ -263,6 +267,15 @@ pub struct RouterConfig {
     /// Largest accepted request body.
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
+    /// Forward `kv_transfer_params` sent by clients. Off by default: the router is the only one
+    /// that names `remote_kv_source` (a client could otherwise point engines at any port of an
+    /// allowed host, or hold pins); dropped params are counted.
+    #[serde(default)]
+    pub trust_client_kv_transfer_params: bool,
+    /// Most client requests held at once (parsing, queued, forwarding, streaming); beyond it the
+    /// router answers 503 with `Retry-After`.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
     /// P/D disaggregation (prefill + decode profiles, decider, bi-directional conversations).
     #[serde(default)]
     pub pd: Option<PdConfig>,
@@ -314,6 +327,9 @@ impl RouterConfig {
         }
         if let Some(d) = &self.dispatch {
             d.validate().map_err(ConfigError::Invalid)?;
+        }
+        if self.max_in_flight == 0 {
+            return Err(ConfigError::Invalid("max_in_flight must be > 0".into()));
         }
         Ok(())
     }

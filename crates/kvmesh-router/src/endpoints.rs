@@ -94,6 +94,13 @@ impl Endpoint {
         None
     }
 
+    /// Takes the endpoint out of placement at once (its engine refused a connection); the health
+    /// loop returns it after `healthy_threshold` good checks. Returns whether it was healthy.
+    pub fn eject(&self) -> bool {
+        self.ok_streak.store(0, Ordering::Relaxed);
+        self.healthy.swap(false, Ordering::Relaxed)
+    }
+
     pub fn metrics(&self) -> Option<EngineMetrics> {
         *self.metrics.lock()
     }

@@ -11,6 +11,8 @@ pub struct ApiError {
     pub status: StatusCode,
     pub kind: &'static str,
     pub message: String,
+    /// Seconds a client should wait before retrying (sent as `Retry-After`), for overload answers.
+    pub retry_after_secs: Option<u64>,
 }
 
 impl ApiError {
@@ -19,6 +21,7 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             kind: "BadRequestError",
             message: message.into(),
+            retry_after_secs: None,
         }
     }
     pub fn not_found(message: impl Into<String>) -> Self {
@@ -26,6 +29,7 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             kind: "NotFoundError",
             message: message.into(),
+            retry_after_secs: None,
         }
     }
     pub fn payload_too_large(message: impl Into<String>) -> Self {
@@ -33,6 +37,7 @@ impl ApiError {
             status: StatusCode::PAYLOAD_TOO_LARGE,
             kind: "BadRequestError",
             message: message.into(),
+            retry_after_secs: None,
         }
     }
     pub fn bad_gateway(message: impl Into<String>) -> Self {
@@ -40,6 +45,7 @@ impl ApiError {
             status: StatusCode::BAD_GATEWAY,
             kind: "BadGatewayError",
             message: message.into(),
+            retry_after_secs: None,
         }
     }
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
@@ -47,6 +53,7 @@ impl ApiError {
             status: StatusCode::GATEWAY_TIMEOUT,
             kind: "TimeoutError",
             message: message.into(),
+            retry_after_secs: None,
         }
     }
     pub fn service_unavailable(message: impl Into<String>) -> Self {
@@ -54,6 +61,17 @@ impl ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
             kind: "ServiceUnavailableError",
             message: message.into(),
+            retry_after_secs: None,
+        }
+    }
+}
+
+impl ApiError {
+    /// 503 with `Retry-After`: the router is at its in-flight bound.
+    pub fn overloaded(message: impl Into<String>, retry_after_secs: u64) -> Self {
+        ApiError {
+            retry_after_secs: Some(retry_after_secs),
+            ..ApiError::service_unavailable(message)
         }
     }
 }
@@ -61,7 +79,12 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status.as_u16()}});
-        (self.status, axum::Json(body)).into_response()
+        let mut resp = (self.status, axum::Json(body)).into_response();
+        if let Some(secs) = self.retry_after_secs {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        resp
     }
 }
 

@@ -79,29 +79,48 @@ pub(crate) fn engine_request(
     req
 }
 
+/// Why an engine request produced no response.
+pub(crate) struct SendFailure {
+    pub error: ApiError,
+    /// Nothing reached the client and the engine sent no byte: another endpoint may take it.
+    pub retryable: bool,
+}
+
 /// Sends a request to an engine within the router's request timeout. An engine that cannot be
-/// reached becomes a counted OpenAI-style 502, one that does not answer in time a 504.
+/// reached becomes a counted OpenAI-style 502 (and, when it refused the connection, is ejected at
+/// once: the health loop returns it), one that does not answer in time a 504.
 pub(crate) async fn send_to_engine(
     s: &RouterState,
     ep: &Endpoint,
     req: reqwest::RequestBuilder,
-) -> Result<reqwest::Response, ApiError> {
+) -> Result<reqwest::Response, SendFailure> {
     match tokio::time::timeout(s.config.request_timeout, req.send()).await {
         Ok(Ok(r)) => Ok(r),
         Ok(Err(e)) => {
             s.metrics.error("upstream_connect");
             tracing::warn!(endpoint = %ep.name, error = %error_chain(&e), "engine request failed");
-            Err(ApiError::bad_gateway(format!(
-                "endpoint {} failed: {e}",
-                ep.name
-            )))
+            if e.is_connect() && ep.eject() {
+                tracing::warn!(endpoint = %ep.name, "endpoint refused a connection; ejected until it passes health checks");
+                s.metrics
+                    .endpoint_changes
+                    .get_or_create(&crate::metrics::Kind { kind: "ejected" })
+                    .inc();
+            }
+            Err(SendFailure {
+                error: ApiError::bad_gateway(format!("endpoint {} failed: {e}", ep.name)),
+                retryable: true,
+            })
         }
         Err(_) => {
             s.metrics.error("upstream_timeout");
-            Err(ApiError::gateway_timeout(format!(
-                "endpoint {} did not answer in time",
-                ep.name
-            )))
+            // The time budget is spent (and the engine may have been computing): no retry.
+            Err(SendFailure {
+                error: ApiError::gateway_timeout(format!(
+                    "endpoint {} did not answer in time",
+                    ep.name
+                )),
+                retryable: false,
+            })
         }
     }
 }

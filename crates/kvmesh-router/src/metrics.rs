@@ -51,6 +51,12 @@ pub struct RouterMetrics {
     pub errors: Family<Kind, Counter>,
     pub scheduling_seconds: Histogram,
     pub endpoint_changes: Family<Kind, Counter>,
+    /// Requests sent to a second endpoint after the first failed before any response byte.
+    pub retries: Counter,
+    /// Client-sent `kv_transfer_params` removed before forwarding (the router owns them).
+    pub client_params_dropped: Counter,
+    /// Client requests the router holds now (parsing, queued, forwarding or streaming).
+    pub in_flight: Gauge,
     in_flight_requests: Family<EndpointLabel, Gauge>,
     in_flight_uncached: Family<EndpointLabel, Gauge>,
     in_flight_decode: Family<EndpointLabel, Gauge>,
@@ -98,6 +104,9 @@ impl RouterMetrics {
             errors: Family::default(),
             scheduling_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
             endpoint_changes: Family::default(),
+            retries: Counter::default(),
+            client_params_dropped: Counter::default(),
+            in_flight: Gauge::default(),
             in_flight_requests: Family::default(),
             in_flight_uncached: Family::default(),
             in_flight_decode: Family::default(),
@@ -139,6 +148,21 @@ impl RouterMetrics {
             "kvmesh_router_endpoint_changes",
             "Endpoints added/removed/ejected/readmitted",
             m.endpoint_changes.clone(),
+        );
+        r.register(
+            "kvmesh_router_retries",
+            "Requests retried once on another endpoint because the first refused the connection or failed before any response byte",
+            m.retries.clone(),
+        );
+        r.register(
+            "kvmesh_router_client_kv_transfer_params_dropped",
+            "Client-supplied kv_transfer_params removed before forwarding (trust_client_kv_transfer_params: false)",
+            m.client_params_dropped.clone(),
+        );
+        r.register(
+            "kvmesh_router_in_flight",
+            "Client requests the router holds now (bounded by max_in_flight)",
+            m.in_flight.clone(),
         );
         r.register(
             "kvmesh_router_endpoint_in_flight_requests",

@@ -327,7 +327,7 @@ impl Legs<'_> {
             Ok(r) => r,
             Err(e) => {
                 self.pd.leg(leg, "error");
-                return e.into_response();
+                return e.error.into_response();
             }
         };
         let status = upstream.status();

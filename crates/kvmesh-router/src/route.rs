@@ -12,6 +12,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams};
+use kvmesh_index::EndpointId;
 use kvmesh_sched::{Candidate, Profile, SchedulingContext};
 use serde_json::json;
 
@@ -20,8 +21,8 @@ use crate::dispatch::{Admission, Ticket};
 use crate::endpoints::Endpoint;
 use crate::error::ApiError;
 use crate::forward::{
-    DECISION_HEADER, Learn, Tap, engine_request, forwarded_headers, request_id, send_to_engine,
-    tap_body, wants_explanation,
+    DECISION_HEADER, Learn, SendFailure, Tap, engine_request, forwarded_headers, request_id,
+    send_to_engine, tap_body, wants_explanation,
 };
 use crate::remote_source::{NamedSource, name_source};
 use crate::request::{ApiKind, ParsedRequest};
@@ -36,136 +37,204 @@ struct Fleet {
     candidates: Vec<Candidate>,
 }
 
-/// Places and forwards an aggregated request (`t0`: when the router received it).
+/// Places and forwards an aggregated request (`t0`: when the router received it). An engine that
+/// refuses the connection or fails before sending any byte gets the request placed once more,
+/// without it (the client sees nothing of the first try); a timeout or a response already
+/// started is never retried.
 pub(crate) async fn route_aggregated(
     s: Arc<RouterState>,
     profile: Arc<Profile>,
     kind: ApiKind,
     headers: HeaderMap,
-    mut parsed: ParsedRequest,
+    parsed: ParsedRequest,
     t0: Instant,
 ) -> Response {
     let request_id = request_id(&headers);
-    let bs = s.config.block_size;
-    let keys = chain_keys(&parsed.tokens, bs);
-    let Some((fleet, held, admission_ticket)) = admit(&s, &keys, parsed.tokens.len()).await else {
-        s.metrics.error("no_endpoint");
-        return ApiError::service_unavailable("no healthy endpoint").into_response();
-    };
-    let ctx = SchedulingContext {
+    let keys = chain_keys(&parsed.tokens, s.config.block_size);
+    let req = Attempt {
+        s: &s,
+        profile: &profile,
+        kind,
+        headers: &headers,
         request_id: &request_id,
-        prompt_tokens: parsed.tokens.len(),
-        total_blocks: keys.len(),
-        block_size: bs,
-        max_tokens: parsed.max_tokens,
+        keys: &keys,
+        t0,
     };
-    let mut decision = s.scheduler.schedule(&profile, &ctx, &fleet.candidates);
-    let Some(chosen) = decision.chosen_candidate(&fleet.candidates).cloned() else {
-        s.metrics.error("no_endpoint");
-        return ApiError::service_unavailable("no endpoint chosen").into_response();
-    };
-    let Some(ep) = by_id(&fleet.eligible, chosen.endpoint).cloned() else {
-        s.metrics.error("no_endpoint");
-        return ApiError::service_unavailable("no endpoint chosen").into_response();
-    };
-    let source = name_source(decision.p2p.as_mut(), &fleet.eligible, &request_id);
-    let source = source.filter(|src| attach_source(&mut parsed, src));
-    let local_tokens = chosen.any_blocks as u64 * bs as u64;
-    let outcome = outcome(source.is_some(), local_tokens);
-    let pulled_tokens = source.as_ref().map_or(0, |p| p.delta_tokens);
-    let uncached = (parsed.tokens.len() as u64)
-        .saturating_sub(local_tokens)
-        .saturating_sub(pulled_tokens);
-    let decode = parsed.max_tokens.unwrap_or(DEFAULT_DECODE_TOKENS);
-    let idle_before = ep.load.snapshot().requests == 0;
-    let mut guard = ep.load.acquire(uncached, decode);
-    if let Some(src) = &source {
-        guard.track_pull(&src.endpoint.load);
-    }
-    drop(admission_ticket);
-    let scheduling = t0.elapsed();
-    s.count_placement(
-        &profile.name,
-        &ep.name,
-        outcome,
-        decision.p2p.as_ref(),
-        scheduling,
-    );
-    let summary = wants_explanation(&headers).then(|| {
-        json!({
-            "request_id": request_id,
-            "profile": profile.name,
-            "endpoint": ep.name.as_ref(),
-            "outcome": outcome,
-            "p2p_source": source.as_ref().map(|p| p.endpoint.name.to_string()),
-            "p2p_why": decision.p2p.as_ref().map(|p| p.why.clone()),
-            "scheduling_us": scheduling.as_micros() as u64,
-        })
-        .to_string()
-    });
-    let placement = Placement {
-        kind,
-        ctx: &ctx,
-        outcome,
-        scheduling: scheduling.saturating_sub(held),
-        held,
-    };
-    s.record(placement, decision);
-
-    // Forward.
-    let payload = match parsed.body() {
-        Ok(p) => p,
-        Err(e) => {
-            s.metrics.error("internal");
-            return ApiError::bad_request(format!("cannot re-encode body: {e}")).into_response();
+    match req.run(parsed.clone(), None).await {
+        Ok(resp) => resp,
+        Err((failure, Some(failed))) if failure.retryable => {
+            s.metrics.retries.inc();
+            tracing::info!(endpoint = %failed.name, request_id, "retrying on another endpoint");
+            match req.run(parsed, Some(failed.id)).await {
+                Ok(resp) => resp,
+                Err((second, Some(_))) => second.error.into_response(),
+                // No other endpoint to try: the first failure says what went wrong.
+                Err((_, None)) => failure.error.into_response(),
+            }
         }
-    };
-    let source_hp = source.as_ref().map(NamedSource::host_port);
-    let req = engine_request(
-        &s,
-        &ep,
-        kind,
-        &request_id,
-        &headers,
-        payload,
-        source_hp.as_deref(),
-    );
-    let dispatched = Instant::now();
-    let upstream = match send_to_engine(&s, &ep, req).await {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    let status = upstream.status();
-    if status.is_server_error() || status.is_client_error() {
-        s.metrics.error("upstream_status");
+        Err((failure, _)) => failure.error.into_response(),
     }
-    let mut resp_headers = forwarded_headers(&upstream, &ep);
-    if let Some(summary) = summary
-        && let Ok(v) = HeaderValue::from_str(&summary)
-    {
-        resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
+}
+
+/// One placement + forward of an aggregated request.
+struct Attempt<'a> {
+    s: &'a Arc<RouterState>,
+    profile: &'a Profile,
+    kind: ApiKind,
+    headers: &'a HeaderMap,
+    request_id: &'a str,
+    keys: &'a [ChainKey],
+    t0: Instant,
+}
+
+/// A failed attempt, and the endpoint it failed on (if it got that far).
+type Failed = (SendFailure, Option<Arc<Endpoint>>);
+
+fn refused(error: ApiError) -> Failed {
+    (
+        SendFailure {
+            error,
+            retryable: false,
+        },
+        None,
+    )
+}
+
+impl Attempt<'_> {
+    /// Places the request (never on `excluded`, the endpoint a first try failed on; a retry skips
+    /// the admission queue, it was admitted already) and forwards it.
+    async fn run(
+        &self,
+        mut parsed: ParsedRequest,
+        excluded: Option<EndpointId>,
+    ) -> Result<Response, Failed> {
+        let (s, kind, headers, t0) = (self.s, self.kind, self.headers, self.t0);
+        let (profile, request_id, keys) = (self.profile, self.request_id, self.keys);
+        let bs = s.config.block_size;
+        let admitted = admit(s, keys, parsed.tokens.len(), excluded).await;
+        let Some((fleet, held, admission_ticket)) = admitted else {
+            s.metrics.error("no_endpoint");
+            return Err(refused(ApiError::service_unavailable(
+                "no healthy endpoint",
+            )));
+        };
+        let ctx = SchedulingContext {
+            request_id,
+            prompt_tokens: parsed.tokens.len(),
+            total_blocks: keys.len(),
+            block_size: bs,
+            max_tokens: parsed.max_tokens,
+        };
+        let mut decision = s.scheduler.schedule(profile, &ctx, &fleet.candidates);
+        let chosen = decision.chosen_candidate(&fleet.candidates).cloned();
+        let ep = chosen
+            .as_ref()
+            .and_then(|c| by_id(&fleet.eligible, c.endpoint).cloned());
+        let (Some(chosen), Some(ep)) = (chosen, ep) else {
+            s.metrics.error("no_endpoint");
+            return Err(refused(ApiError::service_unavailable("no endpoint chosen")));
+        };
+        let source = name_source(decision.p2p.as_mut(), &fleet.eligible, request_id);
+        let source = source.filter(|src| attach_source(&mut parsed, src));
+        let local_tokens = chosen.any_blocks as u64 * bs as u64;
+        let outcome = outcome(source.is_some(), local_tokens);
+        let pulled_tokens = source.as_ref().map_or(0, |p| p.delta_tokens);
+        let uncached = (parsed.tokens.len() as u64)
+            .saturating_sub(local_tokens)
+            .saturating_sub(pulled_tokens);
+        let decode = parsed.max_tokens.unwrap_or(DEFAULT_DECODE_TOKENS);
+        let idle_before = ep.load.snapshot().requests == 0;
+        let mut guard = ep.load.acquire(uncached, decode);
+        if let Some(src) = &source {
+            guard.track_pull(&src.endpoint.load);
+        }
+        drop(admission_ticket);
+        let scheduling = t0.elapsed();
+        s.count_placement(
+            &profile.name,
+            &ep.name,
+            outcome,
+            decision.p2p.as_ref(),
+            scheduling,
+        );
+        let summary = wants_explanation(headers).then(|| {
+            json!({
+                "request_id": request_id,
+                "profile": profile.name,
+                "endpoint": ep.name.as_ref(),
+                "outcome": outcome,
+                "p2p_source": source.as_ref().map(|p| p.endpoint.name.to_string()),
+                "p2p_why": decision.p2p.as_ref().map(|p| p.why.clone()),
+                "scheduling_us": scheduling.as_micros() as u64,
+            })
+            .to_string()
+        });
+        let placement = Placement {
+            kind,
+            ctx: &ctx,
+            outcome,
+            scheduling: scheduling.saturating_sub(held),
+            held,
+        };
+        s.record(placement, decision);
+
+        // Forward.
+        let payload = match parsed.body() {
+            Ok(p) => p,
+            Err(e) => {
+                s.metrics.error("internal");
+                return Err(refused(ApiError::bad_request(format!(
+                    "cannot re-encode body: {e}"
+                ))));
+            }
+        };
+        let source_hp = source.as_ref().map(NamedSource::host_port);
+        let req = engine_request(
+            s,
+            &ep,
+            kind,
+            request_id,
+            headers,
+            payload,
+            source_hp.as_deref(),
+        );
+        let dispatched = Instant::now();
+        let upstream = match send_to_engine(s, &ep, req).await {
+            Ok(r) => r,
+            Err(e) => return Err((e, Some(ep))),
+        };
+        let status = upstream.status();
+        if status.is_server_error() || status.is_client_error() {
+            s.metrics.error("upstream_status");
+        }
+        let mut resp_headers = forwarded_headers(&upstream, &ep);
+        if let Some(summary) = summary
+            && let Ok(v) = HeaderValue::from_str(&summary)
+        {
+            resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
+        }
+        // Learn rates only from clean samples: a prefill-bound first byte on an otherwise idle endpoint.
+        let learn = (status.is_success()
+            && idle_before
+            && (parsed.stream || parsed.max_tokens.is_some_and(|m| m <= 1)))
+        .then(|| Learn {
+            cost_model: Arc::clone(&s.cost_model),
+            endpoint: ep.id,
+            computed_tokens: uncached,
+            pulled: source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
+            dispatched,
+        });
+        let tap = Tap {
+            guard,
+            learn,
+            dispatch: s.dispatch.clone(),
+            capture: None,
+        };
+        let mut resp = Response::new(tap_body(upstream, tap));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = resp_headers;
+        Ok(resp)
     }
-    // Learn rates only from clean samples: a prefill-bound first byte on an otherwise idle endpoint.
-    let learn = (status.is_success()
-        && idle_before
-        && (parsed.stream || parsed.max_tokens.is_some_and(|m| m <= 1)))
-    .then(|| Learn {
-        cost_model: Arc::clone(&s.cost_model),
-        endpoint: ep.id,
-        computed_tokens: uncached,
-        pulled: source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
-        dispatched,
-    });
-    let tap = Tap {
-        guard,
-        learn,
-        dispatch: s.dispatch.clone(),
-        capture: None,
-    };
-    let mut resp = Response::new(tap_body(upstream, tap));
-    *resp.status_mut() = status;
-    *resp.headers_mut() = resp_headers;
-    resp
 }
 
 /// The fleet to place on, after the admission queue (when configured) let the request through;
@@ -175,8 +244,9 @@ async fn admit<'a>(
     s: &'a RouterState,
     keys: &[ChainKey],
     prompt_tokens: usize,
+    excluded: Option<EndpointId>,
 ) -> Option<(Fleet, Duration, Option<Ticket<'a>>)> {
-    let (eligible_now, candidates) = gather(s, keys);
+    let (eligible_now, candidates) = gather(s, keys, excluded);
     if eligible_now.is_empty() {
         return None;
     }
@@ -184,7 +254,7 @@ async fn admit<'a>(
         eligible: eligible_now,
         candidates,
     };
-    let Some(d) = &s.dispatch else {
+    let Some(d) = s.dispatch.as_ref().filter(|_| excluded.is_none()) else {
         return Some((fleet, Duration::ZERO, None));
     };
     let bs = s.config.block_size;
@@ -210,7 +280,7 @@ async fn admit<'a>(
     }
     // Placed as the fleet is now, not as it was when the request arrived.
     let held = waited.elapsed();
-    let (eligible_now, candidates) = gather(s, keys);
+    let (eligible_now, candidates) = gather(s, keys, excluded);
     if eligible_now.is_empty() {
         return None;
     }

@@ -179,6 +179,7 @@ pub async fn start(
         registry,
         client: client.clone(),
         tokenizer,
+        in_flight: Default::default(),
     });
     apply_endpoints(&state, &*feed, specs);
 

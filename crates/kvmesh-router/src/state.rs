@@ -2,6 +2,7 @@
 //! placement metrics, `/debug/decisions`, and the `x-kvmesh-decision` summary.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvmesh_sched::cost_model::CostModel;
@@ -35,6 +36,31 @@ pub struct RouterState {
     pub pd: Option<Arc<PdRouter>>,
     /// The admission queue, when the config has a `dispatch:` section.
     pub dispatch: Option<Arc<Dispatcher>>,
+    /// Client requests held now (bounded by `config.max_in_flight`).
+    pub in_flight: AtomicUsize,
+}
+
+/// One client request counted against `max_in_flight`; released when dropped (with the response
+/// body, so streaming requests count until their stream ends).
+pub(crate) struct InFlight(Arc<RouterState>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.in_flight.dec();
+    }
+}
+
+/// Takes an in-flight slot, or None when the router is at `max_in_flight`.
+pub(crate) fn enter(s: &Arc<RouterState>) -> Option<InFlight> {
+    let max = s.config.max_in_flight;
+    s.in_flight
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()?;
+    s.metrics.in_flight.inc();
+    Some(InFlight(Arc::clone(s)))
 }
 
 /// Seconds since the Unix epoch (decision records carry wall-clock time).

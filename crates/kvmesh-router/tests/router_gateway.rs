@@ -235,6 +235,7 @@ async fn upstream_timeout_and_dead_engine_release_load() {
 const LOAD_P2P: &str = r#"
 seed: 7
 source_header: true
+trust_client_kv_transfer_params: true
 plugins:
   - {type: queue-scorer, name: queue}
   - {type: round-robin-picker, name: rr}
@@ -544,6 +545,122 @@ async fn hf_tokenizer_and_chat_template_from_config() {
         assert_eq!(d[0]["prompt_tokens"], 3);
         // "user says hello world" = 4 words.
         assert_eq!(d[1]["prompt_tokens"], 4);
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+/// The router owns `kv_transfer_params`: a client's own (here pointing an engine at another host's
+/// port) never reach an engine unless the config trusts clients, and every drop is counted.
+#[tokio::test]
+async fn client_kv_transfer_params_are_dropped_unless_trusted() {
+    tokio::time::timeout(LIMIT, async {
+        let e0 = FakeEngine::start("e0").await;
+        let r = start_router(&endpoints_yaml(&[&e0]), None).await;
+        let base = format!("http://{}", r.addr);
+        let hostile = json!({"prompt": "x",
+            "kv_transfer_params": {"remote_kv_source": {"kv_request_id": "r", "remote_host": "10.9.9.9", "remote_port": 22}}});
+        assert_eq!(post_json(&format!("{base}/v1/completions"), &hostile).await.status(), 200);
+        let body = e0.last_body();
+        assert!(body.get("kv_transfer_params").is_none(), "{body}");
+        assert_eq!(body["prompt"], "x");
+        let dropped = common::scrape_metric(&base, "kvmesh_router_client_kv_transfer_params_dropped_total", "").await;
+        assert_eq!(dropped, 1.0);
+        r.shutdown().await.unwrap();
+        let yaml = format!("trust_client_kv_transfer_params: true\n{}", endpoints_yaml(&[&e0]));
+        let r = start_router(&yaml, None).await;
+        let base = format!("http://{}", r.addr);
+        assert_eq!(post_json(&format!("{base}/v1/completions"), &hostile).await.status(), 200);
+        assert_eq!(
+            e0.last_body()["kv_transfer_params"]["remote_kv_source"]["remote_port"],
+            22,
+            "trusted clients' params pass"
+        );
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+/// An engine that refuses the connection costs the client nothing: the request is placed once more
+/// on another endpoint, and the refusing one is ejected at once (not after health checks).
+#[tokio::test]
+async fn a_refused_connection_is_retried_elsewhere_and_ejects_the_endpoint() {
+    tokio::time::timeout(LIMIT, async {
+        let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead_url = format!("http://{}", dead.local_addr().unwrap());
+        drop(dead);
+        let e1 = FakeEngine::start("e1").await;
+        // Round robin starts with the dead endpoint; a long health interval keeps the health loop
+        // out of it: only the refused connection can eject it.
+        let yaml = format!(
+            r#"
+seed: 1
+health_check: {{interval: 60s, timeout: 1s, unhealthy_threshold: 3, healthy_threshold: 1, path: /health}}
+plugins: [{{type: round-robin-picker, name: rr}}]
+schedulingProfiles: [{{name: rr, plugins: [{{pluginRef: rr}}]}}]
+endpoints:
+  - {{name: dead, url: "{dead_url}"}}
+  - {{name: e1, url: "{}"}}
+"#,
+            e1.url
+        );
+        let r = start_router(&yaml, None).await;
+        let base = format!("http://{}", r.addr);
+        for i in 0..4 {
+            let resp = post_json(&format!("{base}/v1/completions"), &json!({"prompt": format!("q{i}")})).await;
+            assert_eq!(resp.status(), 200, "request {i}");
+            assert_eq!(resp.headers()["x-kvmesh-endpoint"], "e1");
+        }
+        assert_eq!(e1.count(), 4);
+        let list = r.state.endpoints.list();
+        assert!(!list.iter().find(|e| e.name.as_ref() == "dead").unwrap().is_healthy());
+        let metric = |name: &'static str, labels: &'static str| common::scrape_metric(&base, name, labels);
+        assert_eq!(metric("kvmesh_router_retries_total", "").await, 1.0);
+        assert_eq!(metric("kvmesh_router_endpoint_changes_total", "kind=\"ejected\"").await, 1.0);
+        assert!(load_zero(&r));
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+/// Beyond `max_in_flight` (streams count until they end) the router answers 503 with
+/// `Retry-After`, and takes requests again once the held ones finish.
+#[tokio::test]
+async fn overload_is_refused_with_retry_after() {
+    tokio::time::timeout(LIMIT, async {
+        let e0 = FakeEngine::start("e0").await;
+        let gate = Arc::new(Notify::new());
+        e0.set_mode(Mode::Gated(Arc::clone(&gate)));
+        let yaml = format!("max_in_flight: 1\n{}", endpoints_yaml(&[&e0]));
+        let r = start_router(&yaml, None).await;
+        let url = format!("http://{}/v1/completions", r.addr);
+        let held = post_json(&url, &json!({"prompt": "a", "stream": true})).await;
+        assert_eq!(held.status(), 200);
+        let mut body = held.bytes_stream();
+        body.next().await.unwrap().unwrap();
+        let refused = post_json(&url, &json!({"prompt": "b"})).await;
+        assert_eq!(refused.status(), 503);
+        assert_eq!(refused.headers()["retry-after"], "1");
+        let err: Value = refused.json().await.unwrap();
+        assert!(
+            err["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("max_in_flight"),
+            "{err}"
+        );
+        gate.notify_one();
+        while body.next().await.is_some() {}
+        drop(body);
+        eventually(5, "the slot is released at stream end", || {
+            r.state.in_flight.load(Ordering::SeqCst) == 0
+        })
+        .await;
+        e0.set_mode(Mode::Echo);
+        assert_eq!(post_json(&url, &json!({"prompt": "c"})).await.status(), 200);
         r.shutdown().await.unwrap();
     })
     .await
