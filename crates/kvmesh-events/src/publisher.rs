@@ -480,20 +480,16 @@ async fn connect_loop(
         };
         match stream {
             Ok(Ok(stream)) => {
-                tracing::info!(endpoint = %endpoint, "kv-event publisher connected");
-                let served = serve_peer(stream, hub.clone(), cancel.clone(), first.take()).await;
+                let served = serve_subscriber(stream, &endpoint, &hub, &cancel, first.take()).await;
                 if cancel.is_cancelled() {
                     return;
                 }
-                tracing::info!(endpoint = %endpoint, "kv-event subscriber gone; reconnecting");
                 if served {
                     backoff = MIN_BACKOFF;
                 }
             }
-            Ok(Err(e)) => {
-                tracing::debug!(endpoint = %endpoint, error = %e, "kv-event connect failed")
-            }
-            Err(_) => tracing::debug!(endpoint = %endpoint, "kv-event connect timed out"),
+            Ok(Err(e)) => log_connect_failure(&endpoint, Some(&e)),
+            Err(_) => log_connect_failure(&endpoint, None),
         }
         if let Some(first) = first.take() {
             let _ = first.send(());
@@ -503,6 +499,31 @@ async fn connect_loop(
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// Connect mode: serves the subscriber just connected to until it goes; returns whether the
+/// handshake succeeded.
+async fn serve_subscriber(
+    stream: BoxStream,
+    endpoint: &str,
+    hub: &Arc<Mutex<Hub>>,
+    cancel: &CancellationToken,
+    first: Option<tokio::sync::oneshot::Sender<()>>,
+) -> bool {
+    tracing::info!(endpoint = %endpoint, "kv-event publisher connected");
+    let served = serve_peer(stream, hub.clone(), cancel.clone(), first).await;
+    if !cancel.is_cancelled() {
+        tracing::info!(endpoint = %endpoint, "kv-event subscriber gone; reconnecting");
+    }
+    served
+}
+
+/// A failed connect attempt (`None`: it timed out); the loop retries with backoff.
+fn log_connect_failure(endpoint: &str, error: Option<&dyn std::fmt::Display>) {
+    match error {
+        Some(e) => tracing::debug!(endpoint = %endpoint, error = %e, "kv-event connect failed"),
+        None => tracing::debug!(endpoint = %endpoint, "kv-event connect timed out"),
     }
 }
 
@@ -520,25 +541,52 @@ async fn serve_peer(
         return false;
     }
     let (tx, mut rx) = mpsc::channel::<Bytes>(PUB_PEER_QUEUE);
-    let id = {
-        let mut h = hub.lock();
-        let id = h.next_id;
-        h.next_id += 1;
-        h.peers.push(Peer {
-            id,
-            subscriptions: Vec::new(),
-            tx,
-        });
-        id
-    };
+    let id = register_peer(&hub, tx);
     if let Some(registered) = registered {
         let _ = registered.send(());
     }
-    let (mut reader, mut writer) = tokio::io::split(stream);
-    // Subscriptions are read in a task of their own: a frame read is not cancel-safe.
-    let reader_hub = hub.clone();
-    let reader_stats = stats.clone();
-    let mut reading = tokio::spawn(async move {
+    let (reader, mut writer) = tokio::io::split(stream);
+    let mut reading = spawn_subscription_reader(reader, hub.clone(), stats, id);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = &mut reading => break,
+            wire = rx.recv() => {
+                let Some(wire) = wire else { break };
+                match tokio::time::timeout(WRITE_TIMEOUT, writer.write_all(&wire)).await {
+                    Ok(Ok(())) => {}
+                    _ => break,
+                }
+            }
+        }
+    }
+    reading.abort();
+    hub.lock().remove(id);
+    true
+}
+
+/// Adds a subscriber that has completed its handshake; returns its id in the hub.
+fn register_peer(hub: &Mutex<Hub>, tx: mpsc::Sender<Bytes>) -> u64 {
+    let mut h = hub.lock();
+    let id = h.next_id;
+    h.next_id += 1;
+    h.peers.push(Peer {
+        id,
+        subscriptions: Vec::new(),
+        tx,
+    });
+    id
+}
+
+/// Reads a subscriber's (un)subscriptions in a task of its own (a frame read is not cancel-safe);
+/// the task ends when the peer closes, misbehaves or exceeds its subscription bound.
+fn spawn_subscription_reader(
+    mut reader: tokio::io::ReadHalf<BoxStream>,
+    reader_hub: Arc<Mutex<Hub>>,
+    reader_stats: PublisherStats,
+    id: u64,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
         let limits = Limits {
             max_frame: MAX_SUBSCRIPTION_FRAME,
             max_parts: 1,
@@ -563,23 +611,7 @@ async fn serve_peer(
                 }
             }
         }
-    });
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => break,
-            _ = &mut reading => break,
-            wire = rx.recv() => {
-                let Some(wire) = wire else { break };
-                match tokio::time::timeout(WRITE_TIMEOUT, writer.write_all(&wire)).await {
-                    Ok(Ok(())) => {}
-                    _ => break,
-                }
-            }
-        }
-    }
-    reading.abort();
-    hub.lock().remove(id);
-    true
+    })
 }
 
 /// Most events merged into one message by [`coalesce`].

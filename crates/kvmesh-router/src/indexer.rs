@@ -629,10 +629,6 @@ impl SourceTask {
 
     async fn handle(&self, item: SubscriberItem, stream: &mut StreamState) {
         match item {
-            SubscriberItem::Listening { endpoint } => {
-                tracing::info!(endpoint = %self.source.name, address = %endpoint, "KV-event subscriber ready");
-                self.metrics.state.lock().listening = Some(endpoint);
-            }
             SubscriberItem::Batch { seq, batch, .. } => {
                 if !std::mem::replace(&mut stream.joined, true) && seq > 0 {
                     self.catch_up(seq).await;
@@ -645,16 +641,21 @@ impl SourceTask {
                     self.suspect(stream);
                 }
             }
+            other => self.note(other, stream),
+        }
+    }
+
+    /// The subscriber's reports that need no replay: listening, publisher restart, malformed
+    /// message, socket error.
+    fn note(&self, item: SubscriberItem, stream: &mut StreamState) {
+        match item {
+            SubscriberItem::Listening { endpoint } => {
+                tracing::info!(endpoint = %self.source.name, address = %endpoint, "KV-event subscriber ready");
+                self.metrics.state.lock().listening = Some(endpoint);
+            }
             SubscriberItem::Restart {
                 last_seq, new_seq, ..
-            } => {
-                stream.joined = true;
-                tracing::info!(endpoint = %self.source.name, last_seq, new_seq, "KV-event publisher restarted; clearing its entries");
-                self.metrics.restarts.inc();
-                self.index.clear_endpoint(self.source.endpoint);
-                self.metrics.suspect.set(0);
-                stream.expire_at = None;
-            }
+            } => self.restarted(last_seq, new_seq, stream),
             SubscriberItem::Malformed { seq, error } => {
                 tracing::debug!(endpoint = %self.source.name, ?seq, %error, "malformed KV-event message skipped");
                 self.metrics.malformed.inc();
@@ -663,7 +664,19 @@ impl SourceTask {
                 tracing::debug!(endpoint = %self.source.name, %error, "KV-event socket error");
                 self.metrics.socket_errors.inc();
             }
+            // Handled by `handle` (they need replay).
+            SubscriberItem::Batch { .. } | SubscriberItem::Gap { .. } => {}
         }
+    }
+
+    /// The publisher restarted (its sequence went backwards): everything it said before is void.
+    fn restarted(&self, last_seq: u64, new_seq: u64, stream: &mut StreamState) {
+        stream.joined = true;
+        tracing::info!(endpoint = %self.source.name, last_seq, new_seq, "KV-event publisher restarted; clearing its entries");
+        self.metrics.restarts.inc();
+        self.index.clear_endpoint(self.source.endpoint);
+        self.metrics.suspect.set(0);
+        stream.expire_at = None;
     }
 
     /// A gap that replay could not fill: the endpoint's entries may be stale. They are marked

@@ -298,6 +298,16 @@ fn conn_reason(e: &ConnectionError) -> PullReason {
     }
 }
 
+/// Logs a pull that stopped early: loudly when every pull to the peer will fail the same way until
+/// an operator acts (allow-list, fingerprint, secret), quietly otherwise.
+fn log_early_stop(peer: &PeerAddr, kv_request_id: &str, reason: &PullReason, blocks: usize) {
+    if reason.is_misconfiguration() {
+        tracing::warn!(%peer, kv_request_id, %reason, "p2p pull refused: fleet misconfigured");
+    } else {
+        tracing::debug!(%peer, kv_request_id, %reason, blocks, "p2p pull stopped early");
+    }
+}
+
 /// Blocks and bytes delivered so far (survives an attempt being dropped on timeout).
 #[derive(Debug, Default)]
 struct Progress {
@@ -398,24 +408,32 @@ impl PullClient {
             .metrics
             .record_pull(&outcome, experienced.as_secs_f64());
         if let Some(reason) = outcome.reason() {
-            if matches!(reason, PullReason::Protocol | PullReason::MacFailed) {
-                self.config.metrics.record_protocol_error(Direction::In);
-            }
-            if *reason == PullReason::MacFailed {
-                // Someone on the path altered or injected a frame; the pooled connection is gone.
-                tracing::warn!(%peer, kv_request_id, "p2p pull stopped: a frame failed authentication");
-            } else if reason.is_misconfiguration() {
-                // Every pull to this peer will fail the same way until an operator acts.
-                tracing::warn!(%peer, kv_request_id, %reason, "p2p pull refused: fleet misconfigured");
-            } else {
-                tracing::debug!(%peer, kv_request_id, %reason, blocks = progress.blocks, "p2p pull stopped early");
-            }
+            self.report_stop(&peer, kv_request_id, reason, progress.blocks);
         }
         PullReport {
             outcome,
             blocks: progress.blocks,
             bytes: progress.bytes,
             duration,
+        }
+    }
+
+    /// Counts and logs why a pull stopped early, at a level that says who must act.
+    fn report_stop(
+        &self,
+        peer: &PeerAddr,
+        kv_request_id: &str,
+        reason: &PullReason,
+        blocks: usize,
+    ) {
+        if matches!(reason, PullReason::Protocol | PullReason::MacFailed) {
+            self.config.metrics.record_protocol_error(Direction::In);
+        }
+        if *reason == PullReason::MacFailed {
+            // Someone on the path altered or injected a frame; the pooled connection is gone.
+            tracing::warn!(%peer, kv_request_id, "p2p pull stopped: a frame failed authentication");
+        } else {
+            log_early_stop(peer, kv_request_id, reason, blocks);
         }
     }
 

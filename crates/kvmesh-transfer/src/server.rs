@@ -298,16 +298,23 @@ impl Handler {
     async fn run(mut self, _permit: OwnedSemaphorePermit) {
         let result = self.serve().await;
         self.release_pins();
+        if let Err(e) = result {
+            self.close_with(e).await;
+        }
+        self.conn.shutdown().await;
+    }
+
+    /// Counts, logs and (where the peer can use it) answers why the connection is being closed.
+    async fn close_with(&mut self, error: HandlerError) {
         let metrics = &self.shared.config.metrics;
-        match result {
-            Ok(()) => {}
-            Err(HandlerError::Protocol(why)) => {
+        match error {
+            HandlerError::Protocol(why) => {
                 metrics.record_protocol_error(Direction::Out);
                 debug!(peer = %self.peer, %why, "p2p producer: closing connection");
                 let msg = Message::Error(ErrorMsg { message: why });
                 let _ = timeout(Duration::from_secs(1), self.conn.write_message(&msg)).await;
             }
-            Err(HandlerError::Connection(ConnectionError::Mac { seq })) => {
+            HandlerError::Connection(ConnectionError::Mac { seq }) => {
                 // Forged, altered or replayed: say nothing more to whoever sent it.
                 metrics.record_protocol_error(Direction::Out);
                 self.shared.refuse(
@@ -316,34 +323,38 @@ impl Handler {
                     &format_args!("frame {seq} failed authentication"),
                 );
             }
-            Err(HandlerError::Connection(ConnectionError::Message(e))) => {
-                metrics.record_protocol_error(Direction::Out);
-                if !self.accepted
-                    && let MessageError::Frame(FrameError::TooLarge { len, .. }) = &e
-                {
-                    self.shared.refuse(
-                        self.peer,
-                        "oversized_frame",
-                        &format_args!(
-                            "a {len}-byte frame before authentication (max {PREAUTH_MAX_FRAME})"
-                        ),
-                    );
-                }
-                debug!(peer = %self.peer, error = %e, "p2p producer: garbled frame");
-                let msg = Message::Error(ErrorMsg {
-                    message: e.to_string(),
-                });
-                let _ = timeout(Duration::from_secs(1), self.conn.write_message(&msg)).await;
-            }
-            Err(HandlerError::Connection(e @ ConnectionError::Checksum { .. })) => {
+            HandlerError::Connection(ConnectionError::Message(e)) => self.garbled(e).await,
+            HandlerError::Connection(e @ ConnectionError::Checksum { .. }) => {
                 metrics.record_protocol_error(Direction::Out);
                 debug!(peer = %self.peer, error = %e, "p2p producer: corrupt frame");
             }
-            Err(HandlerError::Connection(e)) => {
+            HandlerError::Connection(e) => {
                 debug!(peer = %self.peer, error = %e, "p2p producer: connection ended");
             }
         }
-        self.conn.shutdown().await;
+    }
+
+    /// A frame that did not decode: refused (and counted by reason) when it was an oversized
+    /// pre-authentication frame; the peer is told why.
+    async fn garbled(&mut self, e: MessageError) {
+        self.shared
+            .config
+            .metrics
+            .record_protocol_error(Direction::Out);
+        if !self.accepted
+            && let MessageError::Frame(FrameError::TooLarge { len, .. }) = &e
+        {
+            self.shared.refuse(
+                self.peer,
+                "oversized_frame",
+                &format_args!("a {len}-byte frame before authentication (max {PREAUTH_MAX_FRAME})"),
+            );
+        }
+        debug!(peer = %self.peer, error = %e, "p2p producer: garbled frame");
+        let msg = Message::Error(ErrorMsg {
+            message: e.to_string(),
+        });
+        let _ = timeout(Duration::from_secs(1), self.conn.write_message(&msg)).await;
     }
 
     /// Releases this connection's pins: those whose lease still runs at the source, and the
