@@ -37,6 +37,17 @@ struct Fleet {
     candidates: Vec<Candidate>,
 }
 
+impl Fleet {
+    /// As the router sees it now (never `excluded`); None when no endpoint may take the request.
+    fn now(s: &RouterState, keys: &[ChainKey], excluded: Option<EndpointId>) -> Option<Fleet> {
+        let (eligible, candidates) = gather(s, keys, excluded);
+        (!eligible.is_empty()).then_some(Fleet {
+            eligible,
+            candidates,
+        })
+    }
+}
+
 /// Places and forwards an aggregated request (`t0`: when the router received it). An engine that
 /// refuses the connection or fails before sending any byte gets the request placed once more,
 /// without it (the client sees nothing of the first try); a timeout or a response already
@@ -246,14 +257,7 @@ async fn admit<'a>(
     prompt_tokens: usize,
     excluded: Option<EndpointId>,
 ) -> Option<(Fleet, Duration, Option<Ticket<'a>>)> {
-    let (eligible_now, candidates) = gather(s, keys, excluded);
-    if eligible_now.is_empty() {
-        return None;
-    }
-    let fleet = Fleet {
-        eligible: eligible_now,
-        candidates,
-    };
+    let fleet = Fleet::now(s, keys, excluded)?;
     let Some(d) = s.dispatch.as_ref().filter(|_| excluded.is_none()) else {
         return Some((fleet, Duration::ZERO, None));
     };
@@ -280,14 +284,7 @@ async fn admit<'a>(
     }
     // Placed as the fleet is now, not as it was when the request arrived.
     let held = waited.elapsed();
-    let (eligible_now, candidates) = gather(s, keys, excluded);
-    if eligible_now.is_empty() {
-        return None;
-    }
-    let fleet = Fleet {
-        eligible: eligible_now,
-        candidates,
-    };
+    let fleet = Fleet::now(s, keys, excluded)?;
     Some((fleet, held, Some(ticket)))
 }
 
