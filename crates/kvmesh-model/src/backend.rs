@@ -20,7 +20,8 @@ pub struct LoadOptions {
     pub kv_dtype: KvDtype,
     /// Identity of the weights in the KV layout / fingerprint; default: the file or directory name.
     pub model_id: Option<String>,
-    /// A `tokenizer.json` to use instead of the one in / beside the model.
+    /// A model directory or `tokenizer.json` to take the tokenizer from instead of the model's own
+    /// (resolved like the router's `tokenizer:`, by `HfTokenizer::load`).
     pub tokenizer: Option<PathBuf>,
 }
 
@@ -65,13 +66,15 @@ pub fn load_backend(
     let override_tok = opts
         .tokenizer
         .as_deref()
-        .map(HfTokenizer::from_file)
+        .map(|p| HfTokenizer::load(p, None))
         .transpose()?;
     let (model, tok, name) = if path.is_dir() {
         let model = load::load_safetensors_dir(path)?;
         let tok = match override_tok {
             Some(t) => t,
-            None => HfTokenizer::from_file(&path.join("tokenizer.json"))?,
+            // The directory's tokenizer.json, tokenizer_config.json and chat_template.jinja, found
+            // exactly as the router finds them for `tokenizer: DIR`.
+            None => HfTokenizer::load(path, None)?,
         };
         let name = path
             .file_name()

@@ -96,16 +96,18 @@ impl EndpointSpec {
     }
 }
 
-/// Tokenizer used to cut prompts into blocks; must match the engines'. In YAML: `tokenizer: byte`
-/// or `tokenizer: {path: tokenizer.json, chat_template: template.jinja}`.
+/// Tokenizer used to cut prompts into blocks; must match the engines'. In YAML: `tokenizer: byte`,
+/// `tokenizer: /models/Llama-3.2-1B-Instruct` (a local model directory, as vLLM's `--tokenizer`
+/// takes it), or `tokenizer: {path: DIR or tokenizer.json, chat_template: template.jinja}`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(try_from = "TokenizerYaml", into = "TokenizerYaml")]
 pub enum TokenizerSpec {
     /// One token per UTF-8 byte (kvmesh `sim` engines).
     #[default]
     Byte,
-    /// A HF `tokenizer.json`, optionally with a Jinja chat template file (else the template of a
-    /// `tokenizer_config.json` beside it).
+    /// A HF model directory or `tokenizer.json`, found as transformers finds it
+    /// (`kvmesh_text::HfTokenizer::load`: `tokenizer_config.json`, `chat_template.jinja` beside
+    /// it), optionally with a Jinja chat template file that replaces the model's.
     Hf {
         path: PathBuf,
         chat_template: Option<PathBuf>,
@@ -128,8 +130,21 @@ impl TryFrom<TokenizerYaml> for TokenizerSpec {
     fn try_from(y: TokenizerYaml) -> Result<Self, String> {
         match y {
             TokenizerYaml::Name(n) if n == "byte" => Ok(TokenizerSpec::Byte),
+            // A bare string that looks like a path is a model directory or tokenizer file; a bare
+            // word (`gpt2`) is more likely a hub name kvmesh cannot fetch than a directory.
+            TokenizerYaml::Name(n)
+                if n.contains(std::path::MAIN_SEPARATOR)
+                    || n.contains('/')
+                    || n.ends_with(".json") =>
+            {
+                Ok(TokenizerSpec::Hf {
+                    path: n.into(),
+                    chat_template: None,
+                })
+            }
             TokenizerYaml::Name(n) => Err(format!(
-                "unknown tokenizer {n:?}: use `byte` or {{path: tokenizer.json}}"
+                "unknown tokenizer {n:?}: use `byte`, a local model directory (e.g. `./{n}`) or \
+                 {{path: DIR or tokenizer.json, chat_template: FILE}}"
             )),
             TokenizerYaml::Hf {
                 path,
@@ -516,7 +531,32 @@ schedulingProfiles:
                 chat_template: None
             }
         );
-        assert!(serde_norway::from_str::<RouterConfig>("tokenizer: gpt2").is_err());
+        let err = serde_norway::from_str::<RouterConfig>("tokenizer: gpt2")
+            .expect_err("a bare name is not a path")
+            .to_string();
+        assert!(err.contains("model directory"), "{err}");
+        for dir in ["/models/llama", "./llama", "models/tokenizer.json"] {
+            let c: RouterConfig =
+                serde_norway::from_str(&format!("tokenizer: {dir}")).expect("a path");
+            assert_eq!(
+                c.tokenizer,
+                TokenizerSpec::Hf {
+                    path: dir.into(),
+                    chat_template: None
+                }
+            );
+        }
+        let c: RouterConfig = serde_norway::from_str(
+            "tokenizer: {path: /models/llama, chat_template: /t/llama.jinja}",
+        )
+        .expect("a directory and a template");
+        assert_eq!(
+            c.tokenizer,
+            TokenizerSpec::Hf {
+                path: "/models/llama".into(),
+                chat_template: Some("/t/llama.jinja".into())
+            }
+        );
     }
 
     #[test]

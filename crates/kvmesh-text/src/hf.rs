@@ -1,12 +1,17 @@
-//! Real-model tokenizers on top of the `tokenizers` crate: from a HF `tokenizer.json` (+ the
-//! `tokenizer_config.json` beside it for the chat template and special tokens), or rebuilt from a
-//! GGUF file's vocabulary (`tokenizer.ggml.*` metadata, GPT-2-style byte-level BPE).
+//! Real-model tokenizers on top of the `tokenizers` crate: from a HF model directory or
+//! `tokenizer.json` (with `tokenizer_config.json`, `chat_template.jinja`, ... beside it, found as
+//! transformers finds them: `model_dir.rs`), or rebuilt from a GGUF file's vocabulary
+//! (`tokenizer.ggml.*` metadata, GPT-2-style byte-level BPE).
 
 use std::path::Path;
 
 use kvmesh_core::TokenId;
 use serde_json::{Value as Json, json};
 
+use crate::model_dir::{
+    self, CHAT_TEMPLATE_JINJA, CHAT_TEMPLATE_JSON, TOKENIZER_CONFIG, TokenizerFiles,
+};
+use crate::template::SpecialTokens;
 use crate::{ChatMessage, ChatTemplate, TextError, Tokenizer};
 
 /// GGUF `tokenizer.ggml.token_type` values that mark special tokens.
@@ -42,8 +47,10 @@ pub struct HfTokenizer {
     eos: Vec<TokenId>,
     /// Prepended by `encode` when the model asks for it and the text does not start with it.
     bos: Option<(TokenId, String)>,
-    /// The model's `bos_token` / `eos_token` strings, as chat templates see them.
-    template_tokens: (String, String),
+    /// The model's special-token strings, as chat templates see them.
+    special: SpecialTokens,
+    /// What `apply_chat_template` says when there is no template: where it was looked for.
+    no_template: String,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -59,7 +66,15 @@ fn tok_err(e: impl std::fmt::Display) -> TextError {
     TextError::Tokenizer(e.to_string())
 }
 
-/// `"<s>"` or `{"content": "<s>", ...}` as found in `tokenizer_config.json`.
+/// The inner message of a template error (its `Display` repeats the "chat template:" prefix).
+fn template_msg(e: TextError) -> String {
+    match e {
+        TextError::Template(m) | TextError::Tokenizer(m) => m,
+    }
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}` (an `AddedToken`, with or without `"__type"`) as found in
+/// `tokenizer_config.json`.
 fn token_string(v: Option<&Json>) -> Option<String> {
     match v? {
         Json::String(s) => Some(s.clone()),
@@ -68,15 +83,48 @@ fn token_string(v: Option<&Json>) -> Option<String> {
     }
 }
 
+/// The chat template `tokenizer_config.json` declares: a string, or transformers' list of
+/// `{name, template}`, of which the one named `"default"` is what `apply_chat_template` uses
+/// without a name. `Err` explains why a declared template cannot be used (no `"default"`).
+fn config_template(config: &Json) -> Result<Option<String>, String> {
+    match config.get("chat_template") {
+        Some(Json::String(s)) => Ok(Some(s.clone())),
+        Some(Json::Array(list)) => {
+            let named = |t: &&Json| t.get("name").and_then(Json::as_str) == Some("default");
+            match list.iter().find(named).and_then(|t| t.get("template")) {
+                Some(Json::String(s)) => Ok(Some(s.clone())),
+                _ => {
+                    let names: Vec<&str> = list
+                        .iter()
+                        .filter_map(|t| t.get("name").and_then(Json::as_str))
+                        .collect();
+                    Err(format!(
+                        "its chat_template list has no template named \"default\" (it has {names:?})"
+                    ))
+                }
+            }
+        }
+        _ => Ok(None),
+    }
+}
+
 impl HfTokenizer {
-    /// Loads `tokenizer.json`; if a `tokenizer_config.json` (and `generation_config.json`) sits beside
-    /// it, takes the chat template, BOS/EOS tokens and extra EOS ids from there.
-    pub fn from_file(tokenizer_json: &Path) -> Result<Self, TextError> {
-        let inner = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(tok_err)?;
-        let dir = tokenizer_json.parent().unwrap_or_else(|| Path::new("."));
-        let config: Json = match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
-            Ok(s) => serde_json::from_str(&s).map_err(tok_err)?,
-            Err(_) => Json::Null,
+    /// Loads a tokenizer from a model directory or a `tokenizer.json` file, finding the files
+    /// around it as transformers does ([`TokenizerFiles`]). The chat template is, first match:
+    /// `chat_template` (a Jinja file given explicitly, like vLLM's `--chat-template`),
+    /// `chat_template.jinja`, `tokenizer_config.json`'s `chat_template`, `chat_template.json`.
+    /// Every template is rendered with the special tokens of `tokenizer_config.json` (or, without
+    /// an `eos_token` there, the token of the first `generation_config.json` EOS id).
+    ///
+    /// This is the one loader the router (`tokenizer:`) and the engine (`--backend model`) use.
+    pub fn load(path: &Path, chat_template: Option<&Path>) -> Result<Self, TextError> {
+        let files = TokenizerFiles::discover(path)?;
+        let inner = tokenizers::Tokenizer::from_file(&files.tokenizer_json).map_err(|e| {
+            TextError::Tokenizer(format!("{}: {e}", files.tokenizer_json.display()))
+        })?;
+        let config = match &files.tokenizer_config {
+            Some(p) => model_dir::read_json(p)?,
+            None => Json::Null,
         };
         let bos_str = token_string(config.get("bos_token"));
         let eos_str = token_string(config.get("eos_token"));
@@ -85,9 +133,8 @@ impl HfTokenizer {
             .and_then(|s| inner.token_to_id(s))
             .into_iter()
             .collect();
-        if let Ok(s) = std::fs::read_to_string(dir.join("generation_config.json")) {
-            let gen_cfg: Json = serde_json::from_str(&s).map_err(tok_err)?;
-            match gen_cfg.get("eos_token_id") {
+        if let Some(p) = &files.generation_config {
+            match model_dir::read_json(p)?.get("eos_token_id") {
                 Some(Json::Number(n)) => eos.extend(n.as_u64().and_then(|n| u32::try_from(n).ok())),
                 Some(Json::Array(a)) => {
                     eos.extend(
@@ -101,27 +148,54 @@ impl HfTokenizer {
         }
         eos.sort_unstable();
         eos.dedup();
-        let template_src = match config.get("chat_template") {
-            Some(Json::String(s)) => Some(s.clone()),
-            // Newer configs list named templates; use the default one.
-            Some(Json::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-                .or_else(|| list.first())
-                .and_then(|t| t.get("template"))
-                .and_then(Json::as_str)
-                .map(str::to_owned),
-            _ => None,
-        };
         // Without an `eos_token` string, the first EOS id's token (e.g. from generation_config).
         let eos_str = eos_str.or_else(|| eos.first().and_then(|&id| inner.id_to_token(id)));
-        let template_tokens = (
-            bos_str.clone().unwrap_or_default(),
-            eos_str.unwrap_or_default(),
-        );
+        let special = SpecialTokens {
+            bos: bos_str.clone().unwrap_or_default(),
+            eos: eos_str.unwrap_or_default(),
+            unk: token_string(config.get("unk_token")),
+            pad: token_string(config.get("pad_token")),
+        };
+
+        let from_config = config_template(&config);
+        let (template_src, origin) = if let Some(p) = chat_template {
+            (Some(model_dir::read(p)?), p.to_path_buf())
+        } else if let Some(p) = &files.chat_template_jinja {
+            (Some(model_dir::read(p)?), p.clone())
+        } else if let (Ok(Some(src)), Some(p)) = (&from_config, &files.tokenizer_config) {
+            (Some(src.clone()), p.clone())
+        } else if let Some(p) = &files.chat_template_json {
+            let src = model_dir::read_json(p)?
+                .get("chat_template")
+                .and_then(Json::as_str)
+                .map(str::to_owned);
+            (src, p.clone())
+        } else {
+            (None, files.dir.clone())
+        };
         let template = template_src
-            .map(|src| ChatTemplate::new(&src, &template_tokens.0, &template_tokens.1))
+            .map(|src| {
+                ChatTemplate::with_tokens(&src, special.clone()).map_err(|e| {
+                    TextError::Template(format!("{}: {}", origin.display(), template_msg(e)))
+                })
+            })
             .transpose()?;
+        let no_template = match from_config {
+            Err(why) => format!(
+                "the model has no usable chat template: {} {why}; give one with `chat_template: FILE`",
+                files
+                    .tokenizer_config
+                    .as_deref()
+                    .unwrap_or(&files.dir)
+                    .display()
+            ),
+            Ok(_) => format!(
+                "the model has no chat template (none in {CHAT_TEMPLATE_JINJA}, {TOKENIZER_CONFIG} \
+                 or {CHAT_TEMPLATE_JSON} in {}); give one with `chat_template: FILE`",
+                files.dir.display()
+            ),
+        };
+
         let add_bos = config
             .get("add_bos_token")
             .and_then(Json::as_bool)
@@ -136,8 +210,14 @@ impl HfTokenizer {
             template,
             eos,
             bos,
-            template_tokens,
+            special,
+            no_template,
         })
+    }
+
+    /// [`HfTokenizer::load`] without an explicit chat template.
+    pub fn from_file(path: &Path) -> Result<Self, TextError> {
+        Self::load(path, None)
     }
 
     /// Rebuilds a byte-level BPE tokenizer from GGUF vocabulary metadata.
@@ -196,14 +276,15 @@ impl HfTokenizer {
         let name = |id: Option<TokenId>| id.and_then(|i| v.tokens.get(i as usize)).cloned();
         let bos_str = name(v.bos_token_id);
         let eos_str = name(v.eos_token_id);
-        let template_tokens = (
-            bos_str.clone().unwrap_or_default(),
-            eos_str.unwrap_or_default(),
-        );
+        let special = SpecialTokens {
+            bos: bos_str.clone().unwrap_or_default(),
+            eos: eos_str.unwrap_or_default(),
+            ..SpecialTokens::default()
+        };
         let template = v
             .chat_template
             .as_deref()
-            .map(|src| ChatTemplate::new(src, &template_tokens.0, &template_tokens.1))
+            .map(|src| ChatTemplate::with_tokens(src, special.clone()))
             .transpose()?;
         let bos = match (v.add_bos_token, v.bos_token_id, bos_str) {
             (true, Some(id), Some(s)) => Some((id, s)),
@@ -214,7 +295,10 @@ impl HfTokenizer {
             template,
             eos: v.eos_token_id.into_iter().collect(),
             bos,
-            template_tokens,
+            special,
+            no_template: "the GGUF file has no tokenizer.chat_template; give one with a chat \
+                          template file"
+                .to_owned(),
         })
     }
 
@@ -222,8 +306,7 @@ impl HfTokenizer {
     /// this model's `bos_token` and `eos_token` — as the engine's own template sees them, so
     /// both sides produce the same token ids.
     pub fn set_chat_template_source(&mut self, source: &str) -> Result<(), TextError> {
-        let (bos, eos) = &self.template_tokens;
-        self.template = Some(ChatTemplate::new(source, bos, eos)?);
+        self.template = Some(ChatTemplate::with_tokens(source, self.special.clone())?);
         Ok(())
     }
 
@@ -262,9 +345,7 @@ impl Tokenizer for HfTokenizer {
     ) -> Result<String, TextError> {
         match &self.template {
             Some(t) => t.render(messages, add_generation_prompt),
-            None => Err(TextError::Template(
-                "the model has no chat template".to_owned(),
-            )),
+            None => Err(TextError::Template(self.no_template.clone())),
         }
     }
 
@@ -396,5 +477,168 @@ mod tests {
             t3.apply_chat_template(&msgs, false).expect("renders"),
             "[<|im_start|>|hello|<|im_end|>]"
         );
+    }
+
+    /// Meta-Llama-3-8B-Instruct's chat template (it prints `bos_token` first).
+    const LLAMA3: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+    /// SmolLM2-135M-Instruct's chat template, as its `chat_template.jinja` would hold it.
+    const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    /// A model directory: the tiny vocabulary's `tokenizer.json` plus `files`.
+    fn model_dir(files: &[(&str, String)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let t = HfTokenizer::from_gguf_vocab(&tiny_vocab()).expect("builds");
+        t.inner
+            .save(dir.path().join("tokenizer.json"), false)
+            .expect("saves");
+        for (name, body) in files {
+            std::fs::write(dir.path().join(name), body).expect("writes");
+        }
+        dir
+    }
+
+    fn user(content: &str) -> [ChatMessage; 1] {
+        [ChatMessage {
+            role: "user".to_owned(),
+            content: content.to_owned(),
+        }]
+    }
+
+    /// `tokenizer_config.json` with AddedToken-object special tokens and `template`.
+    fn config_with(template: Json) -> String {
+        json!({
+            "add_bos_token": false,
+            "bos_token": {"__type": "AddedToken", "content": "<|endoftext|>", "lstrip": false,
+                          "normalized": false, "rstrip": false, "single_word": false},
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|im_end|>",
+            "chat_template": template,
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn a_model_directory_loads_with_the_template_in_tokenizer_config() {
+        let dir = model_dir(&[("tokenizer_config.json", config_with(json!(LLAMA3)))]);
+        let t = HfTokenizer::load(dir.path(), None).expect("loads a directory");
+        assert_eq!(t.eos_token_ids(), vec![2]);
+        assert_eq!(
+            t.apply_chat_template(&user(" hi "), true).expect("renders"),
+            "<|endoftext|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+    }
+
+    #[test]
+    fn chat_template_jinja_beside_it_wins_over_tokenizer_config() {
+        let dir = model_dir(&[
+            ("tokenizer_config.json", config_with(json!(LLAMA3))),
+            ("chat_template.jinja", SMOLLM2.to_owned()),
+        ]);
+        let want = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by \
+                    Hugging Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+        let by_dir = HfTokenizer::load(dir.path(), None).expect("loads");
+        assert_eq!(
+            by_dir
+                .apply_chat_template(&user("hi"), true)
+                .expect("renders"),
+            want
+        );
+        // Naming the tokenizer.json finds the same siblings.
+        let by_file = HfTokenizer::load(&dir.path().join("tokenizer.json"), None).expect("loads");
+        assert_eq!(
+            by_file
+                .apply_chat_template(&user("hi"), true)
+                .expect("renders"),
+            want
+        );
+        // The rendered special tokens are single ids.
+        let ids = by_dir.encode(want).expect("encodes");
+        assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 3, "{ids:?}");
+
+        // An explicit template file wins over both, and sees the config's special tokens.
+        let explicit = dir.path().join("mine.jinja");
+        std::fs::write(
+            &explicit,
+            "{{ bos_token }}|{{ messages[0].content }}|{{ eos_token }}|{{ pad_token }}\
+             {% if unk_token is defined %}|unk{% endif %}",
+        )
+        .expect("writes");
+        let t = HfTokenizer::load(dir.path(), Some(&explicit)).expect("loads");
+        assert_eq!(
+            t.apply_chat_template(&user("hi"), false).expect("renders"),
+            "<|endoftext|>|hi|<|im_end|>|<|im_end|>"
+        );
+    }
+
+    #[test]
+    fn named_template_lists_use_default_as_transformers_does() {
+        let list = json!([
+            {"name": "tool_use", "template": "TOOLS {{ messages[0].content }}"},
+            {"name": "default", "template": "DEFAULT {{ messages[0].content }}"},
+        ]);
+        let dir = model_dir(&[("tokenizer_config.json", config_with(list))]);
+        let t = HfTokenizer::load(dir.path(), None).expect("loads");
+        assert_eq!(
+            t.apply_chat_template(&user("x"), false).expect("renders"),
+            "DEFAULT x"
+        );
+
+        let no_default = json!([{"name": "tool_use", "template": "TOOLS"}]);
+        let dir = model_dir(&[("tokenizer_config.json", config_with(no_default))]);
+        let t = HfTokenizer::load(dir.path(), None).expect("loads: the template is per request");
+        let msg = t
+            .apply_chat_template(&user("x"), false)
+            .expect_err("no default template")
+            .to_string();
+        assert!(
+            msg.contains("\"default\"") && msg.contains("tool_use"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn chat_template_json_is_the_last_resort_and_absence_is_explained() {
+        let dir = model_dir(&[(
+            "chat_template.json",
+            json!({"chat_template": "P {{ messages[0].content }}"}).to_string(),
+        )]);
+        let t = HfTokenizer::load(dir.path(), None).expect("loads");
+        assert_eq!(
+            t.apply_chat_template(&user("x"), false).expect("renders"),
+            "P x"
+        );
+
+        let dir = model_dir(&[]);
+        let t = HfTokenizer::load(dir.path(), None).expect("a template is optional");
+        let msg = t
+            .apply_chat_template(&user("x"), false)
+            .expect_err("none")
+            .to_string();
+        assert!(msg.contains("chat_template.jinja"), "{msg}");
+        assert!(msg.contains(&dir.path().display().to_string()), "{msg}");
+    }
+
+    #[test]
+    fn broken_files_are_named_in_the_error() {
+        let dir = model_dir(&[("tokenizer_config.json", "{not json".to_owned())]);
+        let msg = HfTokenizer::load(dir.path(), None)
+            .expect_err("bad json")
+            .to_string();
+        assert!(msg.contains("tokenizer_config.json"), "{msg}");
+
+        let dir = model_dir(&[("chat_template.jinja", "{% for %}".to_owned())]);
+        let msg = HfTokenizer::load(dir.path(), None)
+            .expect_err("bad template")
+            .to_string();
+        assert!(msg.contains("chat_template.jinja"), "{msg}");
+
+        let dir = model_dir(&[]);
+        let missing = dir.path().join("nope.jinja");
+        let msg = HfTokenizer::load(dir.path(), Some(&missing))
+            .expect_err("missing template file")
+            .to_string();
+        assert!(msg.contains("nope.jinja"), "{msg}");
     }
 }

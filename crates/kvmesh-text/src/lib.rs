@@ -2,18 +2,21 @@
 //!
 //! [`Tokenizer`] is what the engine and the router need; implementations: [`ByteTokenizer`]
 //! (deterministic, dependency-free, used by the `sim` backend and tests), a HF `tokenizer.json`
-//! tokenizer and a GGUF-vocabulary tokenizer (real models). Chat templates render OpenAI
+//! tokenizer found in a model directory as transformers / vLLM find it ([`HfTokenizer::load`],
+//! [`TokenizerFiles`]) and a GGUF-vocabulary tokenizer (real models). Chat templates render OpenAI
 //! messages to a prompt string.
 
 mod byte;
 mod hf;
+mod model_dir;
 mod template;
 
 pub use byte::ByteTokenizer;
 pub use hf::{GgufVocab, HfTokenizer};
 use kvmesh_core::TokenId;
+pub use model_dir::TokenizerFiles;
 use serde::{Deserialize, Serialize};
-pub use template::ChatTemplate;
+pub use template::{ChatTemplate, SpecialTokens};
 
 /// One OpenAI chat message (content flattened to text).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -8,18 +8,28 @@ use minijinja::{Environment, Error, ErrorKind};
 
 use crate::{ChatMessage, TextError};
 
+/// The special-token strings a template sees as globals (transformers passes the tokenizer's
+/// `special_tokens_map`): `bos_token` and `eos_token` always (empty when the model has none, so a
+/// template that prints them still renders), `unk_token` / `pad_token` only when the model has them,
+/// so `{% if pad_token is defined %}` works as in Python.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    pub bos: String,
+    pub eos: String,
+    pub unk: Option<String>,
+    pub pad: Option<String>,
+}
+
 /// A compiled chat template plus the special-token strings it may reference.
 pub struct ChatTemplate {
     env: Environment<'static>,
-    bos_token: String,
-    eos_token: String,
+    tokens: SpecialTokens,
 }
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTemplate")
-            .field("bos_token", &self.bos_token)
-            .field("eos_token", &self.eos_token)
+            .field("tokens", &self.tokens)
             .finish()
     }
 }
@@ -27,8 +37,20 @@ impl std::fmt::Debug for ChatTemplate {
 const NAME: &str = "chat";
 
 impl ChatTemplate {
-    /// Compiles `source`; a syntax error is reported here rather than per request.
+    /// Compiles `source` with only `bos_token` / `eos_token` defined.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, TextError> {
+        Self::with_tokens(
+            source,
+            SpecialTokens {
+                bos: bos_token.to_owned(),
+                eos: eos_token.to_owned(),
+                ..SpecialTokens::default()
+            },
+        )
+    }
+
+    /// Compiles `source`; a syntax error is reported here rather than per request.
+    pub fn with_tokens(source: &str, tokens: SpecialTokens) -> Result<Self, TextError> {
         let mut env = Environment::new();
         // HF renders with trim_blocks + lstrip_blocks (transformers' `_compile_jinja_template`).
         let syntax = minijinja::syntax::SyntaxConfig::builder()
@@ -43,11 +65,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(python_methods);
         env.add_template_owned(NAME, source.to_owned())
             .map_err(|e| TextError::Template(e.to_string()))?;
-        Ok(Self {
-            env,
-            bos_token: bos_token.to_owned(),
-            eos_token: eos_token.to_owned(),
-        })
+        Ok(Self { env, tokens })
     }
 
     /// Renders `messages` to the prompt text.
@@ -66,11 +84,16 @@ impl ChatTemplate {
                 minijinja::context! { role => m.role.as_str(), content => m.content.as_str() }
             })
             .collect();
+        let t = &self.tokens;
+        // `Value::UNDEFINED` for an absent token keeps `is defined` tests meaningful.
+        let optional = |s: &Option<String>| s.as_deref().map_or(Value::UNDEFINED, Value::from);
         let ctx = minijinja::context! {
             messages => msgs,
             add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.as_str(),
-            eos_token => self.eos_token.as_str(),
+            bos_token => t.bos.as_str(),
+            eos_token => t.eos.as_str(),
+            unk_token => optional(&t.unk),
+            pad_token => optional(&t.pad),
         };
         tmpl.render(ctx)
             .map_err(|e| TextError::Template(e.to_string()))
