@@ -40,6 +40,7 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/debug/prefix", post(debug_prefix))
         .route("/debug/decisions", get(debug_decisions))
+        .route("/debug/endpoints", get(debug_endpoints))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
@@ -256,4 +257,28 @@ async fn debug_decisions(State(s): State<Arc<RouterState>>, Query(q): Query<Last
     let last = s.decisions.last(q.last.unwrap_or(10));
     let refs: Vec<&DecisionRecord> = last.iter().map(|r| &**r).collect();
     axum::Json(refs).into_response()
+}
+
+/// Every endpoint as the router sees it: health, role, addresses, what it has placed there and
+/// whether its event stream has delivered anything (a silent one is routed blind).
+async fn debug_endpoints(State(s): State<Arc<RouterState>>) -> Response {
+    let list: Vec<Value> = s
+        .endpoints
+        .list()
+        .iter()
+        .map(|e| {
+            json!({
+                "name": e.name.as_ref(),
+                "url": e.spec.url,
+                "role": e.spec.role,
+                "healthy": e.is_healthy(),
+                "p2p": e.spec.p2p,
+                "kv_events": e.spec.kv_events.as_ref().map(|k| &k.endpoint),
+                "event_batches_received": s.feed.batches_received(e.id),
+                "placed": e.placed.load(std::sync::atomic::Ordering::Relaxed),
+                "events_silent": e.events_silent.load(std::sync::atomic::Ordering::Relaxed),
+            })
+        })
+        .collect();
+    axum::Json(list).into_response()
 }

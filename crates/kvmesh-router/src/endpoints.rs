@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -39,6 +39,11 @@ pub struct Endpoint {
     fail_streak: AtomicU32,
     ok_streak: AtomicU32,
     metrics: Mutex<Option<EngineMetrics>>,
+    /// Requests (and P/D legs) placed here since it was added.
+    pub placed: AtomicU64,
+    /// Configured with KV events but none arrived while it served requests (see
+    /// `RouterState::check_events`).
+    pub events_silent: AtomicBool,
 }
 
 impl Endpoint {
@@ -53,6 +58,8 @@ impl Endpoint {
             fail_streak: AtomicU32::new(0),
             ok_streak: AtomicU32::new(0),
             metrics: Mutex::new(None),
+            placed: AtomicU64::new(0),
+            events_silent: AtomicBool::new(false),
         }
     }
 

@@ -13,6 +13,8 @@ use crate::indexer::{EventSource, Indexer, IndexerConfig};
 pub trait EventFeed: Send + Sync {
     fn add_source(&self, endpoint: EndpointId, name: &str, spec: &KvEventsSpec);
     fn remove_source(&self, endpoint: EndpointId);
+    /// Batches received from the endpoint's events so far; None when it has no event source.
+    fn batches_received(&self, endpoint: EndpointId) -> Option<u64>;
 }
 
 /// A feed that subscribes to nothing (tests with a fake index).
@@ -21,6 +23,9 @@ pub struct NoEvents;
 impl EventFeed for NoEvents {
     fn add_source(&self, _: EndpointId, _: &str, _: &KvEventsSpec) {}
     fn remove_source(&self, _: EndpointId) {}
+    fn batches_received(&self, _: EndpointId) -> Option<u64> {
+        None
+    }
 }
 
 impl EventFeed for Indexer {
@@ -40,6 +45,10 @@ impl EventFeed for Indexer {
 
     fn remove_source(&self, endpoint: EndpointId) {
         Indexer::remove_source(self, endpoint);
+    }
+
+    fn batches_received(&self, endpoint: EndpointId) -> Option<u64> {
+        Indexer::batches_received(self, endpoint)
     }
 }
 

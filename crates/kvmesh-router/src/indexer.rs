@@ -458,6 +458,15 @@ impl Indexer {
             .and_then(|r| r.metrics.state.lock().listening.clone())
     }
 
+    /// Batches received from `endpoint`'s event stream so far (None: no such source). Cheap.
+    pub fn batches_received(&self, endpoint: EndpointId) -> Option<u64> {
+        self.shared
+            .sources
+            .lock()
+            .get(&endpoint)
+            .map(|r| r.metrics.batches.get())
+    }
+
     /// Counters of every source and the index's stats (walks the index: not for hot paths).
     pub fn metrics(&self) -> IndexerMetricsSnapshot {
         let mut sources: Vec<SourceMetricsSnapshot> = self

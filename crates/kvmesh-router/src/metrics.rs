@@ -64,6 +64,7 @@ pub struct RouterMetrics {
     running: Family<EndpointLabel, FloatGauge>,
     kv_usage: Family<EndpointLabel, FloatGauge>,
     healthy: Family<EndpointLabel, Gauge>,
+    events_silent: Family<EndpointLabel, Gauge>,
     prefill_rate: Family<EndpointLabel, FloatGauge>,
     pull_rate: Family<PairLabel, FloatGauge>,
     pull_rate_into: Family<EndpointLabel, FloatGauge>,
@@ -114,6 +115,7 @@ impl RouterMetrics {
             running: Family::default(),
             kv_usage: Family::default(),
             healthy: Family::default(),
+            events_silent: Family::default(),
             prefill_rate: Family::default(),
             pull_rate: Family::default(),
             pull_rate_into: Family::default(),
@@ -200,6 +202,11 @@ impl RouterMetrics {
             m.healthy.clone(),
         );
         r.register(
+            "kvmesh_router_endpoint_events_silent",
+            "1 if the endpoint is configured with KV events but none arrived while it served requests (the router routes it blind)",
+            m.events_silent.clone(),
+        );
+        r.register(
             "kvmesh_router_prefill_rate_tokens_per_second",
             "Cost model: learned prefill rate per endpoint",
             m.prefill_rate.clone(),
@@ -230,6 +237,7 @@ impl RouterMetrics {
             &self.in_flight_uncached,
             &self.in_flight_decode,
             &self.healthy,
+            &self.events_silent,
         ] {
             f.clear();
         }
@@ -261,6 +269,10 @@ impl RouterMetrics {
             self.healthy
                 .get_or_create(&l)
                 .set(i64::from(e.is_healthy()));
+            if e.spec.kv_events.is_some() {
+                let silent = e.events_silent.load(std::sync::atomic::Ordering::Relaxed);
+                self.events_silent.get_or_create(&l).set(i64::from(silent));
+            }
             if let Some(m) = e.metrics() {
                 self.waiting.get_or_create(&l).set(m.waiting);
                 self.running.get_or_create(&l).set(m.running);

@@ -229,6 +229,7 @@ impl Legs<'_> {
         let Some(pep) = by_id(self.list, chosen.endpoint).cloned() else {
             return out;
         };
+        s.note_placement(&pep);
         let source_hp = source.as_ref().map(NamedSource::host_port);
         let body = match prefill_leg_body(
             parsed,
@@ -295,6 +296,7 @@ impl Legs<'_> {
             s.metrics.error("no_endpoint");
             return ApiError::service_unavailable("no decode endpoint chosen").into_response();
         };
+        s.note_placement(&dep);
         if let Some(p) = &prefill.decode_params
             && let Err(e) = parsed.set_field("kv_transfer_params", p)
         {

@@ -161,6 +161,7 @@ impl Attempt<'_> {
         }
         drop(admission_ticket);
         let scheduling = t0.elapsed();
+        s.note_placement(&ep);
         s.count_placement(
             &profile.name,
             &ep.name,

@@ -180,6 +180,7 @@ pub async fn start(
         client: client.clone(),
         tokenizer,
         in_flight: Default::default(),
+        feed: Arc::clone(&feed),
     });
     apply_endpoints(&state, &*feed, specs);
 

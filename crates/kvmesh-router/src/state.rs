@@ -15,7 +15,8 @@ use prometheus_client::registry::Registry;
 use crate::config::RouterConfig;
 use crate::conversations::PdRouter;
 use crate::dispatch::Dispatcher;
-use crate::endpoints::EndpointSet;
+use crate::endpoints::{Endpoint, EndpointSet};
+use crate::feed::EventFeed;
 use crate::metrics::RouterMetrics;
 use crate::prefix::PrefixLookup;
 use crate::request::ApiKind;
@@ -38,7 +39,14 @@ pub struct RouterState {
     pub dispatch: Option<Arc<Dispatcher>>,
     /// Client requests held now (bounded by `config.max_in_flight`).
     pub in_flight: AtomicUsize,
+    /// The KV-event feed (what each endpoint's event stream has delivered).
+    pub feed: Arc<dyn EventFeed>,
 }
+
+/// Placements on an endpoint after which an event stream that delivered nothing is reported: an
+/// engine publishes a batch for every request that stores a block, so a dozen placements with no
+/// batch means the router is routing blind (wrong address, bind/connect mismatch, topic).
+pub const SILENT_EVENTS_AFTER_PLACEMENTS: u64 = 16;
 
 /// One client request counted against `max_in_flight`; released when dropped (with the response
 /// body, so streaming requests count until their stream ends).
@@ -94,6 +102,32 @@ pub(crate) struct Placement<'a> {
 }
 
 impl RouterState {
+    /// Counts a placement on `ep` and, once it has served [`SILENT_EVENTS_AFTER_PLACEMENTS`]
+    /// requests, checks that its configured event stream delivered something; if not, warns once
+    /// (log, `kvmesh_router_endpoint_events_silent`, `/debug/endpoints`).
+    pub(crate) fn note_placement(&self, ep: &Endpoint) {
+        let placed = ep.placed.fetch_add(1, Ordering::Relaxed) + 1;
+        if placed < SILENT_EVENTS_AFTER_PLACEMENTS || ep.spec.kv_events.is_none() {
+            return;
+        }
+        let silent = self.feed.batches_received(ep.id) == Some(0);
+        let was = ep.events_silent.swap(silent, Ordering::Relaxed);
+        if silent && !was {
+            let events = ep
+                .spec
+                .kv_events
+                .as_ref()
+                .map_or("", |k| k.endpoint.as_str());
+            tracing::warn!(
+                endpoint = %ep.name,
+                kv_events = events,
+                placed,
+                "no KV event from this endpoint after {placed} requests: the router places it as if it \
+                 held nothing (check the events address, bind vs connect, and topic)"
+            );
+        }
+    }
+
     /// Counts a placement on `endpoint` in the placement metrics.
     pub(crate) fn count_placement(
         &self,

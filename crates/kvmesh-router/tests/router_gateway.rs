@@ -666,3 +666,54 @@ async fn overload_is_refused_with_retry_after() {
     .await
     .unwrap();
 }
+
+/// An endpoint configured with KV events whose stream delivers nothing (here: nobody publishes
+/// there) is routed blind; after a few placements the router says so in `/metrics` and
+/// `/debug/endpoints`. An endpoint without `kv_events` is never flagged.
+#[tokio::test]
+async fn a_silent_event_stream_is_reported() {
+    tokio::time::timeout(LIMIT, async {
+        let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let yaml = format!(
+            r#"
+plugins: [{{type: round-robin-picker, name: rr}}]
+schedulingProfiles: [{{name: rr, plugins: [{{pluginRef: rr}}]}}]
+endpoints:
+  - {{name: e0, url: "{}", kv_events: {{endpoint: "tcp://127.0.0.1:{port}", bind: true, topic: ""}}}}
+  - {{name: e1, url: "{}"}}
+"#,
+            e0.url, e1.url
+        );
+        let r = start_router(&yaml, None).await;
+        let base = format!("http://{}", r.addr);
+        let silent = || {
+            common::scrape_metric(&base, "kvmesh_router_endpoint_events_silent", "endpoint=\"e0\"")
+        };
+        for i in 0..40 {
+            let resp = post_json(&format!("{base}/v1/completions"), &json!({"prompt": format!("q{i}")})).await;
+            assert_eq!(resp.status(), 200);
+            if i == 10 {
+                assert_eq!(silent().await, 0.0, "not before 16 placements");
+            }
+        }
+        assert_eq!(silent().await, 1.0);
+        let eps = get_json(&format!("{base}/debug/endpoints")).await;
+        let e0v = eps.as_array().unwrap().iter().find(|e| e["name"] == "e0").unwrap();
+        assert_eq!(e0v["events_silent"], true, "{eps}");
+        assert_eq!(e0v["event_batches_received"], 0);
+        assert_eq!(e0v["placed"], 20);
+        let e1v = eps.as_array().unwrap().iter().find(|e| e["name"] == "e1").unwrap();
+        assert_eq!(e1v["events_silent"], false);
+        assert!(e1v["event_batches_received"].is_null());
+        let metrics = get_text(&format!("{base}/metrics")).await;
+        assert!(!metrics.contains("kvmesh_router_endpoint_events_silent{endpoint=\"e1\"}"), "{metrics}");
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
