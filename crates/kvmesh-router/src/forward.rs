@@ -86,6 +86,20 @@ pub(crate) struct SendFailure {
     pub retryable: bool,
 }
 
+/// An attempt that produced no response, and the endpoint it failed on (if it got that far).
+pub(crate) type Failed = (SendFailure, Option<Arc<Endpoint>>);
+
+/// A failure before any engine was tried (nothing to retry elsewhere).
+pub(crate) fn refused(error: ApiError) -> Failed {
+    (
+        SendFailure {
+            error,
+            retryable: false,
+        },
+        None,
+    )
+}
+
 /// Sends a request to an engine within the router's request timeout. An engine that cannot be
 /// reached becomes a counted OpenAI-style 502 (and, when it refused the connection, is ejected at
 /// once: the health loop returns it), one that does not answer in time a 504.

@@ -36,8 +36,8 @@ use crate::conversations::PdRouter;
 use crate::endpoints::Endpoint;
 use crate::error::ApiError;
 use crate::forward::{
-    DECISION_HEADER, ParamsSink, Tap, engine_request, error_chain, forwarded_headers, request_id,
-    send_to_engine, tap_body, wants_explanation,
+    DECISION_HEADER, Failed, ParamsSink, Tap, engine_request, error_chain, forwarded_headers,
+    refused, request_id, send_to_engine, tap_body, wants_explanation,
 };
 use crate::prefix::match_of;
 use crate::remote_source::{NamedSource, name_source};
@@ -261,15 +261,50 @@ impl Legs<'_> {
         out
     }
 
-    /// Places and forwards the decode leg (with the prefill leg's params, if any); its body
-    /// streams to the client while the decoder's final params are cached for the conversation.
+    /// The decode leg (below), placed once more without its decoder when that one refused the
+    /// connection or failed before sending any byte (the prefiller's hand-off is keyed by request
+    /// id, so any decoder can read it).
     async fn decode(
         &self,
         decoders: &[Arc<Endpoint>],
-        mut parsed: ParsedRequest,
+        parsed: ParsedRequest,
         prefill: Prefilled,
         conv: Option<String>,
     ) -> Response {
+        let first = self
+            .decode_on(decoders, parsed.clone(), &prefill, conv.clone())
+            .await;
+        let (failure, failed) = match first {
+            Ok(resp) => return resp,
+            Err(f) => f,
+        };
+        let rest: Vec<Arc<Endpoint>> = match &failed {
+            Some(f) if failure.retryable => decoders
+                .iter()
+                .filter(|e| e.id != f.id && e.is_healthy())
+                .cloned()
+                .collect(),
+            _ => Vec::new(),
+        };
+        if rest.is_empty() {
+            return failure.error.into_response();
+        }
+        self.s.metrics.retries.inc();
+        match self.decode_on(&rest, parsed, &prefill, conv).await {
+            Ok(resp) => resp,
+            Err((second, _)) => second.error.into_response(),
+        }
+    }
+
+    /// Places and forwards the decode leg (with the prefill leg's params, if any); its body
+    /// streams to the client while the decoder's final params are cached for the conversation.
+    async fn decode_on(
+        &self,
+        decoders: &[Arc<Endpoint>],
+        mut parsed: ParsedRequest,
+        prefill: &Prefilled,
+        conv: Option<String>,
+    ) -> Result<Response, Failed> {
         let s = self.s;
         let dcands = candidates_of(decoders, self.matches);
         let dprofile = s
@@ -277,7 +312,7 @@ impl Legs<'_> {
             .profile(Some(&self.pd.config.decode_profile))
             .or_else(|| s.scheduler.profile(None));
         let Some(dprofile) = dprofile else {
-            return ApiError::service_unavailable("no decode profile").into_response();
+            return Err(refused(ApiError::service_unavailable("no decode profile")));
         };
         let t0 = Instant::now();
         let decision = s.scheduler.schedule(&dprofile, self.ctx, &dcands);
@@ -294,7 +329,9 @@ impl Legs<'_> {
         );
         let Some(dep) = chosen.and_then(|c| by_id(decoders, c.endpoint).cloned()) else {
             s.metrics.error("no_endpoint");
-            return ApiError::service_unavailable("no decode endpoint chosen").into_response();
+            return Err(refused(ApiError::service_unavailable(
+                "no decode endpoint chosen",
+            )));
         };
         s.note_placement(&dep);
         if let Some(p) = &prefill.decode_params
@@ -306,8 +343,9 @@ impl Legs<'_> {
             Ok(p) => p,
             Err(e) => {
                 s.metrics.error("internal");
-                return ApiError::bad_request(format!("cannot re-encode body: {e}"))
-                    .into_response();
+                return Err(refused(ApiError::bad_request(format!(
+                    "cannot re-encode body: {e}"
+                ))));
             }
         };
         let local = match_of(self.matches, dep.id).any_blocks as u64 * self.ctx.block_size as u64;
@@ -329,7 +367,7 @@ impl Legs<'_> {
             Ok(r) => r,
             Err(e) => {
                 self.pd.leg(leg, "error");
-                return e.error.into_response();
+                return Err((e, Some(dep)));
             }
         };
         let status = upstream.status();
@@ -344,7 +382,7 @@ impl Legs<'_> {
         if wants_explanation(self.headers) {
             let summary = serde_json::json!({
                 "request_id": self.ctx.request_id,
-                "prefill": prefill.explain,
+                "prefill": &prefill.explain,
                 "decode": explain_decode,
             });
             if let Ok(v) = HeaderValue::from_str(&summary.to_string()) {
@@ -368,7 +406,7 @@ impl Legs<'_> {
         let mut resp = Response::new(tap_body(upstream, tap));
         *resp.status_mut() = status;
         *resp.headers_mut() = resp_headers;
-        resp
+        Ok(resp)
     }
 
     /// Counts one scheduled leg (placed on `chosen`, reading KV from a peer or not) in the

@@ -21,7 +21,7 @@ use crate::dispatch::{Admission, Ticket};
 use crate::endpoints::Endpoint;
 use crate::error::ApiError;
 use crate::forward::{
-    DECISION_HEADER, Learn, SendFailure, Tap, engine_request, forwarded_headers, request_id,
+    DECISION_HEADER, Failed, Learn, Tap, engine_request, forwarded_headers, refused, request_id,
     send_to_engine, tap_body, wants_explanation,
 };
 use crate::remote_source::{NamedSource, name_source};
@@ -96,19 +96,6 @@ struct Attempt<'a> {
     request_id: &'a str,
     keys: &'a [ChainKey],
     t0: Instant,
-}
-
-/// A failed attempt, and the endpoint it failed on (if it got that far).
-type Failed = (SendFailure, Option<Arc<Endpoint>>);
-
-fn refused(error: ApiError) -> Failed {
-    (
-        SendFailure {
-            error,
-            retryable: false,
-        },
-        None,
-    )
 }
 
 impl Attempt<'_> {

@@ -717,3 +717,49 @@ endpoints:
     .await
     .unwrap();
 }
+
+/// P/D: a decoder that refuses the connection costs the client nothing either — the decode leg is
+/// placed once more on another decoder, and the refusing one is ejected.
+#[tokio::test]
+async fn a_refused_decode_leg_is_retried_on_another_decoder() {
+    tokio::time::timeout(LIMIT, async {
+        let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead_url = format!("http://{}", dead.local_addr().unwrap());
+        drop(dead);
+        let (p0, d1) = (FakeEngine::start("p0").await, FakeEngine::start("d1").await);
+        let yaml = format!(
+            r#"
+health_check: {{interval: 60s, timeout: 1s, unhealthy_threshold: 3, healthy_threshold: 1, path: /health}}
+plugins: [{{type: round-robin-picker, name: rrp}}, {{type: round-robin-picker, name: rrd}}]
+schedulingProfiles:
+  - {{name: p, plugins: [{{pluginRef: rrp}}]}}
+  - {{name: d, plugins: [{{pluginRef: rrd}}]}}
+pd: {{prefill_profile: p, decode_profile: d}}
+endpoints:
+  - {{name: p0, url: "{}", role: prefill}}
+  - {{name: dead, url: "{dead_url}", role: decode}}
+  - {{name: d1, url: "{}", role: decode}}
+"#,
+            p0.url, d1.url
+        );
+        let r = start_router(&yaml, None).await;
+        let base = format!("http://{}", r.addr);
+        for i in 0..3 {
+            let resp = post_json(&format!("{base}/v1/completions"), &json!({"prompt": format!("q{i}")})).await;
+            assert_eq!(resp.status(), 200, "request {i}");
+            assert_eq!(resp.headers()["x-kvmesh-endpoint"], "d1");
+        }
+        assert_eq!(d1.count(), 3);
+        let base2 = base.clone();
+        let metric = move |name: &'static str, labels: &'static str| {
+            let base = base2.clone();
+            async move { common::scrape_metric(&base, name, labels).await }
+        };
+        assert_eq!(metric("kvmesh_router_retries_total", "").await, 1.0);
+        assert_eq!(metric("kvmesh_router_endpoint_changes_total", "kind=\"ejected\"").await, 1.0);
+        assert!(load_zero(&r));
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
