@@ -308,7 +308,7 @@ impl EngineConfig {
             return Ok(());
         }
         let p2p = &self.p2p;
-        let consumers = crate::p2p::parse_allowed_consumers(&p2p.allowed_consumers)
+        let consumers = parse_allowed_consumers(&p2p.allowed_consumers)
             .map_err(|e| ConfigError::Invalid(format!("--p2p-allowed-consumers: {e}")))?;
         if p2p.max_connections_per_ip == 0 {
             return Err(ConfigError::Invalid(
@@ -335,6 +335,18 @@ pub fn is_loopback_host(host: &str) -> bool {
         || bare
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.to_canonical().is_loopback())
+}
+
+/// `--p2p-allowed-consumers` entries (blank ones skipped) as networks.
+pub fn parse_allowed_consumers(
+    items: &[String],
+) -> Result<Vec<kvmesh_transfer::IpNet>, kvmesh_transfer::IpNetError> {
+    items
+        .iter()
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+        .map(str::parse)
+        .collect()
 }
 
 #[cfg(test)]
@@ -439,8 +451,8 @@ mod tests {
         // An explicit `*` keeps vLLM's meaning (all interfaces, bound by the engine)...
         assert!(!c.bind);
         // ...while no endpoint at all binds loopback only.
-        let d = KvEventsConfig::parse(r#"{"enable_kv_cache_events":true,"publisher":"zmq"}"#)
-            .unwrap();
+        let d =
+            KvEventsConfig::parse(r#"{"enable_kv_cache_events":true,"publisher":"zmq"}"#).unwrap();
         assert_eq!(
             (d.endpoint.as_str(), d.bind),
             (DEFAULT_KV_EVENTS_ENDPOINT, true)

@@ -29,8 +29,8 @@ use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint, RemoteKvSource, TokenId};
 use kvmesh_transfer::{
     AllowList, AllowListError, BindError, BlockSink, BlockSource, BlockStatus as WireStatus,
-    ClientConfig, IpNet, IpNetError, ModelledDuration, PeerAddr, ProducerServer, PullClient,
-    PullReport, ServerConfig, SinkError,
+    ClientConfig, IpNetError, ModelledDuration, PeerAddr, ProducerServer, PullClient, PullReport,
+    ServerConfig, SinkError,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -217,7 +217,7 @@ pub struct P2pProducer {
 /// (`--p2p-allowed-consumers`; empty = none), per-IP connection cap and pin quotas.
 pub fn producer_config(engine: &EngineHandle) -> Result<ServerConfig, P2pConfigError> {
     let cfg = &engine.config().p2p;
-    let allowed = parse_allowed_consumers(&cfg.allowed_consumers)?;
+    let allowed = crate::config::parse_allowed_consumers(&cfg.allowed_consumers)?;
     Ok(ServerConfig {
         secret: cfg.secret.clone(),
         allowed_ips: (!allowed.is_empty()).then_some(allowed),
@@ -227,16 +227,6 @@ pub fn producer_config(engine: &EngineHandle) -> Result<ServerConfig, P2pConfigE
         metrics: engine.metrics().p2p.clone(),
         ..ServerConfig::default()
     })
-}
-
-/// `--p2p-allowed-consumers` entries (blank ones skipped) as networks.
-pub fn parse_allowed_consumers(items: &[String]) -> Result<Vec<IpNet>, IpNetError> {
-    items
-        .iter()
-        .map(|s| s.trim())
-        .filter(|s| !s.is_empty())
-        .map(str::parse)
-        .collect()
 }
 
 /// Binds the producer on `host:port` when `--p2p-port` is set (port 0 picks a free one).

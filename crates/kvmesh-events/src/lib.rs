@@ -20,16 +20,18 @@ mod endpoint;
 pub mod limits;
 mod publisher;
 mod replay;
+mod stats;
 mod subscriber;
 mod transport;
 pub mod zmtp;
 
 pub use endpoint::{EndpointMode, resolve_endpoint, subscriber_mode};
-pub use publisher::{PublishError, Publisher, PublisherConfig, PublisherHandle, PublisherStats};
+pub use publisher::{PublishError, Publisher, PublisherConfig, PublisherHandle};
 pub use replay::{
     REPLAY_END_SEQ, ReplayBuffer, ReplayOutcome, replay_failures_total, replay_malformed_total,
     request_replay, request_replay_outcome,
 };
+pub use stats::PublisherStats;
 pub use subscriber::{
     SeqTracker, SeqVerdict, SubscriberConfig, SubscriberItem, SubscriberStats, subscribe,
     subscribe_with_stats,

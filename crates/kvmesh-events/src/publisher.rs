@@ -28,6 +28,7 @@ use crate::limits::{
     MAX_SUBSCRIPTION_FRAME, MAX_SUBSCRIPTIONS_PER_PEER, PUB_PEER_QUEUE, WRITE_TIMEOUT,
 };
 use crate::replay::{ReplayBuffer, bind_replay_server};
+use crate::stats::PublisherStats;
 use crate::transport::{Addr, BoxStream, Listener, Slots, connect, timed_handshake};
 use crate::zmtp::{Limits, SocketType, encode_message, read_inbound, subscription};
 
@@ -64,50 +65,6 @@ impl PublisherConfig {
             encoding: EventEncoding::Map,
             queue_capacity: 4096,
         }
-    }
-}
-
-/// Counters of what peers did to a publisher's sockets (shared, cheap to clone).
-#[derive(Debug, Clone, Default)]
-pub struct PublisherStats {
-    inner: Arc<PublisherCounters>,
-}
-
-#[derive(Debug, Default)]
-struct PublisherCounters {
-    peers_refused: AtomicU64,
-    protocol_errors: AtomicU64,
-    peer_queue_drops: AtomicU64,
-    buffered_drops: AtomicU64,
-    oversized_batches: AtomicU64,
-}
-
-impl PublisherStats {
-    /// Connections closed because every slot was taken ([`MAX_PEERS`]).
-    pub fn peers_refused(&self) -> u64 {
-        self.inner.peers_refused.load(Ordering::Relaxed)
-    }
-    /// Peers dropped for a bad handshake or for exceeding a bound (PUB and replay sockets).
-    pub fn protocol_errors(&self) -> u64 {
-        self.inner.protocol_errors.load(Ordering::Relaxed)
-    }
-    /// Messages a slow subscriber's full queue did not take.
-    pub fn peer_queue_drops(&self) -> u64 {
-        self.inner.peer_queue_drops.load(Ordering::Relaxed)
-    }
-    /// Messages the connect-mode buffer let go (oldest first) while no subscriber was there.
-    pub fn buffered_drops(&self) -> u64 {
-        self.inner.buffered_drops.load(Ordering::Relaxed)
-    }
-    /// Batches not sent because they exceeded [`MAX_EVENT_MESSAGE`] (subscribers would drop them).
-    pub fn oversized_batches(&self) -> u64 {
-        self.inner.oversized_batches.load(Ordering::Relaxed)
-    }
-    pub(crate) fn protocol_error(&self) {
-        self.inner.protocol_errors.fetch_add(1, Ordering::Relaxed);
-    }
-    pub(crate) fn peer_refused(&self) {
-        self.inner.peers_refused.fetch_add(1, Ordering::Relaxed);
     }
 }
 

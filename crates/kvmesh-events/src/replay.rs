@@ -27,7 +27,7 @@ use crate::limits::{
     MAX_EVENT_FRAME, MAX_EVENT_MESSAGE, MAX_EVENT_PARTS, MAX_REPLAY_ANSWER, MAX_REPLAY_PEERS,
     MAX_REPLAY_REQUEST_FRAME, MAX_REPLAY_REQUEST_PARTS, REPLAY_TIMEOUT, WRITE_TIMEOUT,
 };
-use crate::publisher::PublisherStats;
+use crate::stats::PublisherStats;
 use crate::transport::{Addr, BoxStream, Listener, Slots, connect, timed_handshake};
 use crate::zmtp::{Inbound, Limits, SocketType, ZmtpError, encode_message, read_inbound};
 
