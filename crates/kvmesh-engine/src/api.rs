@@ -18,7 +18,9 @@ use axum::routing::{get, post};
 use kvmesh_core::{KvTransferParams, TokenId};
 use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
+
+mod lax;
 
 pub use crate::admission::AdmissionHook;
 use crate::compute::SamplingParams;
@@ -45,8 +47,8 @@ impl ApiState {
 /// The engine's router (all routes).
 pub fn router(state: ApiState) -> Router {
     Router::new()
-        .route("/health", get(|| async { StatusCode::OK }))
-        .route("/ping", get(|| async { StatusCode::OK }))
+        .route("/health", get(health))
+        .route("/ping", get(health))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
@@ -142,10 +144,71 @@ fn fail(state: &ApiState, e: ApiError) -> Response {
     e.into_response()
 }
 
-fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| {
-        ApiError::bad_request("malformed_json", format!("invalid request body: {e}"), None)
+/// The body as a JSON object (not a field's fault: no `param`).
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(_) => Err(ApiError::bad_request(
+            "malformed_json",
+            "invalid request body: expected a JSON object",
+            None,
+        )),
+        Err(e) => Err(ApiError::bad_request(
+            "malformed_json",
+            format!("invalid request body: {e}"),
+            None,
+        )),
+    }
+}
+
+/// The request fields as `T`; a field of the wrong type is a 400 naming it in `param`.
+fn typed<'a, T: Deserialize<'a>>(body: &'a Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(body).map_err(|e| {
+        let param = match e.path().iter().next() {
+            Some(serde_path_to_error::Segment::Map { key }) => known_param(key),
+            _ => None,
+        };
+        ApiError::bad_request(
+            "bad_param",
+            format!("invalid request body: {}: {}", e.path(), e.inner()),
+            param,
+        )
     })
+}
+
+/// The request fields a `param` may name (static, so a client cannot put arbitrary text there
+/// through an unknown key).
+fn known_param(key: &str) -> Option<&'static str> {
+    const KNOWN: &[&str] = &[
+        "model",
+        "prompt",
+        "messages",
+        "add_generation_prompt",
+        "return_token_strs",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "stream",
+        "stream_options",
+        "n",
+        "kv_transfer_params",
+    ];
+    KNOWN.iter().copied().find(|k| *k == key)
+}
+
+/// 200 while the compute loop runs; 503 with the reason once it has ended (a panicked loop
+/// leaves a process that accepts connections but can compute nothing: routers and load
+/// balancers must see it as down).
+async fn health(State(s): State<ApiState>) -> Response {
+    match s.engine.loop_stopped() {
+        None => StatusCode::OK.into_response(),
+        Some(why) => ApiError::unavailable(why).into_response(),
+    }
 }
 
 async fn models(State(s): State<ApiState>) -> Response {
@@ -243,9 +306,9 @@ struct TokenizeRequest {
     prompt: Option<String>,
     #[serde(default)]
     messages: Option<Vec<RawMessage>>,
-    #[serde(default = "yes")]
+    #[serde(default = "yes", deserialize_with = "lax::bool_or_true")]
     add_generation_prompt: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::bool_or_false")]
     return_token_strs: bool,
 }
 
@@ -255,7 +318,7 @@ fn yes() -> bool {
 
 async fn tokenize(State(s): State<ApiState>, body: Bytes) -> Response {
     let r = (|| {
-        let req: TokenizeRequest = parse_json(&body)?;
+        let req: TokenizeRequest = typed(&Value::Object(parse_object(&body)?))?;
         check_model(&s, req.model.as_deref())?;
         let tok = s.engine.tokenizer();
         let text = match (req.prompt, req.messages) {
@@ -312,47 +375,39 @@ enum StopField {
 struct GenParams {
     #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_int")]
     max_tokens: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_int")]
     max_completion_tokens: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_float")]
     temperature: Option<f64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_float")]
     top_p: Option<f64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_int")]
     seed: Option<i64>,
     #[serde(default)]
     stop: Option<StopField>,
     #[serde(default)]
     stop_token_ids: Option<Vec<TokenId>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::bool_or_false")]
     ignore_eos: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::bool_or_false")]
     stream: bool,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::opt_int")]
     n: Option<i64>,
     #[serde(default)]
     /// Parsed in [`transfer_params`], so a malformed P2P hint cannot fail the request.
     kv_transfer_params: Option<Value>,
 }
 
+/// The chat-only fields (the shared ones are read as [`GenParams`] from the same object).
 #[derive(Debug, Deserialize)]
-struct CompletionRequest {
-    prompt: Value,
-    #[serde(flatten)]
-    params: GenParams,
-}
-
-#[derive(Debug, Deserialize)]
-struct ChatRequest {
+struct ChatFields {
     messages: Vec<RawMessage>,
-    #[serde(default = "yes")]
+    #[serde(default = "yes", deserialize_with = "lax::bool_or_true")]
     add_generation_prompt: bool,
-    #[serde(flatten)]
-    params: GenParams,
 }
 
 /// A validated generation job.
@@ -493,12 +548,18 @@ fn build_job(
         ));
     }
     let room = cfg.max_model_len - prompt.len();
+    // vLLM reads `max_completion_tokens` first; errors name the field that was used.
+    let max_key = if p.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
     let max_tokens = match p.max_completion_tokens.or(p.max_tokens) {
         Some(m) if m < 1 => {
             return Err(ApiError::bad_request(
                 "bad_param",
-                format!("max_tokens must be at least 1, got {m}."),
-                Some("max_tokens"),
+                format!("{max_key} must be at least 1, got {m}."),
+                Some(max_key),
             ));
         }
         Some(m) if m as u64 > room as u64 => {
@@ -511,7 +572,7 @@ fn build_job(
                     cfg.max_model_len,
                     prompt.len()
                 ),
-                Some("max_tokens"),
+                Some(max_key),
             ));
         }
         Some(m) => m as usize,
@@ -605,13 +666,27 @@ async fn parse_off_thread(
 }
 
 fn parse_completion(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
-    let r: CompletionRequest = parse_json(body)?;
-    let prompt = prompt_tokens(s, r.prompt)?;
-    build_job(s, false, prompt, r.params)
+    let mut fields = parse_object(body)?;
+    // Taken out, not copied: a long token-id prompt is the bulk of the body.
+    let prompt = fields.remove("prompt").ok_or_else(|| {
+        ApiError::bad_request("bad_param", "`prompt` is required", Some("prompt"))
+    })?;
+    let params: GenParams = typed(&Value::Object(fields))?;
+    let prompt = prompt_tokens(s, prompt)?;
+    build_job(s, false, prompt, params)
 }
 
 fn parse_chat(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
-    let r: ChatRequest = parse_json(body)?;
+    let fields = Value::Object(parse_object(body)?);
+    if fields.get("messages").is_none() {
+        return Err(ApiError::bad_request(
+            "bad_param",
+            "`messages` is required",
+            Some("messages"),
+        ));
+    }
+    let r: ChatFields = typed(&fields)?;
+    let params: GenParams = typed(&fields)?;
     if r.messages.is_empty() {
         return Err(ApiError::bad_request(
             "bad_param",
@@ -630,7 +705,7 @@ fn parse_chat(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
         .tokenizer()
         .encode(&text)
         .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
-    build_job(s, true, prompt, r.params)
+    build_job(s, true, prompt, params)
 }
 
 async fn completions(State(s): State<ApiState>, body: Bytes) -> Response {
@@ -735,13 +810,13 @@ impl Detok {
         let mut end = if all {
             self.text.len()
         } else {
-            self.text.len().saturating_sub(self.holdback)
+            // The holdback counts bytes of the longest stop string; with multi-byte text the cut
+            // can land inside a character, so round down to a boundary *before* slicing (holding
+            // back a little more is harmless, slicing mid-character panics).
+            floor_char_boundary(&self.text, self.text.len().saturating_sub(self.holdback))
         };
         if !all && self.text[..end].ends_with('\u{FFFD}') {
-            end = end.saturating_sub('\u{FFFD}'.len_utf8());
-        }
-        while end > 0 && !self.text.is_char_boundary(end) {
-            end -= 1;
+            end -= '\u{FFFD}'.len_utf8();
         }
         if end <= self.emitted {
             return String::new();
@@ -750,6 +825,15 @@ impl Detok {
         self.emitted = end;
         out
     }
+}
+
+/// The largest char boundary of `s` at or below `i` (`str::floor_char_boundary` is unstable).
+fn floor_char_boundary(s: &str, i: usize) -> usize {
+    let mut i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
 }
 
 fn usage_json(info: &FinishInfo, completion_tokens: usize, stream: bool) -> Value {
@@ -791,6 +875,9 @@ fn finish_reason_str(info: &FinishInfo, detok: &Detok) -> &'static str {
 
 async fn submit(s: &ApiState, mut job: Job) -> Result<(Job, SeqStream), ApiError> {
     // An engine that will refuse the request anyway must not first spend a pull on it.
+    if let Some(why) = s.engine.loop_stopped() {
+        return Err(ApiError::unavailable(why));
+    }
     if let Some(waiting) = s.engine.waiting_at_capacity() {
         return Err(ApiError::overloaded(waiting));
     }
@@ -800,12 +887,19 @@ async fn submit(s: &ApiState, mut job: Job) -> Result<(Job, SeqStream), ApiError
     let refused = match s.engine.submit(job.req.clone()) {
         Ok(stream) => return Ok((job, stream)),
         Err(SubmitError::Overloaded(n)) => ApiError::overloaded(n),
-        Err(SubmitError::Stopped) => ApiError::unavailable("engine stopped"),
+        Err(SubmitError::Stopped) => ApiError::unavailable(stopped_reason(&s.engine)),
     };
     if let Some(hook) = &s.admission_hook {
         hook.on_not_submitted(&s.engine, &job.req);
     }
     Err(refused)
+}
+
+/// Why the loop is gone, for a request it dropped (its output channel closed without a finish).
+fn stopped_reason(engine: &EngineHandle) -> String {
+    engine
+        .loop_stopped()
+        .unwrap_or_else(|| "engine compute loop stopped".to_owned())
 }
 
 async fn run_job(s: ApiState, job: Job) -> Response {
@@ -863,7 +957,7 @@ async fn drive(
                 return Ok((info, completion_tokens));
             }
             Some(SeqOutput::Error(e)) => return Err(e),
-            None => return Err("engine stopped".into()),
+            None => return Err(stopped_reason(engine)),
         }
     }
 }
@@ -968,7 +1062,7 @@ fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
                     break Ok(*info);
                 }
                 Some(SeqOutput::Error(e)) => break Err(e),
-                None => break Err("engine stopped".to_owned()),
+                None => break Err(stopped_reason(&engine)),
             }
         };
         match result {
@@ -1061,5 +1155,58 @@ mod tests {
         let (all, _, m) = run(&["STOP"], "abSTOxSTO");
         assert_eq!(all, "abSTOxSTO");
         assert_eq!(m, None);
+    }
+
+    /// Multi-byte output with multi-byte stop strings: the holdback is counted in bytes, so the
+    /// release point used to land inside a character and panic on the slice.
+    #[test]
+    fn multi_byte_text_and_stop_strings_never_split_a_character() {
+        let (all, _, m) = run(&["日本"], "ééé日本x");
+        assert_eq!((all.as_str(), m.as_deref()), ("ééé", Some("日本")));
+        let (all, _, m) = run(&["é"], "café au lait");
+        assert_eq!((all.as_str(), m.as_deref()), ("caf", Some("é")));
+        let (all, _, m) = run(&["🛑"], "a😀bç🛑c");
+        assert_eq!((all.as_str(), m.as_deref()), ("a😀bç", Some("🛑")));
+        let (all, _, m) = run(&["日本語"], "日本日本人😀");
+        assert_eq!((all.as_str(), m), ("日本日本人😀", None));
+    }
+
+    /// Every prefix of multi-byte texts against multi-byte stops: no panic, released pieces are
+    /// whole characters, the output is the text up to the first stop (or all of it).
+    #[test]
+    fn any_cut_of_multi_byte_text_is_released_whole() {
+        let texts = ["é日本😀aé", "ééééé", "😀😀日😀", "aé日b😀c本", "日本é"];
+        let stops: [&[&str]; 5] = [
+            &["日本"],
+            &["é"],
+            &["😀", "本"],
+            &["xyz😀"],
+            &["ab", "日本é"],
+        ];
+        for text in texts {
+            for stop in stops {
+                for n in 0..=text.len() {
+                    let Some(prefix) = text.get(..n) else {
+                        continue;
+                    };
+                    let (all, pieces, m) = run(stop, prefix);
+                    assert!(
+                        pieces.iter().all(|p| !p.contains('\u{FFFD}')),
+                        "{prefix:?} {stop:?}: {pieces:?}"
+                    );
+                    let first = stop
+                        .iter()
+                        .filter_map(|s| prefix.find(s).map(|i| (i + s.len(), i)))
+                        .min();
+                    match first {
+                        Some((_, start)) => {
+                            assert!(m.is_some(), "{prefix:?} {stop:?}");
+                            assert_eq!(all, prefix[..start], "{prefix:?} {stop:?}");
+                        }
+                        None => assert_eq!((all.as_str(), m), (prefix, None), "{stop:?}"),
+                    }
+                }
+            }
+        }
     }
 }

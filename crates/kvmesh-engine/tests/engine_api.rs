@@ -728,7 +728,7 @@ async fn admission_hook_lands_external_blocks_and_sets_response_kv_transfer_para
     within(30, async {
         let mut cfg = base_config();
         cfg.kv_events = None;
-        let options = kvmesh_engine::server::ServerOptions { admission_hook: Some(std::sync::Arc::new(EchoHook)) };
+        let options = kvmesh_engine::server::ServerOptions { admission_hook: Some(std::sync::Arc::new(EchoHook)), ..Default::default() };
         let s = TestServer::start_with(cfg, FAST, options).await;
         let params = json!({"remote_kv_source": {"kv_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 7777}});
         let (st, body) = s

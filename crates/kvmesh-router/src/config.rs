@@ -298,6 +298,22 @@ pub struct RouterConfig {
     /// release them shortest work first (`kvmesh_sched::hold_queue`). Absent = place on arrival.
     #[serde(default)]
     pub dispatch: Option<DispatchConfig>,
+    /// A client connection must deliver a request's complete headers within this, counted from
+    /// when it opens or its previous response ended (so it also bounds idle keep-alive
+    /// connections); no two chunks of a request body may be further apart.
+    #[serde(default = "default_header_read_timeout", with = "duration_str")]
+    pub header_read_timeout: Duration,
+    /// On shutdown (SIGTERM, Ctrl-C), how long in-flight requests, streams included, may take
+    /// to finish after the listener closes.
+    #[serde(default = "default_drain_timeout", with = "duration_str")]
+    pub drain_timeout: Duration,
+}
+
+fn default_header_read_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_drain_timeout() -> Duration {
+    Duration::from_secs(30)
 }
 
 impl Default for RouterConfig {

@@ -13,6 +13,8 @@ pub struct ApiError {
     pub message: String,
     /// Seconds a client should wait before retrying (sent as `Retry-After`), for overload answers.
     pub retry_after_secs: Option<u64>,
+    /// The request field a 400 is about (`max_tokens`, `messages`, ...), sent as `param`.
+    pub param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -22,6 +24,7 @@ impl ApiError {
             kind: "BadRequestError",
             message: message.into(),
             retry_after_secs: None,
+            param: None,
         }
     }
     pub fn not_found(message: impl Into<String>) -> Self {
@@ -30,6 +33,7 @@ impl ApiError {
             kind: "NotFoundError",
             message: message.into(),
             retry_after_secs: None,
+            param: None,
         }
     }
     pub fn payload_too_large(message: impl Into<String>) -> Self {
@@ -38,6 +42,7 @@ impl ApiError {
             kind: "BadRequestError",
             message: message.into(),
             retry_after_secs: None,
+            param: None,
         }
     }
     pub fn bad_gateway(message: impl Into<String>) -> Self {
@@ -46,6 +51,7 @@ impl ApiError {
             kind: "BadGatewayError",
             message: message.into(),
             retry_after_secs: None,
+            param: None,
         }
     }
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
@@ -54,6 +60,7 @@ impl ApiError {
             kind: "TimeoutError",
             message: message.into(),
             retry_after_secs: None,
+            param: None,
         }
     }
     pub fn service_unavailable(message: impl Into<String>) -> Self {
@@ -62,11 +69,25 @@ impl ApiError {
             kind: "ServiceUnavailableError",
             message: message.into(),
             retry_after_secs: None,
+            param: None,
         }
     }
 }
 
 impl ApiError {
+    /// A 400 about one request field, named in `param` (OpenAI's error shape).
+    pub fn bad_param(param: &'static str, message: impl Into<String>) -> Self {
+        ApiError::bad_request(message).with_param(param)
+    }
+
+    /// The same error, naming the request field it is about.
+    pub fn with_param(self, param: &'static str) -> Self {
+        ApiError {
+            param: Some(param),
+            ..self
+        }
+    }
+
     /// 503 with `Retry-After`: the router is at its in-flight bound.
     pub fn overloaded(message: impl Into<String>, retry_after_secs: u64) -> Self {
         ApiError {
@@ -78,7 +99,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status.as_u16()}});
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status.as_u16()}});
         let mut resp = (self.status, axum::Json(body)).into_response();
         if let Some(secs) = self.retry_after_secs {
             resp.headers_mut()

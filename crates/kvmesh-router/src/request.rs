@@ -73,7 +73,9 @@ impl ParsedRequest {
     }
 }
 
-/// Parses and tokenizes a request body.
+/// Parses and tokenizes a request body. Fields are read as vLLM's pydantic models read them in
+/// lax mode (`"16"` or `16.0` for an integer, `"true"` or `1` for a boolean), so a body vLLM
+/// accepts is never refused here; a 400 names the field in `param`.
 pub fn parse(
     kind: ApiKind,
     bytes: Bytes,
@@ -86,54 +88,56 @@ pub fn parse(
         }
         Err(e) => return Err(ApiError::bad_request(format!("invalid JSON body: {e}"))),
     };
-    let typed = |key: &str| -> Option<Result<Value, ApiError>> {
-        fields.get(key).map(|r| {
-            serde_json::from_str::<Value>(r.get())
-                .map_err(|e| ApiError::bad_request(format!("'{key}': {e}")))
-        })
+    // A scalar field as a JSON value; `None` when absent or null (pydantic's `X | None`).
+    let scalar = |key: &'static str| -> Result<Option<Value>, ApiError> {
+        match fields.get(key) {
+            None => Ok(None),
+            Some(r) => serde_json::from_str::<Value>(r.get())
+                .map(|v| Some(v).filter(|v| !v.is_null()))
+                .map_err(|e| ApiError::bad_param(key, format!("{key}: {e}"))),
+        }
     };
     if let Some(m) = fields.get("model")
         && !(m.get().starts_with('"') || m.get() == "null")
     {
-        return Err(ApiError::bad_request("'model' must be a string"));
+        return Err(ApiError::bad_param(
+            "model",
+            "model: Input should be a valid string",
+        ));
     }
-    let stream = match fields
-        .get("stream")
-        .map(|r| serde_json::from_str::<Option<bool>>(r.get()))
-    {
+    let stream = match scalar("stream")? {
         None => false,
-        Some(Ok(b)) => b.unwrap_or(false),
-        Some(Err(_)) => return Err(ApiError::bad_request("'stream' must be a boolean")),
+        Some(v) => lax_bool(&v).ok_or_else(|| invalid("stream", "a valid boolean", &v))?,
     };
     let mut max_tokens = None;
     for key in ["max_tokens", "max_completion_tokens"] {
-        match fields
-            .get(key)
-            .map(|r| serde_json::from_str::<Option<u64>>(r.get()))
-        {
-            None | Some(Ok(None)) => {}
-            Some(Ok(Some(n))) => max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n))),
-            Some(Err(_)) => {
-                return Err(ApiError::bad_request(format!(
-                    "'{key}' must be a non-negative integer"
-                )));
-            }
+        let Some(v) = scalar(key)? else { continue };
+        let n = lax_int(&v).ok_or_else(|| invalid(key, "a valid integer", &v))?;
+        if n < 0 {
+            // What the engine (and vLLM's sampling parameters) answer for it.
+            return Err(ApiError::bad_param(
+                key,
+                format!("{key} must be at least 1, got {n}."),
+            ));
         }
+        let n = u64::try_from(n).unwrap_or(u64::MAX);
+        max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n)));
     }
     let tokens = match kind {
         ApiKind::Completions => {
             let prompt = fields
                 .get("prompt")
-                .ok_or_else(|| ApiError::bad_request("'prompt' is required"))?;
+                .ok_or_else(|| ApiError::bad_param("prompt", "'prompt' is required"))?;
             raw_prompt_tokens(prompt, tokenizer)?
         }
         ApiKind::Chat => {
-            let messages = typed("messages")
-                .ok_or_else(|| ApiError::bad_request("'messages' is required"))??;
-            let add_generation_prompt = typed("add_generation_prompt")
-                .and_then(Result::ok)
-                .and_then(|v| v.as_bool())
-                .unwrap_or(true);
+            let messages = scalar("messages")?
+                .ok_or_else(|| ApiError::bad_param("messages", "'messages' is required"))?;
+            let add_generation_prompt = match scalar("add_generation_prompt")? {
+                None => true,
+                Some(v) => lax_bool(&v)
+                    .ok_or_else(|| invalid("add_generation_prompt", "a valid boolean", &v))?,
+            };
             chat_tokens(&messages, add_generation_prompt, tokenizer)?
         }
     };
@@ -147,27 +151,100 @@ pub fn parse(
     })
 }
 
+/// pydantic's wording for a value of the wrong type, naming the field.
+fn invalid(key: &'static str, expected: &str, got: &Value) -> ApiError {
+    ApiError::bad_param(key, format!("{key}: Input should be {expected}, got {got}"))
+}
+
+/// An integer as pydantic's lax mode reads one: a JSON integer, a float without fraction, a
+/// boolean, or a string holding an integer (surrounding spaces, `+`/`-`, `_` between digits and
+/// a `.000` tail allowed).
+fn lax_int(v: &Value) -> Option<i128> {
+    match v {
+        Value::Bool(b) => Some(i128::from(*b)),
+        Value::Number(n) => n
+            .as_i64()
+            .map(i128::from)
+            .or_else(|| n.as_u64().map(i128::from))
+            .or_else(|| {
+                n.as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9.2e18)
+                    .map(|f| f as i128)
+            }),
+        Value::String(s) => int_from_str(s),
+        _ => None,
+    }
+}
+
+fn int_from_str(s: &str) -> Option<i128> {
+    let s = s.trim();
+    let (neg, digits) = match s.as_bytes().first()? {
+        b'-' => (true, &s[1..]),
+        b'+' => (false, &s[1..]),
+        _ => (false, s),
+    };
+    let (whole, frac) = digits.split_once('.').unwrap_or((digits, ""));
+    if !frac.bytes().all(|b| b == b'0') {
+        return None;
+    }
+    // Underscores only between digits, as in Python's int().
+    let bytes = whole.as_bytes();
+    let well_formed = !bytes.is_empty()
+        && bytes.first().is_some_and(u8::is_ascii_digit)
+        && bytes.last().is_some_and(u8::is_ascii_digit)
+        && bytes.iter().all(|b| b.is_ascii_digit() || *b == b'_')
+        && !whole.contains("__");
+    if !well_formed {
+        return None;
+    }
+    let n: i128 = whole.replace('_', "").parse().ok()?;
+    Some(if neg { -n } else { n })
+}
+
+/// A boolean as pydantic's lax mode reads one: `true`/`false`, `0`/`1`, or one of its words
+/// (`yes`, `no`, `on`, `off`, `t`, `f`, `y`, `n`, any case).
+fn lax_bool(v: &Value) -> Option<bool> {
+    match v {
+        Value::Bool(b) => Some(*b),
+        Value::Number(n) => match n.as_f64() {
+            Some(0.0) => Some(false),
+            Some(1.0) => Some(true),
+            _ => None,
+        },
+        Value::String(s) => match s.to_ascii_lowercase().as_str() {
+            "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
+            "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 /// Token ids of a raw `prompt`: a token-id list is parsed straight into integers; anything else
 /// goes through [`prompt_tokens`].
 fn raw_prompt_tokens(raw: &RawValue, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
     if let Ok(ids) = serde_json::from_str::<Vec<TokenId>>(raw.get()) {
         if ids.is_empty() {
-            return Err(ApiError::bad_request("'prompt' must not be empty"));
+            return Err(ApiError::bad_param("prompt", "'prompt' must not be empty"));
         }
         return Ok(ids);
     }
     let value: Value = serde_json::from_str(raw.get())
-        .map_err(|e| ApiError::bad_request(format!("'prompt': {e}")))?;
+        .map_err(|e| ApiError::bad_param("prompt", format!("'prompt': {e}")))?;
     prompt_tokens(&value, tokenizer)
 }
 
 /// Token ids of a completions `prompt`: text, token ids, or a one-element batch of either (a
 /// larger batch is scheduled by its first prompt).
 pub fn prompt_tokens(prompt: &Value, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
+    prompt_tokens_of(prompt, tokenizer).map_err(|e| e.with_param("prompt"))
+}
+
+fn prompt_tokens_of(prompt: &Value, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
     match prompt {
         Value::String(s) => encode(s, tokenizer),
         Value::Array(items) if items.is_empty() => {
-            Err(ApiError::bad_request("'prompt' must not be empty"))
+            Err(ApiError::bad_param("prompt", "'prompt' must not be empty"))
         }
         Value::Array(items) if items[0].is_number() => token_ids(items),
         Value::Array(items) => match &items[0] {
@@ -185,6 +262,14 @@ pub fn prompt_tokens(prompt: &Value, tokenizer: &dyn Tokenizer) -> Result<Vec<To
 
 /// Token ids of a `messages` array rendered with the tokenizer's chat template.
 pub fn chat_tokens(
+    messages: &Value,
+    add_generation_prompt: bool,
+    tokenizer: &dyn Tokenizer,
+) -> Result<Vec<TokenId>, ApiError> {
+    chat_tokens_of(messages, add_generation_prompt, tokenizer).map_err(|e| e.with_param("messages"))
+}
+
+fn chat_tokens_of(
     messages: &Value,
     add_generation_prompt: bool,
     tokenizer: &dyn Tokenizer,
@@ -329,6 +414,120 @@ mod tests {
         assert_eq!(r.tokens, ByteTokenizer.encode(&expected).expect("encode"));
     }
 
+    /// What vLLM's pydantic models accept in lax mode is accepted here too (and forwarded as
+    /// sent: the engine reads it the same way).
+    #[test]
+    fn lax_numbers_and_booleans_are_accepted_like_vllm() {
+        for (max_tokens, want) in [
+            (r#""16""#, 16),
+            ("16.0", 16),
+            (r#"" 1_6.00 ""#, 16),
+            (r#""+16""#, 16),
+            ("true", 1),
+        ] {
+            let body = format!(r#"{{"prompt":"hi","max_tokens":{max_tokens},"stream":"yes"}}"#);
+            let r = parse(
+                ApiKind::Completions,
+                Bytes::from(body.clone()),
+                &ByteTokenizer,
+            )
+            .unwrap_or_else(|e| panic!("{body}: {e:?}"));
+            assert_eq!(r.max_tokens, Some(want), "{body}");
+            assert!(r.stream);
+            assert_eq!(
+                r.body().expect("body"),
+                Bytes::from(body),
+                "forwarded as sent"
+            );
+        }
+        for (stream, want) in [
+            (r#""false""#, false),
+            ("0", false),
+            (r#""On""#, true),
+            ("null", false),
+        ] {
+            let body = format!(r#"{{"prompt":"hi","stream":{stream}}}"#);
+            let r = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect("ok");
+            assert_eq!(r.stream, want, "{stream}");
+        }
+        let r = parse(
+            ApiKind::Chat,
+            b(r#"{"messages":[{"role":"user","content":"x"}],"add_generation_prompt":"false","max_completion_tokens":"3"}"#),
+            &ByteTokenizer,
+        )
+        .expect("ok");
+        assert_eq!(r.max_tokens, Some(3));
+    }
+
+    /// A 400 names the field it is about (`param`), as the engine's do.
+    #[test]
+    fn bad_fields_are_named_in_param() {
+        for (body, param) in [
+            (r#"{"prompt":"x","max_tokens":"abc"}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":16.5}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":-1}"#, "max_tokens"),
+            (
+                r#"{"prompt":"x","max_completion_tokens":[1]}"#,
+                "max_completion_tokens",
+            ),
+            (r#"{"prompt":"x","stream":"maybe"}"#, "stream"),
+            (r#"{"prompt":"x","stream":2}"#, "stream"),
+            (r#"{"prompt":"x","model":3}"#, "model"),
+            (r#"{"prompt":[]}"#, "prompt"),
+            (r#"{"prompt":[1,-2]}"#, "prompt"),
+            (r#"{"prompt":5}"#, "prompt"),
+            (r#"{}"#, "prompt"),
+        ] {
+            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.param, Some(param), "{body}: {e:?}");
+        }
+        let e = parse(
+            ApiKind::Completions,
+            b(r#"{"prompt":"x","max_tokens":-1}"#),
+            &ByteTokenizer,
+        )
+        .expect_err("negative");
+        assert_eq!(e.message, "max_tokens must be at least 1, got -1.");
+        for (body, param) in [
+            (r#"{"messages":[]}"#, "messages"),
+            (r#"{"messages":"x"}"#, "messages"),
+            (r#"{"messages":[{"content":"x"}]}"#, "messages"),
+            (r#"{}"#, "messages"),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"add_generation_prompt":"nope"}"#,
+                "add_generation_prompt",
+            ),
+        ] {
+            let e = parse(ApiKind::Chat, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            assert_eq!(e.param, Some(param), "{body}: {e:?}");
+        }
+        // Not about one field: no param.
+        let e = parse(ApiKind::Completions, b("not json"), &ByteTokenizer).expect_err("json");
+        assert_eq!(e.param, None);
+    }
+
+    #[test]
+    fn lax_int_matches_pydantic_on_strings() {
+        for (s, want) in [
+            ("16", Some(16)),
+            ("016", Some(16)),
+            ("-0", Some(0)),
+            ("1_6", Some(16)),
+            ("16.00", Some(16)),
+            ("1__6", None),
+            ("_16", None),
+            ("16_", None),
+            ("16.5", None),
+            ("1e1", None),
+            ("0x10", None),
+            ("", None),
+            ("-", None),
+        ] {
+            assert_eq!(int_from_str(s), want, "{s:?}");
+        }
+    }
+
     #[test]
     fn malformed_bodies_are_bad_requests() {
         for body in [
@@ -339,7 +538,7 @@ mod tests {
             br#"{"prompt": []}"#,
             br#"{"prompt": [1, -2]}"#,
             br#"{"prompt": "x", "max_tokens": -1}"#,
-            br#"{"prompt": "x", "stream": "yes"}"#,
+            br#"{"prompt": "x", "stream": "maybe"}"#,
             br#"{"prompt": "x", "model": 3}"#,
         ] {
             let e = parse(

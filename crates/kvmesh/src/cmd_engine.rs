@@ -1,4 +1,6 @@
 //! `kvmesh engine`: a vLLM-compatible model server (flags follow `vllm serve` where they exist).
+//! SIGTERM or Ctrl-C closes the listener, lets in-flight requests (streams included) finish for
+//! up to `--drain-timeout`, then exits 0.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +11,7 @@ use kvmesh_engine::compute::profiles::PROFILES;
 use kvmesh_engine::config::{
     KvEventsConfig, P2pConfig, Role, parse_byte_size, resolve_max_model_len,
 };
-use kvmesh_engine::server::{ServerOptions, sim_backend, start_server};
+use kvmesh_engine::server::{HttpLimits, ServerOptions, sim_backend, start_server};
 use kvmesh_text::ByteTokenizer;
 
 #[derive(clap::Args, Debug)]
@@ -117,6 +119,14 @@ pub struct EngineCmd {
     decoder_kv_blocks_ttl: u64,
     #[arg(long, default_value_t = 64)]
     kv_recompute_threshold: usize,
+    /// On SIGTERM / Ctrl-C, how long in-flight requests (streams included) may take to finish
+    /// after the listener closes.
+    #[arg(long, default_value = "30s", value_parser = crate::parse_duration)]
+    drain_timeout: Duration,
+    /// Drop a client that has not sent complete request headers within this; also bounds idle
+    /// keep-alive connections and the gap between two chunks of a request body.
+    #[arg(long, default_value = "10s", value_parser = crate::parse_duration)]
+    header_read_timeout: Duration,
 }
 
 impl EngineCmd {
@@ -289,7 +299,18 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
         }
         other => anyhow::bail!("unknown --backend `{other}` (sim, model)"),
     };
-    let server = start_server(config, backend, tokenizer, ServerOptions::default())
+    anyhow::ensure!(
+        !args.header_read_timeout.is_zero(),
+        "--header-read-timeout must be > 0"
+    );
+    let options = ServerOptions {
+        http: HttpLimits {
+            header_read_timeout: args.header_read_timeout,
+            drain_timeout: args.drain_timeout,
+        },
+        ..ServerOptions::default()
+    };
+    let server = start_server(config, backend, tokenizer, options)
         .await
         .context("starting engine")?;
     // The line launchers and tests parse to learn the port.
@@ -304,13 +325,19 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
         println!("kvmesh engine kv events replay bound on {ep}{}", scope(ep));
     }
     let cancel = server.cancel_token();
+    let drain = args.drain_timeout;
     tokio::spawn(async move {
-        let _ = tokio::signal::ctrl_c().await;
+        let signal = crate::shutdown_signal().await;
+        eprintln!(
+            "kvmesh engine: {signal}: not accepting new connections; draining in-flight requests (up to {})",
+            humantime::format_duration(drain)
+        );
         cancel.cancel();
     });
     let mut server = server;
     server.wait().await;
     server.shutdown().await;
+    eprintln!("kvmesh engine: drained, exiting");
     Ok(())
 }
 

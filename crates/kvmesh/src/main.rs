@@ -29,7 +29,7 @@ enum Command {
     /// Work with vLLM KV events (ZMQ).
     Events(cmd_events::EventsArgs),
     /// Run a vLLM-compatible engine (model server) with prefix cache, CPU tier, KV events and P2P.
-    Engine(cmd_engine::EngineCmd),
+    Engine(Box<cmd_engine::EngineCmd>),
     /// Run the KV-cache-aware OpenAI router.
     Router(cmd_router::RouterCmd),
     /// Manage real model weights.
@@ -58,7 +58,7 @@ fn main() -> anyhow::Result<()> {
                 match other {
                     Command::Hash(_) => unreachable!("handled above"),
                     Command::Events(args) => cmd_events::run(args).await,
-                    Command::Engine(args) => cmd_engine::run(args).await,
+                    Command::Engine(args) => cmd_engine::run(*args).await,
                     Command::Router(args) => cmd_router::run(args).await,
                     Command::Model(args) => cmd_model::run(args).await,
                     Command::Up(args) => cmd_bench::run_up(args).await,
@@ -69,6 +69,39 @@ fn main() -> anyhow::Result<()> {
             })
         }
     }
+}
+
+/// Resolves on the first SIGTERM or Ctrl-C (SIGINT), returning its name: servers then stop
+/// accepting and drain. A second signal while draining exits at once (status 130).
+pub(crate) async fn shutdown_signal() -> &'static str {
+    let name = first_signal().await;
+    tokio::spawn(async {
+        let again = first_signal().await;
+        eprintln!("kvmesh: {again} again while draining; exiting now");
+        std::process::exit(130);
+    });
+    name
+}
+
+async fn first_signal() -> &'static str {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            // Without a SIGTERM handler the default action (exit) still applies.
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term => "SIGTERM",
+    }
+}
+
+/// `30s`, `500ms`, `1m` (humantime) for duration flags.
+pub(crate) fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(s).map_err(|e| e.to_string())
 }
 
 fn init_tracing() {

@@ -109,7 +109,10 @@ impl Core {
         }
     }
 
-    pub(super) fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+    /// Runs until shutdown or until every handle is gone. Borrows the loop's state and channel
+    /// so that, if a step panics, the caller records why *before* they are dropped (dropping
+    /// them is what ends the requests in flight and closes the handle's channel).
+    pub(super) fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Command>) {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match rx.blocking_recv() {

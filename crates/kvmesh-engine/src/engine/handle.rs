@@ -1,8 +1,9 @@
 //! [`EngineHandle`]: cloneable access to a running engine, and [`build_engine`], which starts
-//! one. Handlers talk to the compute loop only through the channel it holds.
+//! one. Handlers talk to the compute loop only through the channel it holds; the handle also
+//! says whether the loop is still alive (`/health` reports it).
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use kvmesh_core::{BlockHash, BlockHasher, TokenId};
@@ -40,6 +41,8 @@ struct HandleInner {
     capabilities: BackendCapabilities,
     modelled_pull: Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync>,
     next_id: std::sync::atomic::AtomicU64,
+    /// Why the compute loop ended (set by its thread on the way out, panic included).
+    stopped: Arc<OnceLock<String>>,
 }
 
 /// A submitted request's output stream; dropping it aborts the request.
@@ -206,6 +209,19 @@ impl EngineHandle {
         (queued >= self.inner.config.max_waiting).then_some(queued)
     }
 
+    /// `Some(reason)` once the compute loop has ended (it panicked, or was shut down): nothing
+    /// submitted can be computed any more.
+    pub fn loop_stopped(&self) -> Option<String> {
+        if let Some(why) = self.inner.stopped.get() {
+            return Some(why.clone());
+        }
+        // The loop's receiver is dropped while its thread unwinds, a moment before the reason
+        // is recorded: a closed channel is already a dead loop.
+        self.tx
+            .is_closed()
+            .then(|| "engine compute loop stopped".to_owned())
+    }
+
     pub fn submit(&self, req: EngineRequest) -> Result<SeqStream, SubmitError> {
         let c = &self.inner.counters;
         let queued = c.queued.load(Ordering::Relaxed);
@@ -334,14 +350,34 @@ pub fn build_engine(
         capabilities,
         modelled_pull,
         next_id: std::sync::atomic::AtomicU64::new(1),
+        stopped: Arc::new(OnceLock::new()),
     });
     metrics
         .cpu_capacity_bytes
         .set(config.cpu_offload_bytes as f64);
     let core = Core::new(config, backend, cpu, sink, hasher, metrics, counters);
+    let stopped = Arc::clone(&inner.stopped);
     let thread = std::thread::Builder::new()
         .name("kvmesh-compute".into())
-        .spawn(move || core.run(rx))
+        .spawn(move || {
+            let (mut core, mut rx) = (core, rx);
+            // A panicking backend or scheduler bug ends the loop; catch it so the reason reaches
+            // `/health` (and the requests it drops) instead of the engine answering 200 while
+            // every request fails. The state is only dropped after the reason is recorded.
+            let ended =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| core.run(&mut rx)));
+            let why = match ended {
+                Ok(()) => "engine compute loop stopped".to_owned(),
+                Err(payload) => {
+                    let why = format!("engine compute loop panicked: {}", panic_message(&*payload));
+                    tracing::error!("{why}; the engine answers 503 from now on");
+                    why
+                }
+            };
+            let _ = stopped.set(why);
+            drop(rx);
+            drop(core);
+        })
         .map_err(|e| {
             crate::config::ConfigError::Invalid(format!("cannot start compute thread: {e}"))
         })?;
@@ -349,6 +385,15 @@ pub fn build_engine(
         handle: EngineHandle { tx, inner },
         thread: Some(thread),
     })
+}
+
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
 }
 
 fn interpolate_pull(table: &[(usize, Option<Duration>)], tokens: usize) -> Option<Duration> {
