@@ -1,0 +1,1097 @@
+//! Hostile bytes on every listening port of real `kvmesh` processes (issue 15's evidence): a
+//! `sim` engine with a P2P producer, a KV-event PUB socket and a replay ROUTER socket, behind a
+//! `kvmesh router` that also binds a SUB socket. Per port kind a list of malformed inputs is sent
+//! over loopback — HTTP (router and engine), P2P, ZMTP (PUB, replay ROUTER, bound SUB) — and after
+//! each port both processes must be alive, answer `/health` and a normal request, keep that port
+//! serving, and stay under a stated RSS bound. The count of inputs per port is printed.
+//!
+//! The raw-bytes helpers are small copies of the crate-level suites'
+//! (`kvmesh-events/tests/hostile.rs`, `kvmesh-transfer/tests/length_bombs.rs`): test files of
+//! other crates are not a dependency of this one.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use kvmesh_core::Fingerprint;
+use kvmesh_core::events::{EventBatch, KvEvent};
+use kvmesh_events::{Publisher, PublisherConfig, SubscriberConfig, SubscriberItem, subscribe};
+use kvmesh_transfer::connection::Connection;
+use kvmesh_transfer::message::{Hello, Message, PROTOCOL_VERSION, RefuseReason};
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::process::Child;
+use tokio::time::timeout;
+use tokio_util::sync::CancellationToken;
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvmesh");
+
+/// How much either process's resident memory may grow over its warmed-up baseline while one
+/// port's inputs are sent (the largest legitimate buffer is a 64 MiB request body).
+const RSS_BOUND_KIB: u64 = 256 * 1024;
+
+/// How long one hostile exchange may take before we stop waiting for the server's answer.
+const EXCHANGE: Duration = Duration::from_secs(5);
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+
+/// One child process with its stderr captured to a file (shown if it dies).
+struct Proc {
+    name: &'static str,
+    child: Child,
+    pid: u32,
+    stderr: std::path::PathBuf,
+    baseline_kib: u64,
+}
+
+impl Proc {
+    fn rss_kib(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
+        status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Panics with the tail of its stderr if it exited.
+    fn assert_running(&mut self, after: &str) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            let log = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+            let tail: String = log
+                .lines()
+                .rev()
+                .take(30)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n");
+            panic!(
+                "{} exited ({status}) after {after}; stderr tail:\n{tail}",
+                self.name
+            );
+        }
+    }
+}
+
+/// Starts `kvmesh ARGS`, waits until every prefix in `wanted` has been seen at the start of a
+/// stdout line and returns those lines' remainders (stdout keeps being drained afterwards).
+async fn spawn(
+    name: &'static str,
+    args: &[String],
+    wanted: &[&str],
+    dir: &Path,
+) -> (Proc, Vec<String>) {
+    let stderr = dir.join(format!("{name}.stderr"));
+    let mut child = tokio::process::Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut found: Vec<Option<String>> = vec![None; wanted.len()];
+    let waited = timeout(Duration::from_secs(30), async {
+        while found.iter().any(Option::is_none) {
+            let Some(line) = lines.next_line().await.unwrap() else {
+                break;
+            };
+            for (i, prefix) in wanted.iter().enumerate() {
+                if let Some(rest) = line.strip_prefix(prefix) {
+                    found[i] = Some(rest.trim().to_owned());
+                }
+            }
+        }
+    })
+    .await;
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let mut proc = Proc {
+        name,
+        child,
+        pid,
+        stderr,
+        baseline_kib: 0,
+    };
+    if waited.is_err() || found.iter().any(Option::is_none) {
+        proc.assert_running("starting");
+        panic!("{name} did not print {wanted:?}");
+    }
+    (proc, found.into_iter().map(Option::unwrap).collect())
+}
+
+/// A loopback port that was free a moment ago (for the router's bound SUB socket, whose config
+/// needs a concrete port).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn host_port(endpoint: &str) -> String {
+    endpoint.trim_start_matches("tcp://").to_owned()
+}
+
+/// The engine, the router, and every address they listen on.
+struct Fleet {
+    engine: Proc,
+    router: Proc,
+    engine_http: String,
+    router_http: String,
+    engine_http_addr: String,
+    router_http_addr: String,
+    p2p: SocketAddr,
+    pub_ep: String,
+    replay_ep: String,
+    sub_ep: String,
+    client: reqwest::Client,
+    _dir: tempfile::TempDir,
+}
+
+async fn start_fleet() -> Fleet {
+    let dir = tempfile::tempdir().unwrap();
+    let events = json!({
+        "enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv-events",
+        "endpoint": "tcp://127.0.0.1:0", "bind": true, "replay_endpoint": "tcp://127.0.0.1:0",
+    });
+    let engine_args: Vec<String> = [
+        "engine",
+        "--port",
+        "0",
+        "--backend",
+        "sim",
+        "--served-model-name",
+        "sim",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "4096",
+        "--cpu-offload-bytes",
+        "64MiB",
+        "--time-scale",
+        "100",
+        "--p2p-port",
+        "0",
+        "--kv-events-config",
+        &events.to_string(),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let (engine, found) = spawn(
+        "engine",
+        &engine_args,
+        &[
+            "kvmesh engine listening on ",
+            "kvmesh engine p2p listening on ",
+            "kvmesh engine kv events bound on ",
+            "kvmesh engine kv events replay bound on ",
+        ],
+        dir.path(),
+    )
+    .await;
+    let engine_http = found[0].clone();
+    let p2p: SocketAddr = found[1].parse().unwrap();
+    let pub_ep = found[2].clone();
+    let replay_ep = found[3].clone();
+
+    // e0 follows the engine's events (connect + replay); e1 names the same engine and makes the
+    // router bind a SUB socket, the third ZMQ socket kind that listens.
+    let sub_ep = format!("tcp://127.0.0.1:{}", free_port());
+    let config = format!(
+        "block_size: 16\ntokenizer: byte\nendpoints:\n  \
+         - {{name: e0, url: \"{engine_http}\", p2p: \"{p2p}\", kv_events: {{endpoint: \"{pub_ep}\", \
+         topic: kv-events, replay_endpoint: \"{replay_ep}\"}}}}\n  \
+         - {{name: e1, url: \"{engine_http}\", kv_events: {{endpoint: \"{sub_ep}\", bind: true, \
+         topic: kv-events}}}}\n"
+    );
+    let config_path = dir.path().join("router.yaml");
+    std::fs::write(&config_path, config).unwrap();
+    let router_args: Vec<String> = vec![
+        "router".into(),
+        "--port".into(),
+        "0".into(),
+        "--config".into(),
+        config_path.display().to_string(),
+    ];
+    let (router, found) = spawn("router", &router_args, &["listening on "], dir.path()).await;
+    let router_http = found[0].clone();
+    let addr = |url: &str| url.trim_start_matches("http://").to_owned();
+    Fleet {
+        engine,
+        router,
+        engine_http_addr: addr(&engine_http),
+        router_http_addr: addr(&router_http),
+        engine_http,
+        router_http,
+        p2p,
+        pub_ep,
+        replay_ep,
+        sub_ep,
+        client: reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .unwrap(),
+        _dir: dir,
+    }
+}
+
+impl Fleet {
+    /// A normal completion and chat completion through the router, and a completion straight
+    /// to the engine; each must be 200.
+    async fn normal_requests(&self) {
+        let completion = json!({"model": "sim", "prompt": "The quick brown fox jumps over the lazy dog, again and again.", "max_tokens": 4, "temperature": 0});
+        let chat = json!({"model": "sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4});
+        for (base, path, body) in [
+            (&self.router_http, "/v1/completions", &completion),
+            (&self.router_http, "/v1/chat/completions", &chat),
+            (&self.engine_http, "/v1/completions", &completion),
+        ] {
+            let r = self
+                .client
+                .post(format!("{base}{path}"))
+                .json(body)
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("{base}{path}: {e}"));
+            let status = r.status();
+            let text = r.text().await.unwrap_or_default();
+            assert_eq!(status, 200, "{base}{path}: {text}");
+        }
+    }
+
+    /// Both processes running, healthy, serving, and within the RSS bound; prints the tally.
+    async fn assert_healthy(&mut self, port: &str, tried: usize) {
+        self.engine.assert_running(port);
+        self.router.assert_running(port);
+        for base in [&self.engine_http, &self.router_http] {
+            let r = self
+                .client
+                .get(format!("{base}/health"))
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("{base}/health after {port}: {e}"));
+            assert_eq!(r.status(), 200, "{base}/health after {port}");
+        }
+        self.normal_requests().await;
+        let mut over = Vec::new();
+        for p in [&self.engine, &self.router] {
+            let rss = p.rss_kib();
+            let grown = rss.saturating_sub(p.baseline_kib);
+            eprintln!(
+                "hostile {port}: {} RSS {} MiB (baseline {} MiB, +{} MiB)",
+                p.name,
+                rss / 1024,
+                p.baseline_kib / 1024,
+                grown / 1024
+            );
+            if grown >= RSS_BOUND_KIB {
+                over.push(format!("{} RSS grew by {grown} KiB", p.name));
+            }
+        }
+        assert!(
+            over.is_empty(),
+            "after {port}: {over:?} (bound {RSS_BOUND_KIB} KiB)"
+        );
+        eprintln!("hostile {port}: {tried} inputs tried, both processes alive and serving");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw exchanges
+
+/// What a server did with one hostile input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Answer {
+    /// An HTTP status line.
+    Status(u16),
+    /// Closed (or reset) without an HTTP status.
+    Closed,
+    /// Still open, silent, when we stopped waiting.
+    Silent,
+}
+
+/// Connects, writes `bytes` (a write error is fine: the server may hang up first), half-closes
+/// if `close_write`, and reads until an HTTP status line, EOF, or `EXCHANGE` elapses.
+async fn exchange(addr: &str, bytes: &[u8], close_write: bool) -> Answer {
+    exchange_within(addr, bytes, close_write, EXCHANGE).await
+}
+
+/// [`exchange`] with its own time limit (for inputs the server takes long to refuse).
+async fn exchange_within(addr: &str, bytes: &[u8], close_write: bool, limit: Duration) -> Answer {
+    let Ok(mut s) = TcpStream::connect(addr).await else {
+        return Answer::Closed;
+    };
+    let (mut rd, mut wr) = s.split();
+    let write = async {
+        let _ = wr.write_all(bytes).await;
+        if close_write {
+            let _ = wr.shutdown().await;
+        }
+        // Keep the write half alive while the read side waits.
+        std::future::pending::<()>().await;
+    };
+    let read = async {
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+            if let Some(code) = status_code(&got) {
+                return Answer::Status(code);
+            }
+            if got.len() > 1 << 20 {
+                break;
+            }
+        }
+        status_code(&got).map_or(Answer::Closed, Answer::Status)
+    };
+    let both = async {
+        tokio::select! {
+            a = read => a,
+            () = write => unreachable!(),
+        }
+    };
+    timeout(limit, both).await.unwrap_or(Answer::Silent)
+}
+
+fn status_code(got: &[u8]) -> Option<u16> {
+    let line_end = got.windows(2).position(|w| w == b"\r\n")?;
+    let line = std::str::from_utf8(&got[..line_end]).ok()?;
+    let mut parts = line.split(' ');
+    parts.next().filter(|v| v.starts_with("HTTP/"))?;
+    parts.next()?.parse().ok()
+}
+
+/// Sends `bytes` and waits until the peer closes (true) or `EXCHANGE` passes (false).
+async fn send_and_expect_close(addr: &str, bytes: &[u8]) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr).await else {
+        return true;
+    };
+    let _ = s.write_all(bytes).await;
+    let mut buf = vec![0u8; 4096];
+    timeout(EXCHANGE, async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP inputs
+
+fn post(path: &str, body: &[u8]) -> Vec<u8> {
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    req
+}
+
+fn nested(depth: usize, open: &str, close: &str, inner: &str) -> String {
+    format!("{}{inner}{}", open.repeat(depth), close.repeat(depth))
+}
+
+/// Malformed HTTP requests: (what, bytes, half-close after writing). One line per input, so
+/// the table is left unformatted.
+#[rustfmt::skip]
+fn http_inputs() -> Vec<(String, Vec<u8>, bool)> {
+    let mut v: Vec<(String, Vec<u8>, bool)> = Vec::new();
+    let mut add = |what: &str, bytes: Vec<u8>, close: bool| v.push((what.to_owned(), bytes, close));
+    const C: &str = "/v1/completions";
+    const CHAT: &str = "/v1/chat/completions";
+
+    // Framing.
+    add("1 MiB header value", format!("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n", "a".repeat(1 << 20)).into_bytes(), false);
+    add("20k headers", format!("GET /health HTTP/1.1\r\nHost: x\r\n{}\r\n", "X-H: v\r\n".repeat(20_000)).into_bytes(), false);
+    add("1 MiB request line", format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "p".repeat(1 << 20)).into_bytes(), false);
+    add("Content-Length 2^62, no body", format!("POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{", 1u64 << 62).into_bytes(), true);
+    add("Content-Length 10^30", format!("POST {C} HTTP/1.1\r\nHost: x\r\nContent-Length: 1{}\r\n\r\n", "0".repeat(30)).into_bytes(), true);
+    add("Content-Length not a number", format!("POST {C} HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n").into_bytes(), true);
+    add("conflicting Content-Lengths", format!("POST {C} HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\n{{}}").into_bytes(), true);
+    add("negative Content-Length", format!("POST {C} HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n").into_bytes(), true);
+    add("chunk size 2^64+", format!("POST {C} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffffffffffff\r\nab").into_bytes(), true);
+    add("chunked, never terminated", format!("POST {C} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n2\r\n{{\"\r\n").into_bytes(), true);
+    add("truncated body", [format!("POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n").into_bytes(), br#"{"model": "sim", "prompt": "abc"#.to_vec()].concat(), true);
+    add("truncated headers", format!("POST {C} HTTP/1.1\r\nHost: x\r\nContent-Len").into_bytes(), true);
+    add("binary garbage", (0..4096u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect(), true);
+    add("TLS ClientHello", vec![0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03], true);
+    add("non-UTF-8 path", b"GET /v1/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(), false);
+    add("non-UTF-8 header value", b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: \xff\xfe\xfd\r\n\r\n".to_vec(), false);
+    add("non-UTF-8 query", b"GET /v1/models?x=%ff%fe&\xff HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(), false);
+    add("unknown method", format!("BREW {C} HTTP/1.1\r\nHost: x\r\n\r\n").into_bytes(), false);
+    add("HTTP/0.9-style line", b"GET /\r\n\r\n".to_vec(), true);
+    add("ZMTP greeting", greeting_and_ready("SUB"), true);
+
+    // Bodies.
+    add("bad JSON", post(C, br#"{"model": "sim", "prompt": "#), false);
+    add("JSON not an object", post(C, b"[1, 2, 3]"), false);
+    add("empty body", post(C, b""), false);
+    add("non-UTF-8 body", post(C, b"{\"model\": \"sim\", \"prompt\": \"\xff\xfe\xfd\"}"), false);
+    add("lone surrogate escape", post(C, br#"{"model": "sim", "prompt": "\ud800"}"#), false);
+    add("NUL bytes in prompt", post(C, br#"{"model": "sim", "prompt": "a\u0000b", "max_tokens": 1}"#), false);
+    add("wrong types", post(C, br#"{"model": 5, "prompt": {"a": 1}, "max_tokens": "x", "temperature": "hot"}"#), false);
+    add("max_tokens 1e30", post(C, br#"{"model": "sim", "prompt": "x", "max_tokens": 1e30}"#), false);
+    add("max_tokens negative", post(C, br#"{"model": "sim", "prompt": "x", "max_tokens": -5}"#), false);
+    add("n = 10^9", post(C, br#"{"model": "sim", "prompt": "x", "max_tokens": 1, "n": 1000000000}"#), false);
+    add("logprobs 10^9", post(C, br#"{"model": "sim", "prompt": "x", "max_tokens": 1, "logprobs": 1000000000}"#), false);
+    add("token id 2^32", post(C, br#"{"model": "sim", "prompt": [4294967296], "max_tokens": 1}"#), false);
+    add("token id -1", post(C, br#"{"model": "sim", "prompt": [-1], "max_tokens": 1}"#), false);
+    add("token id out of vocab", post(C, br#"{"model": "sim", "prompt": [4000000000], "max_tokens": 1}"#), false);
+    add("empty prompt array", post(C, br#"{"model": "sim", "prompt": [], "max_tokens": 1}"#), false);
+    add("ragged prompt batch", post(C, br#"{"model": "sim", "prompt": [[1, 2], "x", [[3]]], "max_tokens": 1}"#), false);
+    add("10k nested arrays", post(C, format!(r#"{{"model": "sim", "prompt": {}}}"#, nested(10_000, "[", "]", "1")).as_bytes()), false);
+    add("10k nested objects in an unknown field", post(C, format!(r#"{{"model": "sim", "prompt": "x", "zz": {}}}"#, nested(10_000, r#"{"a":"#, "}", "1")).as_bytes()), false);
+    add("10k nested arrays in chat content", post(CHAT, format!(r#"{{"model": "sim", "messages": [{{"role": "user", "content": {}}}]}}"#, nested(10_000, "[", "]", "1")).as_bytes()), false);
+    add("messages not an array", post(CHAT, br#"{"model": "sim", "messages": "hi"}"#), false);
+    add("message role a number", post(CHAT, br#"{"model": "sim", "messages": [{"role": 1, "content": "x"}]}"#), false);
+    add("content parts garbage", post(CHAT, br#"{"model": "sim", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 7}, 5]}]}"#), false);
+    add("chat: 50k empty messages", post(CHAT, format!(r#"{{"model": "sim", "max_tokens": 1, "messages": [{}]}}"#, vec![r#"{"role": "user", "content": ""}"#; 50_000].join(",")).as_bytes()), false);
+    add("stop: 100k strings", post(C, format!(r#"{{"model": "sim", "prompt": "x", "max_tokens": 2, "stop": [{}]}}"#, vec![r#""ab""#; 100_000].join(",")).as_bytes()), false);
+    add("kv_transfer_params garbage", post(C, br#"{"model": "sim", "prompt": "x", "max_tokens": 1, "kv_transfer_params": {"remote_kv_source": {"remote_host": "127.0.0.1", "remote_port": 99999999, "kv_request_id": [1]}, "do_remote_prefill": "yes"}}"#), false);
+    add("stream: true, model missing", post(C, br#"{"prompt": "x", "stream": true, "max_tokens": 1}"#), false);
+    add("oversized prompt: 8 MiB of text", post(C, format!(r#"{{"model": "sim", "prompt": "{}", "max_tokens": 1}}"#, "z".repeat(8 << 20)).as_bytes()), false);
+    add("oversized prompt: 1M token ids", post(C, format!(r#"{{"model": "sim", "prompt": [{}], "max_tokens": 1}}"#, vec!["7"; 1 << 20].join(",")).as_bytes()), false);
+    add("body over 64 MiB", post(C, &vec![b' '; (64 << 20) + 1024]), false);
+    add("tokenize: 10k nested", post("/tokenize", format!(r#"{{"model": "sim", "prompt": {}}}"#, nested(10_000, "[", "]", "1")).as_bytes()), false);
+    add("detokenize: huge ids", post("/detokenize", br#"{"model": "sim", "tokens": [4294967295, 99999999999]}"#), false);
+    v
+}
+
+async fn hostile_http(fleet: &mut Fleet, which: &str) {
+    let addr = if which == "router" {
+        fleet.router_http_addr.clone()
+    } else {
+        fleet.engine_http_addr.clone()
+    };
+    let inputs = http_inputs();
+    let started = Instant::now();
+    let mut server_errors = Vec::new();
+    for (what, bytes, close) in &inputs {
+        let answer = exchange(&addr, bytes, *close).await;
+        let rss = (fleet.engine.rss_kib() / 1024, fleet.router.rss_kib() / 1024);
+        eprintln!(
+            "  http {which}: {what:<42} -> {answer:?} (RSS MiB engine {}, router {})",
+            rss.0, rss.1
+        );
+        if let Answer::Status(code) = answer
+            && code >= 500
+        {
+            server_errors.push(format!("{what}: {code}"));
+        }
+    }
+    eprintln!(
+        "  http {which}: {} inputs in {:?}",
+        inputs.len(),
+        started.elapsed()
+    );
+    fleet
+        .assert_healthy(&format!("HTTP ({which})"), inputs.len())
+        .await;
+    // Malformed input is the client's fault: a 5xx would mean the server broke on it.
+    assert!(
+        server_errors.is_empty(),
+        "5xx for malformed input on {which}: {server_errors:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// P2P inputs
+
+fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut f = ((body.len() + 1) as u32).to_be_bytes().to_vec();
+    f.push(tag);
+    f.extend_from_slice(body);
+    f
+}
+
+/// A Hello whose fingerprint the producer accepts: start from a guess and take, from each
+/// `Refused{Fingerprint{field, ours}}`, the producer's value for that field (at most 8 rounds).
+async fn handshake(addr: SocketAddr) -> Connection {
+    let mut fp = Fingerprint {
+        model_id: "sim".into(),
+        kv_dtype: "sim".into(),
+        block_size: 16,
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 1,
+        hash_algo: kvmesh_core::HashAlgo::Sha256Cbor,
+        none_hash: String::new(),
+    };
+    for _ in 0..60 {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let mut conn = Connection::new(stream, 4096);
+        let hello = Message::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            fingerprint: fp.clone(),
+            nonce: [7; 16],
+        });
+        conn.write_message(&hello).await.unwrap();
+        match timeout(EXCHANGE, conn.read_message()).await {
+            Ok(Ok(Some(Message::HelloOk(_)))) => {
+                conn.set_max_frame(64 << 20);
+                return conn;
+            }
+            Ok(Ok(Some(Message::Refused(r)))) => match r.reason {
+                RefuseReason::Fingerprint { field, ours, .. } => match field.as_str() {
+                    "model_id" => fp.model_id = ours,
+                    "kv_dtype" => fp.kv_dtype = ours,
+                    "block_size" => fp.block_size = ours.parse().unwrap(),
+                    "num_layers" => fp.num_layers = ours.parse().unwrap(),
+                    "num_kv_heads" => fp.num_kv_heads = ours.parse().unwrap(),
+                    "head_dim" => fp.head_dim = ours.parse().unwrap(),
+                    "hash_algo" => fp.hash_algo = ours.parse().unwrap(),
+                    "none_hash" => fp.none_hash = ours,
+                    other => panic!("unknown fingerprint field {other}"),
+                },
+                // The per-IP cap (64) holds until the producer has reaped connections a test
+                // just dropped: a transient refusal, by design; try again shortly.
+                RefuseReason::TooManyConnections => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => panic!("refused: {other:?}"),
+            },
+            other => panic!("handshake: {other:?}"),
+        }
+    }
+    panic!("no handshake accepted after 60 tries")
+}
+
+async fn hostile_p2p(fleet: &mut Fleet) {
+    let addr = fleet.p2p;
+    let a = addr.to_string();
+    let mut tried = 0;
+    let two_to_62 = (1u64 << 62).to_be_bytes();
+    let mut just_over_preauth = 4097u32.to_be_bytes().to_vec();
+    just_over_preauth.extend_from_slice(&[1; 64]);
+    // Msgpack claiming huge containers inside a small frame.
+    let mut huge_str = vec![0x81, 0xa5];
+    huge_str.extend_from_slice(b"nonce");
+    huge_str.extend_from_slice(&[0xdb, 0xff, 0xff, 0xff, 0xff]);
+    let mut huge_array = vec![0x81, 0xa5];
+    huge_array.extend_from_slice(b"nonce");
+    huge_array.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff, 1, 2, 3]);
+    let mut huge_map = vec![0xdf, 0xff, 0xff, 0xff, 0xff];
+    huge_map.extend_from_slice(&[0xa1, b'a', 1]);
+    let deep: Vec<u8> = std::iter::repeat_n(0x91u8, 4000).collect();
+    let inputs: Vec<(&str, Vec<u8>)> = vec![
+        ("zero-length frame", vec![0, 0, 0, 0]),
+        ("2^62 length header", two_to_62.to_vec()),
+        ("u32::MAX length", vec![0xff, 0xff, 0xff, 0xff, 1]),
+        ("oversized pre-auth frame (4097)", just_over_preauth),
+        ("forged header: unknown tag", frame(99, b"junk")),
+        (
+            "forged header: block frame before hello",
+            frame(9, &[0; 20]),
+        ),
+        ("Lookup before Hello", frame(6, &[0x80])),
+        ("Hello with garbage msgpack", frame(1, &[0xc1; 100])),
+        ("Hello: msgpack str32 of 4 GiB", frame(1, &huge_str)),
+        ("Hello: msgpack array32 of 4G items", frame(1, &huge_array)),
+        ("Hello: msgpack map32 of 4G entries", frame(1, &huge_map)),
+        ("Hello: 4000-deep nested arrays", frame(1, &deep)),
+        (
+            "HTTP request",
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+        ),
+        ("ZMTP greeting", greeting_and_ready("DEALER")),
+    ];
+    // A truncated header and a truncated Hello: the producer rightly waits (5 s handshake bound)
+    // for the rest; held open while the other inputs run.
+    let mut truncated = Vec::new();
+    for partial in [vec![0u8, 0], frame(1, &[0x83; 40])[..20].to_vec()] {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let _ = s.write_all(&partial).await;
+        truncated.push(s);
+        tried += 1;
+    }
+    for (what, bytes) in &inputs {
+        let closed = send_and_expect_close(&a, bytes).await;
+        eprintln!("  p2p: {what:<40} -> closed: {closed}");
+        tried += 1;
+    }
+    // Wrong protocol version: refused, not crashed.
+    {
+        let mut conn = Connection::new(TcpStream::connect(addr).await.unwrap(), 4096);
+        let hello = Message::Hello(Hello {
+            version: 999,
+            fingerprint: Fingerprint {
+                model_id: "x".into(),
+                kv_dtype: "x".into(),
+                block_size: 1,
+                num_layers: 1,
+                num_kv_heads: 1,
+                head_dim: 1,
+                hash_algo: kvmesh_core::HashAlgo::Sha256Cbor,
+                none_hash: String::new(),
+            },
+            nonce: [0; 16],
+        });
+        conn.write_message(&hello).await.unwrap();
+        let got = timeout(EXCHANGE, conn.read_message()).await;
+        eprintln!("  p2p: {:<40} -> {got:?}", "Hello of protocol v999");
+        tried += 1;
+    }
+    // After a valid hello (HelloOk): garbage, length bombs, a lookup of 70k hashes.
+    let after_hello: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "garbage after a valid hello",
+            (0..2048u32).map(|i| (i * 37) as u8).collect(),
+        ),
+        ("2^62 length after hello", two_to_62.to_vec()),
+        (
+            "u32::MAX length after hello",
+            vec![0xff, 0xff, 0xff, 0xff, 9],
+        ),
+        ("second Hello after hello", {
+            let mut b = frame(1, &[0x80]);
+            b.extend(frame(1, &[0x80]));
+            b
+        }),
+        ("Lookup of 70,000 hashes", {
+            let msg = Message::Lookup(kvmesh_transfer::message::Lookup {
+                kv_request_id: "x".repeat(1000),
+                hashes: (0..70_000u64).map(kvmesh_core::BlockHash).collect(),
+            });
+            msg.encode(64 << 20).unwrap().to_vec()
+        }),
+        ("Fetch of hashes never looked up", {
+            let msg = Message::Fetch(kvmesh_transfer::message::Fetch {
+                hashes: (0..60_000u64).map(kvmesh_core::BlockHash).collect(),
+                pending_wait_ms: u32::MAX,
+            });
+            msg.encode(64 << 20).unwrap().to_vec()
+        }),
+    ];
+    for (what, bytes) in &after_hello {
+        let mut conn = handshake(addr).await;
+        let _ = conn.write_raw(bytes).await;
+        let mut answers = 0;
+        let closed = timeout(EXCHANGE, async {
+            while let Ok(Some(_)) = conn.read_message().await {
+                answers += 1;
+            }
+        })
+        .await
+        .is_ok();
+        eprintln!("  p2p: {what:<40} -> {answers} frames back, closed: {closed}");
+        tried += 1;
+    }
+    // More connections than one address may hold, all idle mid-handshake.
+    let mut held = Vec::new();
+    for _ in 0..80 {
+        if let Ok(mut s) = TcpStream::connect(addr).await {
+            let _ = s.write_all(&[0, 0]).await;
+            held.push(s);
+        }
+    }
+    tried += 1;
+    eprintln!(
+        "  p2p: {:<40} -> {} opened",
+        "80 idle half-headers from one IP",
+        held.len()
+    );
+    drop(held);
+    drop(truncated);
+    // Still serving peers.
+    let _ = handshake(addr).await;
+    fleet.assert_healthy("P2P producer", tried).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// ZMTP inputs
+
+/// A ZMTP 3.0 greeting (NULL) followed by a READY naming `socket_type`.
+fn greeting_and_ready(socket_type: &str) -> Vec<u8> {
+    let mut g = greeting(b"NULL");
+    let mut body = b"\x05READY".to_vec();
+    body.push(11);
+    body.extend(b"Socket-Type");
+    body.extend((socket_type.len() as u32).to_be_bytes());
+    body.extend(socket_type.as_bytes());
+    g.extend([0x04, body.len() as u8]);
+    g.extend(body);
+    g
+}
+
+fn greeting(mechanism: &[u8]) -> Vec<u8> {
+    let mut g = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+    let mut m = mechanism.to_vec();
+    m.resize(20, 0);
+    g.extend(m);
+    g.push(0);
+    g.extend([0u8; 31]);
+    g
+}
+
+/// Malformed ZMTP for a socket whose peers are `peer_type`.
+fn zmtp_inputs(peer_type: &str, wrong_type: &str) -> Vec<(String, Vec<u8>)> {
+    let ready = greeting_and_ready(peer_type);
+    let mut v: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut bomb = ready.clone();
+    bomb.push(0x02);
+    bomb.extend((1u64 << 62).to_be_bytes());
+    bomb.extend([0xAB; 8]);
+    v.push(("length bomb: frame of 2^62".into(), bomb));
+    let mut more_bomb = ready.clone();
+    more_bomb.push(0x03);
+    more_bomb.extend(u64::MAX.to_be_bytes());
+    v.push(("length bomb: 'more' frame of 2^64-1".into(), more_bomb));
+    let mut just_over = ready.clone();
+    just_over.push(0x02);
+    just_over.extend(((64u64 << 20) + 1).to_be_bytes());
+    v.push(("frame of 64 MiB + 1, declared".into(), just_over));
+    let mut cmd_bomb = greeting(b"NULL");
+    cmd_bomb.push(0x06);
+    cmd_bomb.extend((1u64 << 62).to_be_bytes());
+    v.push(("command (READY) of 2^62".into(), cmd_bomb));
+    let mut prop_bomb = greeting(b"NULL");
+    let mut body = b"\x05READY".to_vec();
+    body.push(11);
+    body.extend(b"Socket-Type");
+    body.extend(u32::MAX.to_be_bytes());
+    body.extend(b"SUB");
+    prop_bomb.extend([0x04, body.len() as u8]);
+    prop_bomb.extend(body);
+    v.push(("READY property claiming 4 GiB".into(), prop_bomb));
+    let mut endless = ready.clone();
+    endless.extend(std::iter::repeat_n([0x01u8, 0x00], 1 << 19).flatten());
+    v.push((
+        "endless multipart: 512k empty 'more' frames".into(),
+        endless,
+    ));
+    let mut big_more = ready.clone();
+    for _ in 0..200 {
+        big_more.push(0x03);
+        big_more.extend((64u64 << 10).to_be_bytes());
+        big_more.extend(std::iter::repeat_n(0x55u8, 64 << 10));
+    }
+    v.push(("endless multipart: 200 x 64 KiB parts".into(), big_more));
+    let mut bad_sig = ready.clone();
+    bad_sig[0] = 0x00;
+    v.push(("bad greeting signature".into(), bad_sig));
+    let mut v1 = ready.clone();
+    v1[10] = 1;
+    v.push(("ZMTP 1.0 version byte".into(), v1));
+    v.push(("CURVE mechanism".into(), greeting(b"CURVE")));
+    v.push(("PLAIN mechanism".into(), greeting(b"PLAIN")));
+    v.push((
+        format!("wrong peer type ({wrong_type})"),
+        greeting_and_ready(wrong_type),
+    ));
+    v.push((
+        "HTTP bytes".into(),
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+    ));
+    v.push((
+        "binary garbage".into(),
+        (0..4096u32)
+            .map(|i| (i.wrapping_mul(40_503) >> 7) as u8)
+            .collect(),
+    ));
+    v
+}
+
+async fn hostile_zmtp(
+    addr: &str,
+    peer_type: &str,
+    wrong_type: &str,
+    extra: Vec<(String, Vec<u8>)>,
+) -> usize {
+    let mut inputs = zmtp_inputs(peer_type, wrong_type);
+    inputs.extend(extra);
+    // Truncated greetings: the socket rightly waits (5 s) for the rest, so they are held open
+    // while the other inputs run — a slow-loris on top — and dropped at the end.
+    let ready = greeting_and_ready(peer_type);
+    let mut truncated = Vec::new();
+    for cut in [1usize, 10, 11, 40, 63] {
+        if let Ok(mut s) = TcpStream::connect(addr).await {
+            let _ = s.write_all(&ready[..cut]).await;
+            truncated.push(s);
+        }
+    }
+    for (what, bytes) in &inputs {
+        let closed = send_and_expect_close(addr, bytes).await;
+        eprintln!("  zmtp {peer_type} peer: {what:<44} -> closed: {closed}");
+    }
+    // More connections than a socket accepts, each stuck mid-greeting, then released.
+    let mut held = Vec::new();
+    for _ in 0..80 {
+        if let Ok(mut s) = TcpStream::connect(addr).await {
+            let _ = s.write_all(&[0xff, 0, 0]).await;
+            held.push(s);
+        }
+    }
+    drop(held);
+    drop(truncated);
+    inputs.len() + 5 + 1
+}
+
+fn cleared() -> EventBatch {
+    EventBatch {
+        ts: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64(),
+        events: vec![KvEvent::AllBlocksCleared],
+        data_parallel_rank: Some(0),
+    }
+}
+
+/// Sum of the `name` samples in the router's `/metrics`.
+async fn metric(fleet: &Fleet, name: &str) -> f64 {
+    let text = fleet
+        .client
+        .get(format!("{}/metrics", fleet.router_http))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn hostile_pub(fleet: &mut Fleet) {
+    let addr = host_port(&fleet.pub_ep);
+    let mut subs = greeting_and_ready("SUB");
+    for i in 0..200u32 {
+        let topic = format!("\x01t{i}");
+        subs.extend([0x00, topic.len() as u8]);
+        subs.extend(topic.as_bytes());
+    }
+    let mut big_sub = greeting_and_ready("SUB");
+    big_sub.push(0x02);
+    big_sub.extend((64u64 << 10).to_be_bytes());
+    big_sub.push(0x01);
+    big_sub.extend(std::iter::repeat_n(b'k', (64 << 10) - 1));
+    let extra = vec![
+        ("200 subscriptions".to_owned(), subs),
+        ("64 KiB subscription".to_owned(), big_sub),
+    ];
+    let tried = hostile_zmtp(&addr, "SUB", "PUB", extra).await;
+    // The PUB socket still delivers: a fresh subscriber sees the batches a request causes.
+    let cancel = CancellationToken::new();
+    let mut rx = subscribe(SubscriberConfig::connect(&fleet.pub_ep), cancel.clone());
+    let got = timeout(Duration::from_secs(15), async {
+        loop {
+            fleet.normal_requests().await;
+            let batch = timeout(Duration::from_millis(300), async {
+                loop {
+                    match rx.recv().await {
+                        Some(SubscriberItem::Batch { .. }) => return true,
+                        Some(_) => continue,
+                        None => return false,
+                    }
+                }
+            })
+            .await;
+            if batch == Ok(true) {
+                return;
+            }
+        }
+    })
+    .await;
+    cancel.cancel();
+    assert!(
+        got.is_ok(),
+        "the PUB socket delivers no batch after the hostile inputs"
+    );
+    fleet.assert_healthy("ZMQ PUB (engine)", tried).await;
+}
+
+async fn hostile_replay(fleet: &mut Fleet) {
+    let addr = host_port(&fleet.replay_ep);
+    // A request of 10 parts, and one 1 KiB part.
+    let mut parts = greeting_and_ready("DEALER");
+    for _ in 0..9 {
+        parts.extend([0x01, 0x00]);
+    }
+    parts.extend([0x00, 0x08]);
+    parts.extend(0u64.to_be_bytes());
+    let mut big = greeting_and_ready("DEALER");
+    big.extend([0x01, 0x00, 0x02]);
+    big.extend(1024u64.to_be_bytes());
+    big.extend([0x11; 1024]);
+    let mut flood = greeting_and_ready("DEALER");
+    for _ in 0..10_000 {
+        flood.extend([0x01, 0x00, 0x00, 0x08]);
+        flood.extend(0u64.to_be_bytes());
+    }
+    let extra = vec![
+        ("request of 10 parts".to_owned(), parts),
+        ("request part of 1 KiB".to_owned(), big),
+        ("10,000 replay requests, never read".to_owned(), flood),
+    ];
+    let tried = hostile_zmtp(&addr, "DEALER", "PUB", extra).await;
+    let t0 = Instant::now();
+    let mut failures = Vec::new();
+    let replayed = loop {
+        match timeout(
+            Duration::from_secs(10),
+            kvmesh_events::request_replay(&fleet.replay_ep, 0),
+        )
+        .await
+        {
+            Ok(Ok(r)) => break r,
+            other => failures.push(format!("{:?}: {other:?}", t0.elapsed())),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "replay never answered after the hostile inputs: {failures:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    eprintln!(
+        "  replay answered after {:?} ({} failed attempts first: {failures:?})",
+        t0.elapsed(),
+        failures.len()
+    );
+    assert!(
+        !replayed.is_empty(),
+        "the replay ring has the batches of earlier requests"
+    );
+    fleet
+        .assert_healthy("ZMQ ROUTER (engine replay)", tried)
+        .await;
+}
+
+/// Whether a publisher connecting to the router's bound SUB endpoint gets a batch through
+/// (the router's `kvmesh_indexer_batches` grows). On failure prints the router's indexer metrics.
+async fn sub_hears_a_publisher(fleet: &Fleet) -> bool {
+    let before = metric(fleet, "kvmesh_indexer_batches_total").await;
+    let mut publisher = Publisher::start(PublisherConfig::new(&fleet.sub_ep, "kv-events"))
+        .await
+        .unwrap();
+    let heard = timeout(Duration::from_secs(15), async {
+        loop {
+            publisher.publish(&cleared()).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if metric(fleet, "kvmesh_indexer_batches_total").await > before {
+                return;
+            }
+        }
+    })
+    .await
+    .is_ok();
+    if !heard {
+        let text = fleet
+            .client
+            .get(format!("{}/metrics", fleet.router_http))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for l in text.lines().filter(|l| l.starts_with("kvmesh_indexer")) {
+            eprintln!("  router metric: {l}");
+        }
+    }
+    heard
+}
+
+async fn hostile_sub(fleet: &mut Fleet) {
+    let addr = host_port(&fleet.sub_ep);
+    let tried = hostile_zmtp(&addr, "PUB", "SUB", Vec::new()).await;
+    // The bound SUB still hears a well-behaved publisher.
+    assert!(
+        sub_hears_a_publisher(fleet).await,
+        "the router's bound SUB hears no publisher after the hostile inputs"
+    );
+    fleet
+        .assert_healthy("ZMQ SUB (router, bind mode)", tried)
+        .await;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_bytes_on_every_port_leave_engine_and_router_serving() {
+    let started = Instant::now();
+    let mut fleet = timeout(Duration::from_secs(60), start_fleet())
+        .await
+        .expect("fleet started");
+    // Warm up (allocator arenas, connection pools, the index) before taking the baselines.
+    for _ in 0..3 {
+        fleet.normal_requests().await;
+    }
+    assert!(
+        sub_hears_a_publisher(&fleet).await,
+        "setup: the router's bound SUB hears no publisher"
+    );
+    fleet.engine.baseline_kib = fleet.engine.rss_kib();
+    fleet.router.baseline_kib = fleet.router.rss_kib();
+    eprintln!(
+        "hostile: baseline RSS engine {} MiB, router {} MiB; bound +{} MiB",
+        fleet.engine.baseline_kib / 1024,
+        fleet.router.baseline_kib / 1024,
+        RSS_BOUND_KIB / 1024
+    );
+    timeout(Duration::from_secs(150), async {
+        hostile_http(&mut fleet, "engine").await;
+        hostile_http(&mut fleet, "router").await;
+        hostile_p2p(&mut fleet).await;
+        hostile_pub(&mut fleet).await;
+        hostile_replay(&mut fleet).await;
+        hostile_sub(&mut fleet).await;
+    })
+    .await
+    .expect("hostile inputs finished in time");
+    eprintln!("hostile: done in {:?}", started.elapsed());
+}
+
+/// KNOWN BUG, left failing on purpose (run with `--ignored`): a chat request of 1.9 million
+/// empty messages — a 52 MiB body, under both servers' 64 MiB body limit — is parsed, rendered
+/// and tokenized in full before the prompt is found longer than `max_model_len` (then a 400).
+/// Measured (debug build): engine RSS 16 MiB → 1.41 GiB, router 17 MiB → 1.41 GiB, for one such
+/// request each; a few concurrent ones exhaust memory. The main suite's 100k-message input shows
+/// the same ~25x amplification at a size within the bound (50k messages, 1.4 MiB: ~+40 MiB). The
+/// fix belongs in request parsing (`kvmesh-engine/src/api.rs`, `kvmesh-router/src/request.rs`):
+/// bound the message count and the rendered prompt's length before tokenizing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known bug: a 52 MiB chat body of empty messages grows RSS by ~1.5 GiB (issue 15)"]
+async fn millions_of_chat_messages_stay_within_the_rss_bound() {
+    let mut fleet = timeout(Duration::from_secs(60), start_fleet())
+        .await
+        .expect("fleet started");
+    fleet.normal_requests().await;
+    fleet.engine.baseline_kib = fleet.engine.rss_kib();
+    fleet.router.baseline_kib = fleet.router.rss_kib();
+    let messages = vec![r#"{"role":"user","content":""}"#; 1_900_000].join(",");
+    let body = format!(r#"{{"model":"sim","max_tokens":1,"messages":[{messages}]}}"#);
+    let req = post("/v1/chat/completions", body.as_bytes());
+    for addr in [
+        fleet.engine_http_addr.clone(),
+        fleet.router_http_addr.clone(),
+    ] {
+        let answer = exchange_within(&addr, &req, false, Duration::from_secs(60)).await;
+        eprintln!(
+            "  {addr}: 1.9M empty messages ({} MiB) -> {answer:?}",
+            req.len() >> 20
+        );
+    }
+    fleet.assert_healthy("1.9M chat messages", 2).await;
+}
