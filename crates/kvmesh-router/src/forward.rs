@@ -103,6 +103,12 @@ pub(crate) fn refused(error: ApiError) -> Failed {
 /// Sends a request to an engine within the router's request timeout. An engine that cannot be
 /// reached becomes a counted OpenAI-style 502 (and, when it refused the connection, is ejected at
 /// once: the health loop returns it), one that does not answer in time a 504.
+///
+/// A refused connection means no process listens there: the engine died or is restarting, and its
+/// KV cache went with it. Its index entries are dropped at the ejection, so when the health loop
+/// readmits the new process the router does not place requests on it, or name it as a P2P
+/// source, for blocks it no longer holds (before, they stayed until the new process's first
+/// event batch; the chaos run measured 40,960 such tokens for up to 0.5 s).
 pub(crate) async fn send_to_engine(
     s: &RouterState,
     ep: &Endpoint,
@@ -114,7 +120,8 @@ pub(crate) async fn send_to_engine(
             s.metrics.error("upstream_connect");
             tracing::warn!(endpoint = %ep.name, error = %error_chain(&e), "engine request failed");
             if e.is_connect() && ep.eject() {
-                tracing::warn!(endpoint = %ep.name, "endpoint refused a connection; ejected until it passes health checks");
+                s.prefix.remove_endpoint(ep.id);
+                tracing::warn!(endpoint = %ep.name, "endpoint refused a connection; ejected until it passes health checks, its index entries dropped");
                 s.metrics
                     .endpoint_changes
                     .get_or_create(&crate::metrics::Kind { kind: "ejected" })

@@ -584,7 +584,8 @@ async fn client_kv_transfer_params_are_dropped_unless_trusted() {
 }
 
 /// An engine that refuses the connection costs the client nothing: the request is placed once more
-/// on another endpoint, and the refusing one is ejected at once (not after health checks).
+/// on another endpoint, and the refusing one is ejected at once (not after health checks), its
+/// index entries dropped (its process, and its cache, are gone).
 #[tokio::test]
 async fn a_refused_connection_is_retried_elsewhere_and_ejects_the_endpoint() {
     tokio::time::timeout(LIMIT, async {
@@ -606,7 +607,9 @@ endpoints:
 "#,
             e1.url
         );
-        let r = start_router(&yaml, None).await;
+        let prefix = Arc::new(FakePrefix::default());
+        prefix.set(&[(0, 4, 4), (1, 1, 0)]);
+        let r = start_router(&yaml, Some(prefix.clone())).await;
         let base = format!("http://{}", r.addr);
         for i in 0..4 {
             let resp = post_json(&format!("{base}/v1/completions"), &json!({"prompt": format!("q{i}")})).await;
@@ -619,6 +622,8 @@ endpoints:
         let metric = |name: &'static str, labels: &'static str| common::scrape_metric(&base, name, labels);
         assert_eq!(metric("kvmesh_router_retries_total", "").await, 1.0);
         assert_eq!(metric("kvmesh_router_endpoint_changes_total", "kind=\"ejected\"").await, 1.0);
+        let held: Vec<u32> = prefix.matches.lock().iter().map(|m| m.endpoint.0).collect();
+        assert_eq!(held, vec![1], "the refusing endpoint's index entries are dropped");
         assert!(load_zero(&r));
         r.shutdown().await.unwrap();
     })

@@ -232,7 +232,9 @@ impl PrefixLookup for FakePrefix {
             .collect()
     }
 
-    fn remove_endpoint(&self, _endpoint: EndpointId) {}
+    fn remove_endpoint(&self, endpoint: EndpointId) {
+        self.matches.lock().retain(|m| m.endpoint != endpoint);
+    }
 }
 
 /// YAML endpoint entries for fake engines (`p2p` = 127.0.0.1:7000+i).
