@@ -223,11 +223,15 @@ pub async fn start(
     }
     let addr = listener.local_addr()?;
     let router = app(Arc::clone(&state));
-    let limits = HttpLimits {
+    let limits = kvmesh_http::HttpLimits {
         header_read_timeout: state.config.header_read_timeout,
         drain_timeout: state.config.drain_timeout,
     };
-    let server = tokio::spawn(serve(listener, router, limits, cancel.clone()));
+    let cancel_http = cancel.clone();
+    let server = tokio::spawn(async move {
+        kvmesh_http::serve(listener, router, limits, cancel_http).await;
+        Ok(())
+    });
     Ok(RouterHandle {
         addr,
         state,
@@ -326,115 +330,4 @@ fn watch_endpoints_file(
         }
     });
     Ok(())
-}
-
-/// Connection bounds of the HTTP server (from the config).
-#[derive(Debug, Clone, Copy)]
-struct HttpLimits {
-    header_read_timeout: Duration,
-    drain_timeout: Duration,
-}
-
-/// Serves `app` on `listener` until `stop` fires, then refuses new connections (the listener is
-/// closed), lets open requests finish for up to `limits.drain_timeout`, and closes what is left.
-async fn serve(
-    listener: TcpListener,
-    app: axum::Router,
-    limits: HttpLimits,
-    stop: CancellationToken,
-) -> std::io::Result<()> {
-    // A stalled request body is bounded like stalled headers: the timer restarts on every
-    // chunk, so a large prompt that keeps arriving is never cut.
-    let app = app.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
-        limits.header_read_timeout,
-    ));
-    let mut http1 = hyper::server::conn::http1::Builder::new();
-    // HTTP/1.1 only, like vLLM's server: no protocol sniffing (an auto-detecting server reads
-    // the first bytes with no timeout at all).
-    http1
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout);
-    let conns = TaskTracker::new();
-    let kill = CancellationToken::new();
-    loop {
-        let tcp = tokio::select! {
-            _ = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    accept_failed(&e).await;
-                    continue;
-                }
-            },
-        };
-        // Streamed responses go out as small writes (headers, then one SSE chunk per token):
-        // with Nagle's algorithm on, the first chunk waited for the client's delayed ACK of the
-        // headers, adding ~40 ms to every streamed request's time to first token (measured:
-        // 43.7 ms through the router vs 1.7 ms straight to the engine).
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "could not set TCP_NODELAY on a client connection");
-        }
-        let conn = http1.serve_connection(
-            hyper_util::rt::TokioIo::new(tcp),
-            hyper_util::service::TowerToHyperService::new(app.clone()),
-        );
-        conns.spawn(drive_connection(conn, stop.clone(), kill.clone()));
-    }
-    drop(listener);
-    conns.close();
-    if tokio::time::timeout(limits.drain_timeout, conns.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            open = conns.len(),
-            "drain timeout: closing connections whose requests are still running"
-        );
-        kill.cancel();
-        conns.wait().await;
-    }
-    Ok(())
-}
-
-/// One client connection as hyper serves it.
-type Connection = hyper::server::conn::http1::Connection<
-    hyper_util::rt::TokioIo<tokio::net::TcpStream>,
-    hyper_util::service::TowerToHyperService<axum::Router>,
->;
-
-/// Runs one connection; on `drain` it finishes the request in progress (no keep-alive after
-/// it), on `kill` it is dropped (the response body, and the load guard it owns, go with it).
-async fn drive_connection(conn: Connection, drain: CancellationToken, kill: CancellationToken) {
-    let mut conn = std::pin::pin!(conn);
-    let ended = tokio::select! {
-        ended = conn.as_mut() => Some(ended),
-        _ = drain.cancelled() => None,
-    };
-    let ended = match ended {
-        Some(ended) => ended,
-        None => {
-            conn.as_mut().graceful_shutdown();
-            tokio::select! {
-                ended = conn.as_mut() => ended,
-                _ = kill.cancelled() => return,
-            }
-        }
-    };
-    if let Err(e) = ended {
-        // Header timeouts, resets and malformed requests land here: the client's problem.
-        tracing::debug!(error = %e, "http connection ended with an error");
-    }
-}
-
-/// Accept errors are per connection (reset before accept) or resource exhaustion (EMFILE):
-/// neither stops the server; back off a little on the latter so the loop does not spin.
-async fn accept_failed(e: &std::io::Error) {
-    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
-    if !matches!(
-        e.kind(),
-        ConnectionAborted | ConnectionRefused | ConnectionReset
-    ) {
-        tracing::warn!(error = %e, "accepting a connection failed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
