@@ -179,14 +179,7 @@ impl ModelBackend {
         seqs: &[SeqStep<'_>],
         kv: &mut KvArena,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let inputs: Vec<_> = seqs
-            .iter()
-            .map(|s| SeqInput {
-                tokens: s.tokens,
-                start_pos: s.start_pos,
-                table: s.block_table,
-            })
-            .collect();
+        let inputs = model_inputs(seqs);
         let want = vec![true; seqs.len()];
         let out = self.model.forward(&inputs, &self.geo, kv, &want)?;
         Ok(out.into_iter().map(Option::unwrap_or_default).collect())
@@ -198,14 +191,7 @@ impl ModelBackend {
         seqs: &[SeqStep<'_>],
         kv: &mut KvArena,
     ) -> Result<Vec<Option<TokenId>>, ModelError> {
-        let inputs: Vec<_> = seqs
-            .iter()
-            .map(|s| SeqInput {
-                tokens: s.tokens,
-                start_pos: s.start_pos,
-                table: s.block_table,
-            })
-            .collect();
+        let inputs = model_inputs(seqs);
         let want: Vec<bool> = seqs.iter().map(|s| s.sample.is_some()).collect();
         let logits = self.model.forward(&inputs, &self.geo, kv, &want)?;
         Ok(seqs
@@ -255,4 +241,15 @@ impl ComputeBackend for ModelBackend {
     fn eos_token_ids(&self) -> Vec<TokenId> {
         self.eos.clone()
     }
+}
+
+/// The model's view of a step's sequences.
+fn model_inputs<'a>(seqs: &[SeqStep<'a>]) -> Vec<SeqInput<'a>> {
+    seqs.iter()
+        .map(|s| SeqInput {
+            tokens: s.tokens,
+            start_pos: s.start_pos,
+            table: s.block_table,
+        })
+        .collect()
 }
