@@ -5,6 +5,7 @@
 //! engines compare at connect time, and the Prometheus text format both servers read and write.
 
 pub mod chain;
+pub mod chat;
 pub mod events;
 pub mod exposition;
 pub mod fingerprint;

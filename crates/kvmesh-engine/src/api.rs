@@ -15,6 +15,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use kvmesh_core::chat::Messages;
 use kvmesh_core::{KvTransferParams, TokenId};
 use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
@@ -32,14 +33,18 @@ pub struct ApiState {
     pub engine: EngineHandle,
     pub admission_hook: Option<Arc<dyn AdmissionHook>>,
     pub created: u64,
+    /// An upper bound on the UTF-8 bytes of text one token stands for (see [`check_text_fits`]).
+    pub max_token_bytes: usize,
 }
 
 impl ApiState {
     pub fn new(engine: EngineHandle) -> Self {
+        let max_token_bytes = max_token_bytes(engine.tokenizer().as_ref());
         Self {
             engine,
             admission_hook: None,
             created: unix_now(),
+            max_token_bytes,
         }
     }
 }
@@ -59,6 +64,21 @@ pub fn router(state: ApiState) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(state)
 }
+
+/// How many bytes of prompt text one token can stand for, at most: the longest token string of
+/// the vocabulary (a token's display string is never shorter than the text it encodes: byte-level
+/// BPE shows a byte as one or two UTF-8 bytes, SentencePiece a space as `▁`, byte fallback as
+/// `<0x0A>`), times [`NORMALIZER_SLACK`]. Computed once, at startup.
+fn max_token_bytes(tok: &dyn Tokenizer) -> usize {
+    let vocab = TokenId::try_from(tok.vocab_size()).unwrap_or(TokenId::MAX);
+    let longest = (0..vocab).map(|t| tok.token_str(t).len()).max();
+    longest.unwrap_or(1).max(1).saturating_mul(NORMALIZER_SLACK)
+}
+
+/// A tokenizer's normalizer can shrink text before it is split (NFKC turns a 3-byte fullwidth
+/// letter into one ASCII byte), so text may hold more bytes per token than the vocabulary's
+/// longest token; 4x covers the Unicode normalizations LLM tokenizers use.
+const NORMALIZER_SLACK: usize = 4;
 
 fn unix_now() -> u64 {
     SystemTime::now()
@@ -176,6 +196,33 @@ fn typed<'a, T: Deserialize<'a>>(body: &'a Value) -> Result<T, ApiError> {
     })
 }
 
+/// The request fields as `T`, read straight from the body (no JSON tree of it is built; fields
+/// `T` does not name are skipped unread). Malformed JSON is not a field's fault (no `param`); a
+/// field of the wrong type, or over a bound, is a 400 naming it.
+fn typed_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
+    let malformed = |e: &serde_json::Error| {
+        ApiError::bad_request("malformed_json", format!("invalid request body: {e}"), None)
+    };
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let inner = e.inner();
+        if !inner.is_data() {
+            return malformed(inner);
+        }
+        let param = match e.path().iter().next() {
+            Some(serde_path_to_error::Segment::Map { key }) => known_param(key),
+            _ => None,
+        };
+        ApiError::bad_request(
+            "bad_param",
+            format!("invalid request body: {}: {inner}", e.path()),
+            param,
+        )
+    })?;
+    de.end().map_err(|e| malformed(&e))?;
+    Ok(value)
+}
+
 /// The request fields a `param` may name (static, so a client cannot put arbitrary text there
 /// through an unknown key).
 fn known_param(key: &str) -> Option<&'static str> {
@@ -197,6 +244,9 @@ fn known_param(key: &str) -> Option<&'static str> {
         "stream_options",
         "n",
         "kv_transfer_params",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
     ];
     KNOWN.iter().copied().find(|k| *k == key)
 }
@@ -245,55 +295,15 @@ async fn reset_prefix_cache(State(s): State<ApiState>) -> Response {
     }
 }
 
-/// A message `content`: a string or a list of parts (text parts are concatenated).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Parts(Vec<ContentPart>),
-    Null(()),
-}
-
-#[derive(Debug, Deserialize)]
-struct ContentPart {
-    #[serde(rename = "type", default)]
-    kind: String,
-    #[serde(default)]
-    text: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-struct RawMessage {
-    role: String,
-    #[serde(default)]
-    content: Option<Content>,
-}
-
-fn flatten_messages(msgs: Vec<RawMessage>) -> Result<Vec<ChatMessage>, ApiError> {
-    msgs.into_iter()
-        .map(|m| {
-            let content = match m.content {
-                None | Some(Content::Null(())) => String::new(),
-                Some(Content::Text(t)) => t,
-                Some(Content::Parts(parts)) => {
-                    let mut s = String::new();
-                    for p in parts {
-                        if p.kind != "text" {
-                            return Err(ApiError::bad_request(
-                                "bad_param",
-                                format!("unsupported content part type `{}` (text only)", p.kind),
-                                Some("messages"),
-                            ));
-                        }
-                        s.push_str(p.text.as_deref().unwrap_or(""));
-                    }
-                    s
-                }
-            };
-            Ok(ChatMessage {
-                role: m.role,
-                content,
-            })
+/// The chat messages as the template takes them. The bounded reading (at most
+/// [`kvmesh_core::chat::MAX_MESSAGES`] messages and [`kvmesh_core::chat::MAX_CONTENT_PARTS`]
+/// parts per request, parts flattened to text as read) is shared with the router, so both render
+/// the same prompt.
+fn chat_messages(m: Messages) -> Vec<ChatMessage> {
+    m.0.into_iter()
+        .map(|m| ChatMessage {
+            role: m.role,
+            content: m.content,
         })
         .collect()
 }
@@ -305,7 +315,7 @@ struct TokenizeRequest {
     #[serde(default)]
     prompt: Option<String>,
     #[serde(default)]
-    messages: Option<Vec<RawMessage>>,
+    messages: Option<Messages>,
     #[serde(default = "yes", deserialize_with = "lax::bool_or_true")]
     add_generation_prompt: bool,
     #[serde(default, deserialize_with = "lax::bool_or_false")]
@@ -318,14 +328,12 @@ fn yes() -> bool {
 
 async fn tokenize(State(s): State<ApiState>, body: Bytes) -> Response {
     let r = (|| {
-        let req: TokenizeRequest = typed(&Value::Object(parse_object(&body)?))?;
+        let req: TokenizeRequest = typed_body(&body)?;
         check_model(&s, req.model.as_deref())?;
         let tok = s.engine.tokenizer();
         let text = match (req.prompt, req.messages) {
             (Some(p), _) => p,
-            (None, Some(m)) => tok
-                .apply_chat_template(&flatten_messages(m)?, req.add_generation_prompt)
-                .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?,
+            (None, Some(m)) => render_chat(&s, m, req.add_generation_prompt)?,
             (None, None) => {
                 return Err(ApiError::bad_request(
                     "bad_param",
@@ -334,6 +342,7 @@ async fn tokenize(State(s): State<ApiState>, body: Bytes) -> Response {
                 ));
             }
         };
+        check_text_fits(&s, &text, "prompt")?;
         let tokens = tok
             .encode(&text)
             .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("prompt")))?;
@@ -397,6 +406,14 @@ struct GenParams {
     stream_options: Option<StreamOptions>,
     #[serde(default, deserialize_with = "lax::opt_int")]
     n: Option<i64>,
+    /// Completions: how many logprobs per token; chat: whether to return them. Checked against
+    /// vLLM's limits in [`check_logprobs`] (logprobs themselves are not returned).
+    #[serde(default, deserialize_with = "lax::opt_scalar")]
+    logprobs: Option<Value>,
+    #[serde(default, deserialize_with = "lax::opt_scalar")]
+    top_logprobs: Option<Value>,
+    #[serde(default, deserialize_with = "lax::opt_scalar")]
+    prompt_logprobs: Option<Value>,
     #[serde(default)]
     /// Parsed in [`transfer_params`], so a malformed P2P hint cannot fail the request.
     kv_transfer_params: Option<Value>,
@@ -405,7 +422,8 @@ struct GenParams {
 /// The chat-only fields (the shared ones are read as [`GenParams`] from the same object).
 #[derive(Debug, Deserialize)]
 struct ChatFields {
-    messages: Vec<RawMessage>,
+    #[serde(default)]
+    messages: Option<Messages>,
     #[serde(default = "yes", deserialize_with = "lax::bool_or_true")]
     add_generation_prompt: bool,
 }
@@ -425,6 +443,7 @@ struct Job {
 fn prompt_tokens(s: &ApiState, prompt: Value) -> Result<Vec<TokenId>, ApiError> {
     let bad = |m: &str| ApiError::bad_request("bad_param", m.to_owned(), Some("prompt"));
     let encode = |t: &str| {
+        check_text_fits(s, t, "prompt")?;
         s.engine
             .tokenizer()
             .encode(t)
@@ -643,6 +662,92 @@ fn build_job(
     })
 }
 
+/// vLLM's default `--max-logprobs`: the most logprobs a request may ask for per token (-1, "the
+/// whole vocabulary", counts as the vocabulary size).
+const MAX_LOGPROBS: i128 = 20;
+
+/// A logprobs count as vLLM's `mode="before"` validator reads it: a number (or a boolean, an
+/// `int` in Python), else "must be an integer".
+fn logprobs_count(param: &'static str, v: Option<&Value>) -> Result<Option<i128>, ApiError> {
+    match v {
+        None => Ok(None),
+        Some(n @ (Value::Number(_) | Value::Bool(_))) => lax::int(n).map(Some).ok_or_else(|| {
+            ApiError::bad_request(
+                "bad_param",
+                format!(
+                    "{param}: Input should be a valid integer, got a number with a fractional part"
+                ),
+                Some(param),
+            )
+        }),
+        Some(_) => Err(ApiError::bad_request(
+            "bad_param",
+            format!("`{param}` must be an integer."),
+            Some(param),
+        )),
+    }
+}
+
+/// vLLM's request validators for the logprobs fields: a count is a positive value or -1, chat's
+/// `top_logprobs` needs `logprobs: true`, prompt logprobs cannot stream. Returns the sample and
+/// prompt counts asked for.
+fn logprobs_asked(chat: bool, p: &GenParams) -> Result<(Option<i128>, Option<i128>), ApiError> {
+    let bad = |param: &'static str, m: &str| ApiError::bad_request("bad_param", m, Some(param));
+    let prompt = logprobs_count("prompt_logprobs", p.prompt_logprobs.as_ref())?;
+    if let Some(n) = prompt {
+        if p.stream && (n > 0 || n == -1) {
+            let m = "`prompt_logprobs` are not available when `stream=True`.";
+            return Err(bad("prompt_logprobs", m));
+        }
+        if n < -1 {
+            let m = "`prompt_logprobs` must be a positive value or -1.";
+            return Err(bad("prompt_logprobs", m));
+        }
+    }
+    let key = if chat { "top_logprobs" } else { "logprobs" };
+    let raw = if chat { &p.top_logprobs } else { &p.logprobs };
+    let sample = logprobs_count(key, raw.as_ref())?;
+    if sample.is_some_and(|n| n < -1) {
+        return Err(bad(
+            key,
+            &format!("`{key}` must be a positive value or -1."),
+        ));
+    }
+    if !chat {
+        return Ok((sample, prompt));
+    }
+    let on = p.logprobs.as_ref().and_then(lax::boolean).unwrap_or(false);
+    if sample.is_some_and(|n| n == -1 || n > 0) && !on {
+        let m = "when using `top_logprobs`, `logprobs` must be set to true.";
+        return Err(bad("top_logprobs", m));
+    }
+    Ok((sample.filter(|_| on), prompt))
+}
+
+/// vLLM's sampling-parameter check: no more logprobs than `--max-logprobs` allows.
+fn check_logprobs(s: &ApiState, chat: bool, p: &GenParams) -> Result<(), ApiError> {
+    let (sample, prompt) = logprobs_asked(chat, p)?;
+    let vocab = i128::try_from(s.engine.tokenizer().vocab_size()).unwrap_or(i128::MAX);
+    for (n, param, what) in [
+        (sample, "logprobs", "sample"),
+        (prompt, "prompt_logprobs", "prompt"),
+    ] {
+        let Some(n) = n.map(|n| if n == -1 { vocab } else { n }) else {
+            continue;
+        };
+        if n > MAX_LOGPROBS {
+            return Err(ApiError::bad_request(
+                "bad_param",
+                format!(
+                    "Requested {what} logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}"
+                ),
+                Some(param),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Bodies above this are parsed, tokenized and validated on the blocking pool: a long prompt's
 /// JSON and tokenization take milliseconds that must not stall the async workers.
 const INLINE_PARSE_LIMIT: usize = 16 * 1024;
@@ -672,40 +777,68 @@ fn parse_completion(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
         ApiError::bad_request("bad_param", "`prompt` is required", Some("prompt"))
     })?;
     let params: GenParams = typed(&Value::Object(fields))?;
+    check_logprobs(s, false, &params)?;
     let prompt = prompt_tokens(s, prompt)?;
     build_job(s, false, prompt, params)
 }
 
 fn parse_chat(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
-    let fields = Value::Object(parse_object(body)?);
-    if fields.get("messages").is_none() {
+    // Read straight from the body, twice, into the two field sets: no JSON tree of the body is
+    // built (a tree of 1.9 million messages took ~1.4 GiB), and each pass skips the other's
+    // fields unread. `messages` is bounded while it is read (see `kvmesh_core::chat`).
+    let r: ChatFields = typed_body(body)?;
+    let params: GenParams = typed_body(body)?;
+    let Some(messages) = r.messages else {
         return Err(ApiError::bad_request(
             "bad_param",
             "`messages` is required",
             Some("messages"),
         ));
-    }
-    let r: ChatFields = typed(&fields)?;
-    let params: GenParams = typed(&fields)?;
-    if r.messages.is_empty() {
+    };
+    if messages.0.is_empty() {
         return Err(ApiError::bad_request(
             "bad_param",
             "messages must not be empty",
             Some("messages"),
         ));
     }
-    let msgs = flatten_messages(r.messages)?;
-    let text = s
-        .engine
-        .tokenizer()
-        .apply_chat_template(&msgs, r.add_generation_prompt)
-        .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
+    check_logprobs(s, true, &params)?;
+    let text = render_chat(s, messages, r.add_generation_prompt)?;
+    check_text_fits(s, &text, "messages")?;
     let prompt = s
         .engine
         .tokenizer()
         .encode(&text)
         .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))?;
     build_job(s, true, prompt, params)
+}
+
+/// The chat template applied to `messages`.
+fn render_chat(s: &ApiState, m: Messages, add_generation_prompt: bool) -> Result<String, ApiError> {
+    s.engine
+        .tokenizer()
+        .apply_chat_template(&chat_messages(m), add_generation_prompt)
+        .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some("messages")))
+}
+
+/// Refuses, before tokenizing it, a prompt text that cannot fit `max_model_len` tokens even if
+/// every token were the vocabulary's longest ([`ApiState::max_token_bytes`]): tokenizing tens
+/// of MiB of text only to answer "too long" costs far more memory than the text itself.
+fn check_text_fits(s: &ApiState, text: &str, param: &'static str) -> Result<(), ApiError> {
+    let max_model_len = s.engine.config().max_model_len;
+    let limit = max_model_len.saturating_mul(s.max_token_bytes);
+    if text.len() <= limit {
+        return Ok(());
+    }
+    Err(ApiError::bad_request(
+        "prompt_too_long",
+        format!(
+            "This model's maximum context length is {max_model_len} tokens. However, your request's prompt is {} bytes of text, more than {max_model_len} tokens of at most {} bytes each can hold. Please reduce the length of the input messages.",
+            text.len(),
+            s.max_token_bytes
+        ),
+        Some(param),
+    ))
 }
 
 async fn completions(State(s): State<ApiState>, body: Bytes) -> Response {
@@ -1137,6 +1270,118 @@ mod tests {
             pieces.push(rest);
         }
         (pieces.concat(), pieces, d.matched)
+    }
+
+    /// The chat body is read with the shared bounds: one message over is a 400 naming
+    /// `messages` and the bound, as is one content part over; exactly at them is accepted.
+    #[test]
+    fn chat_messages_and_parts_are_bounded() {
+        use kvmesh_core::chat::{MAX_CONTENT_PARTS, MAX_MESSAGES};
+        let body = |messages: String| format!(r#"{{"model":"m","messages":[{messages}]}}"#);
+        let empty = |n: usize| body(vec![r#"{"role":"user","content":""}"#; n].join(","));
+        let r: ChatFields = typed_body(empty(MAX_MESSAGES).as_bytes()).expect("at the bound");
+        assert_eq!(r.messages.map(|m| m.0.len()), Some(MAX_MESSAGES));
+        let e = typed_body::<ChatFields>(empty(MAX_MESSAGES + 1).as_bytes()).expect_err("over");
+        assert_eq!(
+            (e.status, e.param),
+            (StatusCode::BAD_REQUEST, Some("messages"))
+        );
+        assert!(
+            e.message.contains("at most 65536 messages"),
+            "{}",
+            e.message
+        );
+        let parts = |n: usize| {
+            body(format!(
+                r#"{{"role":"user","content":[{}]}}"#,
+                vec![r#""a""#; n].join(",")
+            ))
+        };
+        let r: ChatFields = typed_body(parts(MAX_CONTENT_PARTS).as_bytes()).expect("at the bound");
+        let content = r.messages.map(|m| m.0[0].content.len());
+        assert_eq!(content, Some(2 * MAX_CONTENT_PARTS - 1));
+        let e =
+            typed_body::<ChatFields>(parts(MAX_CONTENT_PARTS + 1).as_bytes()).expect_err("over");
+        assert_eq!(e.param, Some("messages"));
+        assert!(
+            e.message.contains("at most 65536 content parts"),
+            "{}",
+            e.message
+        );
+        // The generation fields are read from the same body, skipping `messages` unread.
+        let p: GenParams = typed_body(empty(3).as_bytes()).expect("params");
+        assert_eq!(p.model.as_deref(), Some("m"));
+        // Malformed JSON is nobody's field; trailing bytes are malformed too.
+        for bad in [&b"{\"messages\": ["[..], b"{} x"] {
+            let e = typed_body::<ChatFields>(bad).expect_err("malformed");
+            assert_eq!((e.reason, e.param), ("malformed_json", None));
+        }
+    }
+
+    fn logprobs(chat: bool, body: &str) -> Result<(Option<i128>, Option<i128>), ApiError> {
+        let p: GenParams = typed_body(body.as_bytes())?;
+        logprobs_asked(chat, &p)
+    }
+
+    /// vLLM 0.32's request validators for the logprobs fields (the count limit itself,
+    /// `MAX_LOGPROBS`, is checked against the engine's vocabulary in `check_logprobs`).
+    #[test]
+    fn logprobs_fields_are_validated_like_vllm() {
+        assert_eq!(
+            logprobs(false, r#"{"logprobs": 5}"#).ok(),
+            Some((Some(5), None))
+        );
+        assert_eq!(
+            logprobs(false, r#"{"logprobs": 1000000000}"#).ok(),
+            Some((Some(1_000_000_000), None))
+        );
+        assert_eq!(
+            logprobs(true, r#"{"logprobs": true, "top_logprobs": 3}"#).ok(),
+            Some((Some(3), None))
+        );
+        // Without `logprobs: true` chat asks for none (a 0 is allowed).
+        assert_eq!(
+            logprobs(true, r#"{"top_logprobs": 0}"#).ok(),
+            Some((None, None))
+        );
+        for (chat, body, param, msg) in [
+            (
+                false,
+                r#"{"logprobs": "5"}"#,
+                "logprobs",
+                "`logprobs` must be an integer.",
+            ),
+            (
+                false,
+                r#"{"logprobs": -2}"#,
+                "logprobs",
+                "`logprobs` must be a positive value or -1.",
+            ),
+            (
+                false,
+                r#"{"prompt_logprobs": 1, "stream": true}"#,
+                "prompt_logprobs",
+                "`prompt_logprobs` are not available when `stream=True`.",
+            ),
+            (
+                true,
+                r#"{"top_logprobs": 2}"#,
+                "top_logprobs",
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+            ),
+            (
+                true,
+                r#"{"top_logprobs": -5, "logprobs": true}"#,
+                "top_logprobs",
+                "`top_logprobs` must be a positive value or -1.",
+            ),
+        ] {
+            let e = logprobs(chat, body).expect_err(body);
+            assert_eq!((e.param, e.message.as_str()), (Some(param), msg), "{body}");
+        }
+        // A list where a count belongs is refused before it is read into a tree.
+        let e = logprobs(false, r#"{"logprobs": [1, 2, 3]}"#).expect_err("list");
+        assert_eq!(e.param, Some("logprobs"));
     }
 
     #[test]

@@ -50,11 +50,20 @@ struct Proc {
 
 impl Proc {
     fn rss_kib(&self) -> u64 {
+        self.status_kib("VmRSS:")
+    }
+
+    /// The process's peak RSS so far (`VmHWM`).
+    fn peak_rss_kib(&self) -> u64 {
+        self.status_kib("VmHWM:")
+    }
+
+    fn status_kib(&self, field: &str) -> u64 {
         let status =
             std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
         status
             .lines()
-            .find(|l| l.starts_with("VmRSS:"))
+            .find(|l| l.starts_with(field))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
@@ -1063,16 +1072,50 @@ async fn hostile_bytes_on_every_port_leave_engine_and_router_serving() {
     eprintln!("hostile: done in {:?}", started.elapsed());
 }
 
-/// KNOWN BUG, left failing on purpose (run with `--ignored`): a chat request of 1.9 million
-/// empty messages — a 52 MiB body, under both servers' 64 MiB body limit — is parsed, rendered
-/// and tokenized in full before the prompt is found longer than `max_model_len` (then a 400).
-/// Measured (debug build): engine RSS 16 MiB → 1.41 GiB, router 17 MiB → 1.41 GiB, for one such
-/// request each; a few concurrent ones exhaust memory. The main suite's 100k-message input shows
-/// the same ~25x amplification at a size within the bound (50k messages, 1.4 MiB: ~+40 MiB). The
-/// fix belongs in request parsing (`kvmesh-engine/src/api.rs`, `kvmesh-router/src/request.rs`):
-/// bound the message count and the rendered prompt's length before tokenizing it.
+/// Writes a whole request (`Connection: close`) and reads the whole answer: (status, the JSON
+/// object in the body).
+async fn exchange_full(addr: &str, req: &[u8], limit: Duration) -> (Option<u16>, String) {
+    let run = async {
+        let mut s = TcpStream::connect(addr).await.ok()?;
+        let (mut rd, mut wr) = s.split();
+        let write = async {
+            let _ = wr.write_all(req).await;
+            std::future::pending::<()>().await;
+        };
+        let read = async {
+            let mut got = Vec::new();
+            let _ = rd.read_to_end(&mut got).await;
+            got
+        };
+        let got = tokio::select! {
+            g = read => g,
+            () = write => unreachable!(),
+        };
+        // The JSON object of the body, whether sent with a length or chunked.
+        let json = match (
+            got.iter().position(|&b| b == b'{'),
+            got.iter().rposition(|&b| b == b'}'),
+        ) {
+            (Some(a), Some(b)) if a < b => String::from_utf8_lossy(&got[a..=b]).into_owned(),
+            _ => String::new(),
+        };
+        Some((status_code(&got), json))
+    };
+    timeout(limit, run)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or((None, String::new()))
+}
+
+/// Issue 15: a chat request of 1.9 million empty messages — a 52 MiB body, under both servers'
+/// 64 MiB body limit — used to be parsed into a JSON tree, rendered and tokenized in full before
+/// the prompt was found longer than `max_model_len`: engine RSS 16 MiB → 1.41 GiB (peak 1.9 GiB),
+/// router 17 MiB → 1.41 GiB (debug build), for one request each. Both now read `messages` with
+/// `kvmesh_core::chat`'s bounds (65,536 messages, 65,536 content parts per request) and answer
+/// 400 naming `messages` and the bound, within the suite's RSS bound. The same for one message
+/// whose `content` is a list of 2 million text parts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: a 52 MiB chat body of empty messages grows RSS by ~1.5 GiB (issue 15)"]
 async fn millions_of_chat_messages_stay_within_the_rss_bound() {
     let mut fleet = timeout(Duration::from_secs(60), start_fleet())
         .await
@@ -1081,17 +1124,93 @@ async fn millions_of_chat_messages_stay_within_the_rss_bound() {
     fleet.engine.baseline_kib = fleet.engine.rss_kib();
     fleet.router.baseline_kib = fleet.router.rss_kib();
     let messages = vec![r#"{"role":"user","content":""}"#; 1_900_000].join(",");
-    let body = format!(r#"{{"model":"sim","max_tokens":1,"messages":[{messages}]}}"#);
-    let req = post("/v1/chat/completions", body.as_bytes());
-    for addr in [
-        fleet.engine_http_addr.clone(),
-        fleet.router_http_addr.clone(),
-    ] {
-        let answer = exchange_within(&addr, &req, false, Duration::from_secs(60)).await;
-        eprintln!(
-            "  {addr}: 1.9M empty messages ({} MiB) -> {answer:?}",
-            req.len() >> 20
-        );
+    let many_messages = format!(r#"{{"model":"sim","max_tokens":1,"messages":[{messages}]}}"#);
+    drop(messages);
+    let parts = vec![r#"{"type":"text","text":""}"#; 2_000_000].join(",");
+    let many_parts = format!(
+        r#"{{"model":"sim","max_tokens":1,"messages":[{{"role":"user","content":[{parts}]}}]}}"#
+    );
+    drop(parts);
+    let cases = [
+        (
+            "1.9M empty messages",
+            many_messages,
+            "at most 65536 messages",
+        ),
+        (
+            "2M content parts",
+            many_parts,
+            "at most 65536 content parts",
+        ),
+    ];
+    let mut tried = 0;
+    for (what, body, bound) in cases {
+        let req = post("/v1/chat/completions", body.as_bytes());
+        drop(body);
+        for addr in [
+            fleet.engine_http_addr.clone(),
+            fleet.router_http_addr.clone(),
+        ] {
+            let (status, answer) = exchange_full(&addr, &req, Duration::from_secs(60)).await;
+            eprintln!(
+                "  {addr}: {what} ({} MiB) -> {status:?} {answer} (RSS MiB engine {}, router {}; peak {} / {})",
+                req.len() >> 20,
+                fleet.engine.rss_kib() / 1024,
+                fleet.router.rss_kib() / 1024,
+                fleet.engine.peak_rss_kib() / 1024,
+                fleet.router.peak_rss_kib() / 1024
+            );
+            assert_eq!(status, Some(400), "{addr}: {what}: {answer}");
+            let v: serde_json::Value = serde_json::from_str(&answer).expect("JSON error body");
+            assert_eq!(v["error"]["param"], "messages", "{addr}: {what}: {answer}");
+            let msg = v["error"]["message"].as_str().unwrap_or_default();
+            assert!(msg.contains(bound), "{addr}: {what}: {msg}");
+            tried += 1;
+        }
     }
-    fleet.assert_healthy("1.9M chat messages", 2).await;
+    fleet
+        .assert_healthy("millions of chat messages / parts", tried)
+        .await;
+}
+
+/// vLLM refuses more logprobs than `--max-logprobs` (default 20) with a 400 naming the field;
+/// the engine used to accept `logprobs: 10^9` with a 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_above_vllms_max_are_refused() {
+    let fleet = timeout(Duration::from_secs(60), start_fleet())
+        .await
+        .expect("fleet started");
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"model": "sim", "prompt": "x", "max_tokens": 1, "logprobs": 1_000_000_000}),
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "sim", "max_tokens": 1, "logprobs": true, "top_logprobs": 21,
+                   "messages": [{"role": "user", "content": "x"}]}),
+            "logprobs",
+        ),
+    ];
+    for (path, body, param) in cases {
+        for addr in [&fleet.engine_http_addr, &fleet.router_http_addr] {
+            let req = post(path, body.to_string().as_bytes());
+            let (status, answer) = exchange_full(addr, &req, EXCHANGE).await;
+            assert_eq!(status, Some(400), "{addr}{path}: {answer}");
+            let v: serde_json::Value = serde_json::from_str(&answer).expect("JSON error body");
+            assert_eq!(v["error"]["param"], param, "{answer}");
+            let msg = v["error"]["message"].as_str().unwrap_or_default();
+            assert!(msg.contains("greater than max allowed: 20"), "{msg}");
+        }
+    }
+    // At the limit it is served.
+    let req = post(
+        "/v1/completions",
+        json!({"model": "sim", "prompt": "x", "max_tokens": 1, "logprobs": 20})
+            .to_string()
+            .as_bytes(),
+    );
+    let (status, answer) = exchange_full(&fleet.engine_http_addr, &req, EXCHANGE).await;
+    assert_eq!(status, Some(200), "{answer}");
 }

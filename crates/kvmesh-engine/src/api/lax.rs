@@ -4,13 +4,76 @@
 //! written against vLLM send these, so refusing them would be a compatibility bug. Used with
 //! `#[serde(deserialize_with = ...)]`; a wrong value's error names what was expected.
 
-use serde::de::{Deserialize, Deserializer, Error};
+use std::fmt;
+
+use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Unexpected, Visitor};
 use serde_json::Value;
+
+/// A JSON scalar (null, boolean, number, string). A list or an object is refused as soon as it
+/// starts, unread: these fields hold one value, and reading a 64 MiB list into a `Value` tree
+/// first would cost ~30x its size.
+struct Scalar(Value);
+
+impl<'de> Deserialize<'de> for Scalar {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ScalarVisitor)
+    }
+}
+
+struct ScalarVisitor;
+
+impl<'de> Visitor<'de> for ScalarVisitor {
+    type Value = Scalar;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a single value (a number, a boolean or a string)")
+    }
+    fn visit_bool<E: Error>(self, v: bool) -> Result<Scalar, E> {
+        Ok(Scalar(Value::Bool(v)))
+    }
+    fn visit_i64<E: Error>(self, v: i64) -> Result<Scalar, E> {
+        Ok(Scalar(Value::from(v)))
+    }
+    fn visit_u64<E: Error>(self, v: u64) -> Result<Scalar, E> {
+        Ok(Scalar(Value::from(v)))
+    }
+    fn visit_f64<E: Error>(self, v: f64) -> Result<Scalar, E> {
+        Ok(Scalar(Value::from(v)))
+    }
+    fn visit_str<E: Error>(self, v: &str) -> Result<Scalar, E> {
+        Ok(Scalar(Value::from(v)))
+    }
+    fn visit_string<E: Error>(self, v: String) -> Result<Scalar, E> {
+        Ok(Scalar(Value::String(v)))
+    }
+    fn visit_unit<E: Error>(self) -> Result<Scalar, E> {
+        Ok(Scalar(Value::Null))
+    }
+    fn visit_none<E: Error>(self) -> Result<Scalar, E> {
+        Ok(Scalar(Value::Null))
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Scalar, D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Scalar, A::Error> {
+        Err(A::Error::invalid_type(Unexpected::Seq, &self))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Scalar, A::Error> {
+        Err(A::Error::invalid_type(Unexpected::Map, &self))
+    }
+}
+
+/// One scalar field as a `Value` (absent or null is `None`); a list or object is refused unread.
+pub fn opt_scalar<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Ok(Option::<Scalar>::deserialize(d)?
+        .map(|s| s.0)
+        .filter(|v| !v.is_null()))
+}
 
 /// `Option<i64>`: absent or null is `None`.
 pub fn opt_int<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
-    match Option::<Value>::deserialize(d)? {
-        None | Some(Value::Null) => Ok(None),
+    match opt_scalar(d)? {
+        None => Ok(None),
         Some(v) => int(&v)
             .map(|n| Some(n.clamp(i64::MIN.into(), i64::MAX.into()) as i64))
             .ok_or_else(|| D::Error::custom(format!("Input should be a valid integer, got {v}"))),
@@ -19,8 +82,8 @@ pub fn opt_int<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error>
 
 /// `Option<f64>`: absent or null is `None`.
 pub fn opt_float<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-    match Option::<Value>::deserialize(d)? {
-        None | Some(Value::Null) => Ok(None),
+    match opt_scalar(d)? {
+        None => Ok(None),
         Some(v) => float(&v)
             .map(Some)
             .ok_or_else(|| D::Error::custom(format!("Input should be a valid number, got {v}"))),
@@ -38,8 +101,8 @@ pub fn bool_or_true<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
 }
 
 fn opt_bool<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
-    match Option::<Value>::deserialize(d)? {
-        None | Some(Value::Null) => Ok(None),
+    match opt_scalar(d)? {
+        None => Ok(None),
         Some(v) => boolean(&v)
             .map(Some)
             .ok_or_else(|| D::Error::custom(format!("Input should be a valid boolean, got {v}"))),
