@@ -10,6 +10,7 @@ pub mod events;
 pub mod exposition;
 pub mod fingerprint;
 pub mod hashing;
+pub mod lax;
 pub mod sse;
 pub mod transfer_params;
 

@@ -21,7 +21,7 @@ use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-mod lax;
+use kvmesh_core::lax;
 
 pub use crate::admission::AdmissionHook;
 use crate::compute::SamplingParams;

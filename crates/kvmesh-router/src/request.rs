@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use kvmesh_core::TokenId;
 use kvmesh_core::chat::Messages;
+use kvmesh_core::{TokenId, lax};
 use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
 use serde_json::Value;
@@ -114,12 +114,12 @@ pub fn parse(
     }
     let stream = match scalar("stream")? {
         None => false,
-        Some(v) => lax_bool(&v).ok_or_else(|| invalid("stream", "a valid boolean", &v))?,
+        Some(v) => lax::boolean(&v).ok_or_else(|| invalid("stream", "a valid boolean", &v))?,
     };
     let mut max_tokens = None;
     for key in ["max_tokens", "max_completion_tokens"] {
         let Some(v) = scalar(key)? else { continue };
-        let n = lax_int(&v).ok_or_else(|| invalid(key, "a valid integer", &v))?;
+        let n = lax::int(&v).ok_or_else(|| invalid(key, "a valid integer", &v))?;
         if n < 0 {
             // What the engine (and vLLM's sampling parameters) answer for it.
             return Err(ApiError::bad_param(
@@ -146,7 +146,7 @@ pub fn parse(
             };
             let add_generation_prompt = match scalar("add_generation_prompt")? {
                 None => true,
-                Some(v) => lax_bool(&v)
+                Some(v) => lax::boolean(&v)
                     .ok_or_else(|| invalid("add_generation_prompt", "a valid boolean", &v))?,
             };
             chat_messages_tokens(messages, add_generation_prompt, tokenizer)
@@ -166,70 +166,6 @@ pub fn parse(
 /// pydantic's wording for a value of the wrong type, naming the field.
 fn invalid(key: &'static str, expected: &str, got: &Value) -> ApiError {
     ApiError::bad_param(key, format!("{key}: Input should be {expected}, got {got}"))
-}
-
-/// An integer as pydantic's lax mode reads one: a JSON integer, a float without fraction, a
-/// boolean, or a string holding an integer (surrounding spaces, `+`/`-`, `_` between digits and
-/// a `.000` tail allowed).
-fn lax_int(v: &Value) -> Option<i128> {
-    match v {
-        Value::Bool(b) => Some(i128::from(*b)),
-        Value::Number(n) => n
-            .as_i64()
-            .map(i128::from)
-            .or_else(|| n.as_u64().map(i128::from))
-            .or_else(|| {
-                n.as_f64()
-                    .filter(|f| f.fract() == 0.0 && f.abs() < 9.2e18)
-                    .map(|f| f as i128)
-            }),
-        Value::String(s) => int_from_str(s),
-        _ => None,
-    }
-}
-
-fn int_from_str(s: &str) -> Option<i128> {
-    let s = s.trim();
-    let (neg, digits) = match s.as_bytes().first()? {
-        b'-' => (true, &s[1..]),
-        b'+' => (false, &s[1..]),
-        _ => (false, s),
-    };
-    let (whole, frac) = digits.split_once('.').unwrap_or((digits, ""));
-    if !frac.bytes().all(|b| b == b'0') {
-        return None;
-    }
-    // Underscores only between digits, as in Python's int().
-    let bytes = whole.as_bytes();
-    let well_formed = !bytes.is_empty()
-        && bytes.first().is_some_and(u8::is_ascii_digit)
-        && bytes.last().is_some_and(u8::is_ascii_digit)
-        && bytes.iter().all(|b| b.is_ascii_digit() || *b == b'_')
-        && !whole.contains("__");
-    if !well_formed {
-        return None;
-    }
-    let n: i128 = whole.replace('_', "").parse().ok()?;
-    Some(if neg { -n } else { n })
-}
-
-/// A boolean as pydantic's lax mode reads one: `true`/`false`, `0`/`1`, or one of its words
-/// (`yes`, `no`, `on`, `off`, `t`, `f`, `y`, `n`, any case).
-fn lax_bool(v: &Value) -> Option<bool> {
-    match v {
-        Value::Bool(b) => Some(*b),
-        Value::Number(n) => match n.as_f64() {
-            Some(0.0) => Some(false),
-            Some(1.0) => Some(true),
-            _ => None,
-        },
-        Value::String(s) => match s.to_ascii_lowercase().as_str() {
-            "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
-            "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
-            _ => None,
-        },
-        _ => None,
-    }
 }
 
 /// Token ids of a raw `prompt`: a token-id list is parsed straight into integers; anything else
@@ -558,7 +494,7 @@ mod tests {
             ("", None),
             ("-", None),
         ] {
-            assert_eq!(int_from_str(s), want, "{s:?}");
+            assert_eq!(lax::int(&Value::String(s.to_owned())), want, "{s:?}");
         }
     }
 

@@ -2,7 +2,8 @@
 //! takes `16`, `16.0`, `"16"` or `true`; a float field takes numbers, numeric strings and
 //! booleans; a boolean field takes `true`, `0`/`1` and words like `"yes"`/`"off"`. Clients
 //! written against vLLM send these, so refusing them would be a compatibility bug. Used with
-//! `#[serde(deserialize_with = ...)]`; a wrong value's error names what was expected.
+//! `#[serde(deserialize_with = ...)]` by the engine, and value by value by the router, so both
+//! servers accept exactly the same inputs; a wrong value's error names what was expected.
 
 use std::fmt;
 
