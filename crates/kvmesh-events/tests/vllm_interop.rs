@@ -2,8 +2,10 @@
 //! framing in both directions (golden frames), PUB/SUB both ways, and a connecting publisher whose
 //! early events wait for a late-binding subscriber.
 //!
-//! No replay capture exists under `tests/fixtures/vllm/`, so the vLLM side of the replay is built
-//! exactly as vLLM 0.32's `vllm/distributed/kv_events.py` builds it
+//! Two kinds of evidence: a recording of vLLM 0.32's own `ZmqEventPublisher` answering a replay
+//! (`tests/fixtures/vllm/replay_capture.json`, made by `scripts/record-vllm-replay.py`), replayed
+//! verbatim to kvmesh's client and compared byte for byte with kvmesh's server; and a libzmq ROUTER
+//! transcribed from vLLM 0.32's `vllm/distributed/kv_events.py`
 //! (`ZmqEventPublisher._service_replay`):
 //!
 //! ```python
@@ -284,4 +286,133 @@ async fn kvmesh_sub_hears_a_libzmq_pub_both_ways() {
         assert_eq!(seq, 7, "bind_sub={bind_sub}");
         cancel.cancel();
     }
+}
+
+/// `tests/fixtures/vllm/replay_capture.json`: vLLM 0.32's own `ZmqEventPublisher` run by
+/// `scripts/record-vllm-replay.py` — the request a DEALER sent and every reply it received.
+struct Recording {
+    request: Vec<Vec<u8>>,
+    replies: Vec<Vec<Vec<u8>>>,
+}
+
+fn recording() -> Recording {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/vllm/replay_capture.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let frames = |a: &serde_json::Value| -> Vec<Vec<u8>> {
+        a.as_array()
+            .unwrap()
+            .iter()
+            .map(|h| hex::decode(h.as_str().unwrap()).unwrap())
+            .collect()
+    };
+    Recording {
+        request: frames(&v["request_hex"]),
+        replies: v["replies_hex"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(frames)
+            .collect(),
+    }
+}
+
+/// A ROUTER that answers one request with the recorded replies, verbatim, and hands back what the
+/// client sent (without the identity ROUTER adds).
+fn recorded_replay_server(
+    replies: Vec<Vec<Vec<u8>>>,
+) -> (String, std::sync::mpsc::Receiver<Vec<Vec<u8>>>) {
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.set_linger(0).unwrap();
+    router.bind("tcp://127.0.0.1:0").unwrap();
+    let ep = router.get_last_endpoint().unwrap().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let _ctx = ctx;
+        let mut frame = router.recv_multipart(0).unwrap();
+        let client_id = frame.remove(0);
+        tx.send(frame).unwrap();
+        for reply in &replies {
+            let mut parts: Vec<&[u8]> = vec![&client_id];
+            parts.extend(reply.iter().map(Vec::as_slice));
+            router.send_multipart(parts, 0).unwrap();
+        }
+    });
+    (ep, rx)
+}
+
+/// The recorded batches decode to what vLLM published (seq 1 and 2 of three), the client's request
+/// is byte for byte what vLLM's ROUTER was sent, and nothing is counted malformed.
+#[tokio::test]
+async fn the_replay_client_reads_a_recorded_vllm_replay() {
+    let rec = recording();
+    let (ep, sent) = recorded_replay_server(rec.replies.clone());
+    let out = request_replay_outcome(&ep, 1).await.unwrap();
+    assert_eq!(
+        sent.recv().unwrap(),
+        rec.request,
+        "kvmesh's request = the recorded one"
+    );
+    assert_eq!(out.malformed, 0);
+    let seqs: Vec<u64> = out.batches.iter().map(|(s, _)| *s).collect();
+    assert_eq!(seqs, vec![1, 2]);
+    let (_, first) = &out.batches[0];
+    assert_eq!(first.events.len(), 2, "{first:?}");
+    match (&first.events[0], &first.events[1]) {
+        (KvEvent::BlockStored(s), KvEvent::BlockRemoved(r)) => {
+            assert_eq!(s.token_ids, (32..48).collect::<Vec<u32>>());
+            assert_eq!(s.block_hashes.len(), 1);
+            assert!(s.parent_block_hash.is_some());
+            assert_eq!(r.block_hashes.len(), 1);
+        }
+        other => panic!("unexpected events {other:?}"),
+    }
+    assert!(matches!(
+        out.batches[1].1.events[..],
+        [KvEvent::AllBlocksCleared]
+    ));
+}
+
+/// kvmesh's replay server, given the same payloads, sends the recorded frames byte for byte.
+#[tokio::test]
+async fn kvmesh_replay_server_matches_the_vllm_recording_byte_for_byte() {
+    let rec = recording();
+    let mut config = PublisherConfig::new("tcp://127.0.0.1:0", "kv-events");
+    config.replay_endpoint = Some("tcp://127.0.0.1:0".into());
+    let mut publisher = Publisher::start(config).await.unwrap();
+    // Seq 0 was published but not asked for; seq 1 and 2 carry the recorded payloads.
+    publisher
+        .publish_payload(rec.replies[0][3].clone().into())
+        .await
+        .unwrap();
+    for reply in &rec.replies[..2] {
+        publisher
+            .publish_payload(reply[3].clone().into())
+            .await
+            .unwrap();
+    }
+    let ep = publisher.replay_endpoint().unwrap().to_owned();
+    let request = rec.request.clone();
+    let got = tokio::task::spawn_blocking(move || {
+        let ctx = zmq::Context::new();
+        let dealer = ctx.socket(zmq::DEALER).unwrap();
+        dealer.set_linger(0).unwrap();
+        dealer.set_rcvtimeo(5000).unwrap();
+        dealer.connect(&ep).unwrap();
+        dealer.send_multipart(request, 0).unwrap();
+        let mut got = Vec::new();
+        loop {
+            let m = dealer.recv_multipart(0).unwrap();
+            let end = m.get(2).is_some_and(|s| s[..] == REPLAY_END_SEQ);
+            got.push(m);
+            if end {
+                return got;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(got, rec.replies);
 }
