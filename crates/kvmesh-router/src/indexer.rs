@@ -729,8 +729,11 @@ impl SourceTask {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
-        if batch.ts.is_finite() && batch.ts > 0.0 {
-            self.metrics.lag.set(now - batch.ts);
+        // The timestamp is the publisher's word: one from the future or more than a day old is a
+        // clock problem (or garbage), not a lag, and would make the gauge read nonsense.
+        let lag = now - batch.ts;
+        if batch.ts.is_finite() && (0.0..86_400.0).contains(&lag) {
+            self.metrics.lag.set(lag);
         }
     }
 

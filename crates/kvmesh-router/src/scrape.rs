@@ -16,6 +16,7 @@ use kvmesh_sched::cost_model::CostModel;
 use crate::config::HealthCheckConfig;
 use crate::endpoints::{EndpointSet, EngineMetrics};
 use crate::metrics::{Kind, RouterMetrics};
+use crate::prefix::PrefixLookup;
 
 /// Reads `vllm:num_requests_waiting`, `vllm:num_requests_running` (summed over series, e.g.
 /// data-parallel ranks) and `vllm:kv_cache_usage_perc` (mean) from Prometheus text. `None` if the
@@ -232,12 +233,15 @@ pub async fn scrape_loop(
 }
 
 /// Health-checks every endpoint each `cfg.interval`; ejects after `unhealthy_threshold` failures in
-/// a row and readmits after `healthy_threshold` successes.
+/// a row and readmits after `healthy_threshold` successes. An endpoint ejected because its
+/// connections are refused also loses its index entries (its process, and cache, are gone; a
+/// restarted one announces what it stores anew), as when a request finds it refusing.
 pub async fn health_loop(
     endpoints: Arc<EndpointSet>,
     client: reqwest::Client,
     cfg: HealthCheckConfig,
     metrics: Arc<RouterMetrics>,
+    prefix: Arc<dyn PrefixLookup>,
     cancel: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(cfg.interval.max(Duration::from_millis(10)));
@@ -252,15 +256,20 @@ pub async fn health_loop(
             let client = client.clone();
             let cfg = &cfg;
             let metrics = &metrics;
+            let prefix = &prefix;
             async move {
-                let ok = matches!(
-                    tokio::time::timeout(cfg.timeout, client.get(e.url(&cfg.path)).send()).await,
-                    Ok(Ok(r)) if r.status().is_success()
-                );
+                let check =
+                    tokio::time::timeout(cfg.timeout, client.get(e.url(&cfg.path)).send()).await;
+                let ok = matches!(&check, Ok(Ok(r)) if r.status().is_success());
+                // Nothing listens there: the process is gone, and its cache with it.
+                let refused = matches!(&check, Ok(Err(err)) if err.is_connect());
                 match e.record_health(ok, cfg.unhealthy_threshold, cfg.healthy_threshold) {
                     Some(false) => {
-                        tracing::warn!(endpoint = %e.name, "endpoint failed health checks; ejected");
+                        tracing::warn!(endpoint = %e.name, refused, "endpoint failed health checks; ejected");
                         metrics.endpoint_changes.get_or_create(&Kind { kind: "ejected" }).inc();
+                        if refused {
+                            prefix.remove_endpoint(e.id);
+                        }
                     }
                     Some(true) => {
                         tracing::info!(endpoint = %e.name, "endpoint healthy again; readmitted");

@@ -210,6 +210,7 @@ pub async fn start(
         client,
         state.config.health_check.clone(),
         metrics,
+        Arc::clone(&state.prefix),
         cancel.clone(),
     ));
     if let Some(path) = watched {

@@ -768,3 +768,38 @@ endpoints:
     .await
     .unwrap();
 }
+
+/// An endpoint the health loop ejects because its connections are refused (the process is gone)
+/// loses its index entries too, so a restarted process is not credited with its predecessor's
+/// cache; one that merely answers 503 keeps them (it may still hold its cache).
+#[tokio::test]
+async fn a_refusing_endpoint_ejected_by_health_checks_loses_its_index_entries() {
+    tokio::time::timeout(LIMIT, async {
+        let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead_url = format!("http://{}", dead.local_addr().unwrap());
+        drop(dead);
+        let sick = FakeEngine::start("sick").await;
+        sick.state.healthy.store(false, Ordering::SeqCst);
+        let prefix = Arc::new(FakePrefix::default());
+        prefix.set(&[(0, 10, 10), (1, 10, 10)]);
+        let yaml = format!(
+            r#"
+health_check: {{interval: 50ms, timeout: 1s, unhealthy_threshold: 2, healthy_threshold: 1, path: /health}}
+endpoints:
+  - {{name: dead, url: "{dead_url}"}}
+  - {{name: sick, url: "{}"}}
+"#,
+            sick.url
+        );
+        let r = start_router(&yaml, Some(prefix.clone())).await;
+        eventually(5, "both ejected", || {
+            r.state.endpoints.list().iter().all(|e| !e.is_healthy())
+        })
+        .await;
+        let held: Vec<u32> = prefix.matches.lock().iter().map(|m| m.endpoint.0).collect();
+        assert_eq!(held, vec![1], "the refusing endpoint's entries are gone, the 503 one's kept");
+        r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
