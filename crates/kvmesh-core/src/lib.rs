@@ -11,6 +11,7 @@ pub mod exposition;
 pub mod fingerprint;
 pub mod hashing;
 pub mod lax;
+pub mod prompt;
 pub mod sse;
 pub mod transfer_params;
 

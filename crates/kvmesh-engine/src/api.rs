@@ -16,10 +16,14 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvmesh_core::chat::Messages;
+use kvmesh_core::prompt::{
+    self, BoundedValue, BoundedVec, MAX_STOP, MAX_TRANSFER_VALUES, Prompt, PromptError,
+    StringOrList,
+};
 use kvmesh_core::{KvTransferParams, TokenId};
 use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use kvmesh_core::lax;
 
@@ -162,38 +166,6 @@ impl IntoResponse for ApiError {
 fn fail(state: &ApiState, e: ApiError) -> Response {
     state.engine.metrics().error(e.reason);
     e.into_response()
-}
-
-/// The body as a JSON object (not a field's fault: no `param`).
-fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    match serde_json::from_slice(body) {
-        Ok(Value::Object(o)) => Ok(o),
-        Ok(_) => Err(ApiError::bad_request(
-            "malformed_json",
-            "invalid request body: expected a JSON object",
-            None,
-        )),
-        Err(e) => Err(ApiError::bad_request(
-            "malformed_json",
-            format!("invalid request body: {e}"),
-            None,
-        )),
-    }
-}
-
-/// The request fields as `T`; a field of the wrong type is a 400 naming it in `param`.
-fn typed<'a, T: Deserialize<'a>>(body: &'a Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(body).map_err(|e| {
-        let param = match e.path().iter().next() {
-            Some(serde_path_to_error::Segment::Map { key }) => known_param(key),
-            _ => None,
-        };
-        ApiError::bad_request(
-            "bad_param",
-            format!("invalid request body: {}: {}", e.path(), e.inner()),
-            param,
-        )
-    })
 }
 
 /// The request fields as `T`, read straight from the body (no JSON tree of it is built; fields
@@ -372,13 +344,6 @@ struct StreamOptions {
     include_usage: bool,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum StopField {
-    One(String),
-    Many(Vec<String>),
-}
-
 /// Fields shared by both generation endpoints.
 #[derive(Debug, Deserialize)]
 struct GenParams {
@@ -394,10 +359,11 @@ struct GenParams {
     top_p: Option<f64>,
     #[serde(default, deserialize_with = "lax::opt_int")]
     seed: Option<i64>,
+    /// At most [`MAX_STOP`] strings / ids (`kvmesh_core::prompt`), refused as the next starts.
     #[serde(default)]
-    stop: Option<StopField>,
+    stop: Option<StringOrList<MAX_STOP>>,
     #[serde(default)]
-    stop_token_ids: Option<Vec<TokenId>>,
+    stop_token_ids: Option<BoundedVec<TokenId, MAX_STOP>>,
     #[serde(default, deserialize_with = "lax::bool_or_false")]
     ignore_eos: bool,
     #[serde(default, deserialize_with = "lax::bool_or_false")]
@@ -414,9 +380,10 @@ struct GenParams {
     top_logprobs: Option<Value>,
     #[serde(default, deserialize_with = "lax::opt_scalar")]
     prompt_logprobs: Option<Value>,
+    /// Parsed in [`transfer_params`], so a malformed P2P hint cannot fail the request; at most
+    /// `MAX_TRANSFER_VALUES` JSON values (`kvmesh_core::prompt`).
     #[serde(default)]
-    /// Parsed in [`transfer_params`], so a malformed P2P hint cannot fail the request.
-    kv_transfer_params: Option<Value>,
+    kv_transfer_params: Option<BoundedValue<MAX_TRANSFER_VALUES>>,
 }
 
 /// The chat-only fields (the shared ones are read as [`GenParams`] from the same object).
@@ -440,48 +407,53 @@ struct Job {
     req: EngineRequest,
 }
 
-fn prompt_tokens(s: &ApiState, prompt: Value) -> Result<Vec<TokenId>, ApiError> {
+/// The request's `prompt` read straight from the body (no JSON tree; `kvmesh_core::prompt`), a
+/// token-id list bounded by `max_model_len` (a longer one is counted unread and refused with
+/// vLLM's context-length 400), then tokenized or checked against the vocabulary.
+fn prompt_tokens(s: &ApiState, body: &[u8]) -> Result<Vec<TokenId>, ApiError> {
     let bad = |m: &str| ApiError::bad_request("bad_param", m.to_owned(), Some("prompt"));
-    let encode = |t: &str| {
-        check_text_fits(s, t, "prompt")?;
-        s.engine
-            .tokenizer()
-            .encode(t)
-            .map_err(|e| bad(&e.to_string()))
-    };
-    let ids = |v: &[Value]| -> Result<Vec<TokenId>, ApiError> {
-        v.iter()
-            .map(|x| {
-                x.as_u64()
-                    .and_then(|n| TokenId::try_from(n).ok())
-                    .ok_or_else(|| bad("token ids must be non-negative integers"))
-            })
-            .collect()
-    };
-    let in_vocab = |ids: Vec<TokenId>| -> Result<Vec<TokenId>, ApiError> {
-        // The model indexes its embedding with these: an id past the vocabulary is bad input.
-        let vocab = s.engine.tokenizer().vocab_size();
-        match ids.iter().find(|&&t| t as usize >= vocab) {
-            Some(t) => Err(bad(&format!(
-                "token id {t} is out of vocabulary (size {vocab})"
-            ))),
-            None => Ok(ids),
+    let max_model_len = s.engine.config().max_model_len;
+    let input = prompt::read_body(body, max_model_len).map_err(|e| match e {
+        PromptError::Malformed(e) => {
+            ApiError::bad_request("malformed_json", format!("invalid request body: {e}"), None)
         }
-    };
-    match prompt {
-        Value::String(t) => encode(&t),
-        Value::Array(items) if items.is_empty() => Err(bad("prompt is empty")),
-        Value::Array(items) => match &items[0] {
-            Value::Number(_) => ids(&items).and_then(in_vocab),
-            Value::String(_) if items.len() == 1 => encode(items[0].as_str().unwrap_or("")),
-            Value::Array(inner) if items.len() == 1 => ids(inner).and_then(in_vocab),
-            _ => Err(bad(
-                "only one prompt per request is supported (batch prompts: send separate requests)",
-            )),
-        },
-        _ => Err(bad(
-            "prompt must be a string, a list of token ids, or a one-element list of either",
-        )),
+        PromptError::NotObject => ApiError::bad_request(
+            "malformed_json",
+            "invalid request body: expected a JSON object",
+            None,
+        ),
+        PromptError::Missing => bad("`prompt` is required"),
+        PromptError::Empty => bad("prompt is empty"),
+        PromptError::TooLong { tokens, max } => ApiError::bad_request(
+            "prompt_too_long",
+            prompt::too_long(max, tokens),
+            Some("prompt"),
+        ),
+        PromptError::Invalid(m) => bad(&format!("invalid request body: prompt: {m}")),
+    })?;
+    if input.count > 1 {
+        return Err(bad(
+            "only one prompt per request is supported (batch prompts: send separate requests)",
+        ));
+    }
+    match input.first {
+        Prompt::Text(t) => {
+            check_text_fits(s, &t, "prompt")?;
+            s.engine
+                .tokenizer()
+                .encode(&t)
+                .map_err(|e| bad(&e.to_string()))
+        }
+        Prompt::Ids(ids) => {
+            // The model indexes its embedding with these: an id past the vocabulary is bad input.
+            let vocab = s.engine.tokenizer().vocab_size();
+            match ids.iter().find(|&&t| t as usize >= vocab) {
+                Some(t) => Err(bad(&format!(
+                    "token id {t} is out of vocabulary (size {vocab})"
+                ))),
+                None => Ok(ids),
+            }
+        }
     }
 }
 
@@ -621,11 +593,7 @@ fn build_job(
             Some("top_p"),
         ));
     }
-    let stop = match p.stop {
-        None => Vec::new(),
-        Some(StopField::One(s)) => vec![s],
-        Some(StopField::Many(v)) => v,
-    };
+    let stop = p.stop.map(StringOrList::into_vec).unwrap_or_default();
     let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
     let id = format!(
         "{}-{}",
@@ -643,8 +611,8 @@ fn build_job(
         },
         max_tokens,
         ignore_eos: p.ignore_eos,
-        stop_token_ids: p.stop_token_ids.unwrap_or_default(),
-        kv_transfer_params: transfer_params(s, p.kv_transfer_params)?,
+        stop_token_ids: p.stop_token_ids.unwrap_or_default().0,
+        kv_transfer_params: transfer_params(s, p.kv_transfer_params.map(|v| v.0))?,
         arrival: std::time::Instant::now(),
         external_hashes: Vec::new(),
         pull_pinned_hashes: Vec::new(),
@@ -771,14 +739,12 @@ async fn parse_off_thread(
 }
 
 fn parse_completion(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
-    let mut fields = parse_object(body)?;
-    // Taken out, not copied: a long token-id prompt is the bulk of the body.
-    let prompt = fields.remove("prompt").ok_or_else(|| {
-        ApiError::bad_request("bad_param", "`prompt` is required", Some("prompt"))
-    })?;
-    let params: GenParams = typed(&Value::Object(fields))?;
+    // Read straight from the body, twice, as chat is: the prompt (bounded), then the other
+    // fields (skipping the prompt unread). No JSON tree of the body is built: one of a 64 MiB
+    // list of token ids took ~1 GiB.
+    let prompt = prompt_tokens(s, body)?;
+    let params: GenParams = typed_body(body)?;
     check_logprobs(s, false, &params)?;
-    let prompt = prompt_tokens(s, prompt)?;
     build_job(s, false, prompt, params)
 }
 
@@ -1316,6 +1282,73 @@ mod tests {
             let e = typed_body::<ChatFields>(bad).expect_err("malformed");
             assert_eq!((e.reason, e.param), ("malformed_json", None));
         }
+    }
+
+    /// `stop` and `stop_token_ids` hold at most `MAX_STOP` (1024) items each: one more is a 400
+    /// naming the field; exactly the bound is accepted. A one-string `stop` still works.
+    /// `kv_transfer_params` holds at most `MAX_TRANSFER_VALUES` JSON values.
+    #[test]
+    fn stop_lists_and_transfer_params_are_bounded() {
+        let strs = |n: usize| vec![r#""a""#; n].join(",");
+        let ids = |n: usize| vec!["7"; n].join(",");
+        let p: GenParams = typed_body(
+            format!(
+                r#"{{"stop":[{}],"stop_token_ids":[{}]}}"#,
+                strs(MAX_STOP),
+                ids(MAX_STOP)
+            )
+            .as_bytes(),
+        )
+        .expect("at the bound");
+        assert_eq!(p.stop.map(|s| s.into_vec().len()), Some(MAX_STOP));
+        assert_eq!(p.stop_token_ids.map(|s| s.0.len()), Some(MAX_STOP));
+        let p: GenParams = typed_body(br#"{"stop":"x"}"#).expect("one string");
+        assert_eq!(
+            p.stop.map(StringOrList::into_vec),
+            Some(vec!["x".to_owned()])
+        );
+        for (key, list) in [
+            ("stop", strs(MAX_STOP + 1)),
+            ("stop_token_ids", ids(100 * MAX_STOP)),
+        ] {
+            let e = typed_body::<GenParams>(format!(r#"{{"{key}":[{list}]}}"#).as_bytes())
+                .expect_err("over the bound");
+            assert_eq!(
+                (e.reason, e.param),
+                ("bad_param", Some(key)),
+                "{}",
+                e.message
+            );
+            assert!(
+                e.message.contains("at most 1024 per request"),
+                "{}",
+                e.message
+            );
+        }
+        // `kv_transfer_params` is bounded in JSON values, counted over its whole tree.
+        let big = format!(
+            r#"{{"kv_transfer_params":{{"remote_block_ids":[{}]}}}}"#,
+            ids(MAX_TRANSFER_VALUES)
+        );
+        let e = typed_body::<GenParams>(big.as_bytes()).expect_err("over the bound");
+        assert_eq!(e.param, Some("kv_transfer_params"), "{}", e.message);
+        assert!(
+            e.message.contains("at most 262144 per field"),
+            "{}",
+            e.message
+        );
+        let p: GenParams = typed_body(br#"{"kv_transfer_params":{"do_remote_decode":true}}"#)
+            .expect("small params");
+        assert_eq!(
+            p.kv_transfer_params.map(|v| v.0),
+            Some(json!({"do_remote_decode": true}))
+        );
+        // The prompt is not one of these fields: skipped unread.
+        let p: GenParams = typed_body(br#"{"prompt":[1,2,3],"stop":["s"]}"#).expect("params");
+        assert_eq!(
+            p.stop.map(StringOrList::into_vec),
+            Some(vec!["s".to_owned()])
+        );
     }
 
     fn logprobs(chat: bool, body: &str) -> Result<(Option<i128>, Option<i128>), ApiError> {

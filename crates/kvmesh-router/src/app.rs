@@ -215,16 +215,18 @@ async fn metrics(State(s): State<Arc<RouterState>>) -> Response {
 }
 
 async fn debug_prefix(State(s): State<Arc<RouterState>>, body: Bytes) -> Response {
-    let value: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(e) => return ApiError::bad_request(format!("invalid JSON: {e}")).into_response(),
+    // The same bounded reading as the OpenAI endpoints: a field map of at most
+    // `request::MAX_FIELDS` raw values, then `prompt` / `messages` read without a JSON tree.
+    let fields = match request::read_fields(&body) {
+        Ok(f) => f,
+        Err(e) => return e.into_response(),
     };
-    let tokens = if let Some(ids) = value.get("token_ids") {
-        request::prompt_tokens(ids, &*s.tokenizer)
-    } else if let Some(p) = value.get("prompt") {
-        request::prompt_tokens(p, &*s.tokenizer)
-    } else if let Some(m) = value.get("messages") {
-        request::chat_tokens(m, true, &*s.tokenizer)
+    let tokens = if let Some(ids) = fields.get("token_ids") {
+        request::raw_prompt_tokens(ids, &*s.tokenizer)
+    } else if let Some(p) = fields.get("prompt") {
+        request::raw_prompt_tokens(p, &*s.tokenizer)
+    } else if let Some(m) = fields.get("messages") {
+        request::raw_chat_tokens(m, true, &*s.tokenizer)
     } else {
         Err(ApiError::bad_request(
             "give one of 'prompt', 'token_ids' or 'messages'",

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use kvmesh_core::chat::Messages;
+use kvmesh_core::prompt::{self, Prompt, PromptError};
 use kvmesh_core::{TokenId, lax};
 use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
@@ -75,6 +76,60 @@ impl ParsedRequest {
     }
 }
 
+/// The most top-level fields a request body may have (vLLM's request models have far fewer): a
+/// body of millions of keys would otherwise fill the field map (tens of bytes a key). One more
+/// is a 400 as soon as its key is read.
+pub const MAX_FIELDS: usize = 256;
+
+/// The error text for one top-level field too many.
+pub fn too_many_fields() -> String {
+    format!("too many fields: at most {MAX_FIELDS} top-level fields per request")
+}
+
+/// A body's top-level fields, at most [`MAX_FIELDS`] of them, kept as raw JSON text.
+struct Fields(BTreeMap<String, Box<RawValue>>);
+
+impl<'de> Deserialize<'de> for Fields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(FieldsVisitor)
+    }
+}
+
+struct FieldsVisitor;
+
+impl<'de> serde::de::Visitor<'de> for FieldsVisitor {
+    type Value = Fields;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Fields, A::Error> {
+        let mut out = BTreeMap::new();
+        while let Some(key) = map.next_key::<String>()? {
+            // A repeated key replaces its value (the last one wins, as in vLLM's dict).
+            if out.len() == MAX_FIELDS && !out.contains_key(&key) {
+                return Err(serde::de::Error::custom(too_many_fields()));
+            }
+            let value = map.next_value()?;
+            out.insert(key, value);
+        }
+        Ok(Fields(out))
+    }
+}
+
+/// A request body's top-level fields (raw JSON values), at most [`MAX_FIELDS`] of them.
+pub fn read_fields(bytes: &[u8]) -> Result<BTreeMap<String, Box<RawValue>>, ApiError> {
+    match serde_json::from_slice::<Fields>(bytes) {
+        Ok(f) => Ok(f.0),
+        Err(e) if e.is_data() && e.to_string().starts_with(&too_many_fields()) => {
+            Err(ApiError::bad_request(too_many_fields()))
+        }
+        Err(e) if e.is_data() => Err(ApiError::bad_request("request body must be a JSON object")),
+        Err(e) => Err(ApiError::bad_request(format!("invalid JSON body: {e}"))),
+    }
+}
+
 /// Parses and tokenizes a request body. Fields are read as vLLM's pydantic models read them in
 /// lax mode (`"16"` or `16.0` for an integer, `"true"` or `1` for a boolean), so a body vLLM
 /// accepts is never refused here; a 400 names the field in `param`.
@@ -83,13 +138,7 @@ pub fn parse(
     bytes: Bytes,
     tokenizer: &dyn Tokenizer,
 ) -> Result<ParsedRequest, ApiError> {
-    let fields: BTreeMap<String, Box<RawValue>> = match serde_json::from_slice(&bytes) {
-        Ok(f) => f,
-        Err(e) if e.is_data() => {
-            return Err(ApiError::bad_request("request body must be a JSON object"));
-        }
-        Err(e) => return Err(ApiError::bad_request(format!("invalid JSON body: {e}"))),
-    };
+    let fields = read_fields(&bytes)?;
     // A scalar field as a JSON value; `None` when absent or null (pydantic's `X | None`). A list
     // or an object is refused unparsed: as a `Value` tree a 64 MiB list would take ~30x that.
     let scalar = |key: &'static str| -> Result<Option<Value>, ApiError> {
@@ -140,8 +189,7 @@ pub fn parse(
         ApiKind::Chat => {
             // Read with the shared bounds (kvmesh_core::chat): never a JSON tree of the list.
             let messages = match fields.get("messages") {
-                Some(r) if r.get() != "null" => serde_json::from_str::<Messages>(r.get())
-                    .map_err(|e| ApiError::bad_param("messages", format!("messages: {e}")))?,
+                Some(r) if r.get() != "null" => raw_messages(r)?,
                 _ => return Err(ApiError::bad_param("messages", "'messages' is required")),
             };
             let add_generation_prompt = match scalar("add_generation_prompt")? {
@@ -168,56 +216,44 @@ fn invalid(key: &'static str, expected: &str, got: &Value) -> ApiError {
     ApiError::bad_param(key, format!("{key}: Input should be {expected}, got {got}"))
 }
 
-/// Token ids of a raw `prompt`: a token-id list is parsed straight into integers; anything else
-/// goes through [`prompt_tokens`].
-fn raw_prompt_tokens(raw: &RawValue, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
-    if let Ok(ids) = serde_json::from_str::<Vec<TokenId>>(raw.get()) {
-        if ids.is_empty() {
-            return Err(ApiError::bad_param("prompt", "'prompt' must not be empty"));
-        }
-        return Ok(ids);
-    }
-    let value: Value = serde_json::from_str(raw.get())
-        .map_err(|e| ApiError::bad_param("prompt", format!("'prompt': {e}")))?;
-    prompt_tokens(&value, tokenizer)
-}
-
-/// Token ids of a completions `prompt`: text, token ids, or a one-element batch of either (a
-/// larger batch is scheduled by its first prompt).
-pub fn prompt_tokens(prompt: &Value, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
-    prompt_tokens_of(prompt, tokenizer).map_err(|e| e.with_param("prompt"))
-}
-
-fn prompt_tokens_of(prompt: &Value, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
-    match prompt {
-        Value::String(s) => encode(s, tokenizer),
-        Value::Array(items) if items.is_empty() => {
-            Err(ApiError::bad_param("prompt", "'prompt' must not be empty"))
-        }
-        Value::Array(items) if items[0].is_number() => token_ids(items),
-        Value::Array(items) => match &items[0] {
-            Value::String(s) => encode(s, tokenizer),
-            Value::Array(ids) if !ids.is_empty() => token_ids(ids),
-            _ => Err(ApiError::bad_request(
-                "'prompt' must be a string, a list of token ids, or a list of those",
-            )),
+/// Token ids of a raw `prompt`, read with `kvmesh_core::prompt` (never a JSON tree of it): text,
+/// token ids, or a batch of either (a larger batch is scheduled by its first prompt; the others
+/// are skipped unread and forwarded).
+pub fn raw_prompt_tokens(
+    raw: &RawValue,
+    tokenizer: &dyn Tokenizer,
+) -> Result<Vec<TokenId>, ApiError> {
+    // No length bound here beyond the body's: the engine knows its `max_model_len` and refuses.
+    match prompt::read_value(raw.get(), usize::MAX) {
+        Ok(p) => match p.first {
+            Prompt::Text(t) => encode(&t, tokenizer).map_err(|e| e.with_param("prompt")),
+            Prompt::Ids(ids) => Ok(ids),
         },
-        _ => Err(ApiError::bad_request(
-            "'prompt' must be a string or a list of token ids",
-        )),
+        Err(PromptError::Empty) => Err(ApiError::bad_param("prompt", "'prompt' must not be empty")),
+        Err(PromptError::Missing) => Err(ApiError::bad_param("prompt", "'prompt' is required")),
+        Err(PromptError::TooLong { tokens, max }) => {
+            Err(ApiError::bad_param("prompt", prompt::too_long(max, tokens)))
+        }
+        Err(PromptError::Invalid(m) | PromptError::Malformed(m)) => {
+            Err(ApiError::bad_param("prompt", format!("'prompt': {m}")))
+        }
+        Err(PromptError::NotObject) => Err(ApiError::bad_param("prompt", "'prompt': invalid")),
     }
 }
 
-/// Token ids of a `messages` array rendered with the tokenizer's chat template (read with the
-/// same bounds and flattening as a request body's, see [`kvmesh_core::chat`]).
-pub fn chat_tokens(
-    messages: &Value,
+/// A raw `messages` read with the shared bounds (`kvmesh_core::chat`): never a JSON tree.
+fn raw_messages(raw: &RawValue) -> Result<Messages, ApiError> {
+    serde_json::from_str::<Messages>(raw.get())
+        .map_err(|e| ApiError::bad_param("messages", format!("messages: {e}")))
+}
+
+/// Token ids of a raw `messages` array rendered with the tokenizer's chat template.
+pub fn raw_chat_tokens(
+    raw: &RawValue,
     add_generation_prompt: bool,
     tokenizer: &dyn Tokenizer,
 ) -> Result<Vec<TokenId>, ApiError> {
-    Messages::deserialize(messages)
-        .map_err(|e| ApiError::bad_request(format!("messages: {e}")))
-        .and_then(|m| chat_messages_tokens(m, add_generation_prompt, tokenizer))
+    chat_messages_tokens(raw_messages(raw)?, add_generation_prompt, tokenizer)
         .map_err(|e| e.with_param("messages"))
 }
 
@@ -247,14 +283,6 @@ fn encode(text: &str, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiErro
     tokenizer
         .encode(text)
         .map_err(|e| ApiError::bad_request(format!("tokenizer: {e}")))
-}
-
-fn token_ids(items: &[Value]) -> Result<Vec<TokenId>, ApiError> {
-    items
-        .iter()
-        .map(|v| v.as_u64().and_then(|n| TokenId::try_from(n).ok()))
-        .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| ApiError::bad_request("token ids must be non-negative 32-bit integers"))
 }
 
 #[cfg(test)]
@@ -464,6 +492,57 @@ mod tests {
             "{}",
             e.message
         );
+    }
+
+    /// At most `MAX_FIELDS` (256) top-level fields: exactly the bound parses, one more is a 400
+    /// naming the bound (issue 15: millions of keys filled the field map). A repeated key does
+    /// not count twice.
+    #[test]
+    fn top_level_fields_are_bounded() {
+        let body = |n: usize, extra: &str| {
+            let keys: Vec<String> = (1..n).map(|i| format!(r#""k{i}":0"#)).collect();
+            Bytes::from(format!(r#"{{"prompt":[1],{}{extra}}}"#, keys.join(",")))
+        };
+        let r = parse(ApiKind::Completions, body(MAX_FIELDS, ""), &ByteTokenizer).expect("at");
+        assert_eq!(r.fields.len(), MAX_FIELDS);
+        let r = parse(
+            ApiKind::Completions,
+            body(MAX_FIELDS, r#","k1":1"#),
+            &ByteTokenizer,
+        );
+        assert_eq!(r.expect("repeat").fields.len(), MAX_FIELDS);
+        for n in [MAX_FIELDS + 1, 1_000_000] {
+            let e = parse(ApiKind::Completions, body(n, ""), &ByteTokenizer).expect_err("over");
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+            assert!(
+                e.message.contains("at most 256 top-level fields"),
+                "{}",
+                e.message
+            );
+        }
+    }
+
+    /// `prompt` in all of vLLM's forms, read without a JSON tree; a batch is scheduled by its
+    /// first prompt and forwarded whole.
+    #[test]
+    fn prompt_forms_and_batches() {
+        for (body, want) in [
+            (r#"{"prompt":["hi",[1]]}"#, vec![104, 105]),
+            (r#"{"prompt":[[5,6],"x"]}"#, vec![5, 6]),
+            (r#"{"prompt":[9]}"#, vec![9]),
+        ] {
+            let r = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect(body);
+            assert_eq!(r.tokens, want, "{body}");
+            assert_eq!(r.body().expect("body"), Bytes::from(body));
+        }
+        for body in [
+            r#"{"prompt":[[]]}"#,
+            r#"{"prompt":null}"#,
+            r#"{"prompt":[1.5]}"#,
+        ] {
+            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            assert_eq!(e.param, Some("prompt"), "{body}");
+        }
     }
 
     /// A list where one value belongs is refused without building a JSON tree of it.

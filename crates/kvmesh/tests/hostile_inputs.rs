@@ -1214,3 +1214,106 @@ async fn logprobs_above_vllms_max_are_refused() {
     let (status, answer) = exchange_full(&fleet.engine_http_addr, &req, EXCHANGE).await;
     assert_eq!(status, Some(200), "{answer}");
 }
+
+/// Issue 15: a 64 MiB completions body holding one list of ~33 million token ids. The engine
+/// used to read it into a `serde_json::Value` tree (32+ bytes per id, ~1 GiB); it now reads
+/// `prompt` straight from the bytes (`kvmesh_core::prompt`), keeps at most `max_model_len` ids
+/// and counts the rest unread, answering vLLM's context-length 400. Peak RSS (`VmHWM`) growth is
+/// measured on both processes; the engine's must stay within the suite's RSS bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_64_mib_token_id_prompt_stays_within_the_rss_bound() {
+    let mut fleet = timeout(Duration::from_secs(60), start_fleet())
+        .await
+        .expect("fleet started");
+    fleet.normal_requests().await;
+    fleet.engine.baseline_kib = fleet.engine.rss_kib();
+    fleet.router.baseline_kib = fleet.router.rss_kib();
+    let ids = 64 * 1024 * 1024 / 2 - 64;
+    let mut body = String::with_capacity(2 * ids + 64);
+    body.push_str(r#"{"model":"sim","max_tokens":1,"prompt":["#);
+    for i in 0..ids {
+        body.push_str(if i == 0 { "1" } else { ",1" });
+    }
+    body.push_str("]}");
+    let req = post("/v1/completions", body.as_bytes());
+    drop(body);
+    let mut tried = 0;
+    for addr in [
+        fleet.engine_http_addr.clone(),
+        fleet.router_http_addr.clone(),
+    ] {
+        let peak_before = (fleet.engine.peak_rss_kib(), fleet.router.peak_rss_kib());
+        let (status, answer) = exchange_full(&addr, &req, Duration::from_secs(120)).await;
+        let peak_after = (fleet.engine.peak_rss_kib(), fleet.router.peak_rss_kib());
+        eprintln!(
+            "  {addr}: {ids} token ids ({} MiB) -> {status:?} {answer} (peak RSS MiB engine {} -> {}, router {} -> {})",
+            req.len() >> 20,
+            peak_before.0 / 1024,
+            peak_after.0 / 1024,
+            peak_before.1 / 1024,
+            peak_after.1 / 1024
+        );
+        assert_eq!(status, Some(400), "{addr}: {answer}");
+        let v: serde_json::Value = serde_json::from_str(&answer).expect("JSON error body");
+        assert_eq!(v["error"]["param"], "prompt", "{addr}: {answer}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains(&format!("However, your request has {ids} input tokens")),
+            "{addr}: {msg}"
+        );
+        let engine_peak_growth = peak_after.0.saturating_sub(fleet.engine.baseline_kib);
+        assert!(
+            engine_peak_growth < RSS_BOUND_KIB,
+            "{addr}: engine peak RSS grew by {engine_peak_growth} KiB (bound {RSS_BOUND_KIB} KiB)"
+        );
+        tried += 1;
+    }
+    fleet
+        .assert_healthy("a 64 MiB token-id prompt", tried)
+        .await;
+}
+
+/// Issue 15: a ~64 MiB body of millions of top-level keys. The router kept every one in its
+/// field map (a `String` and a boxed raw value each); it now refuses the 257th field
+/// (`MAX_FIELDS`) with a 400 as soon as its key is read. Peak RSS growth (`VmHWM`) is measured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn millions_of_top_level_fields_stay_within_the_rss_bound() {
+    let mut fleet = timeout(Duration::from_secs(60), start_fleet())
+        .await
+        .expect("fleet started");
+    fleet.normal_requests().await;
+    fleet.engine.baseline_kib = fleet.engine.rss_kib();
+    fleet.router.baseline_kib = fleet.router.rss_kib();
+    let keys = 5_000_000;
+    let mut body = String::with_capacity(14 * keys + 64);
+    body.push_str(r#"{"model":"sim","max_tokens":1,"prompt":[1]"#);
+    for i in 0..keys {
+        body.push_str(&format!(r#","k{i}":0"#));
+    }
+    body.push('}');
+    let req = post("/v1/completions", body.as_bytes());
+    drop(body);
+    let addr = fleet.router_http_addr.clone();
+    let peak_before = fleet.router.peak_rss_kib();
+    let (status, answer) = exchange_full(&addr, &req, Duration::from_secs(120)).await;
+    let peak_after = fleet.router.peak_rss_kib();
+    eprintln!(
+        "  {addr}: {keys} top-level fields ({} MiB) -> {status:?} {answer} (router peak RSS MiB {} -> {})",
+        req.len() >> 20,
+        peak_before / 1024,
+        peak_after / 1024
+    );
+    assert_eq!(status, Some(400), "{answer}");
+    assert!(
+        answer.contains("too many fields: at most 256 top-level fields per request"),
+        "{answer}"
+    );
+    let growth = peak_after.saturating_sub(fleet.router.baseline_kib);
+    assert!(
+        growth < RSS_BOUND_KIB,
+        "router peak RSS grew by {growth} KiB (bound {RSS_BOUND_KIB} KiB)"
+    );
+    fleet
+        .assert_healthy("millions of top-level fields", 1)
+        .await;
+}
