@@ -199,6 +199,10 @@ impl Default for P2pConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
     pub host: String,
+    /// The host every address this engine tells others uses (`--advertise-host`): the P2P
+    /// producer named in P/D hand-off params, the engine id, the KV-event endpoint announced at
+    /// startup. `None` = derived from `host` ([`EngineConfig::advertised_host`]).
+    pub advertise_host: Option<String>,
     /// 0 = pick a free port (the bound address is reported by the server).
     pub port: u16,
     pub served_model_name: String,
@@ -257,6 +261,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             host: "127.0.0.1".to_owned(),
+            advertise_host: None,
             port: 8000,
             served_model_name: "sim".to_owned(),
             block_size: 16,
@@ -298,7 +303,39 @@ impl EngineConfig {
                 self.p2p.pull_pin_fraction
             )));
         }
-        self.validate_producer()
+        self.validate_producer()?;
+        self.advertised_host().map(drop)
+    }
+
+    /// The host this engine names to peers (see [`resolve_advertise_host`]): what the P2P
+    /// producer's address, the P/D hand-off params and the announced KV-event endpoint use.
+    pub fn advertised_host(&self) -> Result<Option<String>, ConfigError> {
+        resolve_advertise_host(
+            &self.host,
+            self.advertise_host.as_deref(),
+            self.peer_reach(),
+        )
+    }
+
+    /// Who must reach this engine at an address it hands out. Only the P2P producer is ever
+    /// named to peers (P2P sources, P/D prefill and bi-directional params all point at it);
+    /// without it P/D roles return no params and so tell nobody an address.
+    pub fn peer_reach(&self) -> PeerReach {
+        if self.p2p.port.is_none() {
+            return PeerReach::Nobody;
+        }
+        let mut listed = self
+            .p2p
+            .allowed_consumers
+            .iter()
+            .filter(|s| !s.trim().is_empty())
+            .peekable();
+        // An empty allow-list admits anyone (with a secret), so peers may be anywhere.
+        if listed.peek().is_some() && listed.all(|s| is_loopback_net(s)) {
+            PeerReach::LoopbackOnly
+        } else {
+            PeerReach::Beyond
+        }
     }
 
     /// A P2P producer beyond loopback must authenticate its consumers or list them: otherwise
@@ -325,6 +362,118 @@ impl EngineConfig {
             )));
         }
         Ok(())
+    }
+}
+
+/// Who must connect to an address the engine hands out ([`EngineConfig::peer_reach`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerReach {
+    /// No service peers connect to is on: no address is handed out.
+    Nobody,
+    /// Peers exist but `--p2p-allowed-consumers` admits only loopback: they share this host.
+    LoopbackOnly,
+    /// Peers may be on other hosts.
+    Beyond,
+}
+
+/// Whether `host` binds every interface (`0.0.0.0`, `::`, `[::]`, ZeroMQ's `*`, or empty):
+/// such an address means nothing to a peer that should connect to it.
+pub fn is_wildcard_host(host: &str) -> bool {
+    let bare = strip_brackets(host);
+    bare.is_empty()
+        || bare == "*"
+        || bare
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_unspecified())
+}
+
+fn strip_brackets(host: &str) -> &str {
+    let t = host.trim();
+    t.strip_prefix('[')
+        .and_then(|r| r.strip_suffix(']'))
+        .unwrap_or(t)
+}
+
+/// The host an engine bound on `bind_host` tells others, given `--advertise-host` and who must
+/// reach it. Returned bare (an IPv6 address without brackets; [`host_port`] adds them).
+///
+/// - `--advertise-host` wins (it must be a host a peer can dial: not a wildcard).
+/// - Otherwise a concrete bind host is itself the address.
+/// - A wildcard bind with peers beyond this host is refused: no address we could pick is known
+///   to be reachable from them (loopback would send a peer to itself), so the operator names it.
+/// - A wildcard bind whose peers are all on loopback advertises loopback (of the bind's family).
+/// - A wildcard bind nobody needs to reach advertises nothing.
+pub fn resolve_advertise_host(
+    bind_host: &str,
+    advertise: Option<&str>,
+    reach: PeerReach,
+) -> Result<Option<String>, ConfigError> {
+    if let Some(adv) = advertise {
+        let bare = strip_brackets(adv);
+        if is_wildcard_host(bare) || bare.contains(|c: char| c.is_whitespace() || c == '/') {
+            return Err(ConfigError::Invalid(format!(
+                "--advertise-host `{adv}` is not an address peers can connect to (give this \
+                 engine's IP or DNS name, e.g. 10.0.0.7)"
+            )));
+        }
+        return Ok(Some(bare.to_owned()));
+    }
+    if !is_wildcard_host(bind_host) {
+        return Ok(Some(strip_brackets(bind_host).to_owned()));
+    }
+    match reach {
+        PeerReach::Nobody => Ok(None),
+        PeerReach::LoopbackOnly => {
+            let v6 = strip_brackets(bind_host).contains(':');
+            Ok(Some(if v6 { "::1" } else { "127.0.0.1" }.to_owned()))
+        }
+        PeerReach::Beyond => Err(ConfigError::Invalid(format!(
+            "--host {bind_host} binds all interfaces, but peers on other hosts must be told \
+             where to reach this engine's P2P producer (P2P sources, P/D hand-off params): set \
+             --advertise-host to the address they connect to (e.g. this machine's IP or the pod \
+             IP), or bind --host to that address"
+        ))),
+    }
+}
+
+/// An address this engine tells others: a host (IP or DNS name, bare) and a port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdvertisedAddr {
+    pub host: String,
+    pub port: u16,
+}
+
+impl std::fmt::Display for AdvertisedAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&host_port(&self.host, self.port))
+    }
+}
+
+/// `host:port`, with an IPv6 host in brackets (`[fd00::7]:7100`).
+pub fn host_port(host: &str, port: u16) -> String {
+    let bare = strip_brackets(host);
+    if bare.contains(':') {
+        format!("[{bare}]:{port}")
+    } else {
+        format!("{bare}:{port}")
+    }
+}
+
+/// Whether a `--p2p-allowed-consumers` entry admits only loopback addresses (`127.0.0.1`,
+/// `127.0.0.0/8`, `::1`); a wider or unparsable network does not.
+fn is_loopback_net(entry: &str) -> bool {
+    let (addr, prefix) = match entry.trim().split_once('/') {
+        Some((a, p)) => (a, p.parse::<u8>().ok()),
+        None => (entry.trim(), None),
+    };
+    let Ok(ip) = strip_brackets(addr).parse::<std::net::IpAddr>() else {
+        return false;
+    };
+    match ip.to_canonical() {
+        std::net::IpAddr::V4(v4) => {
+            v4.is_loopback() && prefix.is_none_or(|p| (8..=32).contains(&p))
+        }
+        std::net::IpAddr::V6(v6) => v6.is_loopback() && prefix.is_none_or(|p| p == 128),
     }
 }
 
@@ -390,6 +539,7 @@ mod tests {
             );
         }
         c.host = "0.0.0.0".into();
+        c.advertise_host = Some("10.0.0.7".into());
         c.p2p.allowed_consumers = vec!["10.0.0.0/8".into()];
         assert!(c.validate().is_ok());
         c.p2p.allowed_consumers = vec!["not-an-ip".into()];
@@ -405,6 +555,96 @@ mod tests {
         for host in ["127.0.0.1", "127.9.9.9", "localhost", "::1", "[::1]"] {
             assert!(is_loopback_host(host), "{host}");
         }
+    }
+
+    #[test]
+    fn the_advertised_host_follows_the_flag_then_a_concrete_bind_else_refuses() {
+        use PeerReach::{Beyond, LoopbackOnly, Nobody};
+        let ok = |bind: &str, adv: Option<&str>, reach| {
+            resolve_advertise_host(bind, adv, reach).unwrap()
+        };
+        let some = |h: &str| Some(h.to_owned());
+        // The flag wins over any bind host, whoever the peers are.
+        for bind in ["0.0.0.0", "::", "[::]", "127.0.0.1", "10.0.0.5", "*"] {
+            for reach in [Nobody, LoopbackOnly, Beyond] {
+                assert_eq!(
+                    ok(bind, Some("10.0.0.7"), reach),
+                    some("10.0.0.7"),
+                    "{bind}"
+                );
+            }
+        }
+        assert_eq!(ok("::", Some("[fd00::7]"), Beyond), some("fd00::7"));
+        assert_eq!(
+            ok("0.0.0.0", Some("engine-0.kv"), Beyond),
+            some("engine-0.kv")
+        );
+        // A concrete bind host is its own address.
+        for reach in [Nobody, LoopbackOnly, Beyond] {
+            assert_eq!(ok("10.0.0.5", None, reach), some("10.0.0.5"));
+            assert_eq!(ok("[fd00::5]", None, reach), some("fd00::5"));
+            assert_eq!(ok("engine-a", None, reach), some("engine-a"));
+            assert_eq!(ok("127.0.0.1", None, reach), some("127.0.0.1"));
+        }
+        // A wildcard bind: nothing to tell, loopback peers, or refused naming the flag.
+        for bind in ["0.0.0.0", "::", "[::]", "*", ""] {
+            assert_eq!(ok(bind, None, Nobody), None, "{bind}");
+            let err = resolve_advertise_host(bind, None, Beyond)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("--advertise-host"), "{bind}: {err}");
+        }
+        assert_eq!(ok("0.0.0.0", None, LoopbackOnly), some("127.0.0.1"));
+        assert_eq!(ok("::", None, LoopbackOnly), some("::1"));
+        // A wildcard is no address to hand out.
+        for adv in ["0.0.0.0", "::", "[::]", "*", "", " ", "10.0.0.7/8"] {
+            let err = resolve_advertise_host("10.0.0.5", Some(adv), Beyond)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("--advertise-host"), "{adv:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn peers_must_be_told_an_address_only_when_the_producer_serves_beyond_loopback() {
+        let mut c = EngineConfig {
+            host: "0.0.0.0".into(),
+            ..EngineConfig::default()
+        };
+        // No producer: P/D roles and bi-directional transfer hand out no address either.
+        c.p2p.role = Role::Prefill;
+        c.p2p.bidirectional_kv_xfer = true;
+        assert_eq!(c.peer_reach(), PeerReach::Nobody);
+        assert!(c.validate().is_ok());
+        c.p2p.port = Some(0);
+        c.p2p.allowed_consumers = vec!["127.0.0.0/8".into(), "::1".into(), " ".into()];
+        assert_eq!(c.peer_reach(), PeerReach::LoopbackOnly);
+        assert_eq!(c.advertised_host().unwrap().as_deref(), Some("127.0.0.1"));
+        for wider in ["10.0.0.0/8", "127.0.0.0/7", "0.0.0.0/0", "::/0", "bogus"] {
+            c.p2p.allowed_consumers = vec!["127.0.0.1".into(), wider.into()];
+            assert_eq!(c.peer_reach(), PeerReach::Beyond, "{wider}");
+        }
+        c.p2p.allowed_consumers = vec!["10.0.0.0/8".into()];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("--advertise-host") && err.contains("0.0.0.0"),
+            "{err}"
+        );
+        c.p2p.allowed_consumers.clear();
+        c.p2p.secret = Some(kvmesh_transfer::Secret::from("s"));
+        assert_eq!(c.peer_reach(), PeerReach::Beyond);
+        assert!(c.validate().is_err());
+        c.advertise_host = Some("10.0.0.7".into());
+        assert!(c.validate().is_ok());
+        assert_eq!(c.advertised_host().unwrap().as_deref(), Some("10.0.0.7"));
+    }
+
+    #[test]
+    fn host_port_brackets_ipv6() {
+        assert_eq!(host_port("10.0.0.7", 7100), "10.0.0.7:7100");
+        assert_eq!(host_port("fd00::7", 7100), "[fd00::7]:7100");
+        assert_eq!(host_port("[::1]", 1), "[::1]:1");
+        assert_eq!(host_port("engine-a", 80), "engine-a:80");
     }
 
     #[test]

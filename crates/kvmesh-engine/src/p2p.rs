@@ -241,11 +241,13 @@ pub async fn start_producer(
 ) -> Result<P2pProducer, P2pConfigError> {
     let server = producer_config(engine)?;
     let source = CpuTierSource::new(engine.cpu_tier().clone(), engine.fingerprint(), handoffs);
-    let (addr, task) = ProducerServer::bind((host, port), Arc::new(source), server, cancel)
+    // A bracketed IPv6 host (`[::1]`, as `--host` may be written) does not resolve as a tuple.
+    let bare = host.trim().trim_start_matches('[').trim_end_matches(']');
+    let (addr, task) = ProducerServer::bind((bare, port), Arc::new(source), server, cancel)
         .await
         .map_err(|e| match e {
             BindError::Io(source) => P2pConfigError::Bind {
-                addr: format!("{host}:{port}"),
+                addr: crate::config::host_port(host, port),
                 source,
             },
             unprotected @ BindError::Unprotected { .. } => P2pConfigError::Unprotected(unprotected),

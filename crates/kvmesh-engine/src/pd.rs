@@ -37,7 +37,6 @@
 //! retained blocks are evicted after unprotected ones, so a prefiller pinning every prompt never makes its own pulls (history reads)
 //! fail for want of room — a reader that comes too late recomputes.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -45,7 +44,7 @@ use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, KvTransferParams};
 
 use crate::admission::AdmissionHook;
-use crate::config::Role;
+use crate::config::{AdvertisedAddr, Role};
 use crate::cpu_tier::PinKind;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
 pub use crate::metrics::{PdMetrics, PdReadLabel, PdRetainLabel};
@@ -86,21 +85,17 @@ pub struct PdAdmission {
     p2p: P2pAdmission,
     /// This engine's P2P producer address as advertised in returned params (None: no producer,
     /// nothing can be served, so no params are returned).
-    advertised: Option<SocketAddr>,
+    advertised: Option<AdvertisedAddr>,
     engine_id: String,
 }
 
 impl PdAdmission {
-    pub fn new(consumer: Arc<P2pConsumer>, p2p_addr: Option<SocketAddr>) -> Self {
-        let advertised = p2p_addr.map(|a| {
-            if a.ip().is_unspecified() {
-                // Bound on all interfaces: loopback is the only address we know works.
-                SocketAddr::from(([127, 0, 0, 1], a.port()))
-            } else {
-                a
-            }
-        });
-        let engine_id = advertised.map_or_else(|| "kvmesh".to_owned(), |a| format!("kvmesh-{a}"));
+    /// `advertised` is the producer's address as peers reach it (`--advertise-host` and the
+    /// bound port; see [`crate::config::resolve_advertise_host`]), never a wildcard bind address.
+    pub fn new(consumer: Arc<P2pConsumer>, advertised: Option<AdvertisedAddr>) -> Self {
+        let engine_id = advertised
+            .as_ref()
+            .map_or_else(|| "kvmesh".to_owned(), |a| format!("kvmesh-{a}"));
         Self {
             p2p: P2pAdmission { consumer },
             advertised,
@@ -169,7 +164,7 @@ impl PdAdmission {
         num_tokens: usize,
         role: &'static str,
     ) -> Option<KvTransferParams> {
-        let addr = self.advertised?;
+        let addr = self.advertised.as_ref()?;
         let ttl = engine.config().p2p.decoder_kv_blocks_ttl;
         let until = Instant::now() + ttl;
         let n = engine.cpu_tier().pin_as(PinKind::Retain, hashes, until);
@@ -189,8 +184,9 @@ impl PdAdmission {
             remote_engine_id: Some(self.engine_id.clone().into()),
             remote_block_ids: Some(ids.into()),
             remote_request_id: Some(req.request_id.clone()),
-            remote_host: Some(addr.ip().to_string().into()),
-            remote_port: Some(addr.port().into()),
+            // Bare host (no IPv6 brackets): vLLM's NIXL params carry host and port apart.
+            remote_host: Some(addr.host.clone().into()),
+            remote_port: Some(addr.port.into()),
             tp_size: Some(1),
             remote_num_tokens: Some(num_tokens as u64),
             remote_blocks_expiry_time: Some(unix_now() + ttl.as_secs_f64()),

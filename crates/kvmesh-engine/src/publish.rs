@@ -46,6 +46,22 @@ pub struct EventPublishing {
     pub replay_endpoint: Option<String>,
 }
 
+/// The endpoint subscribers should connect to, for a PUB socket that bound `bound`
+/// (`tcp://0.0.0.0:5557`, `tcp://[::]:5557`, `tcp://10.0.0.7:5557`): a wildcard host is replaced
+/// by `advertise_host` (None when there is none to offer); a concrete one is kept. Returns None
+/// for an endpoint that is not `tcp://host:port`.
+pub fn advertised_endpoint(bound: &str, advertise_host: Option<&str>) -> Option<String> {
+    let rest = bound.strip_prefix("tcp://")?;
+    let (host, port) = rest.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let host = if crate::config::is_wildcard_host(host) {
+        advertise_host?
+    } else {
+        host
+    };
+    Some(format!("tcp://{}", crate::config::host_port(host, port)))
+}
+
 /// Starts the ZMQ publisher described by `--kv-events-config` (or a null sink when disabled).
 /// Must run inside a tokio runtime.
 pub async fn start_event_publisher(
@@ -77,4 +93,29 @@ pub async fn start_event_publisher(
         mode,
         replay_endpoint,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::advertised_endpoint;
+
+    #[test]
+    fn a_wildcard_events_endpoint_is_announced_at_the_advertised_host() {
+        let adv = Some("10.0.0.7");
+        assert_eq!(
+            advertised_endpoint("tcp://0.0.0.0:5557", adv).as_deref(),
+            Some("tcp://10.0.0.7:5557")
+        );
+        assert_eq!(
+            advertised_endpoint("tcp://[::]:5557", Some("fd00::7")).as_deref(),
+            Some("tcp://[fd00::7]:5557")
+        );
+        // A concrete bind is where subscribers connect, whatever is advertised elsewhere.
+        assert_eq!(
+            advertised_endpoint("tcp://127.0.0.1:5557", adv).as_deref(),
+            Some("tcp://127.0.0.1:5557")
+        );
+        assert_eq!(advertised_endpoint("tcp://0.0.0.0:5557", None), None);
+        assert_eq!(advertised_endpoint("ipc:///tmp/kv", adv), None);
+    }
 }

@@ -18,11 +18,11 @@ use crate::api::{ApiState, router};
 use crate::compute::ComputeBackend;
 use crate::compute::profiles;
 use crate::compute::sim::{SimBackend, SimConfig};
-use crate::config::{ConfigError, EngineConfig};
+use crate::config::{AdvertisedAddr, ConfigError, EngineConfig, host_port};
 use crate::engine::{Engine, EngineHandle, build_engine};
 use crate::p2p::{P2pConsumer, start_producer};
 use crate::pd::PdAdmission;
-use crate::publish::start_event_publisher;
+use crate::publish::{advertised_endpoint, start_event_publisher};
 
 /// Why a server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +67,14 @@ pub struct RunningServer {
     pub replay_endpoint: Option<String>,
     /// The P2P producer's bound address (real port), when `--p2p-port` is set.
     pub p2p_addr: Option<SocketAddr>,
+    /// The host this engine tells others ([`EngineConfig::advertised_host`]); None when it binds
+    /// all interfaces and nobody must reach it.
+    pub advertised_host: Option<String>,
+    /// The P2P producer's address as peers are told it (P/D hand-off params, engine id).
+    pub p2p_advertised: Option<AdvertisedAddr>,
+    /// Where KV-event subscribers connect, when this engine binds the PUB socket and the address
+    /// is known ([`crate::publish::advertised_endpoint`]).
+    pub events_advertised: Option<String>,
     /// The engine's P2P consumer (one shared pull client).
     pub p2p: Arc<P2pConsumer>,
     /// Stops the HTTP listener (then drains); the rest stops once HTTP has drained.
@@ -142,9 +150,11 @@ pub async fn start_server(
     options: ServerOptions,
 ) -> Result<RunningServer, ServerError> {
     config.validate()?;
+    let advertised_host = config.advertised_host()?;
     let cancel = CancellationToken::new();
     let background = CancellationToken::new();
-    let addr = format!("{}:{}", config.host, config.port);
+    // Brackets an IPv6 host (`[::]:8000`); `:::8000` would not parse.
+    let addr = host_port(&config.host, config.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .map_err(|source| ServerError::Bind {
@@ -186,14 +196,26 @@ pub async fn start_server(
             return Err(e);
         }
     };
+    // Peers get the advertised host with the port actually bound (port 0 picks one).
+    let p2p_advertised = producer
+        .as_ref()
+        .zip(advertised_host.as_ref())
+        .map(|(p, host)| AdvertisedAddr {
+            host: host.clone(),
+            port: p.addr.port(),
+        });
+    let events_advertised = match (&publishing.endpoint, publishing.mode) {
+        (Some(ep), Some(kvmesh_events::EndpointMode::Bind)) => {
+            advertised_endpoint(ep, advertised_host.as_deref())
+        }
+        _ => None,
+    };
     let mut state = ApiState::new(engine.clone());
     // P/D hook: handles NIXL-style P/D params and delegates `remote_kv_source` to P2pAdmission.
-    state.admission_hook = Some(options.admission_hook.unwrap_or_else(|| {
-        Arc::new(PdAdmission::new(
-            consumer.clone(),
-            producer.as_ref().map(|p| p.addr),
-        ))
-    }));
+    state.admission_hook =
+        Some(options.admission_hook.unwrap_or_else(|| {
+            Arc::new(PdAdmission::new(consumer.clone(), p2p_advertised.clone()))
+        }));
     let app = router(state);
     let (stop, after) = (cancel.clone(), background.clone());
     let http = tokio::spawn(async move {
@@ -207,6 +229,9 @@ pub async fn start_server(
         events_mode: publishing.mode,
         replay_endpoint: publishing.replay_endpoint,
         p2p_addr: producer.as_ref().map(|p| p.addr),
+        advertised_host,
+        p2p_advertised,
+        events_advertised,
         p2p: consumer,
         cancel,
         background,

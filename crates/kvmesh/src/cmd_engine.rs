@@ -21,6 +21,12 @@ pub struct EngineCmd {
     list_profiles: bool,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// The host every address this engine tells others uses: the P2P producer in P/D hand-off
+    /// params and the KV-event endpoint it announces (e.g. this machine's IP or the pod IP).
+    /// Default: --host when it is a concrete address. Required with --host 0.0.0.0 / :: when a
+    /// P2P producer serves peers beyond loopback.
+    #[arg(long)]
+    advertise_host: Option<String>,
     /// HTTP port; 0 picks a free one (the startup line prints it).
     #[arg(long, default_value_t = 8000)]
     port: u16,
@@ -158,6 +164,7 @@ impl EngineCmd {
             .transpose()?;
         let cfg = EngineConfig {
             host: self.host.clone(),
+            advertise_host: self.advertise_host.clone(),
             port: self.port,
             served_model_name: self.served_model_name()?,
             block_size: self.block_size,
@@ -318,8 +325,15 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
     if let Some(addr) = &server.p2p_addr {
         println!("kvmesh engine p2p listening on {addr}");
     }
+    // A line of its own, so launchers parsing the line above still read a socket address.
+    if let Some(adv) = &server.p2p_advertised {
+        println!("kvmesh engine p2p advertised as {adv}");
+    }
     if let Some(ep) = &server.events_endpoint {
-        println!("{}", kv_events_line(ep, server.events_mode));
+        println!(
+            "{}",
+            kv_events_line(ep, server.events_mode, server.events_advertised.as_deref())
+        );
     }
     if let Some(ep) = &server.replay_endpoint {
         println!("kvmesh engine kv events replay bound on {ep}{}", scope(ep));
@@ -342,17 +356,28 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
 }
 
 /// The startup line for the PUB socket: says whether it listens or dials out, and where, because
-/// a connecting engine with no subscriber bound there publishes into the void.
-fn kv_events_line(endpoint: &str, mode: Option<kvmesh_events::EndpointMode>) -> String {
+/// a connecting engine with no subscriber bound there publishes into the void; a socket bound on
+/// all interfaces also says where subscribers connect (`advertised`).
+fn kv_events_line(
+    endpoint: &str,
+    mode: Option<kvmesh_events::EndpointMode>,
+    advertised: Option<&str>,
+) -> String {
     match mode {
         Some(kvmesh_events::EndpointMode::Connect) => format!(
             "kvmesh engine kv events connecting to {endpoint} (the subscriber must bind it; \
              events wait in a bounded buffer until it does)"
         ),
-        _ => format!(
-            "kvmesh engine kv events bound on {endpoint}{}",
-            scope(endpoint)
-        ),
+        _ => {
+            let scope = scope(endpoint);
+            match advertised.filter(|a| !scope.is_empty() && *a != endpoint) {
+                Some(adv) => format!(
+                    "kvmesh engine kv events bound on {endpoint} (all interfaces; subscribers \
+                     connect to {adv})"
+                ),
+                None => format!("kvmesh engine kv events bound on {endpoint}{scope}"),
+            }
+        }
     }
 }
 
@@ -374,15 +399,29 @@ mod tests {
     #[test]
     fn the_kv_events_line_says_bind_or_connect_and_where() {
         use kvmesh_events::EndpointMode::{Bind, Connect};
-        let c = kv_events_line("tcp://127.0.0.1:5557", Some(Connect));
+        let c = kv_events_line("tcp://127.0.0.1:5557", Some(Connect), None);
         assert!(
             c.contains("connecting to tcp://127.0.0.1:5557") && c.contains("must bind"),
             "{c}"
         );
-        let b = kv_events_line("tcp://127.0.0.1:5557", Some(Bind));
+        let b = kv_events_line(
+            "tcp://127.0.0.1:5557",
+            Some(Bind),
+            Some("tcp://127.0.0.1:5557"),
+        );
         assert_eq!(b, "kvmesh engine kv events bound on tcp://127.0.0.1:5557");
-        let all = kv_events_line("tcp://0.0.0.0:5557", Some(Bind));
+        let all = kv_events_line("tcp://0.0.0.0:5557", Some(Bind), None);
         assert!(all.ends_with("(all interfaces)"), "{all}");
+        let adv = kv_events_line(
+            "tcp://0.0.0.0:5557",
+            Some(Bind),
+            Some("tcp://10.0.0.7:5557"),
+        );
+        assert!(
+            adv.starts_with("kvmesh engine kv events bound on tcp://0.0.0.0:5557 (all interfaces")
+                && adv.ends_with("subscribers connect to tcp://10.0.0.7:5557)"),
+            "{adv}"
+        );
     }
 
     #[derive(Parser)]
@@ -415,6 +454,8 @@ mod tests {
             "0",
             "--p2p-allowed-consumers",
             "10.0.0.0/8,192.168.1.7",
+            "--advertise-host",
+            "10.0.0.7",
             "--p2p-max-connections-per-ip",
             "8",
             "--p2p-max-pins-per-lookup",
@@ -443,10 +484,24 @@ mod tests {
                 "--p2p-port",
                 "0",
                 "--p2p-secret-file",
-                &secret
+                &secret,
+                "--advertise-host",
+                "10.0.0.7"
             ])
             .is_ok()
         );
+        // Protected but with no address to hand peers: refused, naming the flag.
+        let err = config(&[
+            "--host",
+            "0.0.0.0",
+            "--p2p-port",
+            "0",
+            "--p2p-secret-file",
+            &secret,
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("--advertise-host"), "{err}");
         assert!(config(&["--p2p-port", "0"]).is_ok(), "loopback by default");
         assert!(
             config(&["--host", "0.0.0.0"]).is_ok(),
