@@ -88,6 +88,30 @@ fn vllm_replay_server(
     ep
 }
 
+/// Asks `ep` for a replay as a libzmq DEALER sending `request` (as vLLM's own clients do) and
+/// returns every reply up to and including the end marker.
+async fn dealer_replay(ep: String, request: Vec<Vec<u8>>) -> Vec<Vec<Vec<u8>>> {
+    tokio::task::spawn_blocking(move || {
+        let ctx = zmq::Context::new();
+        let dealer = ctx.socket(zmq::DEALER).unwrap();
+        dealer.set_linger(0).unwrap();
+        dealer.set_rcvtimeo(5000).unwrap();
+        dealer.connect(&ep).unwrap();
+        dealer.send_multipart(request, 0).unwrap();
+        let mut got = Vec::new();
+        loop {
+            let m = dealer.recv_multipart(0).unwrap();
+            let end = m.get(2).is_some_and(|s| s[..] == REPLAY_END_SEQ);
+            got.push(m);
+            if end {
+                return got;
+            }
+        }
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn the_replay_client_reads_vllm_032_framing() {
     let frames = captured();
@@ -122,28 +146,8 @@ async fn kvmesh_replay_server_answers_exactly_like_vllm() {
         );
     }
     let ep = publisher.replay_endpoint().unwrap().to_owned();
-    // A libzmq DEALER sending REQ's envelope, as vLLM's own clients do.
-    let got = tokio::task::spawn_blocking(move || {
-        let ctx = zmq::Context::new();
-        let dealer = ctx.socket(zmq::DEALER).unwrap();
-        dealer.set_linger(0).unwrap();
-        dealer.set_rcvtimeo(5000).unwrap();
-        dealer.connect(&ep).unwrap();
-        dealer
-            .send_multipart([&b""[..], &1u64.to_be_bytes()[..]], 0)
-            .unwrap();
-        let mut got = Vec::new();
-        loop {
-            let m = dealer.recv_multipart(0).unwrap();
-            let end = m.get(2).is_some_and(|s| s[..] == REPLAY_END_SEQ);
-            got.push(m);
-            if end {
-                return got;
-            }
-        }
-    })
-    .await
-    .unwrap();
+    // REQ's envelope: an empty delimiter, then the start seq.
+    let got = dealer_replay(ep, vec![vec![], 1u64.to_be_bytes().to_vec()]).await;
     let mut want: Vec<Vec<Vec<u8>>> = frames
         .iter()
         .zip(&seqs)
@@ -394,25 +398,6 @@ async fn kvmesh_replay_server_matches_the_vllm_recording_byte_for_byte() {
             .unwrap();
     }
     let ep = publisher.replay_endpoint().unwrap().to_owned();
-    let request = rec.request.clone();
-    let got = tokio::task::spawn_blocking(move || {
-        let ctx = zmq::Context::new();
-        let dealer = ctx.socket(zmq::DEALER).unwrap();
-        dealer.set_linger(0).unwrap();
-        dealer.set_rcvtimeo(5000).unwrap();
-        dealer.connect(&ep).unwrap();
-        dealer.send_multipart(request, 0).unwrap();
-        let mut got = Vec::new();
-        loop {
-            let m = dealer.recv_multipart(0).unwrap();
-            let end = m.get(2).is_some_and(|s| s[..] == REPLAY_END_SEQ);
-            got.push(m);
-            if end {
-                return got;
-            }
-        }
-    })
-    .await
-    .unwrap();
+    let got = dealer_replay(ep, rec.request.clone()).await;
     assert_eq!(got, rec.replies);
 }

@@ -267,12 +267,12 @@ impl Legs<'_> {
     async fn decode(
         &self,
         decoders: &[Arc<Endpoint>],
-        parsed: ParsedRequest,
+        mut parsed: ParsedRequest,
         prefill: Prefilled,
         conv: Option<String>,
     ) -> Response {
         let first = self
-            .decode_on(decoders, parsed.clone(), &prefill, conv.clone())
+            .decode_on(decoders, &mut parsed, &prefill, conv.clone())
             .await;
         let (failure, failed) = match first {
             Ok(resp) => return resp,
@@ -290,7 +290,7 @@ impl Legs<'_> {
             return failure.error.into_response();
         }
         self.s.metrics.retries.inc();
-        match self.decode_on(&rest, parsed, &prefill, conv).await {
+        match self.decode_on(&rest, &mut parsed, &prefill, conv).await {
             Ok(resp) => resp,
             Err((second, _)) => second.error.into_response(),
         }
@@ -301,7 +301,7 @@ impl Legs<'_> {
     async fn decode_on(
         &self,
         decoders: &[Arc<Endpoint>],
-        mut parsed: ParsedRequest,
+        parsed: &mut ParsedRequest,
         prefill: &Prefilled,
         conv: Option<String>,
     ) -> Result<Response, Failed> {

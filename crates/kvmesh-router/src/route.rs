@@ -57,10 +57,12 @@ pub(crate) async fn route_aggregated(
     profile: Arc<Profile>,
     kind: ApiKind,
     headers: HeaderMap,
-    parsed: ParsedRequest,
+    mut parsed: ParsedRequest,
     t0: Instant,
 ) -> Response {
     let request_id = request_id(&headers);
+    // A first try may name a pull source in the body; a retry starts from the client's params.
+    let client_params = parsed.fields.get("kv_transfer_params").cloned();
     let keys = chain_keys(&parsed.tokens, s.config.block_size);
     let req = Attempt {
         s: &s,
@@ -71,12 +73,16 @@ pub(crate) async fn route_aggregated(
         keys: &keys,
         t0,
     };
-    match req.run(parsed.clone(), None).await {
+    match req.run(&mut parsed, None).await {
         Ok(resp) => resp,
         Err((failure, Some(failed))) if failure.retryable => {
             s.metrics.retries.inc();
             tracing::info!(endpoint = %failed.name, request_id, "retrying on another endpoint");
-            match req.run(parsed, Some(failed.id)).await {
+            match client_params {
+                Some(p) => parsed.fields.insert("kv_transfer_params".to_owned(), p),
+                None => parsed.fields.remove("kv_transfer_params"),
+            };
+            match req.run(&mut parsed, Some(failed.id)).await {
                 Ok(resp) => resp,
                 Err((second, Some(_))) => second.error.into_response(),
                 // No other endpoint to try: the first failure says what went wrong.
@@ -103,7 +109,7 @@ impl Attempt<'_> {
     /// the admission queue, it was admitted already) and forwards it.
     async fn run(
         &self,
-        mut parsed: ParsedRequest,
+        parsed: &mut ParsedRequest,
         excluded: Option<EndpointId>,
     ) -> Result<Response, Failed> {
         let (s, kind, headers, t0) = (self.s, self.kind, self.headers, self.t0);
@@ -133,7 +139,7 @@ impl Attempt<'_> {
             return Err(refused(ApiError::service_unavailable("no endpoint chosen")));
         };
         let source = name_source(decision.p2p.as_mut(), &fleet.eligible, request_id);
-        let source = source.filter(|src| attach_source(&mut parsed, src));
+        let source = source.filter(|src| attach_source(parsed, src));
         let local_tokens = chosen.any_blocks as u64 * bs as u64;
         let outcome = outcome(source.is_some(), local_tokens);
         let pulled_tokens = source.as_ref().map_or(0, |p| p.delta_tokens);

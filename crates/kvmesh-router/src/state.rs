@@ -102,12 +102,13 @@ pub(crate) struct Placement<'a> {
 }
 
 impl RouterState {
-    /// Counts a placement on `ep` and, once it has served [`SILENT_EVENTS_AFTER_PLACEMENTS`]
-    /// requests, checks that its configured event stream delivered something; if not, warns once
+    /// Counts a placement on `ep` and, every [`SILENT_EVENTS_AFTER_PLACEMENTS`] placements,
+    /// checks that its configured event stream delivered something; if not, warns once
     /// (log, `kvmesh_router_endpoint_events_silent`, `/debug/endpoints`).
     pub(crate) fn note_placement(&self, ep: &Endpoint) {
         let placed = ep.placed.fetch_add(1, Ordering::Relaxed) + 1;
-        if placed < SILENT_EVENTS_AFTER_PLACEMENTS || ep.spec.kv_events.is_none() {
+        // Checked every N-th placement, not on each: the feed's source table is behind a lock.
+        if !placed.is_multiple_of(SILENT_EVENTS_AFTER_PLACEMENTS) || ep.spec.kv_events.is_none() {
             return;
         }
         let silent = self.feed.batches_received(ep.id) == Some(0);
