@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::BIN;
-use kvmesh_bench::fleet::{EngineGroup, engine_args, free_port};
+use kvmesh_bench::fleet::{EngineGroup, engine_args};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 use tokio::time::{sleep, timeout};
@@ -135,14 +135,26 @@ fn spawn(args: &[String], log: &Path) -> Child {
 }
 
 async fn wait_healthy(http: &reqwest::Client, url: &str, child: &mut Child, log: &Path) {
+    if let Err(e) = healthy_or_exited(http, url, child, log).await {
+        panic!("{e}");
+    }
+}
+
+/// Waits for `url/health`; Err (with the log) if the process exited during start-up.
+async fn healthy_or_exited(
+    http: &reqwest::Client,
+    url: &str,
+    child: &mut Child,
+    log: &Path,
+) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok(Some(st)) = child.try_wait() {
-            panic!(
+            return Err(format!(
                 "{url} exited with {st} during start-up; log {}:\n{}",
                 log.display(),
                 std::fs::read_to_string(log).unwrap_or_default()
-            );
+            ));
         }
         let probe = http
             .get(format!("{url}/health"))
@@ -150,14 +162,25 @@ async fn wait_healthy(http: &reqwest::Client, url: &str, child: &mut Child, log:
             .send()
             .await;
         if probe.is_ok_and(|r| r.status().is_success()) {
-            return;
+            return Ok(());
         }
         assert!(Instant::now() < deadline, "{url} not healthy within 60 s");
         sleep(Duration::from_millis(50)).await;
     }
 }
 
-fn engine_slot(dir: &Path, i: usize) -> (EngineSlot, String) {
+/// `n` distinct free loopback ports: all are held open until every one is chosen, so two services
+/// never get the same port (`free_port` called in a row can hand the same one out twice).
+fn distinct_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
+}
+
+fn engine_slot(dir: &Path, i: usize, ports: &[u16]) -> (EngineSlot, String) {
     let group = EngineGroup {
         profile: Some("gpt-oss-120b-h200".into()),
         num_gpu_blocks: Some(4096),
@@ -175,12 +198,7 @@ fn engine_slot(dir: &Path, i: usize) -> (EngineSlot, String) {
         ],
         ..EngineGroup::default()
     };
-    let (port, events, replay, p2p) = (
-        free_port().unwrap(),
-        free_port().unwrap(),
-        free_port().unwrap(),
-        free_port().unwrap(),
-    );
+    let [port, events, replay, p2p] = [ports[0], ports[1], ports[2], ports[3]];
     let args = engine_args(&group, MODEL, i, port, events, Some(replay), Some(p2p));
     let name = format!("engine-{i}");
     let endpoint_yaml = format!(
@@ -223,11 +241,27 @@ fn router_args(r: &RouterSlot) -> Vec<String> {
     .to_vec()
 }
 
+/// Starts the fleet. A port chosen free can be taken by another process before the service binds
+/// it; that start-up failure (and only that one) is retried with fresh ports.
 async fn launch(dir: &Path, http: &reqwest::Client) -> Procs {
+    for attempt in 1.. {
+        match try_launch(dir, http).await {
+            Ok(procs) => return procs,
+            Err(e) if attempt < 3 && e.contains("Address already in use") => {
+                println!("launch attempt {attempt}: a port was taken meanwhile; retrying");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    unreachable!("the loop returns or panics")
+}
+
+async fn try_launch(dir: &Path, http: &reqwest::Client) -> Result<Procs, String> {
     let mut engines = Vec::new();
     let mut yaml = String::new();
+    let ports = distinct_ports(4 * ENGINES + 1);
     for i in 0..ENGINES {
-        let (slot, ep) = engine_slot(dir, i);
+        let (slot, ep) = engine_slot(dir, i, &ports[4 * i..4 * i + 4]);
         engines.push(slot);
         yaml.push_str(&ep);
     }
@@ -236,7 +270,7 @@ async fn launch(dir: &Path, http: &reqwest::Client) -> Procs {
     let mut procs = Procs {
         engines,
         router: RouterSlot {
-            port: free_port().unwrap(),
+            port: ports[4 * ENGINES],
             config,
             log: dir.join("router.log"),
             child: None,
@@ -246,10 +280,14 @@ async fn launch(dir: &Path, http: &reqwest::Client) -> Procs {
         e.child = Some(spawn(&e.args, &e.log));
     }
     for e in &mut procs.engines {
-        wait_healthy(http, &e.url, e.child.as_mut().unwrap(), &e.log).await;
+        healthy_or_exited(http, &e.url, e.child.as_mut().unwrap(), &e.log).await?;
     }
-    start_router(&mut procs.router, http).await;
-    procs
+    let r = &mut procs.router;
+    let mut child = spawn(&router_args(r), &r.log);
+    let url = format!("http://127.0.0.1:{}", r.port);
+    let up = healthy_or_exited(http, &url, &mut child, &r.log).await;
+    r.child = Some(child);
+    up.map(|()| procs)
 }
 
 async fn start_router(r: &mut RouterSlot, http: &reqwest::Client) {
