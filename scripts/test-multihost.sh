@@ -102,7 +102,8 @@ spawn_in_ns() {
   PIDS+=($!)
 }
 
-ENGINE_IPS="$(ip_of e1),$(ip_of e2),$(ip_of prefill),$(ip_of decode)"
+# Consumers may pull from the namespace network (a pod CIDR in Kubernetes), nothing else.
+ENGINE_NET="$SUBNET.0/24"
 printf 'multihost-shared-secret-%s\n' "$TAG" >"$WORK/p2p-secret"
 chmod 600 "$WORK/p2p-secret"
 
@@ -111,7 +112,7 @@ start_engine() {
   shift
   spawn_in_ns "$node" "$WORK/$node.log" "$BIN" engine \
     --host 0.0.0.0 --advertise-host "$(ip_of "$node")" --port 8000 \
-    --p2p-port 7100 --p2p-secret-file "$WORK/p2p-secret" --p2p-allowed-peers "$ENGINE_IPS" \
+    --p2p-port 7100 --p2p-secret-file "$WORK/p2p-secret" --p2p-allowed-peers "$ENGINE_NET" \
     --kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":""}' \
     --engine-label "$node" --time-scale 20 --num-gpu-blocks 4096 --cpu-offload-bytes 64MiB \
     "$@"

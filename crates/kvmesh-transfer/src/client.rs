@@ -23,6 +23,7 @@ use tokio::time::{Instant, timeout};
 use crate::auth::{self, Secret};
 use crate::connection::{Connection, ConnectionError};
 use crate::frame::{DEFAULT_MAX_FRAME, HEADER_LEN, PREAUTH_MAX_FRAME};
+use crate::limits::IpNet;
 use crate::mac::{self, Role, SessionKeys};
 use crate::message::{
     Auth, BlockStatus, Fetch, FetchEnd, Hello, Lookup, Message, PROTOCOL_VERSION, RefuseReason,
@@ -96,12 +97,14 @@ impl From<&RemoteKvSource> for PeerAddr {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum AllowEntry {
     Ip(IpAddr),
+    Net(IpNet),
     Socket(SocketAddr),
     Host(String),
     HostPort(String, u16),
 }
 
-/// Which peers a consumer may contact. Entries: `ip`, `ip:port`, `[v6]:port`, `host`,
+/// Which peers a consumer may contact. Entries: `ip`, `ip:port`, `[v6]:port`, a network
+/// (`10.0.0.0/8`, `fd00::/8`: a pod network whose addresses are not known in advance), `host`,
 /// `host:port`, or `*` (any peer — for closed test networks only). Empty = nobody.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AllowList {
@@ -150,7 +153,9 @@ impl AllowList {
             self.any = true;
             return Ok(());
         }
-        let entry = if let Ok(s) = item.parse::<SocketAddr>() {
+        let entry = if item.contains('/') {
+            AllowEntry::Net(item.parse::<IpNet>().map_err(|_| bad())?)
+        } else if let Ok(s) = item.parse::<SocketAddr>() {
             AllowEntry::Socket(s)
         } else if let Ok(ip) = item
             .trim_start_matches('[')
@@ -185,6 +190,7 @@ impl AllowList {
         }
         self.entries.iter().any(|e| match (e, peer) {
             (AllowEntry::Ip(ip), PeerAddr::Socket(s)) => *ip == s.ip(),
+            (AllowEntry::Net(net), PeerAddr::Socket(s)) => net.contains(s.ip()),
             (AllowEntry::Socket(a), PeerAddr::Socket(s)) => a == s,
             (AllowEntry::Host(h), PeerAddr::Host { host, .. }) => h == host,
             (AllowEntry::HostPort(h, p), PeerAddr::Host { host, port }) => h == host && p == port,
@@ -749,5 +755,18 @@ mod tests {
         assert!(AllowList::any().permits(&PeerAddr::new("anything", 1)));
         assert!("bad host!".parse::<AllowList>().is_err());
         assert!("h:notaport".parse::<AllowList>().is_err());
+    }
+
+    #[test]
+    fn allow_list_networks_admit_their_addresses_only() {
+        let list: AllowList = "10.244.0.0/16, fd00::/8".parse().expect("parse");
+        assert!(list.permits(&PeerAddr::new("10.244.3.7", 7100)));
+        assert!(list.permits(&PeerAddr::new("[fd00::5]", 7100)));
+        assert!(!list.permits(&PeerAddr::new("10.245.0.1", 7100)));
+        assert!(!list.permits(&PeerAddr::new("[fe80::1]", 7100)));
+        // A host name is never matched against a network: the list does not resolve.
+        assert!(!list.permits(&PeerAddr::new("pod.example", 7100)));
+        assert!("10.0.0.0/33".parse::<AllowList>().is_err());
+        assert!("host/8".parse::<AllowList>().is_err());
     }
 }

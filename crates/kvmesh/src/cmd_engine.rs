@@ -81,7 +81,8 @@ pub struct EngineCmd {
     /// TCP port of the P2P KV producer (0 picks a free one; the startup line prints it).
     #[arg(long)]
     p2p_port: Option<u16>,
-    /// Comma-separated hosts (or host:port) this engine may pull from.
+    /// Comma-separated hosts, host:port, networks (10.244.0.0/16) or `*` this engine may pull
+    /// from.
     #[arg(long, value_delimiter = ',')]
     p2p_allowed_peers: Vec<String>,
     /// Timeout of each P2P protocol step (connect, handshake, one block). A whole pull, waiting
