@@ -247,6 +247,10 @@ pub struct RouterConfig {
     /// A YAML file with `endpoints: [...]` (or a bare list), watched for changes.
     #[serde(default)]
     pub endpoints_file: Option<PathBuf>,
+    /// Where the endpoint list comes from: absent or `kind: static` = `endpoints` /
+    /// `endpoints_file`; `dns` and `kubernetes` discover it (`docs/discovery.md`).
+    #[serde(default)]
+    pub discovery: Option<DiscoveryConfig>,
     /// Router block size in tokens (engine block sizes must be multiples of it).
     #[serde(default = "default_block_size")]
     pub block_size: usize,
@@ -351,6 +355,9 @@ impl RouterConfig {
             return Err(ConfigError::Invalid("block_size must be > 0".into()));
         }
         validate_endpoints(&self.endpoints)?;
+        if let Some(d) = &self.discovery {
+            d.validate(!self.endpoints.is_empty() || self.endpoints_file.is_some())?;
+        }
         if self.decisions_capacity == 0 {
             return Err(ConfigError::Invalid(
                 "decisions_capacity must be > 0".into(),
@@ -416,6 +423,117 @@ pub fn load_endpoints_file(path: &Path) -> Result<Vec<EndpointSpec>, ConfigError
     };
     validate_endpoints(&list)?;
     Ok(list)
+}
+
+/// The `discovery:` section: where the endpoint list comes from. The types live here rather than
+/// in `discovery/` because they name [`Role`] and the config names them (no import circle).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum DiscoveryConfig {
+    /// `endpoints` / `endpoints_file`, hot-reloaded (the behaviour without a `discovery:` key).
+    Static,
+    Dns(DnsDiscovery),
+    Kubernetes(KubernetesDiscovery),
+}
+
+impl DiscoveryConfig {
+    /// `has_static_list`: the config also names `endpoints` or `endpoints_file`.
+    pub fn validate(&self, has_static_list: bool) -> Result<(), ConfigError> {
+        let kind = match self {
+            DiscoveryConfig::Static => return Ok(()),
+            DiscoveryConfig::Dns(d) => {
+                if d.name.trim().is_empty() {
+                    return Err(ConfigError::Invalid(
+                        "discovery.name must not be empty".into(),
+                    ));
+                }
+                if d.interval.is_zero() {
+                    return Err(ConfigError::Invalid(
+                        "discovery.interval must be > 0".into(),
+                    ));
+                }
+                "dns"
+            }
+            DiscoveryConfig::Kubernetes(k) => {
+                if k.label_selector.trim().is_empty() {
+                    // An empty selector would route to every pod of the namespace.
+                    return Err(ConfigError::Invalid(
+                        "discovery.label_selector must not be empty".into(),
+                    ));
+                }
+                "kubernetes"
+            }
+        };
+        if has_static_list {
+            return Err(ConfigError::Invalid(format!(
+                "discovery: kind {kind} finds the endpoints itself; remove `endpoints` and \
+                 `endpoints_file` (or use `discovery: {{kind: static}}`)"
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn default_discovery_interval() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_http_port() -> u16 {
+    8000
+}
+
+/// `kind: dns`: a (headless Service) name resolved every `interval`; one endpoint per A/AAAA
+/// address, named `dns:<ip>:<http_port>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsDiscovery {
+    pub name: String,
+    #[serde(default = "default_discovery_interval", with = "duration_str")]
+    pub interval: Duration,
+    #[serde(default = "default_http_port")]
+    pub http_port: u16,
+    #[serde(default)]
+    pub p2p_port: Option<u16>,
+    #[serde(default)]
+    pub kv_events_port: Option<u16>,
+    #[serde(default)]
+    pub role: Role,
+    /// Ask this name server (`ip:port`) instead of the system's (`/etc/resolv.conf`).
+    #[serde(default)]
+    pub nameserver: Option<std::net::SocketAddr>,
+}
+
+/// Container port names looked up in a pod's spec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PortNames {
+    pub http: String,
+    pub p2p: String,
+    pub kv_events: String,
+}
+
+impl Default for PortNames {
+    fn default() -> Self {
+        PortNames {
+            http: "http".to_owned(),
+            p2p: "p2p".to_owned(),
+            kv_events: "kv-events".to_owned(),
+        }
+    }
+}
+
+/// `kind: kubernetes`: pods watched through the Kubernetes API.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesDiscovery {
+    /// Default: the router pod's own namespace (from its service-account mount).
+    #[serde(default)]
+    pub namespace: Option<String>,
+    pub label_selector: String,
+    #[serde(default)]
+    pub ports: PortNames,
+    /// Role of pods without a `kvmesh.dev/role` annotation or label.
+    #[serde(default)]
+    pub role: Role,
 }
 
 /// When to disaggregate.
@@ -635,6 +753,61 @@ schedulingProfiles:
         bad = pd;
         bad.decider = Decider::Named("sometimes".into());
         assert!(bad.validate(&s).is_err());
+    }
+
+    #[test]
+    fn discovery_sections_parse_with_defaults() {
+        let c: RouterConfig = serde_norway::from_str(
+            "discovery: {kind: dns, name: e.ns.svc.cluster.local, p2p_port: 7100, kv_events_port: 5557}",
+        )
+        .expect("dns");
+        let Some(DiscoveryConfig::Dns(d)) = &c.discovery else {
+            panic!("{:?}", c.discovery)
+        };
+        assert_eq!(
+            (d.interval, d.http_port, d.p2p_port, d.role),
+            (Duration::from_secs(5), 8000, Some(7100), Role::Both)
+        );
+        c.validate().expect("valid");
+        let c: RouterConfig = serde_norway::from_str(
+            "discovery:\n  kind: kubernetes\n  label_selector: app=e\n  ports: {http: web}\n  role: decode\n",
+        )
+        .expect("kubernetes");
+        let Some(DiscoveryConfig::Kubernetes(k)) = &c.discovery else {
+            panic!("{:?}", c.discovery)
+        };
+        assert_eq!(k.namespace, None);
+        assert_eq!(
+            (k.ports.http.as_str(), k.ports.p2p.as_str()),
+            ("web", "p2p")
+        );
+        assert_eq!(k.role, Role::Decode);
+        let c: RouterConfig = serde_norway::from_str("discovery: {kind: static}").expect("static");
+        assert_eq!(c.discovery, Some(DiscoveryConfig::Static));
+        assert!(
+            serde_norway::from_str::<RouterConfig>("discovery: {kind: dns, name: x, port: 1}")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn discovery_with_a_static_list_is_refused() {
+        let c: RouterConfig = serde_norway::from_str(
+            "endpoints: [{name: a, url: \"http://127.0.0.1:1\"}]\ndiscovery: {kind: dns, name: x}",
+        )
+        .expect("parses");
+        let err = c.validate().expect_err("mixed").to_string();
+        assert!(err.contains("remove `endpoints`"), "{err}");
+        let c: RouterConfig = serde_norway::from_str(
+            "endpoints_file: f.yaml\ndiscovery: {kind: kubernetes, label_selector: a=b}",
+        )
+        .expect("parses");
+        assert!(c.validate().is_err());
+        let c: RouterConfig = serde_norway::from_str(
+            "endpoints: [{name: a, url: \"http://127.0.0.1:1\"}]\ndiscovery: {kind: static}",
+        )
+        .expect("parses");
+        c.validate().expect("static keeps the list");
     }
 
     #[test]

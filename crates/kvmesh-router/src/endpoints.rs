@@ -44,6 +44,10 @@ pub struct Endpoint {
     /// Configured with KV events but none arrived while it served requests (see
     /// `RouterState::check_events`).
     pub events_silent: AtomicBool,
+    /// What discovery says about readiness (a Kubernetes pod's Ready condition; always true for
+    /// static and DNS endpoints). Kept apart from `healthy` so the health loop, which only sees
+    /// the engine's `/health`, cannot re-admit a pod Kubernetes holds back.
+    discovered_ready: AtomicBool,
 }
 
 impl Endpoint {
@@ -60,6 +64,7 @@ impl Endpoint {
             metrics: Mutex::new(None),
             placed: AtomicU64::new(0),
             events_silent: AtomicBool::new(false),
+            discovered_ready: AtomicBool::new(true),
         }
     }
 
@@ -67,8 +72,17 @@ impl Endpoint {
         format!("{}{}", self.base_url, path)
     }
 
+    /// Placeable: passing health checks and ready as far as discovery knows.
     pub fn is_healthy(&self) -> bool {
+        self.passes_health_checks() && self.is_discovered_ready()
+    }
+
+    fn passes_health_checks(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
+    }
+
+    pub fn is_discovered_ready(&self) -> bool {
+        self.discovered_ready.load(Ordering::Relaxed)
     }
 
     pub fn serves_aggregated(&self) -> bool {
@@ -86,14 +100,14 @@ impl Endpoint {
         if ok {
             self.fail_streak.store(0, Ordering::Relaxed);
             let streak = self.ok_streak.fetch_add(1, Ordering::Relaxed) + 1;
-            if !self.is_healthy() && streak >= healthy_threshold.max(1) {
+            if !self.passes_health_checks() && streak >= healthy_threshold.max(1) {
                 self.healthy.store(true, Ordering::Relaxed);
                 return Some(true);
             }
         } else {
             self.ok_streak.store(0, Ordering::Relaxed);
             let streak = self.fail_streak.fetch_add(1, Ordering::Relaxed) + 1;
-            if self.is_healthy() && streak >= unhealthy_threshold.max(1) {
+            if self.passes_health_checks() && streak >= unhealthy_threshold.max(1) {
                 self.healthy.store(false, Ordering::Relaxed);
                 return Some(false);
             }
@@ -117,11 +131,27 @@ impl Endpoint {
     }
 }
 
+/// One endpoint as discovery reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Discovered {
+    pub spec: EndpointSpec,
+    /// Whether it may take requests now; a not-ready endpoint keeps its id and index entries.
+    pub ready: bool,
+}
+
+impl Discovered {
+    pub fn ready(spec: EndpointSpec) -> Discovered {
+        Discovered { spec, ready: true }
+    }
+}
+
 /// What a reload changed.
 #[derive(Default)]
 pub struct EndpointDiff {
     pub added: Vec<Arc<Endpoint>>,
     pub removed: Vec<Arc<Endpoint>>,
+    /// Kept endpoints whose discovered readiness flipped (the endpoint, its new readiness).
+    pub readiness: Vec<(Arc<Endpoint>, bool)>,
 }
 
 pub struct EndpointSet {
@@ -152,21 +182,34 @@ impl EndpointSet {
 
     /// Replaces the endpoint list with `specs` (already validated), keeping unchanged endpoints.
     pub fn apply(&self, specs: Vec<EndpointSpec>) -> EndpointDiff {
+        self.apply_discovered(specs.into_iter().map(Discovered::ready).collect())
+    }
+
+    /// [`EndpointSet::apply`] with readiness: a new endpoint is published with its readiness
+    /// already set (never briefly placeable), a kept one has it updated.
+    pub fn apply_discovered(&self, found: Vec<Discovered>) -> EndpointDiff {
         let _serial = self.reload.lock();
         let old = self.current.load_full();
         let mut by_name: HashMap<&str, &Arc<Endpoint>> =
             old.iter().map(|e| (e.spec.name.as_str(), e)).collect();
         let mut diff = EndpointDiff::default();
-        let mut next = Vec::with_capacity(specs.len());
-        for spec in specs {
+        let mut next = Vec::with_capacity(found.len());
+        for Discovered { spec, ready } in found {
             match by_name.remove(spec.name.as_str()) {
-                Some(e) if e.spec == spec => next.push(Arc::clone(e)),
+                Some(e) if e.spec == spec => {
+                    if e.discovered_ready.swap(ready, Ordering::Relaxed) != ready {
+                        diff.readiness.push((Arc::clone(e), ready));
+                    }
+                    next.push(Arc::clone(e));
+                }
                 prev => {
                     if let Some(p) = prev {
                         diff.removed.push(Arc::clone(p));
                     }
                     let id = EndpointId(self.next_id.fetch_add(1, Ordering::Relaxed));
-                    let e = Arc::new(Endpoint::new(id, spec));
+                    let e = Endpoint::new(id, spec);
+                    e.discovered_ready.store(ready, Ordering::Relaxed);
+                    let e = Arc::new(e);
                     diff.added.push(Arc::clone(&e));
                     next.push(e);
                 }
@@ -215,6 +258,31 @@ mod tests {
         let d = set.apply(vec![spec("c", 4)]);
         assert_eq!(d.removed.len(), 2);
         assert_eq!(set.list().len(), 1);
+    }
+
+    #[test]
+    fn not_ready_is_kept_but_not_placeable_and_health_cannot_readmit_it() {
+        let set = EndpointSet::default();
+        let d = set.apply_discovered(vec![Discovered {
+            spec: spec("a", 1),
+            ready: false,
+        }]);
+        assert!(!d.added[0].is_healthy());
+        let id = set.list()[0].id;
+        let e = &set.list()[0];
+        assert_eq!(
+            e.record_health(true, 1, 1),
+            None,
+            "not ejected, so not readmitted"
+        );
+        assert!(!e.is_healthy());
+        let d = set.apply_discovered(vec![Discovered::ready(spec("a", 1))]);
+        assert_eq!(d.readiness.len(), 1);
+        assert!(d.added.is_empty() && d.removed.is_empty());
+        assert_eq!(set.list()[0].id, id);
+        assert!(set.list()[0].is_healthy());
+        let d = set.apply(vec![spec("a", 1)]);
+        assert!(d.readiness.is_empty());
     }
 
     #[test]

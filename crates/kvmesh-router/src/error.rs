@@ -124,4 +124,6 @@ pub enum RouterError {
     Io(#[from] std::io::Error),
     #[error("watching endpoints file: {0}")]
     Watch(String),
+    #[error(transparent)]
+    Discovery(#[from] crate::discovery::DiscoveryError),
 }

@@ -15,6 +15,7 @@ pub mod app;
 mod candidates;
 pub mod config;
 pub mod conversations;
+pub mod discovery;
 pub mod dispatch;
 pub mod endpoints;
 pub mod error;

@@ -1,5 +1,6 @@
 //! Wiring: config → endpoints, index, event feed, scheduler, metrics, background loops (scrape,
-//! health, endpoints-file watcher) and the HTTP server, with shutdown by token.
+//! health, endpoints-file watcher or endpoint discovery) and the HTTP server, with shutdown by
+//! token.
 //!
 //! The HTTP server is driven connection by connection with hyper (`axum::serve` has no
 //! header-read timeout): clients that send nothing, trickle their headers or stall their body
@@ -24,9 +25,12 @@ use kvmesh_sched::cost_model::CostModel;
 use kvmesh_sched::decisions::DecisionLog;
 
 use crate::app::app;
-use crate::config::{EndpointSpec, RouterConfig, TokenizerSpec, load_endpoints_file};
+use crate::config::{
+    DiscoveryConfig, EndpointSpec, RouterConfig, TokenizerSpec, load_endpoints_file,
+};
 use crate::conversations::PdRouter;
-use crate::endpoints::EndpointSet;
+use crate::discovery::{DiscoveryOverrides, Sink};
+use crate::endpoints::{Discovered, EndpointSet};
 use crate::error::RouterError;
 use crate::feed::{EventFeed, NoEvents};
 use crate::metrics::{Kind, RouterMetrics};
@@ -43,6 +47,8 @@ pub struct RouterOptions {
     /// The file the config was loaded from. Without an `endpoints_file`, its inline `endpoints`
     /// list is watched and re-applied on change (other settings need a restart).
     pub config_path: Option<PathBuf>,
+    /// How `discovery:` reaches its source (a Kubernetes API config instead of the inferred one).
+    pub discovery: DiscoveryOverrides,
 }
 
 /// A running router.
@@ -115,7 +121,16 @@ pub async fn start(
             crate::config::ConfigError::Invalid("header_read_timeout must be > 0".into()).into(),
         );
     }
-    let watched = config.endpoints_file.clone().or(opts.config_path);
+    let discovered = matches!(
+        config.discovery,
+        Some(DiscoveryConfig::Dns(_) | DiscoveryConfig::Kubernetes(_))
+    );
+    // A discovered list must not be overwritten by the config file's (empty) inline list.
+    let watched = if discovered {
+        None
+    } else {
+        config.endpoints_file.clone().or(opts.config_path)
+    };
     let specs = match &config.endpoints_file {
         Some(path) => load_endpoints_file(path)?,
         None => config.endpoints.clone(),
@@ -213,6 +228,27 @@ pub async fn start(
         Arc::clone(&state.prefix),
         cancel.clone(),
     ));
+    if let Some(d) = &state.config.discovery {
+        let sink: Sink = {
+            let (state, feed) = (Arc::clone(&state), Arc::clone(&feed));
+            Arc::new(move |found: Vec<Discovered>| apply_discovered(&state, &*feed, found))
+        };
+        let started = crate::discovery::spawn(
+            d,
+            opts.discovery,
+            sink,
+            Arc::clone(&state.metrics),
+            &tracker,
+            cancel.clone(),
+        )
+        .await;
+        if let Err(e) = started {
+            // Loops already spawned must not outlive a router that failed to start.
+            cancel.cancel();
+            tracker.close();
+            return Err(e.into());
+        }
+    }
     if let Some(path) = watched {
         watch_endpoints_file(
             path,
@@ -245,7 +281,18 @@ pub async fn start(
 
 /// Applies a new endpoint list: subscribes new endpoints' events, forgets removed ones.
 pub fn apply_endpoints(state: &RouterState, feed: &dyn EventFeed, specs: Vec<EndpointSpec>) {
-    let diff = state.endpoints.apply(specs);
+    apply_discovered(
+        state,
+        feed,
+        specs.into_iter().map(Discovered::ready).collect(),
+    );
+}
+
+/// [`apply_endpoints`] with readiness (discovery): a not-ready endpoint is kept, index entries
+/// and event subscription included, but not placed.
+pub fn apply_discovered(state: &RouterState, feed: &dyn EventFeed, found: Vec<Discovered>) {
+    let diff = state.endpoints.apply_discovered(found);
+    log_readiness(state, &diff.readiness);
     for e in &diff.removed {
         feed.remove_source(e.id);
         state.prefix.remove_endpoint(e.id);
@@ -267,6 +314,18 @@ pub fn apply_endpoints(state: &RouterState, feed: &dyn EventFeed, specs: Vec<End
             .get_or_create(&Kind { kind: "added" })
             .inc();
         tracing::info!(endpoint = %e.name, url = %e.spec.url, "endpoint added");
+    }
+}
+
+fn log_readiness(state: &RouterState, flipped: &[(Arc<crate::endpoints::Endpoint>, bool)]) {
+    for (e, ready) in flipped {
+        let kind = if *ready { "ready" } else { "not_ready" };
+        state
+            .metrics
+            .endpoint_changes
+            .get_or_create(&Kind { kind })
+            .inc();
+        tracing::info!(endpoint = %e.name, ready, "endpoint readiness changed");
     }
 }
 

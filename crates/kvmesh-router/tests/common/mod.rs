@@ -275,6 +275,7 @@ pub async fn start_router(yaml: &str, prefix: Option<Arc<dyn PrefixLookup>>) -> 
             prefix,
             tokenizer: None,
             config_path: None,
+            ..Default::default()
         },
     )
     .await
