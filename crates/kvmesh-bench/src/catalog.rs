@@ -1,6 +1,7 @@
 //! Workloads by name: what `kvmesh bench --workload` accepts, built from the generators in
 //! [`crate::workload`] and the trace replay in [`crate::trace`].
 
+use crate::hot_prefix::{fanout, fanout_pullers, skew, skew_exponents};
 use crate::trace;
 use crate::workload::{
     Scale, Workload, WorkloadError, WorkloadOptions, agentic_pd, docqa, fork, ladder, pool,
@@ -13,6 +14,10 @@ pub const WORKLOAD_NAMES: &[&str] = &[
     "pool",
     "docqa",
     "agentic-pd",
+    "fanout",
+    "fanout@<pullers>",
+    "skew",
+    "skew@<zipf exponent>",
     "trace:<file>",
 ];
 
@@ -36,6 +41,14 @@ pub fn build(
         }
         "docqa" => vec![docqa(scale, seed)],
         "agentic-pd" => vec![agentic_pd(scale, seed)],
+        "fanout" => fanout_pullers(scale)
+            .into_iter()
+            .map(|n| fanout(scale, seed, n))
+            .collect(),
+        "skew" => skew_exponents(scale)
+            .into_iter()
+            .map(|s| skew(scale, seed, s))
+            .collect(),
         other => {
             if let Some(path) = other.strip_prefix("trace:") {
                 vec![trace::workload(path, scale, seed, opts)?]
@@ -44,6 +57,24 @@ pub fn build(
                     .parse()
                     .map_err(|_| WorkloadError::Unknown(format!("pool rate {rate:?}")))?;
                 vec![pool(scale, seed, r)]
+            } else if let Some(n) = other.strip_prefix("fanout@") {
+                let n: usize = n
+                    .parse()
+                    .ok()
+                    .filter(|&n| (1..=64).contains(&n))
+                    .ok_or_else(|| {
+                        WorkloadError::Unknown(format!("fanout pullers {n:?} (1..=64)"))
+                    })?;
+                vec![fanout(scale, seed, n)]
+            } else if let Some(e) = other.strip_prefix("skew@") {
+                let e: f64 = e
+                    .parse()
+                    .ok()
+                    .filter(|e: &f64| e.is_finite() && (0.0..=4.0).contains(e))
+                    .ok_or_else(|| {
+                        WorkloadError::Unknown(format!("skew exponent {e:?} (0..=4)"))
+                    })?;
+                vec![skew(scale, seed, e)]
             } else {
                 return Err(WorkloadError::Unknown(format!(
                     "workload {other:?}; known: {}",

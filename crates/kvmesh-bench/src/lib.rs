@@ -13,6 +13,7 @@ pub mod catalog;
 pub mod client;
 pub mod driver;
 pub mod fleet;
+pub mod hot_prefix;
 pub mod launch;
 pub mod metrics;
 pub mod peers;

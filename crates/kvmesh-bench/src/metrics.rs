@@ -232,6 +232,29 @@ impl Evidence {
         (n > 0.0).then(|| sum / n)
     }
 
+    /// Per-engine prefill balance: the most prompt tokens one engine computed itself
+    /// (`prompt_tokens_by_source{source="local_compute"}`) over the fleet mean. 1.0 = even; a
+    /// hot owner computing everything pushes it towards the engine count. `None` when nothing
+    /// was computed.
+    pub fn prefill_balance(&self) -> Option<f64> {
+        let computed: Vec<f64> = self
+            .engines
+            .iter()
+            .map(|e| {
+                e.prompt_tokens_by_source
+                    .get("local_compute")
+                    .copied()
+                    .unwrap_or(0.0)
+            })
+            .collect();
+        let total: f64 = computed.iter().sum();
+        if computed.is_empty() || total <= 0.0 {
+            return None;
+        }
+        let max = computed.iter().copied().fold(0.0f64, f64::max);
+        Some(max / (total / computed.len() as f64))
+    }
+
     /// The fewest and the most requests one engine served (`None` without engines).
     pub fn requests_per_engine(&self) -> Option<(f64, f64)> {
         let mut it = self.engines.iter().map(|e| e.requests);
@@ -313,6 +336,23 @@ weird line without value
     }
 
     #[test]
+    fn prefill_balance_is_the_busiest_engine_over_the_mean() {
+        let engine = |computed: u32| {
+            EngineEvidence::from_exposition(
+                "e",
+                &format!(
+                    "vllm:prompt_tokens_by_source_total{{source=\"local_compute\"}} {computed}\n\
+                     vllm:prompt_tokens_by_source_total{{source=\"local_cache_hit\"}} 5000\n"
+                ),
+            )
+        };
+        let even = Evidence::from_engines(vec![engine(200), engine(200)], vec![]);
+        assert_eq!(even.prefill_balance(), Some(1.0));
+        let hot = Evidence::from_engines(vec![engine(300), engine(100), engine(200)], vec![]);
+        assert_eq!(hot.prefill_balance(), Some(1.5));
+    }
+
+    #[test]
     fn evidence_counts_a_transfer_once_across_directions() {
         let producer = EngineEvidence::from_exposition(
             "p",
@@ -346,6 +386,7 @@ weird line without value
         assert!(!none.moved_anything());
         assert_eq!(none.local_hit_rate(), None);
         assert_eq!(Evidence::default().requests_per_engine(), None);
+        assert_eq!(Evidence::default().prefill_balance(), None);
         assert_eq!(none.engine_ttft_mean_s(), None);
     }
 }

@@ -154,11 +154,16 @@ pub fn outside_engines_s(r: &ArmResult) -> Option<f64> {
     (n > 0).then(|| sum / n as f64 - engine)
 }
 
-/// `min–max` requests served per engine, from the engines' own counters.
+/// `min–max` requests served per engine, from the engines' own counters, and the prefill
+/// balance (busiest engine's computed prompt tokens over the mean; 1.0 = even).
 fn per_engine(r: &ArmResult) -> String {
-    match r.evidence.requests_per_engine() {
+    let requests = match r.evidence.requests_per_engine() {
         Some((lo, hi)) => format!("{lo:.0}–{hi:.0}"),
         None => "—".into(),
+    };
+    match r.evidence.prefill_balance() {
+        Some(b) => format!("{requests} (prefill max/mean {b:.2})"),
+        None => requests,
     }
 }
 

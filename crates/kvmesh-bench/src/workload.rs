@@ -140,7 +140,7 @@ pub struct WorkloadOptions {
     pub token_space: Option<TokenSpace>,
 }
 
-fn key(parts: &[u64]) -> u64 {
+pub(crate) fn key(parts: &[u64]) -> u64 {
     parts
         .iter()
         .fold(0x6b76_6d65_7368_u64, |acc, &p| mix(acc, p))
@@ -150,11 +150,11 @@ fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
 }
 
-fn secs_f(v: f64) -> Duration {
+pub(crate) fn secs_f(v: f64) -> Duration {
     Duration::from_secs_f64(v.max(0.0))
 }
 
-const GPU_BLOCK_TOKENS: usize = 16;
+pub(crate) const GPU_BLOCK_TOKENS: usize = 16;
 
 /// Transfer pricing ladder through the fleet: each fresh prefix is sent twice, one after the other
 /// (seed, then probe with another suffix); placement decides whether the probe hits, pulls or
@@ -652,10 +652,19 @@ mod tests {
 
     #[test]
     fn quick_keeps_the_shape_but_is_smaller() {
-        for name in ["fork", "pool", "docqa", "agentic-pd", "ladder"] {
+        for name in [
+            "fork",
+            "pool",
+            "docqa",
+            "agentic-pd",
+            "ladder",
+            "fanout",
+            "skew",
+        ] {
             let q = build(name, Scale::Quick, 1, &WorkloadOptions::default()).unwrap();
             let f = build(name, Scale::Full, 1, &WorkloadOptions::default()).unwrap();
-            assert!(q[0].num_requests() < f[0].num_requests(), "{name}");
+            let requests = |ws: &[Workload]| ws.iter().map(Workload::num_requests).sum::<usize>();
+            assert!(requests(&q) < requests(&f), "{name}");
             assert!(
                 q[0].fleet.max_model_len < f[0].fleet.max_model_len,
                 "{name}"
@@ -667,6 +676,16 @@ mod tests {
     fn unknown_names_are_errors() {
         assert!(build("nope", Scale::Quick, 1, &WorkloadOptions::default()).is_err());
         assert!(build("pool@x", Scale::Quick, 1, &WorkloadOptions::default()).is_err());
+        for bad in ["fanout@0", "fanout@x", "skew@-1", "skew@nan", "skew@9"] {
+            assert!(
+                build(bad, Scale::Quick, 1, &WorkloadOptions::default()).is_err(),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            build("skew@0.8", Scale::Quick, 1, &WorkloadOptions::default()).unwrap()[0].name,
+            "skew@0.8"
+        );
         assert_eq!(
             build("pool@8", Scale::Quick, 1, &WorkloadOptions::default()).unwrap()[0].name,
             "pool@8"

@@ -1,0 +1,267 @@
+//! Workloads where one prefix is much more wanted than the rest, the fleet dynamics the reference
+//! experiments stop short of (`docs/benchmarks.md#hot-prefixes`):
+//!
+//! - [`fanout`]: one engine holds a long prefix and `pullers` requests sharing it arrive at the
+//!   same instant, so as many engines want it at once. With transfer physics that share the
+//!   holder's link, each pull slows as `pullers` grows: the experiment asks whether the router
+//!   still pulls, spreads sources or recomputes.
+//! - [`skew`]: Poisson arrivals over a pool of shared prefixes whose popularity is Zipf with
+//!   exponent `s` (0 = uniform, the control): the hot owners' queues and per-engine prefill
+//!   balance.
+//!
+//! Pure data like every [`Workload`]; times are model time.
+
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::tokens::{Segment, TokenSpace};
+use crate::workload::{
+    FleetShape, GPU_BLOCK_TOKENS, Scale, Session, Start, Step, StepKind, Workload, key, secs_f,
+};
+
+/// Default puller counts `fanout` runs (one workload, one fresh fleet per count and arm).
+pub fn fanout_pullers(scale: Scale) -> Vec<usize> {
+    match scale {
+        Scale::Quick => vec![2, 6],
+        Scale::Full => vec![2, 4, 8],
+    }
+}
+
+/// Default Zipf exponents `skew` runs; 0 is the uniform control.
+pub fn skew_exponents(scale: Scale) -> Vec<f64> {
+    match scale {
+        Scale::Quick => vec![0.0, 1.2],
+        Scale::Full => vec![0.0, 0.8, 1.2],
+    }
+}
+
+/// Hot-prefix fan-out: a parent computes a `ctx`-token prefix on one engine; once it is done (and
+/// its blocks are in the holder's CPU tier and the router's index), `pullers` children sharing the
+/// prefix arrive together. The fleet has one engine more than the largest default puller count, so
+/// every child can land on an engine without the prefix.
+pub fn fanout(scale: Scale, seed: u64, pullers: usize) -> Workload {
+    let (ctx, engines) = match scale {
+        Scale::Quick => (8192usize, 7usize),
+        Scale::Full => (32768, 9),
+    };
+    let pullers = pullers.max(1);
+    let context = key(&[60, seed]);
+    let mut sessions = vec![Session {
+        start: Start::At(Duration::ZERO),
+        steps: vec![Step {
+            gap: Duration::ZERO,
+            history: false,
+            segments: vec![
+                Segment::seeded(context, ctx),
+                Segment::seeded(key(&[61, seed]), 64),
+            ],
+            max_tokens: 16,
+            kind: StepKind::Parent,
+        }],
+    }];
+    for c in 0..pullers {
+        sessions.push(Session {
+            // Same instant for every child: the pulls overlap on the holder's link.
+            start: Start::After {
+                session: 0,
+                delay: Duration::from_millis(500),
+            },
+            steps: vec![Step {
+                gap: Duration::ZERO,
+                history: false,
+                segments: vec![
+                    Segment::seeded(context, ctx),
+                    Segment::seeded(key(&[62, seed, c as u64]), 128),
+                ],
+                max_tokens: 32,
+                kind: StepKind::Child,
+            }],
+        });
+    }
+    Workload {
+        name: format!("fanout@{pullers}"),
+        description: format!(
+            "one engine holds a {ctx}-token prefix; {pullers} requests sharing it arrive at once on a {engines}-engine fleet"
+        ),
+        seed,
+        token_space: TokenSpace::default(),
+        sessions,
+        max_active_sessions: None,
+        offered_rate: None,
+        request_timeout: Duration::from_secs(300),
+        fleet: FleetShape {
+            engines,
+            prefill: 0,
+            decode: 0,
+            num_gpu_blocks: (ctx * 4).div_ceil(GPU_BLOCK_TOKENS),
+            max_model_len: ctx + 1024,
+        },
+        min_cached_token_delta: 2048,
+    }
+}
+
+/// Cumulative Zipf(s) weights over ranks 1..=n (the last entry is 1).
+fn zipf_cdf(n: usize, s: f64) -> Vec<f64> {
+    let weights: Vec<f64> = (1..=n).map(|k| (k as f64).powf(-s)).collect();
+    let total: f64 = weights.iter().sum();
+    let mut acc = 0.0;
+    weights
+        .iter()
+        .map(|w| {
+            acc += w / total;
+            acc
+        })
+        .collect()
+}
+
+/// The rank (0-based) `u` in [0, 1) falls on.
+fn zipf_rank(cdf: &[f64], u: f64) -> usize {
+    cdf.partition_point(|&c| c <= u)
+        .min(cdf.len().saturating_sub(1))
+}
+
+/// Hot-prefix skew: Poisson arrivals at a fixed rate, each a shared prefix drawn Zipf(`exponent`)
+/// from the pool plus a fresh question. A server's GPU tier holds about a quarter of the pool,
+/// enough for the hot head, not for everything.
+pub fn skew(scale: Scale, seed: u64, exponent: f64) -> Workload {
+    let (prefixes, len, rate, duration_s, engines) = match scale {
+        Scale::Quick => (32usize, 4096usize, 6.0f64, 20.0f64, 4usize),
+        Scale::Full => (64, 8192, 10.0, 120.0, 8),
+    };
+    let exponent = if exponent.is_finite() && exponent >= 0.0 {
+        exponent
+    } else {
+        0.0
+    };
+    let cdf = zipf_cdf(prefixes, exponent);
+    let mut rng = ChaCha8Rng::seed_from_u64(key(&[70, seed, exponent.to_bits()]));
+    let mut t = 0.0f64;
+    let mut sessions = Vec::new();
+    let mut i = 0u64;
+    loop {
+        let u: f64 = rng.random_range(f64::EPSILON..1.0);
+        t += -u.ln() / rate;
+        if t >= duration_s {
+            break;
+        }
+        let p = zipf_rank(&cdf, rng.random_range(0.0..1.0)) as u64;
+        sessions.push(Session {
+            start: Start::At(secs_f(t)),
+            steps: vec![Step {
+                gap: Duration::ZERO,
+                history: false,
+                segments: vec![
+                    Segment::seeded(key(&[71, seed, p]), len),
+                    Segment::seeded(key(&[72, seed, i]), 128),
+                ],
+                max_tokens: 64,
+                kind: StepKind::Request,
+            }],
+        });
+        i += 1;
+    }
+    let offered = sessions.len() as f64 / duration_s;
+    let per_server_tokens = prefixes * len / 4;
+    Workload {
+        name: format!("skew@{exponent}"),
+        description: format!(
+            "{prefixes} prefixes × {len} tokens, Zipf popularity s={exponent}, Poisson {rate} req/s for {duration_s} s on {engines} engines"
+        ),
+        seed,
+        token_space: TokenSpace::default(),
+        sessions,
+        max_active_sessions: None,
+        offered_rate: Some(offered),
+        request_timeout: Duration::from_secs(120),
+        fleet: FleetShape {
+            engines,
+            prefill: 0,
+            decode: 0,
+            num_gpu_blocks: per_server_tokens.div_ceil(GPU_BLOCK_TOKENS),
+            max_model_len: len + 1024,
+        },
+        min_cached_token_delta: 2048,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::tokens::TokenGen;
+
+    fn prefix_key(s: &Session) -> u64 {
+        match &s.steps[0].segments[0] {
+            Segment::Seeded { key, .. } => *key,
+            Segment::Literal(_) => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn fanout_children_share_the_prefix_and_arrive_together() {
+        let w = fanout(Scale::Full, 3, 8);
+        assert_eq!(w.name, "fanout@8");
+        assert_eq!(w.sessions.len(), 9);
+        assert!(w.fleet.engines > 8, "every child can land on a non-holder");
+        let g = TokenGen::new(w.seed, w.token_space);
+        let parent = g.render(&w.sessions[0].steps[0].segments);
+        let starts: Vec<_> = w.sessions[1..]
+            .iter()
+            .map(|s| match s.start {
+                Start::After { session: 0, delay } => delay,
+                _ => panic!("children start after the parent"),
+            })
+            .collect();
+        assert!(starts.windows(2).all(|p| p[0] == p[1]), "one instant");
+        let c1 = g.render(&w.sessions[1].steps[0].segments);
+        let c2 = g.render(&w.sessions[2].steps[0].segments);
+        assert_eq!(parent[..32768], c1[..32768]);
+        assert_eq!(c1[..32768], c2[..32768]);
+        assert_ne!(c1[32768..], c2[32768..]);
+    }
+
+    #[test]
+    fn zipf_head_grows_with_the_exponent_and_zero_is_uniform() {
+        let share_of_top = |s: f64| {
+            let w = skew(Scale::Full, 5, s);
+            let mut counts = std::collections::HashMap::new();
+            for sess in &w.sessions {
+                *counts.entry(prefix_key(sess)).or_insert(0usize) += 1;
+            }
+            let mut c: Vec<usize> = counts.into_values().collect();
+            c.sort_unstable_by(|a, b| b.cmp(a));
+            (c[0] as f64 / w.sessions.len() as f64, c.len())
+        };
+        let (uniform_top, uniform_distinct) = share_of_top(0.0);
+        let (mid_top, _) = share_of_top(0.8);
+        let (hot_top, hot_distinct) = share_of_top(1.2);
+        // Uniform over 64: the most popular prefix gets a few percent, almost all are used.
+        assert!(uniform_top < 0.05, "{uniform_top}");
+        assert!(uniform_distinct >= 60, "{uniform_distinct}");
+        // Zipf(1.2) over 64: rank 1 carries ~24% of the mass.
+        assert!(hot_top > 0.18 && hot_top < 0.32, "{hot_top}");
+        assert!(uniform_top < mid_top && mid_top < hot_top);
+        assert!(hot_distinct <= uniform_distinct);
+    }
+
+    #[test]
+    fn zipf_cdf_is_a_distribution() {
+        let cdf = zipf_cdf(10, 1.0);
+        assert!((cdf[9] - 1.0).abs() < 1e-12);
+        assert!(cdf.windows(2).all(|p| p[0] < p[1]));
+        assert_eq!(zipf_rank(&cdf, 0.0), 0);
+        assert_eq!(zipf_rank(&cdf, 0.999_999_999), 9);
+        // Harmonic(10) = 2.929: rank 1 has 1/2.929 = 34% of the mass.
+        assert!((cdf[0] - 0.3414).abs() < 1e-3);
+    }
+
+    #[test]
+    fn skew_arrivals_are_poisson_at_the_rate() {
+        let w = skew(Scale::Full, 9, 1.2);
+        let n = w.sessions.len() as f64;
+        assert!((n - 1200.0).abs() < 1200.0 * 0.15, "{n}");
+        assert_eq!(w.name, "skew@1.2");
+    }
+}
