@@ -8,6 +8,7 @@ pub mod admission;
 pub mod compute;
 pub mod config;
 pub mod cpu_tier;
+pub mod link;
 pub mod outbox;
 pub mod p2p;
 pub mod pd;

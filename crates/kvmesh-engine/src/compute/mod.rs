@@ -14,6 +14,7 @@
 
 pub mod profiles;
 pub mod sim;
+pub mod sim_link;
 
 use kvmesh_core::{BlockHash, TokenId};
 use thiserror::Error;
