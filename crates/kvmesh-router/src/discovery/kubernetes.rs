@@ -457,6 +457,19 @@ mod tests {
         crate::config::validate_endpoints(&[d.spec]).expect("valid");
     }
 
+    /// In a cluster the API is https: the rustls client (ring, the only crypto provider built)
+    /// must build without a process-wide provider installed by hand.
+    #[tokio::test]
+    async fn https_client_builds_with_ring() {
+        let mut config = kube::Config::new("https://127.0.0.1:6443".parse().expect("uri"));
+        config.default_namespace = "kvmesh".into();
+        let (_, ns) = client(&cfg(), Some(config)).await.expect("https client");
+        assert_eq!(
+            ns, "kvmesh",
+            "the config's namespace when the YAML names none"
+        );
+    }
+
     #[test]
     fn pod_set_relists_atomically_and_reports_skips_once() {
         let c = cfg();
