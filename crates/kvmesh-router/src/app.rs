@@ -261,7 +261,7 @@ async fn debug_decisions(State(s): State<Arc<RouterState>>, Query(q): Query<Last
     axum::Json(refs).into_response()
 }
 
-/// Every endpoint as the router sees it: health, role, addresses, what it has placed there and
+/// Every endpoint as the router sees it: health and discovered readiness, role, addresses, what it has placed there and
 /// whether its event stream has delivered anything (a silent one is routed blind).
 async fn debug_endpoints(State(s): State<Arc<RouterState>>) -> Response {
     let list: Vec<Value> = s
@@ -274,6 +274,8 @@ async fn debug_endpoints(State(s): State<Arc<RouterState>>) -> Response {
                 "url": e.spec.url,
                 "role": e.spec.role,
                 "healthy": e.is_healthy(),
+                // False for a Kubernetes pod that is not Ready (then `healthy` is false too).
+                "ready": e.is_discovered_ready(),
                 "p2p": e.spec.p2p,
                 "kv_events": e.spec.kv_events.as_ref().map(|k| &k.endpoint),
                 "event_batches_received": s.feed.batches_received(e.id),

@@ -449,6 +449,18 @@ async fn kubernetes_discovery_follows_the_pod_watch_through_a_410_relist() {
         id0,
         "not ready keeps the endpoint and its id"
     );
+    let debug: serde_json::Value = reqwest::get(format!("http://{}/debug/endpoints", r.addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(debug[0]["name"], e0);
+    assert_eq!(
+        (&debug[0]["ready"], &debug[0]["healthy"]),
+        (&false.into(), &false.into())
+    );
+    assert_eq!(debug[1]["ready"], true);
 
     send(4).await; // DELETED: engine-1
     eventually("engine-1 removed", || {
