@@ -33,6 +33,8 @@ FROM debian:${DEBIAN_RELEASE}-slim AS runtime
 # router's Kubernetes API client (`discovery: {kind: kubernetes}`; rustls, linked statically): in a
 # pod it trusts the service account's CA, but with a kubeconfig that names no CA it reads the
 # system's roots, hence ca-certificates. Engines and the router speak plain HTTP to each other.
+# Not pinned (hadolint DL3008): ca-certificates should follow Debian's updates, not freeze.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/*

