@@ -1,0 +1,16 @@
+//! kvmesh-py: the native half of `kvmesh_vllm`, the package that makes a vLLM server a member of
+//! the kvmesh mesh through vLLM's KV connector interface (issue 14, `docs/vllm.md`).
+//!
+//! Pure Rust, testable without Python: [`store`] (the bounded CPU tier, a kvmesh-transfer
+//! `BlockSource`) and [`node`] (store + P2P producer + pull client on a private runtime). The
+//! Python bindings ([`python`], feature `python`, built by maturin as `kvmesh_vllm._native`) only
+//! convert arguments and release the GIL around everything that touches sockets or copies blocks.
+
+pub mod node;
+pub mod store;
+
+#[cfg(feature = "python")]
+pub mod python;
+
+pub use node::{Node, NodeConfig, NodeError, PullDone};
+pub use store::{CpuStore, Inserted, StoreStats};

@@ -1,0 +1,324 @@
+//! `kvmesh_vllm._native`: the Python face of [`Node`]. Arguments are converted here; everything
+//! that waits on a socket, copies blocks or checksums them runs with the GIL released
+//! (`Python::detach`), so vLLM's threads keep running while a pull is on the wire.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvmesh_core::hashing::none_hash_for_seed;
+use kvmesh_core::{BlockDigest, BlockHash, Fingerprint, HashAlgo};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::node::{Node, NodeConfig, PullDone};
+use crate::store::Inserted;
+
+fn hashes(v: &[u64]) -> Vec<BlockHash> {
+    v.iter().copied().map(BlockHash).collect()
+}
+
+/// `(blocks, outcome, reason, data)`: outcome `complete`/`partial`/`failed`, reason `None` when
+/// complete, data `None` for pulls into the store.
+type PullTuple<'py> = (
+    usize,
+    &'static str,
+    Option<String>,
+    Option<Bound<'py, PyBytes>>,
+);
+
+fn pull_tuple(py: Python<'_>, done: PullDone, into_store: bool) -> PullTuple<'_> {
+    let reason = done.report.outcome.reason().map(ToString::to_string);
+    let data = (!into_store).then(|| PyBytes::new(py, &done.data));
+    (
+        done.report.blocks,
+        done.report.outcome.label(),
+        reason,
+        data,
+    )
+}
+
+/// NONE_HASH (hex) as vLLM derives it: `H(cbor(seed))`, seed `PYTHONHASHSEED` or vLLM's default.
+#[pyfunction]
+#[pyo3(signature = (hash_algo, seed=None))]
+fn none_hash(hash_algo: &str, seed: Option<&str>) -> PyResult<String> {
+    let algo: HashAlgo = hash_algo
+        .parse()
+        .map_err(|e| PyValueError::new_err(format!("{e}")))?;
+    Ok(none_hash_for_seed(
+        algo,
+        seed.unwrap_or(kvmesh_core::hashing::DEFAULT_NONE_HASH_SEED),
+    )
+    .to_hex())
+}
+
+/// A kvmesh mesh member: bounded CPU tier, P2P producer, pull client.
+#[pyclass(name = "Node", frozen)]
+struct PyNode {
+    inner: Node,
+}
+
+#[pymethods]
+impl PyNode {
+    #[new]
+    #[pyo3(signature = (
+        *, model_id, kv_dtype, block_size, num_layers, num_kv_heads, head_dim, hash_algo,
+        none_hash, cpu_bytes, listen_host=None, listen_port=0, allowed_peers=Vec::new(),
+        allowed_consumers=None, secret=None, timeout_ms=5000, max_pull_ms=30000
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        model_id: String,
+        kv_dtype: String,
+        block_size: u32,
+        num_layers: u32,
+        num_kv_heads: u32,
+        head_dim: u32,
+        hash_algo: &str,
+        none_hash: &str,
+        cpu_bytes: u64,
+        listen_host: Option<String>,
+        listen_port: u16,
+        allowed_peers: Vec<String>,
+        allowed_consumers: Option<Vec<String>>,
+        secret: Option<Vec<u8>>,
+        timeout_ms: u64,
+        max_pull_ms: u64,
+    ) -> PyResult<Self> {
+        let hash_algo: HashAlgo = hash_algo
+            .parse()
+            .map_err(|e| PyValueError::new_err(format!("{e}")))?;
+        let none_hash = BlockDigest::from_hex(none_hash)
+            .map_err(|e| PyValueError::new_err(format!("none_hash: {e}")))?
+            .to_hex();
+        let config = NodeConfig {
+            fingerprint: Fingerprint {
+                model_id,
+                kv_dtype,
+                block_size,
+                num_layers,
+                num_kv_heads,
+                head_dim,
+                hash_algo,
+                none_hash,
+            },
+            cpu_bytes,
+            listen: listen_host.map(|h| (h, listen_port)),
+            allowed_peers,
+            allowed_consumers,
+            secret,
+            timeout: Duration::from_millis(timeout_ms),
+            max_pull: Duration::from_millis(max_pull_ms),
+        };
+        let inner = py
+            .detach(|| Node::start(config))
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(Self { inner })
+    }
+
+    /// The producer's bound port, `None` without a producer.
+    #[getter]
+    fn port(&self) -> Option<u16> {
+        self.inner.listen_addr().map(|a| a.port())
+    }
+
+    /// The fingerprint as a dict (what a peer must match).
+    fn fingerprint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let f = kvmesh_transfer::BlockSource::fingerprint(self.inner.store());
+        let d = PyDict::new(py);
+        d.set_item("model_id", f.model_id)?;
+        d.set_item("kv_dtype", f.kv_dtype)?;
+        d.set_item("block_size", f.block_size)?;
+        d.set_item("num_layers", f.num_layers)?;
+        d.set_item("num_kv_heads", f.num_kv_heads)?;
+        d.set_item("head_dim", f.head_dim)?;
+        d.set_item("hash_algo", f.hash_algo.as_str())?;
+        d.set_item("none_hash", f.none_hash)?;
+        Ok(d)
+    }
+
+    /// Indexes of `hashes` the tier does not hold.
+    fn missing(&self, hashes_in: Vec<u64>) -> Vec<usize> {
+        let store = self.inner.store();
+        hashes_in
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| !store.contains(BlockHash(**h)))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// How many leading `hashes` the tier holds.
+    fn leading_hits(&self, py: Python<'_>, hashes_in: Vec<u64>) -> usize {
+        let hs = hashes(&hashes_in);
+        py.detach(|| self.inner.store().leading_hits(&hs))
+    }
+
+    /// Store `len(hashes)` blocks given as one contiguous buffer of equal-sized blocks.
+    /// Returns `(stored, no_room)`.
+    fn insert_blocks(
+        &self,
+        py: Python<'_>,
+        hashes_in: Vec<u64>,
+        data: PyBuffer<u8>,
+    ) -> PyResult<(usize, usize)> {
+        let n = hashes_in.len();
+        let total = data.len_bytes();
+        if n == 0 {
+            return Ok((0, 0));
+        }
+        if !total.is_multiple_of(n) {
+            return Err(PyValueError::new_err(format!(
+                "{total} bytes do not split into {n} equal blocks"
+            )));
+        }
+        let mut buf = vec![0u8; total];
+        data.copy_to_slice(py, &mut buf)?;
+        let store = self.inner.store().clone();
+        Ok(py.detach(move || {
+            let all = Bytes::from(buf);
+            let size = total / n;
+            let (mut stored, mut no_room) = (0, 0);
+            for (i, h) in hashes_in.iter().enumerate() {
+                match store.insert(BlockHash(*h), all.slice(i * size..(i + 1) * size)) {
+                    Inserted::Stored { .. } => stored += 1,
+                    Inserted::NoRoom => no_room += 1,
+                    Inserted::Present => {}
+                }
+            }
+            (stored, no_room)
+        }))
+    }
+
+    /// The leading held blocks of `hashes`, concatenated (for tests and local reads).
+    fn read_leading<'py>(&self, py: Python<'py>, hashes_in: Vec<u64>) -> Bound<'py, PyBytes> {
+        let hs = hashes(&hashes_in);
+        let blocks = py.detach(|| self.inner.store().read_leading(&hs));
+        PyBytes::new(py, &blocks.concat())
+    }
+
+    /// Pull `hashes` from `host:port`, blocking (GIL released). `into_store`: into this node's
+    /// tier, else returned as bytes (`blocks × block_bytes`).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (host, port, kv_request_id, hashes_in, block_bytes, into_store=false))]
+    fn pull<'py>(
+        &self,
+        py: Python<'py>,
+        host: &str,
+        port: u16,
+        kv_request_id: &str,
+        hashes_in: Vec<u64>,
+        block_bytes: usize,
+        into_store: bool,
+    ) -> PullTuple<'py> {
+        let hs = hashes(&hashes_in);
+        let done = py.detach(|| {
+            self.inner
+                .pull_blocking(host, port, kv_request_id, &hs, block_bytes, into_store)
+        });
+        pull_tuple(py, done, into_store)
+    }
+
+    /// Start a background pull under `key`; poll it with `poll_pull`.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (key, host, port, kv_request_id, hashes_in, block_bytes, into_store=false))]
+    fn start_pull(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        host: &str,
+        port: u16,
+        kv_request_id: &str,
+        hashes_in: Vec<u64>,
+        block_bytes: usize,
+        into_store: bool,
+    ) {
+        let hs = hashes(&hashes_in);
+        py.detach(|| {
+            self.inner
+                .start_pull(key, host, port, kv_request_id, hs, block_bytes, into_store);
+        });
+    }
+
+    /// `None` while running or for an unknown key (see `is_pulling`); the pull's tuple once
+    /// finished (then forgotten).
+    #[pyo3(signature = (key, into_store=false))]
+    fn poll_pull<'py>(
+        &self,
+        py: Python<'py>,
+        key: &str,
+        into_store: bool,
+    ) -> Option<PullTuple<'py>> {
+        match self.inner.poll_pull(key) {
+            Some(Some(done)) => Some(pull_tuple(py, done, into_store)),
+            _ => None,
+        }
+    }
+
+    fn is_pulling(&self, key: &str) -> bool {
+        matches!(self.inner.poll_pull_peek(key), Some(false))
+    }
+
+    fn forget(&self, key: &str) {
+        self.inner.forget(key);
+    }
+
+    /// Hashes evicted since the last call (for `BlockRemoved` events).
+    fn take_removed(&self) -> Vec<u64> {
+        self.inner
+            .store()
+            .take_removed()
+            .into_iter()
+            .map(|h| h.0)
+            .collect()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.store().stats();
+        let d = PyDict::new(py);
+        d.set_item("blocks", s.blocks)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("budget", s.budget)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("pinned_blocks", s.pinned_blocks)?;
+        Ok(d)
+    }
+
+    /// Prometheus text of `kvmesh_p2p_*` and the tier's gauges.
+    fn metrics_text(&self) -> String {
+        self.inner.metrics_text()
+    }
+
+    /// Pulls by outcome and reason so far (`pulls_total{outcome,reason}`).
+    fn pulls(&self, outcome: &str, reason: &str) -> u64 {
+        let outcome = match outcome {
+            "complete" => "complete",
+            "partial" => "partial",
+            _ => "failed",
+        };
+        let reason = kvmesh_transfer::PullReason::ALL
+            .iter()
+            .map(kvmesh_transfer::PullReason::label)
+            .find(|l| *l == reason)
+            .unwrap_or("none");
+        self.inner.metrics().pulls(outcome, reason)
+    }
+
+    fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyNode>()?;
+    m.add_function(wrap_pyfunction!(none_hash, m)?)?;
+    m.add(
+        "PROTOCOL_VERSION",
+        kvmesh_transfer::message::PROTOCOL_VERSION,
+    )?;
+    Ok(())
+}
