@@ -119,8 +119,13 @@ impl EngineEvidence {
 pub struct Evidence {
     pub engines: Vec<EngineEvidence>,
     pub external_hit_tokens: f64,
-    /// Bytes moved by P2P pulls (counted once; see the module doc).
+    /// Wire bytes moved by P2P pulls (counted once; see the module doc). A sim engine's payload
+    /// is scaled down (`--sim-kv-bytes-per-token`): see `p2p_modelled_bytes`.
     pub p2p_bytes: f64,
+    /// Modelled bytes of those pulls: what the sim engines' modelled links carried (the real
+    /// model's KV, `kvmesh_p2p_modelled_bytes_total`); 0 for real engines and ladder mode.
+    #[serde(default)]
+    pub p2p_modelled_bytes: f64,
     /// Blocks moved by P2P pulls (counted once).
     pub p2p_blocks: f64,
     /// Pulls that moved at least one block (outcome complete/partial), when the engines report it.
@@ -156,7 +161,9 @@ impl Evidence {
                 .fold(0.0f64, f64::max)
         };
         let is_counter = |k: &str| !k.contains("_seconds") && !k.contains("duration");
-        let p2p_bytes = max_of(&|k| is_counter(k) && k.contains("bytes"));
+        let p2p_bytes =
+            max_of(&|k| is_counter(k) && k.contains("bytes") && !k.contains("modelled"));
+        let p2p_modelled_bytes = max_of(&|k| is_counter(k) && k.contains("modelled_bytes"));
         let p2p_blocks = max_of(&|k| is_counter(k) && k.contains("blocks"));
         let p2p_pulls = counters
             .iter()
@@ -195,6 +202,7 @@ impl Evidence {
                 .fold(0.0, |acc, e| acc + e.external_hit_tokens),
             engines,
             p2p_bytes,
+            p2p_modelled_bytes,
             p2p_blocks,
             p2p_pulls,
             p2p_counters: counters,
@@ -306,6 +314,23 @@ weird line without value
             e[0].labels,
             vec![("x".into(), "q\"uo,te".into()), ("y".into(), "2".into())]
         );
+    }
+
+    /// The sim's modelled bytes (the real model's KV) are reported next to the wire bytes,
+    /// never as them.
+    #[test]
+    fn modelled_bytes_are_kept_apart_from_wire_bytes() {
+        let e = EngineEvidence::from_exposition(
+            "x",
+            "kvmesh_p2p_payload_bytes_total{direction=\"in\"} 32768
+             kvmesh_p2p_modelled_bytes_total{direction=\"in\"} 75497472
+             kvmesh_p2p_blocks_total{direction=\"in\"} 64
+",
+        );
+        let ev = Evidence::from_engines(vec![e], vec![]);
+        assert_eq!(ev.p2p_bytes, 32768.0);
+        assert_eq!(ev.p2p_modelled_bytes, 75_497_472.0);
+        assert_eq!(ev.p2p_blocks, 64.0);
     }
 
     #[test]

@@ -133,6 +133,20 @@ fn bytes(v: f64) -> String {
     }
 }
 
+/// Wire bytes (the sim's scaled-down payload) and the bytes the modelled link carried (the real
+/// model's KV), labelled so neither is read as the other.
+fn wire_and_modelled(ev: &Evidence) -> String {
+    if ev.p2p_modelled_bytes > 0.0 {
+        format!(
+            "{} wire / {} modelled",
+            bytes(ev.p2p_bytes),
+            bytes(ev.p2p_modelled_bytes)
+        )
+    } else {
+        format!("{} wire", bytes(ev.p2p_bytes))
+    }
+}
+
 fn percent(v: f64) -> String {
     format!("{:.1} %", v * 100.0)
 }
@@ -204,7 +218,7 @@ impl BenchReport {
                 PromptFormat::Tokens => "token ids",
             }
         );
-        s.push_str("| workload | arm | ok / total | timeouts | TTFT p50 | TTFT p90 | TTFT p99 | E2E p50 | offered req/s | achieved req/s | external-hit tokens | P2P bytes | flags |\n");
+        s.push_str("| workload | arm | ok / total | timeouts | TTFT p50 | TTFT p90 | TTFT p99 | E2E p50 | offered req/s | achieved req/s | external-hit tokens | P2P bytes wire / modelled | flags |\n");
         s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
         for r in &self.results {
             let st = &r.stats;
@@ -223,7 +237,7 @@ impl BenchReport {
                 st.offered_rate,
                 st.achieved_rate,
                 r.evidence.external_hit_tokens,
-                bytes(r.evidence.p2p_bytes),
+                wire_and_modelled(&r.evidence),
                 if r.flags.is_empty() {
                     "ok".into()
                 } else {
@@ -424,7 +438,7 @@ impl BenchReport {
                     |v| format!("{v:.0}"),
                 ));
             }
-            rows.extend::<[Row; 8]>([
+            rows.extend::<[Row; 9]>([
                 (
                     "local prefix-cache hit rate (engines)",
                     |r| r.evidence.local_hit_rate(),
@@ -455,7 +469,16 @@ impl BenchReport {
                     |r| Some(r.evidence.external_hit_tokens),
                     |v| format!("{v:.0}"),
                 ),
-                ("P2P bytes moved", |r| Some(r.evidence.p2p_bytes), bytes),
+                (
+                    "P2P bytes moved (wire)",
+                    |r| Some(r.evidence.p2p_bytes),
+                    bytes,
+                ),
+                (
+                    "P2P bytes moved (modelled link)",
+                    |r| Some(r.evidence.p2p_modelled_bytes),
+                    bytes,
+                ),
                 (
                     "P2P blocks moved",
                     |r| Some(r.evidence.p2p_blocks),

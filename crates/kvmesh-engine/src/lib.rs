@@ -9,6 +9,7 @@ pub mod compute;
 pub mod config;
 pub mod cpu_tier;
 pub mod link;
+pub mod link_pacer;
 pub mod outbox;
 pub mod p2p;
 pub mod pd;

@@ -225,6 +225,8 @@ pub fn producer_config(engine: &EngineHandle) -> Result<ServerConfig, P2pConfigE
         max_pins_per_lookup: cfg.max_pins_per_lookup,
         max_pinned_per_peer: cfg.max_pinned_per_peer,
         metrics: engine.metrics().p2p.clone(),
+        // Serving is paced by this node's modelled link (sim), shared with its own pulls.
+        egress: engine.link_pacer(),
         ..ServerConfig::default()
     })
 }
@@ -400,7 +402,13 @@ impl P2pConsumer {
                 pending_deadline: cfg.pending_deadline,
                 secret: cfg.secret.clone(),
                 metrics: engine.metrics().p2p.clone(),
-                modelled_duration: Some(ModelledDuration(engine.modelled_block_pull_time())),
+                // A modelled link paces the pull itself (its wall time is then the modelled
+                // time, contention included); the ladder only gives a duration to report.
+                modelled_duration: engine
+                    .link_pacer()
+                    .is_none()
+                    .then(|| ModelledDuration(engine.modelled_block_pull_time())),
+                ingress: engine.link_pacer(),
                 ..ClientConfig::default()
             },
         );
@@ -444,10 +452,10 @@ impl P2pConsumer {
     /// Waits (until `deadline` at most) while any of `hashes` belongs to a pull in flight.
     ///
     /// For the sim backend: a pull's blocks land in the CPU tier at loopback speed, but the
-    /// pull holds its claim until the profile's modelled transfer time has passed. A request
-    /// that would use those blocks meanwhile (routed here as a local hit, say) must not get
-    /// them sooner than the modelled link delivers them, or P2P arms would win time no real
-    /// link gives.
+    /// pull holds its claim until the modelled transfer is done (the modelled link, or the
+    /// profile's ladder in `--sim-link ladder` mode). A request that would use those blocks
+    /// meanwhile (routed here as a local hit, say) must not get them sooner than the modelled
+    /// link delivers them, or P2P arms would win time no real link gives.
     pub async fn wait_for_pulls_in_flight(
         &self,
         hashes: &[BlockHash],

@@ -10,7 +10,8 @@
 //! Both go through [`P2pConsumer::read`]: hash the prompt's cacheable blocks, keep the leading
 //! run the peer may serve, take the local prefix (GPU, then CPU tier) first, pull the rest with
 //! the engine's one pull client ([`crate::p2p`]), mark what landed as external hits and, on a
-//! backend that models transfer time, hold the request until the modelled pull has passed.
+//! backend that models transfer time, hold the request until the modelled pull has passed (the
+//! modelled link's pacers, or the profile's ladder in `--sim-link ladder` mode).
 //! A read never fails the request: whatever did not arrive is computed.
 
 use std::sync::Arc;
@@ -212,11 +213,13 @@ impl P2pConsumer {
         );
         req.external_hashes.extend_from_slice(&pull.external);
         req.pull_pinned_hashes.extend_from_slice(&pull.pinned);
+        // A modelled link (sim) already held the pull until both ends' modelled transfers were
+        // done (the pacers in the pull client and the peer's producer). `--sim-link ladder`:
+        // the transfer costs what the profile's ladder says, however fast loopback was.
         if pull.report.blocks > 0
+            && engine.link_pacer().is_none()
             && let Some(modelled) = engine.modelled_pull_time(pull.report.blocks * bs)
         {
-            // Modelled link: the transfer costs what the profile says, however fast loopback
-            // was.
             tokio::time::sleep_until(pull.started + modelled).await;
         }
         ReadOutcome::Pulled {

@@ -18,6 +18,7 @@ use crate::api::{ApiState, router};
 use crate::compute::ComputeBackend;
 use crate::compute::profiles;
 use crate::compute::sim::{SimBackend, SimConfig};
+use crate::compute::sim_link::SimLink;
 use crate::config::{AdvertisedAddr, ConfigError, EngineConfig, host_port};
 use crate::engine::{Engine, EngineHandle, build_engine};
 use crate::p2p::{P2pConsumer, start_producer};
@@ -118,12 +119,31 @@ impl RunningServer {
     }
 }
 
-/// Builds the `sim` backend for `profile`.
+/// Builds the `sim` backend for `profile` on the default modelled link
+/// ([`crate::compute::sim_link::DEFAULT_SIM_LINK`]).
 pub fn sim_backend(
     config: &EngineConfig,
     profile: &str,
     time_scale: f64,
     kv_bytes_per_token: usize,
+) -> Result<Box<dyn ComputeBackend>, ServerError> {
+    sim_backend_with_link(
+        config,
+        profile,
+        time_scale,
+        kv_bytes_per_token,
+        SimLink::default(),
+    )
+}
+
+/// Builds the `sim` backend for `profile` whose P2P transfers cost what `link` says
+/// (`--sim-link`).
+pub fn sim_backend_with_link(
+    config: &EngineConfig,
+    profile: &str,
+    time_scale: f64,
+    kv_bytes_per_token: usize,
+    link: SimLink,
 ) -> Result<Box<dyn ComputeBackend>, ServerError> {
     let profile = profiles::profile(profile)
         .ok_or_else(|| ServerError::UnknownProfile(profile.to_owned()))?;
@@ -139,6 +159,7 @@ pub fn sim_backend(
         kv_bytes_per_token,
         block_size: config.block_size,
         model_id: format!("sim:{}", profile.name),
+        link,
     })))
 }
 

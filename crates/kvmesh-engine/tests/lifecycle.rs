@@ -69,6 +69,9 @@ impl ComputeBackend for PanicAfterArmed {
     fn modelled_pull_time(&self, tokens: usize) -> Option<Duration> {
         self.inner.modelled_pull_time(tokens)
     }
+    fn modelled_link(&self) -> Option<kvmesh_engine::compute::ModelledLink> {
+        self.inner.modelled_link()
+    }
     fn finalize_block(&mut self, block: BlockId, hash: BlockHash, kv: &mut KvArena) {
         self.inner.finalize_block(block, hash, kv)
     }

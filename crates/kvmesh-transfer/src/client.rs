@@ -29,6 +29,7 @@ use crate::message::{
     Auth, BlockStatus, Fetch, FetchEnd, Hello, Lookup, Message, PROTOCOL_VERSION, RefuseReason,
 };
 use crate::metrics::{Direction, TransferMetrics};
+use crate::pacing::LinkPacer;
 use crate::report::{PullOutcome, PullReason, PullReport};
 use crate::source::BlockSink;
 
@@ -238,6 +239,11 @@ pub struct ClientConfig {
     /// the longer of the wall time and this — what a request experienced, and what a router
     /// learning pull rates from these counters must see (loopback is faster than the model).
     pub modelled_duration: Option<ModelledDuration>,
+    /// A time-modelled engine's link ([`crate::pacing`]): each pull is registered on it as an
+    /// ingress transfer of the blocks it asks for when it starts, corrected to the blocks that
+    /// arrived, and returns only once both the real pull and the modelled transfer are done.
+    /// The pull-duration histogram then records that, contention included.
+    pub ingress: Option<std::sync::Arc<dyn LinkPacer>>,
 }
 
 /// Modelled transfer time of a number of blocks (see [`ClientConfig::modelled_duration`]).
@@ -262,6 +268,7 @@ impl Default for ClientConfig {
             max_pull_duration: None,
             metrics: TransferMetrics::default(),
             modelled_duration: None,
+            ingress: None,
         }
     }
 }
@@ -390,6 +397,14 @@ impl PullClient {
         let peer = peer.into();
         let start = Instant::now();
         let mut progress = Progress::default();
+        // Registered for what we ask for, before the first byte: the modelled link starts its
+        // setup while the real pull runs.
+        let mut paced = self
+            .config
+            .ingress
+            .as_ref()
+            .filter(|_| !hashes.is_empty())
+            .map(|p| p.begin(hashes.len()));
         let inner = self.pull_inner(&peer, kv_request_id, hashes, sink, &mut progress);
         let result = match deadline {
             None => inner.await,
@@ -398,6 +413,14 @@ impl PullClient {
                 .await
                 .unwrap_or(Err(PullReason::Timeout)),
         };
+        if let Some(p) = paced.as_mut() {
+            // Only what arrived crosses the modelled link; nothing arrived, nothing to wait for.
+            p.truncate(progress.blocks);
+            if progress.blocks > 0 {
+                p.reached(progress.blocks).await;
+            }
+        }
+        drop(paced);
         let outcome = match result {
             Ok(()) => PullOutcome::Complete,
             Err(reason) if progress.blocks > 0 => PullOutcome::Partial { reason },
@@ -711,6 +734,10 @@ impl PullClient {
                     progress.blocks += 1;
                     progress.bytes += len as u64;
                     self.config.metrics.record_block(Direction::In, len);
+                    if let Some(p) = &self.config.ingress {
+                        let modelled = p.modelled_bytes_per_block();
+                        self.config.metrics.record_modelled(Direction::In, modelled);
+                    }
                 }
                 Message::Done(d) => {
                     if d.blocks as usize != progress.blocks || d.bytes != progress.bytes {

@@ -10,6 +10,8 @@
 //! - [`server`] ([`ProducerServer`]) and [`client`] ([`PullClient`]): the service, talking to a
 //!   block store only through the [`BlockSource`] / [`BlockSink`] seams in [`source`].
 //!
+//! A time-modelled engine paces both ends by a model of its link through the [`pacing`] seams.
+//!
 //! A pull never fails a request: [`PullClient::pull`] returns a [`PullReport`] whose outcome says
 //! why it stopped and how many leading blocks arrived.
 
@@ -21,6 +23,7 @@ pub mod limits;
 pub mod mac;
 pub mod message;
 pub mod metrics;
+pub mod pacing;
 pub mod report;
 pub mod server;
 pub mod source;
@@ -29,6 +32,7 @@ pub use auth::Secret;
 pub use client::{AllowList, AllowListError, ClientConfig, ModelledDuration, PeerAddr, PullClient};
 pub use limits::{IpNet, IpNetError};
 pub use metrics::{Direction, TransferMetrics};
+pub use pacing::{LinkPacer, PacedTransfer};
 pub use report::{PullOutcome, PullReason, PullReport};
 pub use server::{BindError, ProducerServer, ServerConfig};
 pub use source::{BlockSink, BlockSource, BlockStatus, MemorySource, SinkError, VecSink};

@@ -53,6 +53,8 @@ pub struct TransferMetrics {
     pulls: Family<OutcomeLabels, Counter>,
     blocks: Family<DirectionLabels, Counter>,
     bytes: Family<DirectionLabels, Counter>,
+    /// Bytes the modelled link carried (time-modelled engines only; see `pacing`).
+    modelled_bytes: Family<DirectionLabels, Counter>,
     pull_duration: Histogram,
     /// Producer: connections refused, by reason (fingerprint, auth, not allowed, version).
     refused: Family<ReasonLabels, Counter>,
@@ -71,6 +73,7 @@ impl Default for TransferMetrics {
             pulls: Family::default(),
             blocks: Family::default(),
             bytes: Family::default(),
+            modelled_bytes: Family::default(),
             // 1 ms … ~33 s.
             pull_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             refused: Family::default(),
@@ -122,6 +125,7 @@ impl TransferMetrics {
             };
             let _ = self.blocks.get_or_create(&d);
             let _ = self.bytes.get_or_create(&d);
+            let _ = self.modelled_bytes.get_or_create(&d);
         }
         for reason in REFUSE_REASONS {
             let _ = self.refused.get_or_create(&ReasonLabels { reason });
@@ -138,9 +142,18 @@ impl TransferMetrics {
         );
         registry.register_with_unit(
             "kvmesh_p2p_payload",
-            "KV payload bytes moved over P2P, by direction",
+            "KV payload bytes moved over P2P, by direction: wire bytes (a sim engine's payload is \
+             scaled down; see kvmesh_p2p_modelled_bytes_total)",
             Unit::Bytes,
             self.bytes.clone(),
+        );
+        registry.register_with_unit(
+            "kvmesh_p2p_modelled",
+            "Modelled KV bytes moved over P2P, by direction: what the sim engine's modelled link \
+             carried (blocks x block size x the profile's real KV bytes per token), not wire bytes; \
+             0 on real engines",
+            Unit::Bytes,
+            self.modelled_bytes.clone(),
         );
         registry.register_with_unit(
             "kvmesh_p2p_pull_duration",
@@ -199,6 +212,14 @@ impl TransferMetrics {
             .inc_by(bytes as u64);
     }
 
+    pub(crate) fn record_modelled(&self, dir: Direction, bytes: u64) {
+        self.modelled_bytes
+            .get_or_create(&DirectionLabels {
+                direction: dir.label(),
+            })
+            .inc_by(bytes);
+    }
+
     /// `reason` is one of [`REFUSE_REASONS`].
     pub fn record_refused(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabels { reason }).inc();
@@ -254,6 +275,15 @@ impl TransferMetrics {
             .map_or(0, |c| c.get())
     }
 
+    /// Modelled bytes (see `kvmesh_p2p_modelled_bytes_total`).
+    pub fn modelled_bytes(&self, dir: Direction) -> u64 {
+        self.modelled_bytes
+            .get(&DirectionLabels {
+                direction: dir.label(),
+            })
+            .map_or(0, |c| c.get())
+    }
+
     pub fn refused(&self, reason: &'static str) -> u64 {
         self.refused
             .get(&ReasonLabels { reason })
@@ -299,6 +329,7 @@ mod tests {
             "kvmesh_p2p_pulls_total{outcome=\"failed\",reason=\"fingerprint_mismatch\"} 0",
             "kvmesh_p2p_blocks_total{direction=\"in\"} 0",
             "kvmesh_p2p_payload_bytes_total{direction=\"out\"} 0",
+            "kvmesh_p2p_modelled_bytes_total{direction=\"in\"} 0",
             "kvmesh_p2p_refused_connections_total{reason=\"auth_failed\"} 0",
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");

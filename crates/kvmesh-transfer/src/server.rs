@@ -40,6 +40,7 @@ use crate::message::{
     Message, MessageError, PROTOCOL_VERSION, RefuseReason, Refused,
 };
 use crate::metrics::{Direction, TransferMetrics};
+use crate::pacing::LinkPacer;
 use crate::source::BlockSource;
 
 /// Producer settings.
@@ -74,7 +75,19 @@ pub struct ServerConfig {
     /// Blocks one peer address may hold pinned over all its connections.
     pub max_pinned_per_peer: usize,
     pub metrics: TransferMetrics,
+    /// A time-modelled engine's link ([`crate::pacing`]): each fetch is registered on it as an
+    /// egress transfer and its blocks leave no sooner than the modelled link would carry them.
+    /// `None` (real engines): blocks leave as fast as the socket takes them.
+    pub egress: Option<Arc<dyn LinkPacer>>,
 }
+
+/// Blocks released per pacing step of a fetch. Pacing the whole fetch up front would hold the
+/// first block back for the whole modelled transfer: under heavy fan-out on one holder (each
+/// fetch getting 1/N of the link) that can exceed the consumer's per-block step timeout, which
+/// would then read a slow link as a dead peer. Released chunk by chunk, the gap between two block
+/// frames is one chunk's modelled time (64 blocks of 16 gpt-oss tokens = 75 MB, ~4 ms alone on
+/// the default link), while the consumer still sees the fetch end when the link says.
+pub const PACE_CHUNK_BLOCKS: usize = 64;
 
 /// Default [`ServerConfig::max_connections_per_ip`]: room for a busy consumer's concurrent pulls
 /// (its pool keeps 4 idle), a quarter of the overall 256.
@@ -107,6 +120,7 @@ impl Default for ServerConfig {
             max_pins_per_lookup: DEFAULT_MAX_PINS_PER_LOOKUP,
             max_pinned_per_peer: DEFAULT_MAX_PINNED_PER_PEER,
             metrics: TransferMetrics::default(),
+            egress: None,
         }
     }
 }
@@ -610,8 +624,18 @@ impl Handler {
         let looked_up: Vec<BlockHash> = self.pins.iter().map(|(h, _)| *h).collect();
         let (mut blocks, mut bytes) = (0u32, 0u64);
         let mut end = FetchEnd::Complete;
+        let n = f.hashes.len();
+        // Registered for every block asked for; dropped (deregistered) when the fetch ends,
+        // early or not.
+        let egress = cfg.egress.clone();
+        let mut paced = egress.as_ref().filter(|_| n > 0).map(|p| p.begin(n));
         for (i, &hash) in f.hashes.iter().enumerate() {
             let index = u32::try_from(i).unwrap_or(u32::MAX);
+            if let Some(p) = paced.as_mut()
+                && i % PACE_CHUNK_BLOCKS == 0
+            {
+                p.reached((i + PACE_CHUNK_BLOCKS).min(n)).await;
+            }
             if looked_up.get(i) != Some(&hash) {
                 // Not pinned by the lookup (pending then, or a different list): pin it now.
                 match self.pin_one(hash, deadline).await {
@@ -632,9 +656,17 @@ impl Handler {
             // Only the request the blocks were kept for releases a hand-off hold on them.
             self.shared.source.served(&self.kv_request_id, hash);
             self.shared.config.metrics.record_block(Direction::Out, len);
+            if let Some(p) = &egress {
+                let modelled = p.modelled_bytes_per_block();
+                self.shared
+                    .config
+                    .metrics
+                    .record_modelled(Direction::Out, modelled);
+            }
             blocks += 1;
             bytes += len as u64;
         }
+        drop(paced);
         self.release_pins();
         self.conn
             .write_message(&Message::Done(Done { blocks, bytes, end }))

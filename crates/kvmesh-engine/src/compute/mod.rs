@@ -126,6 +126,16 @@ pub struct BackendCapabilities {
     pub hash_derived_payloads: bool,
 }
 
+/// A backend's modelled link ([`ComputeBackend::modelled_link`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelledLink {
+    pub params: crate::link::LinkParams,
+    /// Modelled time runs this many times faster than the wall clock (`--time-scale`).
+    pub time_scale: f64,
+    /// Modelled bytes of one KV block: block size × the real model's KV bytes per token.
+    pub bytes_per_block: u64,
+}
+
 /// A producer of KV and tokens. Runs on the engine's dedicated compute thread: `step` may block.
 pub trait ComputeBackend: Send {
     /// Short name shown in logs and /metrics ("sim", "model").
@@ -154,6 +164,13 @@ pub trait ComputeBackend: Send {
     /// hardware, so a consumer can hold a pulled prefix until then. Real backends return `None`
     /// (the real transfer time is the truth).
     fn modelled_pull_time(&self, _tokens: usize) -> Option<std::time::Duration> {
+        None
+    }
+    /// For time-modelled backends whose transfers cross a modelled shared link
+    /// ([`crate::link`]): its parameters, so the engine can pace its P2P producer and consumer
+    /// by it. `None`: real backends, and the `sim` backend in `--sim-link ladder` mode (then
+    /// [`ComputeBackend::modelled_pull_time`] alone prices a pull).
+    fn modelled_link(&self) -> Option<ModelledLink> {
         None
     }
     /// Called by the engine once block `block` is full, its KV valid and its chained hash known,

@@ -15,14 +15,17 @@ pub struct SimProfile {
     pub source: &'static str,
     /// `(prompt tokens, ms)` to prefill a prompt from scratch, ascending.
     pub prefill_ms: &'static [(f64, f64)],
-    /// `(prefix tokens, ms)` to pull that prefix's KV from a peer's CPU tier, ascending.
+    /// `(prefix tokens, ms)` to pull that prefix's KV from a peer's CPU tier, ascending: the
+    /// input of the default modelled link's fit (`--sim-link llmd-h200`, see
+    /// [`super::sim_link`]) and, in `--sim-link ladder` mode only, replayed as is.
     pub pull_ms: &'static [(f64, f64)],
     /// Decode step cost: `base + per_seq × batch + per_ktok × (context tokens in the batch / 1000)`.
     pub decode_base_ms: f64,
     pub decode_per_seq_ms: f64,
     pub decode_per_ktok_ms: f64,
-    /// The real model's KV bytes per token (documentation and bench sizing; the sim moves
-    /// `--sim-kv-bytes-per-token`).
+    /// The real model's KV bytes per token (from the model config, see `source`): the modelled
+    /// link moves blocks × block size × this many bytes, while the wire carries the scaled-down
+    /// `--sim-kv-bytes-per-token`.
     pub real_kv_bytes_per_token: u64,
     pub num_layers: u32,
     pub num_kv_heads: u32,

@@ -9,8 +9,10 @@ use std::time::Duration;
 use kvmesh_core::{BlockHash, TokenId};
 
 use super::profiles::SimProfile;
+use super::sim_link::SimLink;
 use super::{
-    BackendCapabilities, BlockId, ComputeBackend, ComputeError, KvArena, KvLayout, SeqStep,
+    BackendCapabilities, BlockId, ComputeBackend, ComputeError, KvArena, KvLayout, ModelledLink,
+    SeqStep,
 };
 
 /// Token the sim never samples unless asked (it generates text until `max_tokens`).
@@ -72,6 +74,8 @@ pub struct SimConfig {
     pub block_size: usize,
     /// Model id carried in the fingerprint (peers must match).
     pub model_id: String,
+    /// What a P2P transfer costs (`--sim-link`).
+    pub link: SimLink,
 }
 
 /// Time-modelled backend (see module docs).
@@ -205,14 +209,42 @@ impl ComputeBackend for SimBackend {
         vec![SIM_EOS]
     }
 
+    /// Link mode: the uncontended single pull (setup + real KV bytes ÷ bandwidth), what the
+    /// router-facing predictions use; contention is applied by the pacers at transfer time.
+    /// Ladder mode: the profile's published ladder.
     fn modelled_pull_time(&self, tokens: usize) -> Option<Duration> {
-        let ms = self.cfg.profile.pull_ms(tokens);
+        let ms = match self.cfg.link.params(self.cfg.profile) {
+            None => self.cfg.profile.pull_ms(tokens),
+            Some(params) => {
+                1000.0
+                    * params.uncontended_s(
+                        tokens as f64 * self.cfg.profile.real_kv_bytes_per_token as f64,
+                    )
+            }
+        };
         let scale = if self.cfg.time_scale > 0.0 {
             self.cfg.time_scale
         } else {
             1.0
         };
         Some(Duration::from_secs_f64(ms / 1000.0 / scale))
+    }
+
+    fn modelled_link(&self) -> Option<ModelledLink> {
+        let time_scale = if self.cfg.time_scale > 0.0 {
+            self.cfg.time_scale
+        } else {
+            1.0
+        };
+        self.cfg
+            .link
+            .params(self.cfg.profile)
+            .map(|params| ModelledLink {
+                params,
+                time_scale,
+                bytes_per_block: self.cfg.profile.real_kv_bytes_per_token
+                    * self.cfg.block_size as u64,
+            })
     }
 
     fn on_host_restore(&mut self, tokens: usize) {
@@ -239,6 +271,7 @@ mod tests {
             kv_bytes_per_token: 32,
             block_size: 16,
             model_id: "sim".into(),
+            link: SimLink::Ladder,
         }
     }
 
@@ -297,5 +330,25 @@ mod tests {
             b.modelled_pull_time(49152)
                 .is_some_and(|d| (d.as_secs_f64() - 0.235).abs() < 1e-9)
         );
+        assert_eq!(b.modelled_link(), None, "ladder mode paces nothing");
+    }
+
+    /// Link mode: a pull is setup + the real KV bytes over the bandwidth, and the pacers get
+    /// blocks of block size × the profile's real KV bytes per token.
+    #[test]
+    fn link_mode_prices_pulls_by_real_kv_bytes() {
+        let b = SimBackend::without_sleep(SimConfig {
+            link: "100,10".parse().expect("link"),
+            time_scale: 4.0,
+            ..cfg()
+        });
+        // 10 ms + 8192 x 73,728 B / 12.5 GB/s = 58.3 ms, / 4.
+        let d = b.modelled_pull_time(8192).expect("modelled");
+        let want = (0.010 + 8192.0 * 73_728.0 / 12.5e9) / 4.0;
+        assert!((d.as_secs_f64() - want).abs() < 1e-9, "{d:?}");
+        let link = b.modelled_link().expect("link mode");
+        assert_eq!(link.bytes_per_block, 16 * 73_728);
+        assert_eq!(link.time_scale, 4.0);
+        assert_eq!(b.modelled_pull_time(0), Some(Duration::ZERO));
     }
 }

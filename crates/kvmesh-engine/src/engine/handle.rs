@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::compute::{BackendCapabilities, ComputeBackend, KvLayout};
 use crate::config::EngineConfig;
 use crate::cpu_tier::CpuTier;
+use crate::link_pacer::{BlockPacer, LinkHandle};
 use crate::metrics::{EngineMetrics, ReasonLabel};
 use crate::outbox::KvEventSink;
 use crate::pool::BlockPool;
@@ -40,6 +41,9 @@ struct HandleInner {
     backend_name: String,
     capabilities: BackendCapabilities,
     modelled_pull: Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync>,
+    /// The modelled link P2P transfers are paced by (sim in link mode), shared by the producer
+    /// (egress) and the consumer (ingress): one node, one link.
+    link: Option<Arc<BlockPacer>>,
     next_id: std::sync::atomic::AtomicU64,
     /// Why the compute loop ended (set by its thread on the way out, panic included).
     stopped: Arc<OnceLock<String>>,
@@ -172,6 +176,20 @@ impl EngineHandle {
     /// The backend's modelled pull time for `tokens` (sim only).
     pub fn modelled_pull_time(&self, tokens: usize) -> Option<Duration> {
         (self.inner.modelled_pull)(tokens)
+    }
+
+    /// The modelled link this engine's P2P producer and consumer pace themselves by (the sim
+    /// backend outside `--sim-link ladder`); `None` when transfers are real or ladder-priced.
+    pub fn link_pacer(&self) -> Option<Arc<dyn kvmesh_transfer::LinkPacer>> {
+        self.inner
+            .link
+            .clone()
+            .map(|p| p as Arc<dyn kvmesh_transfer::LinkPacer>)
+    }
+
+    /// The modelled link itself (tests, debugging).
+    pub fn link(&self) -> Option<&LinkHandle> {
+        self.inner.link.as_deref().map(|p| &p.link)
     }
 
     /// [`EngineHandle::modelled_pull_time`] of `blocks` full blocks, as a shareable function
@@ -338,6 +356,12 @@ pub fn build_engine(
         .collect();
     let modelled_pull: Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync> =
         Arc::new(move |tokens| interpolate_pull(&pull_table, tokens));
+    let link = backend.modelled_link().map(|m| {
+        Arc::new(BlockPacer {
+            link: LinkHandle::new(m.params, m.time_scale),
+            bytes_per_block: m.bytes_per_block,
+        })
+    });
     let inner = Arc::new(HandleInner {
         config: config.clone(),
         tokenizer,
@@ -349,6 +373,7 @@ pub fn build_engine(
         backend_name,
         capabilities,
         modelled_pull,
+        link,
         next_id: std::sync::atomic::AtomicU64::new(1),
         stopped: Arc::new(OnceLock::new()),
     });

@@ -20,6 +20,8 @@ fn engine(cfg: EngineConfig, sink: CollectingSink) -> Engine {
         kv_bytes_per_token: 8,
         block_size: cfg.block_size,
         model_id: "sim".into(),
+        // The ladder: these tests check the handle's off-thread copy of the profile's curve.
+        link: crate::compute::sim_link::SimLink::Ladder,
     });
     build_engine(
         cfg,
