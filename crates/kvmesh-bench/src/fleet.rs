@@ -58,6 +58,10 @@ pub struct EngineGroup {
     /// Divides all modelled time (sim).
     #[serde(default)]
     pub time_scale: Option<f64>,
+    /// The sim engines' modelled P2P link (`--sim-link`: `llmd-h200`, `rdma-400g`, `tcp-100g`,
+    /// `GBPS,MS` or `ladder`); unset = the engine's default (`llmd-h200`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sim_link: Option<String>,
     #[serde(default)]
     pub role: Role,
     /// Start the P2P transfer service.
@@ -82,6 +86,7 @@ impl Default for EngineGroup {
             cpu_offload_bytes: None,
             sim_kv_bytes_per_token: None,
             time_scale: None,
+            sim_link: None,
             role: Role::Both,
             p2p: true,
             max_model_len: None,
@@ -286,6 +291,11 @@ pub fn engine_args(
     }
     if let Some(t) = group.time_scale {
         push("--time-scale", t.to_string());
+    }
+    if let Some(l) = &group.sim_link
+        && group.backend == "sim"
+    {
+        push("--sim-link", l.clone());
     }
     if group.role != Role::Both {
         push("--role", group.role.as_str().into());
@@ -700,11 +710,13 @@ mod tests {
             num_gpu_blocks: Some(100),
             cpu_offload_bytes: Some("1GiB".into()),
             time_scale: Some(4.0),
+            sim_link: Some("tcp-100g".into()),
             role: Role::Decode,
             ..Default::default()
         };
         let a = engine_args(&g, "m", 0, 8000, 9000, Some(9100), Some(7000)).join(" ");
         for want in [
+            "--sim-link tcp-100g",
             "engine",
             "--port 8000",
             "--profile gpt-oss-120b-h200",

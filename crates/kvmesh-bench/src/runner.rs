@@ -31,6 +31,8 @@ pub struct FleetOptions {
     pub engines: Option<usize>,
     pub min_cached_token_delta: Option<usize>,
     pub sim_kv_bytes_per_token: usize,
+    /// The sim engines' `--sim-link` (None = the engine's default).
+    pub sim_link: Option<String>,
     pub extra_engine_args: Vec<String>,
     pub extra_router_args: Vec<String>,
     /// Where peer arms find their router (see [`crate::peers::venv_candidates`]).
@@ -47,6 +49,7 @@ impl Default for FleetOptions {
             engines: None,
             min_cached_token_delta: None,
             sim_kv_bytes_per_token: DEFAULT_SIM_KV_BYTES_PER_TOKEN,
+            sim_link: None,
             extra_engine_args: Vec::new(),
             extra_router_args: Vec::new(),
             peer_venv: None,
@@ -75,6 +78,7 @@ pub fn fleet_for(w: &Workload, arm: Arm, o: &FleetOptions) -> FleetSpec {
         cpu_offload_bytes: Some(cpu_bytes.to_string()),
         sim_kv_bytes_per_token: (o.backend == "sim").then_some(o.sim_kv_bytes_per_token),
         time_scale: Some(o.time_scale),
+        sim_link: o.sim_link.clone(),
         role,
         // P/D handoff itself travels over P2P, so P/D fleets keep the service in both arms.
         p2p: arm.pulls() || pd,

@@ -94,6 +94,11 @@ pub struct BenchCmd {
     /// Extra flags for every engine (repeatable), e.g. --engine-arg=--max-num-seqs=64.
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
+    /// The sim engines' modelled P2P link (`kvmesh engine --sim-link`): llmd-h200 (the
+    /// engine's default), rdma-400g, tcp-100g, GBPS,MS, or ladder (the published pull ladder
+    /// replayed by token count, blind to bytes and contention).
+    #[arg(long)]
+    pub sim_link: Option<String>,
     /// Hide progress bars.
     #[arg(long)]
     pub no_progress: bool,
@@ -312,6 +317,7 @@ pub async fn run_bench(args: BenchCmd) -> anyhow::Result<()> {
             engines: args.engines,
             min_cached_token_delta: args.min_cached_token_delta,
             extra_engine_args: args.engine_args.clone(),
+            sim_link: args.sim_link.clone(),
             peer_venv: args.peer_venv.clone(),
             ..Default::default()
         },

@@ -8,10 +8,11 @@ use std::time::Duration;
 use anyhow::Context;
 use kvmesh_engine::EngineConfig;
 use kvmesh_engine::compute::profiles::PROFILES;
+use kvmesh_engine::compute::sim_link::{DEFAULT_SIM_LINK, SimLink, fitted, validation};
 use kvmesh_engine::config::{
     KvEventsConfig, P2pConfig, Role, parse_byte_size, resolve_max_model_len,
 };
-use kvmesh_engine::server::{HttpLimits, ServerOptions, sim_backend, start_server};
+use kvmesh_engine::server::{HttpLimits, ServerOptions, sim_backend_with_link, start_server};
 use kvmesh_text::ByteTokenizer;
 
 #[derive(clap::Args, Debug)]
@@ -70,9 +71,16 @@ pub struct EngineCmd {
     /// Divides every modelled duration of the sim backend (100 = 100x faster).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
-    /// KV payload bytes per token the sim backend stores and moves.
+    /// KV payload bytes per token the sim backend stores and moves on the wire (scaled down;
+    /// the modelled link prices the profile's real KV bytes per token).
     #[arg(long, default_value_t = 32)]
     sim_kv_bytes_per_token: usize,
+    /// The sim backend's modelled P2P link, shared by everything this engine pulls and serves:
+    /// `llmd-h200` (derived from llm-d's published gpt-oss-120b pull ladder; see
+    /// --list-profiles), `rdma-400g`, `tcp-100g`, `GBPS,MS` (e.g. `200,5`), or `ladder` (replay
+    /// the profile's published pull ladder by token count: no bytes, no contention).
+    #[arg(long, default_value = kvmesh_engine::compute::sim_link::DEFAULT_SIM_LINK)]
+    sim_link: String,
     #[arg(long, default_value = "sha256_cbor")]
     prefix_caching_hash_algo: String,
     /// The `engine` label of metrics.
@@ -262,6 +270,55 @@ fn list_profiles() {
         );
         println!("{:<22} {:>10} {:>12}  source: {}", "", "", "", p.source);
     }
+    println!();
+    print!("{}", link_validation());
+}
+
+/// The `--sim-link` presets and, per profile, the default link's single uncontended pull next to
+/// the profile's pull ladder: a validation of the derived link, not an input to it.
+fn link_validation() -> String {
+    use std::fmt::Write;
+    let gpt = &kvmesh_engine::compute::profiles::GPT_OSS_120B_H200;
+    let mut out =
+        String::from("sim links (--sim-link), as a gpt-oss-120b-h200 engine gets them:\n");
+    for name in ["llmd-h200", "rdma-400g", "tcp-100g", "ladder"] {
+        if let Ok(link) = name.parse::<SimLink>() {
+            let _ = writeln!(out, "  {}", link.describe(gpt));
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nvalidation: single uncontended pull on the default link ({DEFAULT_SIM_LINK}, fitted per \
+         profile) vs the profile's pull ladder (published by llm-d for gpt-oss-120b and glm-5.2; an \
+         estimate for llama-3.1-8b)"
+    );
+    for p in PROFILES {
+        let link = fitted(p);
+        let _ = writeln!(
+            out,
+            "  {} ({} B/token; {:.1} Gb/s, {:.1} ms setup):",
+            p.name,
+            p.real_kv_bytes_per_token,
+            link.gbps(),
+            link.setup_s * 1000.0
+        );
+        let _ = writeln!(
+            out,
+            "    {:>8} {:>10} {:>10} {:>7}",
+            "tokens", "ladder", "derived", "error"
+        );
+        for row in validation(p, &link) {
+            let _ = writeln!(
+                out,
+                "    {:>8.0} {:>8.0}ms {:>8.1}ms {:>+6.1}%",
+                row.tokens,
+                row.published_ms,
+                row.derived_ms,
+                100.0 * row.relative_error(),
+            );
+        }
+    }
+    out
 }
 
 pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
@@ -272,11 +329,12 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
     let mut config = args.to_config()?;
     let (backend, tokenizer): (_, Arc<dyn kvmesh_text::Tokenizer>) = match args.backend.as_str() {
         "sim" => (
-            sim_backend(
+            sim_backend_with_link(
                 &config,
                 &args.profile,
                 args.time_scale,
                 args.sim_kv_bytes_per_token,
+                args.sim_link.parse::<SimLink>()?,
             )?,
             Arc::new(ByteTokenizer),
         ),
@@ -321,6 +379,15 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
     let server = start_server(config, backend, tokenizer, options)
         .await
         .context("starting engine")?;
+    if args.backend == "sim" {
+        // Which physics the transfers get, on record in the engine's log.
+        if let (Ok(link), Some(profile)) = (
+            args.sim_link.parse::<SimLink>(),
+            kvmesh_engine::compute::profiles::profile(&args.profile),
+        ) {
+            eprintln!("kvmesh engine: sim link {}", link.describe(profile));
+        }
+    }
     // The line launchers and tests parse to learn the port.
     println!("kvmesh engine listening on http://{}", server.addr);
     if let Some(addr) = &server.p2p_addr {
@@ -508,6 +575,21 @@ mod tests {
             config(&["--host", "0.0.0.0"]).is_ok(),
             "no producer, nothing to protect"
         );
+    }
+
+    /// `--list-profiles` prints the derived-vs-published ladder, every gpt-oss point within 15 %.
+    #[test]
+    fn the_link_validation_lists_the_published_and_derived_ladder() {
+        let text = link_validation();
+        assert!(text.contains("llmd-h200 (145.0 Gb/s"), "{text}");
+        assert!(
+            text.contains("gpt-oss-120b-h200 (73728 B/token; 145.0 Gb/s"),
+            "{text}"
+        );
+        assert!(text.contains("235ms"), "{text}");
+        let _ = config(&["--sim-link", "200,5"]);
+        let cli = Cli::try_parse_from(["kvmesh-engine", "--sim-link", "tcp-100g"]).unwrap();
+        assert_eq!(cli.engine.sim_link, "tcp-100g");
     }
 
     fn served(args: &[&str]) -> String {
