@@ -1,0 +1,477 @@
+"""KvmeshConnector: vLLM's KV connector interface over kvmesh's P2P protocol (issue 14).
+
+Serve: after each step the worker copies every newly computed full block (keyed by vLLM's own
+block hash, as the kvmesh event-hash u64) into a bounded CPU tier held by Rust, which the kvmesh
+P2P producer serves to peers on ``p2p_port``.
+
+Pull: a request whose ``kv_transfer_params`` carries ``remote_kv_source {kv_request_id,
+remote_host, remote_port}`` makes the scheduler-side connector pull the prefix blocks it lacks
+from that peer into a staging tier in the scheduler process (in the background: it answers
+``None``, "ask again", meanwhile), then report the blocks that arrived as external hits with an
+asynchronous load. The worker pulls those blocks from the staging tier over loopback (the same
+protocol) and copies them into the block ids vLLM allocated. Anything that did not arrive is
+reported through ``get_block_ids_with_load_errors`` so vLLM recomputes it.
+
+Only the adaptation to vLLM lives here; the protocol, tier, checksums, pins, allow-list and
+secret are the Rust crate ``kvmesh-py`` (``kvmesh_vllm._native``) over ``kvmesh-transfer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvmesh_vllm import _native
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# Under "vllm." so vLLM's logging configuration (handlers, level) applies.
+logger = logging.getLogger("vllm.kvmesh")
+
+_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float32: "f32",
+}
+
+
+def parse_bytes(v: Any) -> int:
+    """``4GiB``, ``512MiB``, ``1e9`` or an int."""
+    if isinstance(v, int):
+        return v
+    s = str(v).strip()
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    for u, m in units.items():
+        if s.upper().endswith(u):
+            return int(float(s[: -len(u)]) * m)
+    return int(float(s))
+
+
+def event_hash(block_hash: bytes) -> int:
+    """kvmesh's BlockHash: the last 8 bytes of vLLM's digest, big-endian."""
+    return int.from_bytes(bytes(block_hash)[-8:], "big")
+
+
+@dataclass
+class _Load:
+    req_id: str
+    hashes: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class _Save:
+    hashes: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KvmeshConnectorMetadata(KVConnectorMetadata):
+    staging_port: int = 0
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one running request."""
+
+    request: Any
+    block_ids: list[int]
+    saved: int = 0
+
+
+class _Settings:
+    """``kv_connector_extra_config`` with defaults, plus the fingerprint fields."""
+
+    def __init__(self, vllm_config: "VllmConfig"):
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self.extra = extra
+        self.p2p_host: str = extra.get("p2p_host", "127.0.0.1")
+        self.p2p_port: int = int(extra.get("p2p_port", 7100))
+        self.cpu_bytes = parse_bytes(extra.get("cpu_bytes", "1GiB"))
+        self.staging_bytes = parse_bytes(extra.get("staging_bytes", self.cpu_bytes))
+        self.allowed_peers: list[str] = list(extra.get("allowed_peers", []))
+        self.allowed_consumers: list[str] | None = extra.get("allowed_consumers")
+        secret_file = extra.get("p2p_secret_file")
+        self.secret: bytes | None = None
+        if secret_file:
+            with open(secret_file, "rb") as f:
+                self.secret = f.read().rstrip(b"\r\n") or None
+        self.timeout_ms = int(extra.get("timeout_ms", 5000))
+        self.max_pull_ms = int(extra.get("max_pull_ms", 30000))
+        self.metrics_port: int | None = (
+            int(extra["metrics_port"]) if extra.get("metrics_port") else None
+        )
+
+        cache = vllm_config.cache_config
+        model = vllm_config.model_config
+        par = vllm_config.parallel_config
+        self.block_size: int = cache.block_size
+        algo = cache.prefix_caching_hash_algo
+        if algo not in ("sha256_cbor", "xxhash_cbor"):
+            raise ValueError(
+                f"KvmeshConnector needs --prefix-caching-hash-algo sha256_cbor (or xxhash_cbor "
+                f"with PYTHONHASHSEED set): block hashes must be reproducible across servers, "
+                f"and {algo!r} is not"
+            )
+        self.hash_algo: str = algo
+        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+            raise ValueError("KvmeshConnector supports tensor/pipeline parallel size 1 only")
+        dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
+        dt = _DTYPES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else str(dtype)
+        from vllm.platforms import current_platform
+
+        # The layout is vLLM's per-layer block layout for this device's attention backend;
+        # on the CPU build (num_blocks, kv_heads, block_size, 2*head_size).
+        self.kv_dtype = f"{dt}:vllm-{current_platform.device_type}"
+        self.model_id: str = str(extra.get("model_id") or model.served_model_name or model.model)
+        if isinstance(model.served_model_name, list):
+            self.model_id = str(extra.get("model_id") or model.served_model_name[0])
+        self.num_layers: int = model.get_num_layers(par)
+        self.num_kv_heads: int = model.get_num_kv_heads(par)
+        self.head_dim: int = model.get_head_size()
+        self.none_hash: str = _native.none_hash(algo, os.environ.get("PYTHONHASHSEED"))
+
+    def node(self, *, listen_host: str | None, listen_port: int, cpu_bytes: int,
+             allowed_peers: list[str], allowed_consumers: list[str] | None) -> Any:
+        return _native.Node(
+            model_id=self.model_id,
+            kv_dtype=self.kv_dtype,
+            block_size=self.block_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hash_algo=self.hash_algo,
+            none_hash=self.none_hash,
+            cpu_bytes=cpu_bytes,
+            listen_host=listen_host,
+            listen_port=listen_port,
+            allowed_peers=allowed_peers,
+            allowed_consumers=allowed_consumers,
+            secret=self.secret,
+            timeout_ms=self.timeout_ms,
+            max_pull_ms=self.max_pull_ms,
+        )
+
+
+def _serve_metrics(port: int, texts: Any) -> None:
+    """A Prometheus endpoint on ``port`` (loopback) serving ``texts()``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = texts().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, name="kvmesh-metrics", daemon=True).start()
+
+
+class KvmeshConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._s = _Settings(vllm_config)
+        self._block_size = self._s.block_size
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a future miss, never a wrong answer.
+        return False
+
+    def _init_scheduler(self) -> None:
+        s = self._s
+        ktc = self._vllm_config.kv_transfer_config
+        # vLLM's default policy fails a request whose load failed; a pull that did not arrive
+        # must instead be recomputed (the client never sees it). The scheduler reads the policy
+        # right after constructing its connector. `"load_failure_policy": "fail"` keeps vLLM's.
+        policy = s.extra.get("load_failure_policy", "recompute")
+        if ktc.kv_load_failure_policy != policy:
+            logger.info("kvmesh: kv_load_failure_policy %s -> %s", ktc.kv_load_failure_policy,
+                        policy)
+            ktc.kv_load_failure_policy = policy
+        # Staging: pulled blocks wait here for the worker, which reads them over loopback.
+        self._node = s.node(
+            listen_host="127.0.0.1", listen_port=0, cpu_bytes=s.staging_bytes,
+            allowed_peers=s.allowed_peers, allowed_consumers=["127.0.0.1/32"],
+        )
+        self._staging_port: int = self._node.port
+        self._tracked: dict[str, _Tracked] = {}
+        self._lookup_start: dict[str, int] = {}
+        self._matched: dict[str, int] = {}
+        self._loads: list[_Load] = []
+        if s.metrics_port:
+            _serve_metrics(s.metrics_port, self._node.metrics_text)
+        logger.info(
+            "kvmesh connector (scheduler): staging on 127.0.0.1:%d, fingerprint %s",
+            self._staging_port, self._node.fingerprint(),
+        )
+
+    def _want(self, request: "Request", num_computed_tokens: int) -> tuple[int, list[int]]:
+        """The first block index to pull and the hashes after the local hit, never the block
+        holding the last prompt token (vLLM always computes that token)."""
+        start = num_computed_tokens // self._block_size
+        last = (request.num_prompt_tokens - 1) // self._block_size
+        hashes = [event_hash(h) for h in request.block_hashes[start:last]]
+        return start, hashes
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        src = params.get("remote_kv_source")
+        if not isinstance(src, dict):
+            return 0, False
+        host, port = src.get("remote_host"), src.get("remote_port")
+        try:
+            port = int(port)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            logger.warning("kvmesh: malformed remote_kv_source %r: computing the prefix", src)
+            return 0, False
+        if not isinstance(host, str) or not host:
+            return 0, False
+        rid = request.request_id
+        start, want = self._want(request, num_computed_tokens)
+        if not want:
+            return 0, False
+        self._lookup_start[rid] = start
+        staged = self._node.leading_hits(want)
+        if staged < len(want) and rid not in self._matched:
+            if self._node.is_pulling(rid):
+                return None, False
+            done = self._node.poll_pull(rid, True)
+            if done is None:
+                kv_request_id = str(src.get("kv_request_id") or rid)
+                self._node.start_pull(rid, host, port, kv_request_id, want[staged:], 0, True)
+                return None, False
+            blocks, outcome, reason, _ = done
+            if reason is not None:
+                log = logger.warning if outcome == "failed" else logger.info
+                log("kvmesh: pull of %d blocks from %s:%d for %s: %s, %d blocks (%s)",
+                    len(want) - staged, host, port, rid, outcome, blocks, reason)
+            staged = self._node.leading_hits(want)
+            self._matched[rid] = staged
+        n = staged * self._block_size
+        return n, n > 0
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        block_ids = list(blocks.get_block_ids()[0])
+        t = self._tracked.get(rid)
+        if t is None:
+            self._tracked[rid] = _Tracked(request=request, block_ids=block_ids)
+        else:
+            t.block_ids = block_ids
+        if num_external_tokens <= 0:
+            return
+        start = self._lookup_start.get(rid, 0)
+        k = num_external_tokens // self._block_size
+        hashes = [event_hash(h) for h in request.block_hashes[start:start + k]]
+        self._loads.append(_Load(rid, hashes, block_ids[start:start + k]))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvmeshConnectorMetadata(staging_port=self._staging_port, loads=self._loads)
+        self._loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            if t is not None:
+                t.block_ids = list(new.block_ids[0])
+                self._add_save(meta, new.req_id, t, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            t = self._tracked.get(rid)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if rid in cached.resumed_req_ids:
+                    t.block_ids = list(new_ids[0])
+                else:
+                    t.block_ids.extend(new_ids[0])
+            self._add_save(meta, rid, t, cached.num_computed_tokens[i], scheduler_output)
+        return meta
+
+    def _add_save(self, meta: KvmeshConnectorMetadata, rid: str, t: _Tracked,
+                  num_computed: int, out: "SchedulerOutput") -> None:
+        after = num_computed + out.num_scheduled_tokens.get(rid, 0)
+        full = min(after // self._block_size, len(t.request.block_hashes), len(t.block_ids))
+        if full <= t.saved:
+            return
+        hashes = [event_hash(h) for h in t.request.block_hashes[t.saved:full]]
+        meta.saves.append(_Save(hashes, t.block_ids[t.saved:full]))
+        t.saved = full
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._tracked.pop(rid, None)
+        self._lookup_start.pop(rid, None)
+        self._matched.pop(rid, None)
+        self._node.forget(rid)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def _init_worker(self) -> None:
+        s = self._s
+        self._node = s.node(
+            listen_host=s.p2p_host, listen_port=s.p2p_port, cpu_bytes=s.cpu_bytes,
+            # The worker only ever pulls from its own scheduler's staging tier.
+            allowed_peers=["127.0.0.1"], allowed_consumers=s.allowed_consumers,
+        )
+        self._layers: list[tuple[torch.Tensor, int]] = []
+        self._block_bytes = 0
+        self._loading: dict[str, list[int]] = {}
+        self._load_errors: set[int] = set()
+        if s.metrics_port:
+            _serve_metrics(s.metrics_port + 1, self._node.metrics_text)
+        logger.info("kvmesh connector (worker): p2p producer on %s:%s", s.p2p_host,
+                    self._node.port)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None
+        layers = []
+        for name, kv in kv_caches.items():
+            dim = 0
+            if num_blocks is not None and kv.shape[0] != num_blocks and kv.shape[1] == num_blocks:
+                dim = 1
+            layers.append((kv, dim))
+        self._layers = layers
+        self._block_bytes = sum(
+            kv.select(d, 0).numel() * kv.element_size() for kv, d in layers
+        )
+        kv0, d0 = layers[0]
+        logger.info(
+            "kvmesh: %d KV layers, layer shape %s (block dim %d, %s), %d bytes per block",
+            len(layers), tuple(kv0.shape), d0, kv0.dtype, self._block_bytes,
+        )
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """``(len(block_ids), block_bytes)`` uint8 on CPU: each block's layers, in order."""
+        parts = []
+        for kv, d in self._layers:
+            ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+            sel = kv.index_select(d, ids).movedim(d, 0).contiguous()
+            parts.append(sel.view(torch.uint8).reshape(len(block_ids), -1))
+        return torch.cat(parts, dim=1).cpu()
+
+    def _scatter(self, data: bytes, block_ids: list[int]) -> None:
+        k = len(block_ids)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: we only read from it
+            buf = torch.frombuffer(data, dtype=torch.uint8, count=k * self._block_bytes)
+        buf = buf.view(k, self._block_bytes)
+        off = 0
+        for kv, d in self._layers:
+            per_block = kv.select(d, 0)
+            nbytes = per_block.numel() * kv.element_size()
+            src = buf[:, off:off + nbytes].contiguous().view(kv.dtype)
+            src = src.view(k, *per_block.shape).to(kv.device).movedim(0, d)
+            ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+            kv.index_copy_(d, ids, src)
+            off += nbytes
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvmeshConnectorMetadata)
+        for load in meta.loads:
+            self._loading[load.req_id] = load.block_ids
+            self._node.start_pull(load.req_id, "127.0.0.1", meta.staging_port, load.req_id,
+                                  load.hashes, self._block_bytes, False)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        # Whole blocks are copied once per step, in wait_for_save.
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvmeshConnectorMetadata)
+        if not meta.saves or not self._layers:
+            return
+        hashes = [h for s in meta.saves for h in s.hashes]
+        ids = [b for s in meta.saves for b in s.block_ids]
+        missing = self._node.missing(hashes)
+        if not missing:
+            return
+        data = self._gather([ids[i] for i in missing])
+        stored, no_room = self._node.insert_blocks([hashes[i] for i in missing], data.numpy())
+        if no_room:
+            logger.warning("kvmesh: cpu tier full of pinned blocks, %d blocks not kept", no_room)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done: set[str] = set()
+        for rid, block_ids in list(self._loading.items()):
+            if self._node.is_pulling(rid):
+                continue
+            res = self._node.poll_pull(rid, False)
+            del self._loading[rid]
+            done.add(rid)
+            if res is None:
+                self._load_errors.update(block_ids)
+                continue
+            blocks, outcome, reason, data = res
+            if blocks:
+                self._scatter(data, block_ids[:blocks])
+            if blocks < len(block_ids):
+                logger.warning("kvmesh: load for %s got %d of %d blocks (%s): recomputing",
+                               rid, blocks, len(block_ids), reason)
+                self._load_errors.update(block_ids[blocks:])
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        node = getattr(self, "_node", None)
+        if node is not None:
+            node.shutdown()

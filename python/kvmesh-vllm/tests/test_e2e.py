@@ -1,0 +1,291 @@
+"""End to end: two real vLLM CPU servers with KvmeshConnector on loopback (issue 14).
+
+A computes a prefix; B, told by ``kv_transfer_params.remote_kv_source`` that A holds it, pulls
+the prefix's full blocks from A over the kvmesh P2P protocol and computes only the suffix. Also:
+a peer outside ``allowed_peers``, a peer with another fingerprint, and a dead peer all end in a
+recompute that the client cannot tell apart (HTTP 200, same greedy output), each counted by
+reason in ``kvmesh_p2p_pulls_total``.
+
+Needs the environment of ``scripts/setup-vllm.sh`` and ``kvmesh_vllm`` installed; run through
+``scripts/test-vllm.sh``. Every process it starts is in its own session and killed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tiny_model  # noqa: E402
+
+BLOCK = 32
+STARTUP_S = float(os.environ.get("KVMESH_VLLM_STARTUP_S", "420"))
+REQUEST_S = 120
+# Greedy tokens must match exactly; the chosen tokens' logprobs within this (bf16 KV, and the
+# pulled-prefix run computes the suffix against cached KV while the cold run computes the
+# whole prompt in one pass: the same math in another order).
+LOGPROB_TOL = 0.05
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, model: str, workdir: str, allowed_peers: list[str]):
+        self.name = name
+        self.http = free_port()
+        self.p2p = free_port()
+        self.metrics = free_port()
+        while self.metrics + 1 in (self.http, self.p2p):
+            self.metrics = free_port()
+        extra = {
+            "p2p_port": self.p2p,
+            "cpu_bytes": "256MiB",
+            "allowed_peers": allowed_peers,
+            "metrics_port": self.metrics,
+            "timeout_ms": 3000,
+        }
+        ktc = {
+            "kv_connector": "KvmeshConnector",
+            "kv_connector_module_path": "kvmesh_vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            OMP_NUM_THREADS="1",
+            PYTHONHASHSEED="0",
+            VLLM_SERVER_DEV_MODE="1",
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        cmd = [
+            "nice", "-n", "10", sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--served-model-name", "tiny", "--host", "127.0.0.1",
+            "--port", str(self.http), "--block-size", str(BLOCK), "--enable-prefix-caching",
+            "--prefix-caching-hash-algo", "sha256_cbor", "--enforce-eager",
+            "--max-model-len", "2048", "--max-num-seqs", "4", "--dtype", "bfloat16",
+            "--kv-transfer-config", json.dumps(ktc),
+        ]
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cwd=workdir,
+        )
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: see {self.log_path}\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/health", timeout=2):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} not ready: {self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+    def complete(self, prompt: list[int], params: dict | None = None) -> dict:
+        body: dict = {
+            "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "logprobs": 1, "seed": 0,
+        }
+        if params is not None:
+            body["kv_transfer_params"] = params
+        return post(f"http://127.0.0.1:{self.http}/v1/completions", body)
+
+    def vllm_metric(self, name: str) -> float:
+        return metric(get(f"http://127.0.0.1:{self.http}/metrics"), name)
+
+    def kvmesh_scheduler_metric(self, name: str, **labels: str) -> float:
+        return metric(get(f"http://127.0.0.1:{self.metrics}/"), name, **labels)
+
+    def kvmesh_worker_metric(self, name: str, **labels: str) -> float:
+        return metric(get(f"http://127.0.0.1:{self.metrics + 1}/"), name, **labels)
+
+    def reset_prefix_cache(self) -> None:
+        post(f"http://127.0.0.1:{self.http}/reset_prefix_cache", None)
+
+
+def post(url: str, body: dict | None) -> dict:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_S) as r:
+        assert r.status == 200, r.status
+        raw = r.read()
+    return json.loads(raw) if raw.strip() else {}
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, tiny_model.VOCAB) for _ in range(n)]
+
+
+def answer(r: dict) -> tuple[str, list[float]]:
+    c = r["choices"][0]
+    return c["text"], list(c["logprobs"]["token_logprobs"])
+
+
+def assert_same_answer(got: dict, want: dict) -> None:
+    (t1, lp1), (t2, lp2) = answer(got), answer(want)
+    assert t1 == t2, f"greedy output differs: {t1!r} vs {t2!r}"
+    worst = max(abs(a - b) for a, b in zip(lp1, lp2, strict=True))
+    assert worst <= LOGPROB_TOL, f"logprobs differ by {worst} > {LOGPROB_TOL}: {lp1} vs {lp2}"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    work = tmp_path_factory.mktemp("kvmesh-vllm")
+    model = tiny_model.build(str(work / "tiny-llama"))
+    a = Server("A", model, str(work), allowed_peers=["127.0.0.1"])
+    b = Server("B", model, str(work), allowed_peers=["127.0.0.1"])
+    try:
+        deadline = time.time() + STARTUP_S
+        a.wait_ready(deadline)
+        b.wait_ready(deadline)
+        yield a, b
+    finally:
+        for s in (a, b):
+            s.kill()
+
+
+def remote(server: Server, host: str = "127.0.0.1", port: int | None = None) -> dict:
+    return {
+        "remote_kv_source": {
+            "kv_request_id": f"t-{time.time_ns()}",
+            "remote_host": host,
+            "remote_port": server.p2p if port is None else port,
+        }
+    }
+
+
+def test_1_pull_from_peer_equals_recompute(servers):
+    a, b = servers
+    prefix = tokens(1, 8 * BLOCK)  # 8 full blocks
+    s1, s2 = tokens(2, 20), tokens(3, 20)
+    a.complete(prefix + s1)  # A computes and keeps the prefix
+    assert a.kvmesh_worker_metric("kvmesh_cpu_tier_blocks") >= 8
+
+    # The cold reference, on B itself; then B forgets it (its GPU-tier prefix cache; B's own
+    # kvmesh tier keeps the blocks, which is harmless: B pulls from A, not from itself).
+    cold = b.complete(prefix + s2)
+    b.reset_prefix_cache()
+
+    hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
+    pulled0 = b.kvmesh_scheduler_metric("kvmesh_p2p_blocks_total", direction="in")
+    served0 = a.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out")
+    t0 = time.time()
+    warm = b.complete(prefix + s2, remote(a))
+    took = time.time() - t0
+
+    hits = b.vllm_metric("vllm:external_prefix_cache_hits_total") - hits0
+    pulled = b.kvmesh_scheduler_metric("kvmesh_p2p_blocks_total", direction="in") - pulled0
+    served = a.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out") - served0
+    print(f"\npull: {hits:.0f} external hit tokens, {pulled:.0f} blocks in on B, "
+          f"{served:.0f} out of A, request {took:.2f}s")
+    assert hits == 8 * BLOCK, f"external hits {hits}, want {8 * BLOCK}"
+    assert pulled == 8 and served == 8
+    assert b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete") >= 1
+    assert_same_answer(warm, cold)
+
+
+def test_4a_peer_not_allowed_recomputes(servers):
+    a, b = servers
+    prompt = tokens(10, 4 * BLOCK) + tokens(11, 10)
+    cold = a.complete(prompt)  # A holds it; B must not be allowed to ask 127.0.0.2
+    n0 = b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", reason="not_allowed")
+    hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
+    got = b.complete(prompt, remote(a, host="127.0.0.2"))
+    assert b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", reason="not_allowed") == n0 + 1
+    assert b.vllm_metric("vllm:external_prefix_cache_hits_total") == hits0
+    assert_same_answer(got, cold)
+
+
+def test_4b_fingerprint_mismatch_recomputes(servers):
+    from kvmesh_vllm import _native
+
+    a, b = servers
+    # A peer that speaks the protocol with another block size (16): refused at the handshake.
+    odd = _native.Node(
+        model_id="tiny", kv_dtype="bf16:vllm-cpu", block_size=16, num_layers=2,
+        num_kv_heads=2, head_dim=64, hash_algo="sha256_cbor",
+        none_hash=_native.none_hash("sha256_cbor", "0"), cpu_bytes=1 << 20,
+        listen_host="127.0.0.1", listen_port=0,
+    )
+    prompt = tokens(20, 4 * BLOCK) + tokens(21, 10)
+    cold = a.complete(prompt)
+    n0 = b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", reason="fingerprint_mismatch")
+    got = b.complete(prompt, remote(a, port=odd.port))
+    assert (
+        b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", reason="fingerprint_mismatch")
+        == n0 + 1
+    )
+    assert_same_answer(got, cold)
+    odd.shutdown()
+
+
+def test_3_dead_peer_recomputes(servers):
+    a, b = servers
+    prompt = tokens(30, 6 * BLOCK) + tokens(31, 10)
+    cold = a.complete(prompt)  # A computes it, then dies before B asks
+    a.kill()
+    # B still pools a connection to A from the earlier tests: the dead peer shows up as
+    # `peer_closed` on it (or `connect` on a fresh dial); either way a failed pull, counted.
+    reasons = ("connect", "peer_closed")
+    n0 = {r: b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="failed", reason=r)
+          for r in reasons}
+    got = b.complete(prompt, remote(a))
+    n1 = {r: b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="failed", reason=r)
+          for r in reasons}
+    assert sum(n1.values()) == sum(n0.values()) + 1, (n0, n1)
+    assert_same_answer(got, cold)
