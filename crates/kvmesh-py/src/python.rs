@@ -157,17 +157,17 @@ impl PyNode {
     }
 
     /// Store `len(hashes)` blocks given as one contiguous buffer of equal-sized blocks.
-    /// Returns `(stored, no_room)`.
+    /// Returns `(stored hashes, no_room count)`; blocks already held are neither.
     fn insert_blocks(
         &self,
         py: Python<'_>,
         hashes_in: Vec<u64>,
         data: PyBuffer<u8>,
-    ) -> PyResult<(usize, usize)> {
+    ) -> PyResult<(Vec<u64>, usize)> {
         let n = hashes_in.len();
         let total = data.len_bytes();
         if n == 0 {
-            return Ok((0, 0));
+            return Ok((Vec::new(), 0));
         }
         if !total.is_multiple_of(n) {
             return Err(PyValueError::new_err(format!(
@@ -180,10 +180,10 @@ impl PyNode {
         Ok(py.detach(move || {
             let all = Bytes::from(buf);
             let size = total / n;
-            let (mut stored, mut no_room) = (0, 0);
+            let (mut stored, mut no_room) = (Vec::new(), 0);
             for (i, h) in hashes_in.iter().enumerate() {
                 match store.insert(BlockHash(*h), all.slice(i * size..(i + 1) * size)) {
-                    Inserted::Stored { .. } => stored += 1,
+                    Inserted::Stored { .. } => stored.push(*h),
                     Inserted::NoRoom => no_room += 1,
                     Inserted::Present => {}
                 }

@@ -28,11 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmesh_vllm import _native
@@ -92,6 +95,20 @@ class KvmeshConnectorMetadata(KVConnectorMetadata):
     staging_port: int = 0
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
+
+
+@dataclass
+class KvmeshWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: what the CPU tier stored and evicted this step (event hashes)."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvmeshWorkerMetadata):
+            self.stored.extend(other.stored)
+            self.removed.extend(other.removed)
+        return self
 
 
 @dataclass
@@ -242,6 +259,12 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._lookup_start: dict[str, int] = {}
         self._matched: dict[str, int] = {}
         self._loads: list[_Load] = []
+        # KV events for the CPU tier, published by vLLM's own publisher (--kv-events-config):
+        # saves asked of the worker, by event hash, until it reports them stored; then the
+        # digest of each held block, until it reports the block evicted.
+        self._asked: dict[int, tuple[bytes, bytes | None, list[int]]] = {}
+        self._held: dict[int, bytes] = {}
+        self._events: list[KVCacheEvent] = []
         if s.metrics_port:
             _serve_metrics(s.metrics_port, self._node.metrics_text)
         logger.info(
@@ -341,9 +364,49 @@ class KvmeshConnector(KVConnectorBase_V1):
         full = min(after // self._block_size, len(t.request.block_hashes), len(t.block_ids))
         if full <= t.saved:
             return
-        hashes = [event_hash(h) for h in t.request.block_hashes[t.saved:full]]
+        req = t.request
+        hashes = []
+        for i in range(t.saved, full):
+            digest = bytes(req.block_hashes[i])
+            h = event_hash(digest)
+            hashes.append(h)
+            if h not in self._held:
+                parent = bytes(req.block_hashes[i - 1]) if i > 0 else None
+                tokens = list(req.all_token_ids[i * self._block_size:(i + 1) * self._block_size])
+                self._asked[h] = (digest, parent, tokens)
         meta.saves.append(_Save(hashes, t.block_ids[t.saved:full]))
         t.saved = full
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        logger.debug("kvmesh: worker meta %r", wm)
+        if not isinstance(wm, KvmeshWorkerMetadata):
+            return
+        for h in wm.stored:
+            info = self._asked.pop(h, None)
+            if info is None:
+                continue
+            digest, parent, tokens = info
+            self._held[h] = digest
+            self._events.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(digest)],
+                parent_block_hash=maybe_convert_block_hash(parent) if parent else None,
+                token_ids=tokens, block_size=self._block_size, lora_id=None,
+                medium="CPU", lora_name=None,
+            ))
+        removed = [self._held.pop(h) for h in wm.removed if h in self._held]
+        if removed:
+            self._events.append(BlockRemoved(
+                block_hashes=[maybe_convert_block_hash(d) for d in removed], medium="CPU",
+            ))
+        if len(self._asked) > 65536:  # saves the worker never confirmed (e.g. no room)
+            self._asked.clear()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        if events:
+            logger.debug("kvmesh: %d CPU-tier KV events", len(events))
+        return events
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
@@ -368,6 +431,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._block_bytes = 0
         self._loading: dict[str, list[int]] = {}
         self._load_errors: set[int] = set()
+        self._stored: list[int] = []
         if s.metrics_port:
             _serve_metrics(s.metrics_port + 1, self._node.metrics_text)
         logger.info("kvmesh connector (worker): p2p producer on %s:%s", s.p2p_host,
@@ -444,6 +508,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             return
         data = self._gather([ids[i] for i in missing])
         stored, no_room = self._node.insert_blocks([hashes[i] for i in missing], data.numpy())
+        self._stored.extend(stored)
         if no_room:
             logger.warning("kvmesh: cpu tier full of pinned blocks, %d blocks not kept", no_room)
 
@@ -466,6 +531,14 @@ class KvmeshConnector(KVConnectorBase_V1):
                                rid, blocks, len(block_ids), reason)
                 self._load_errors.update(block_ids[blocks:])
         return None, (done or None)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        removed = self._node.take_removed()
+        if not self._stored and not removed:
+            return None
+        meta = KvmeshWorkerMetadata(stored=self._stored, removed=removed)
+        self._stored = []
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

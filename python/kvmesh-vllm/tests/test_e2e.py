@@ -52,6 +52,8 @@ class Server:
         self.metrics = free_port()
         while self.metrics + 1 in (self.http, self.p2p):
             self.metrics = free_port()
+        # ipc: vLLM's publisher binds it (a tcp://host:port endpoint would make it connect).
+        self.events = f"ipc://{workdir}/{name}-events.sock"
         extra = {
             "p2p_port": self.p2p,
             "cpu_bytes": "256MiB",
@@ -83,6 +85,10 @@ class Server:
             "--prefix-caching-hash-algo", "sha256_cbor", "--enforce-eager",
             "--max-model-len", "2048", "--max-num-seqs", "4", "--dtype", "bfloat16",
             "--kv-transfer-config", json.dumps(ktc),
+            "--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": self.events, "topic": "kv",
+            }),
         ]
         self.log_path = os.path.join(workdir, f"{name}.log")
         self.log = open(self.log_path, "w")
@@ -237,6 +243,39 @@ def test_1_pull_from_peer_equals_recompute(servers):
     assert pulled == 8 and served == 8
     assert b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete") >= 1
     assert_same_answer(warm, cold)
+
+
+def test_2_cpu_tier_is_announced_with_kv_events(servers):
+    """Blocks the connector keeps are announced as BlockStored, medium CPU, in vLLM's own event
+    stream (vLLM's format, the kvmesh router's input), with their tokens and parents."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    a, _ = servers
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 500)
+    sub.connect(a.events)
+    time.sleep(1.5)  # the subscription must reach the publisher before the events
+    prompt = tokens(40, 3 * BLOCK) + tokens(41, 5)
+    a.complete(prompt)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    cpu: list[BlockStored] = []
+    deadline = time.time() + 15
+    while time.time() < deadline and len(cpu) < 3:
+        try:
+            frames = sub.recv_multipart()
+        except zmq.Again:
+            continue
+        batch = decoder.decode(frames[-1])
+        cpu += [e for e in batch.events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    sub.close(0)
+    blocks = [list(e.token_ids) for e in cpu]
+    want = [prompt[i * BLOCK:(i + 1) * BLOCK] for i in range(3)]
+    assert blocks[:3] == want, f"CPU BlockStored token blocks {blocks}"
+    assert cpu[1].parent_block_hash == cpu[0].block_hashes[0]
 
 
 def test_4a_peer_not_allowed_recomputes(servers):
