@@ -379,7 +379,6 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
-        logger.debug("kvmesh: worker meta %r", wm)
         if not isinstance(wm, KvmeshWorkerMetadata):
             return
         for h in wm.stored:

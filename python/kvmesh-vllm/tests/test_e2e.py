@@ -130,8 +130,8 @@ class Server:
             body["kv_transfer_params"] = params
         return post(f"http://127.0.0.1:{self.http}/v1/completions", body)
 
-    def vllm_metric(self, name: str) -> float:
-        return metric(get(f"http://127.0.0.1:{self.http}/metrics"), name)
+    def vllm_metric(self, name: str, **labels: str) -> float:
+        return metric(get(f"http://127.0.0.1:{self.http}/metrics"), name, **labels)
 
     def kvmesh_scheduler_metric(self, name: str, **labels: str) -> float:
         return metric(get(f"http://127.0.0.1:{self.metrics}/"), name, **labels)
@@ -186,6 +186,7 @@ def assert_same_answer(got: dict, want: dict) -> None:
     (t1, lp1), (t2, lp2) = answer(got), answer(want)
     assert t1 == t2, f"greedy output differs: {t1!r} vs {t2!r}"
     worst = max(abs(a - b) for a, b in zip(lp1, lp2, strict=True))
+    print(f"  same greedy output; largest logprob difference {worst:.2e}")
     assert worst <= LOGPROB_TOL, f"logprobs differ by {worst} > {LOGPROB_TOL}: {lp1} vs {lp2}"
 
 
@@ -228,6 +229,8 @@ def test_1_pull_from_peer_equals_recompute(servers):
     b.reset_prefix_cache()
 
     hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
+    by_source = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+    src0 = b.vllm_metric(by_source[0], **by_source[1])
     pulled0 = b.kvmesh_scheduler_metric("kvmesh_p2p_blocks_total", direction="in")
     served0 = a.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out")
     t0 = time.time()
@@ -235,11 +238,13 @@ def test_1_pull_from_peer_equals_recompute(servers):
     took = time.time() - t0
 
     hits = b.vllm_metric("vllm:external_prefix_cache_hits_total") - hits0
+    src = b.vllm_metric(by_source[0], **by_source[1]) - src0
     pulled = b.kvmesh_scheduler_metric("kvmesh_p2p_blocks_total", direction="in") - pulled0
     served = a.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out") - served0
     print(f"\npull: {hits:.0f} external hit tokens, {pulled:.0f} blocks in on B, "
           f"{served:.0f} out of A, request {took:.2f}s")
     assert hits == 8 * BLOCK, f"external hits {hits}, want {8 * BLOCK}"
+    assert src == 8 * BLOCK, f"prompt tokens from external_kv_transfer {src}"
     assert pulled == 8 and served == 8
     assert b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete") >= 1
     assert_same_answer(warm, cold)
