@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end test of kvmesh's vLLM connector (issue 14): two real vLLM CPU servers on loopback
-# with KvmeshConnector, a tiny random-weight Llama built locally, pytest.
+# with KvmeshConnector, a tiny random-weight Llama built locally, `kvmesh router` in front for one
+# test, pytest.
 #
 # Not part of scripts/test.sh (the vLLM environment is a 6 GB install); run it on its own:
 #   bash scripts/test-vllm.sh            # sets up .venv-vllm/ on first use (scripts/setup-vllm.sh)
@@ -19,6 +20,11 @@ done
 bash "$ROOT/scripts/setup-vllm.sh"
 # The connector package and its native module (Rust, release profile), into the venv.
 nice -n 10 "$VENV/bin/python" -m pip install -q "$ROOT/python/kvmesh-vllm"
+# The router test runs `kvmesh router`: $KVMESH_BIN, else target/{release,debug}/kvmesh, built
+# here (release) when neither exists.
+if [[ -z "${KVMESH_BIN:-}" && ! -x "$ROOT/target/release/kvmesh" && ! -x "$ROOT/target/debug/kvmesh" ]]; then
+    (cd "$ROOT" && nice -n 10 cargo build --release -p kvmesh)
+fi
 echo "test-vllm: environment ready in $(( $(date +%s) - start ))s"
 
 work="$(mktemp -d /tmp/kvmesh-vllm-test.XXXXXX)"

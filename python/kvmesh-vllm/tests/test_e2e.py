@@ -283,6 +283,93 @@ def test_2_cpu_tier_is_announced_with_kv_events(servers):
     assert cpu[1].parent_block_hash == cpu[0].block_hashes[0]
 
 
+def kvmesh_bin() -> str | None:
+    path = os.environ.get("KVMESH_BIN")
+    if path:
+        return path
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    for profile in ("release", "debug"):
+        cand = os.path.join(root, "target", profile, "kvmesh")
+        if os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def test_2b_router_names_the_holder_and_the_other_pulls(servers, tmp_path):
+    """`kvmesh router` with a load-p2p profile in front of both: it indexes A's CPU tier from
+    A's KV events and, for a request it places on B, names A in remote_kv_source; B pulls."""
+    binary = kvmesh_bin()
+    if binary is None:
+        pytest.skip("no kvmesh binary (set KVMESH_BIN or cargo build -p kvmesh)")
+    a, b = servers
+    model_dir = os.path.join(os.path.dirname(a.log_path), "tiny-llama")
+    config = tmp_path / "router.yaml"
+    config.write_text(f"""
+block_size: {BLOCK}
+tokenizer: {model_dir}
+metrics_scrape_interval: 500ms
+endpoints:
+  - name: A
+    url: http://127.0.0.1:{a.http}
+    kv_events: {{endpoint: "{a.events}", topic: kv}}
+    p2p: "127.0.0.1:{a.p2p}"
+  - name: B
+    url: http://127.0.0.1:{b.http}
+    kv_events: {{endpoint: "{b.events}", topic: kv}}
+    p2p: "127.0.0.1:{b.p2p}"
+plugins:
+  - {{type: round-robin-picker, name: rr}}
+  - type: p2p-source-producer
+    name: p2p
+    parameters: {{minCachedTokenDelta: {2 * BLOCK}}}
+schedulingProfiles:
+  - name: load-p2p
+    plugins:
+      - {{pluginRef: rr}}
+      - {{pluginRef: p2p}}
+""")
+    port = free_port()
+    log = open(tmp_path / "router.log", "w")
+    router = subprocess.Popen(
+        [binary, "router", "--config", str(config), "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                get(f"http://127.0.0.1:{port}/health")
+                break
+            except (urllib.error.URLError, OSError):
+                if time.time() > deadline or router.poll() is not None:
+                    raise RuntimeError(open(tmp_path / "router.log").read()[-3000:]) from None
+                time.sleep(0.5)
+        time.sleep(2)  # the router's event subscriptions settle
+        prefix = tokens(50, 8 * BLOCK)
+        a.complete(prefix + tokens(51, 10))  # A computes and announces the prefix (CPU tier)
+        time.sleep(2)  # A's events reach the router
+        pulls0 = b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete")
+        hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        for i in range(4):  # round robin: at least one of these lands on B
+            body = {"model": "tiny", "prompt": prefix + tokens(60 + i, 10), "max_tokens": 4,
+                    "temperature": 0}
+            post(url, body)
+            if b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete") > pulls0:
+                break
+        decisions = get(f"http://127.0.0.1:{port}/debug/decisions?last=8")
+        pulls = b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete") - pulls0
+        hits = b.vllm_metric("vllm:external_prefix_cache_hits_total") - hits0
+        print(f"\nrouter: B pulled {pulls:.0f} time(s), {hits:.0f} external hit tokens")
+        assert pulls == 1, f"B never pulled; router decisions: {decisions[-3000:]}"
+        assert hits == 8 * BLOCK
+    finally:
+        if router.poll() is None:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait(timeout=30)
+        log.close()
+
+
 def test_4a_peer_not_allowed_recomputes(servers):
     a, b = servers
     prompt = tokens(10, 4 * BLOCK) + tokens(11, 10)
