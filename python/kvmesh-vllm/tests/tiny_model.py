@@ -14,7 +14,8 @@ VOCAB = 512
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
 
-def build(out_dir: str, seed: int = 0) -> str:
+def build(out_dir: str, seed: int = 0, layers: int = 2, hidden: int = 256, heads: int = 4,
+          kv_heads: int = 2, intermediate: int = 512) -> str:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -32,11 +33,11 @@ def build(out_dir: str, seed: int = 0) -> str:
 
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=4096,
         initializer_range=0.2,  # peaky logits: greedy choices are far from ties
