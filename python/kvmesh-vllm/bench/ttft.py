@@ -6,6 +6,7 @@ time to the first token (max_tokens=1) of prefix + a fresh suffix: cold (B compu
 and with remote_kv_source naming A (B pulls the prefix). Loopback only; servers killed at the end.
 
   .venv-vllm/bin/python python/kvmesh-vllm/bench/ttft.py --prefix 1984 --layers 8 --hidden 1024
+  (max_model_len follows --prefix)
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    need = args.prefix + 64
+    if int(os.environ.get("KVMESH_VLLM_MAX_MODEL_LEN", "2048")) < need:
+        os.environ["KVMESH_VLLM_MAX_MODEL_LEN"] = str(need)
     work = tempfile.mkdtemp(prefix="kvmesh-ttft-")
     model = tiny_model.build(os.path.join(work, "model"), layers=args.layers,
                              hidden=args.hidden, heads=args.hidden // 64,

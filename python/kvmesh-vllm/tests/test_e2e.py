@@ -83,7 +83,7 @@ class Server:
             "--model", model, "--served-model-name", "tiny", "--host", "127.0.0.1",
             "--port", str(self.http), "--block-size", str(BLOCK), "--enable-prefix-caching",
             "--prefix-caching-hash-algo", "sha256_cbor", "--enforce-eager",
-            "--max-model-len", "2048", "--max-num-seqs", "4", "--dtype", "bfloat16",
+            "--max-model-len", os.environ.get("KVMESH_VLLM_MAX_MODEL_LEN", "2048"), "--max-num-seqs", "4", "--dtype", "bfloat16",
             "--kv-transfer-config", json.dumps(ktc),
             "--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",

@@ -39,7 +39,7 @@ def build(out_dir: str, seed: int = 0, layers: int = 2, hidden: int = 256, heads
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=64,
-        max_position_embeddings=4096,
+        max_position_embeddings=16384,
         initializer_range=0.2,  # peaky logits: greedy choices are far from ties
         bos_token_id=1,
         eos_token_id=2,
