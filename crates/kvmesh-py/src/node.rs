@@ -283,6 +283,23 @@ impl Node {
         self.pulls.lock().get(key).map(Option::is_some)
     }
 
+    /// Wait (sleeping, not spinning) up to `timeout` for the pull under `key` to finish; whether
+    /// it has (an unknown key counts as finished). Callers poll a vLLM step at a time: a short
+    /// sleep here keeps an idle engine loop from spinning on the cores the pull needs.
+    pub fn wait_pull(&self, key: &str, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if self.poll_pull_peek(key) != Some(false) {
+                return true;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            std::thread::sleep((deadline - now).min(Duration::from_millis(1)));
+        }
+    }
+
     /// Forget a pull (finished or not).
     pub fn forget(&self, key: &str) {
         self.pulls.lock().remove(key);

@@ -261,6 +261,11 @@ impl PyNode {
         matches!(self.inner.poll_pull_peek(key), Some(false))
     }
 
+    /// Sleep (GIL released) up to `timeout_ms` for the pull under `key`; whether it finished.
+    fn wait_pull(&self, py: Python<'_>, key: &str, timeout_ms: u64) -> bool {
+        py.detach(|| self.inner.wait_pull(key, Duration::from_millis(timeout_ms)))
+    }
+
     fn forget(&self, key: &str) {
         self.inner.forget(key);
     }

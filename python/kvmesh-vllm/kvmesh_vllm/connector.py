@@ -140,6 +140,9 @@ class _Settings:
                 self.secret = f.read().rstrip(b"\r\n") or None
         self.timeout_ms = int(extra.get("timeout_ms", 5000))
         self.max_pull_ms = int(extra.get("max_pull_ms", 30000))
+        # While a pull runs, vLLM polls the connector once per engine step; each poll sleeps up
+        # to this long for it (GIL released) instead of letting an idle engine loop spin.
+        self.poll_wait_ms = int(extra.get("poll_wait_ms", 10))
         self.metrics_port: int | None = (
             int(extra["metrics_port"]) if extra.get("metrics_port") else None
         )
@@ -302,7 +305,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._lookup_start[rid] = start
         staged = self._node.leading_hits(want)
         if staged < len(want) and rid not in self._matched:
-            if self._node.is_pulling(rid):
+            if self._node.is_pulling(rid) and not self._node.wait_pull(rid, self._s.poll_wait_ms):
                 return None, False
             done = self._node.poll_pull(rid, True)
             if done is None:
@@ -514,7 +517,7 @@ class KvmeshConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done: set[str] = set()
         for rid, block_ids in list(self._loading.items()):
-            if self._node.is_pulling(rid):
+            if self._node.is_pulling(rid) and not self._node.wait_pull(rid, self._s.poll_wait_ms):
                 continue
             res = self._node.poll_pull(rid, False)
             del self._loading[rid]
