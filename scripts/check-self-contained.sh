@@ -80,6 +80,8 @@ done < <(awk '
       before = substr(line, 1, RSTART - 1)
       if (FILENAME ~ /\.md$/ && before ~ /\]\($/) {
         bad = ups > depth                          # Markdown link: relative to the file
+      } else if (FILENAME ~ /(^|\/)(pyproject|Cargo)\.toml$/) {
+        bad = ups > depth                          # package manifests: relative to their own directory
       } else if (crate && $0 ~ /include_str!|include_bytes!|#\[path/) {
         bad = ups > depth                          # relative to the source file
       } else if (crate) {

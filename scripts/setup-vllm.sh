@@ -20,8 +20,11 @@ STAMP_WANT="$VLLM_PIN $TORCH_PIN transformers pytest maturin v1"
 
 pick_python() {
     if [[ -n "${KVMESH_VLLM_PYTHON:-}" ]]; then echo "$KVMESH_VLLM_PYTHON"; return; fi
+    # On PATH, or installed by pyenv without being its global version.
+    local pyenv_root
+    pyenv_root="$(pyenv root 2>/dev/null || echo "${PYENV_ROOT:-}")"
     for v in 3.12 3.11; do
-        for cand in /root/.pyenv/versions/"$v".*/bin/python"$v" "$(command -v python"$v" || true)"; do
+        for cand in "$(command -v python"$v" || true)" "$pyenv_root"/versions/"$v".*/bin/python"$v"; do
             if [[ -x "$cand" ]]; then echo "$cand"; return; fi
         done
     done
