@@ -241,6 +241,10 @@ pub fn free_port() -> Result<u16, FleetError> {
     Ok(l.local_addr()?.port())
 }
 
+/// Fetch streams one peer address may run on a local fleet's producers (every engine is
+/// 127.0.0.1 there); the engines' own default is `kvmesh_transfer`'s 4.
+const LOCAL_FLEET_FETCHES_PER_PEER: usize = 64;
+
 /// The engine command line for one engine of `group` (ports already chosen).
 pub fn engine_args(
     group: &EngineGroup,
@@ -321,6 +325,13 @@ pub fn engine_args(
         push("--p2p-port", p.to_string());
         // Peers are other local engines: allow loopback only (remote_host is untrusted input).
         push("--p2p-allowed-peers", "127.0.0.1".into());
+        // Every local engine pulls from 127.0.0.1, one address for the whole fleet: the
+        // per-peer fetch cap (4) would queue fan-out beyond 4 pullers at the holder, an artefact
+        // of one host, not of the modelled network.
+        push(
+            "--p2p-max-fetches-per-peer",
+            LOCAL_FLEET_FETCHES_PER_PEER.to_string(),
+        );
     }
     a.extend(group.extra_args.iter().cloned());
     a
@@ -725,6 +736,7 @@ mod tests {
             "--time-scale 4",
             "--role decode",
             "--p2p-port 7000",
+            "--p2p-max-fetches-per-peer 64",
             "tcp://*:9000",
             "tcp://*:9100",
         ] {

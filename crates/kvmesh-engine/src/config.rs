@@ -162,6 +162,10 @@ pub struct P2pConfig {
     pub allowed_consumers: Vec<String>,
     /// Connections one peer address may hold on our producer (`--p2p-max-connections-per-ip`).
     pub max_connections_per_ip: usize,
+    /// Fetch streams one peer address may run at once on our producer; more wait their turn
+    /// (`--p2p-max-fetches-per-peer`). Engines sharing one address (a one-host fleet on loopback)
+    /// share it.
+    pub max_fetches_per_peer: usize,
     /// Blocks one peer lookup may pin on our producer (`--p2p-max-pins-per-lookup`).
     pub max_pins_per_lookup: usize,
     /// Blocks one peer address may hold pinned on our producer (`--p2p-max-pinned-per-peer`).
@@ -185,6 +189,7 @@ impl Default for P2pConfig {
             secret: None,
             allowed_consumers: Vec::new(),
             max_connections_per_ip: kvmesh_transfer::server::DEFAULT_MAX_CONNECTIONS_PER_IP,
+            max_fetches_per_peer: kvmesh_transfer::server::DEFAULT_MAX_TRANSFERS_PER_PEER,
             max_pins_per_lookup: kvmesh_transfer::server::DEFAULT_MAX_PINS_PER_LOOKUP,
             max_pinned_per_peer: kvmesh_transfer::server::DEFAULT_MAX_PINNED_PER_PEER,
             role: Role::Both,
@@ -347,6 +352,11 @@ impl EngineConfig {
         let p2p = &self.p2p;
         let consumers = parse_allowed_consumers(&p2p.allowed_consumers)
             .map_err(|e| ConfigError::Invalid(format!("--p2p-allowed-consumers: {e}")))?;
+        if p2p.max_fetches_per_peer == 0 {
+            return Err(ConfigError::Invalid(
+                "--p2p-max-fetches-per-peer must be > 0".into(),
+            ));
+        }
         if p2p.max_connections_per_ip == 0 {
             return Err(ConfigError::Invalid(
                 "--p2p-max-connections-per-ip must be > 0".into(),

@@ -222,6 +222,7 @@ pub fn producer_config(engine: &EngineHandle) -> Result<ServerConfig, P2pConfigE
         secret: cfg.secret.clone(),
         allowed_ips: (!allowed.is_empty()).then_some(allowed),
         max_connections_per_ip: cfg.max_connections_per_ip,
+        max_transfers_per_peer: cfg.max_fetches_per_peer,
         max_pins_per_lookup: cfg.max_pins_per_lookup,
         max_pinned_per_peer: cfg.max_pinned_per_peer,
         metrics: engine.metrics().p2p.clone(),

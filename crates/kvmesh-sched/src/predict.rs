@@ -215,8 +215,7 @@ pub fn predict(
                 cm.params().pull_floor_ms
                     + delta as f64 / cm.params().pull_tokens_per_second.max(1e-9) * 1000.0
             };
-            let floor = cm.params().pull_floor_ms.min(base);
-            let pull_ms = floor + (base - floor) * (1 + sharing) as f64;
+            let pull_ms = contended_pull_ms(base, cm.params().pull_floor_ms, sharing);
             let plan = PullPlan {
                 source: s.endpoint,
                 source_endpoint: s.name.to_string(),
@@ -262,6 +261,15 @@ pub fn predict(
         best_pull,
         pulls,
     }
+}
+
+/// A pull's time when `sharing` other transfers already use the busier of its two ends: the
+/// setup floor is paid once, the bandwidth part is split `1 + sharing` ways (a node's link is
+/// shared by everything it moves, as the sim's link model and a real NIC do). `base` is the
+/// uncontended prediction, `floor` the cost model's per-pull setup.
+pub fn contended_pull_ms(base: f64, floor: f64, sharing: u64) -> f64 {
+    let floor = floor.min(base);
+    floor + (base - floor) * (1 + sharing) as f64
 }
 
 /// Pull, compute what the source did not have, restore everything that came through the CPU tier.

@@ -91,6 +91,8 @@ pub const PACE_CHUNK_BLOCKS: usize = 64;
 
 /// Default [`ServerConfig::max_connections_per_ip`]: room for a busy consumer's concurrent pulls
 /// (its pool keeps 4 idle), a quarter of the overall 256.
+/// Default concurrent fetch streams one peer IP may run ([`ServerConfig::max_transfers_per_peer`]).
+pub const DEFAULT_MAX_TRANSFERS_PER_PEER: usize = 4;
 pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 64;
 
 /// Default [`ServerConfig::max_pins_per_lookup`]: a 128K-token prompt in 16-token blocks.
@@ -109,7 +111,7 @@ impl Default for ServerConfig {
             max_frame: DEFAULT_MAX_FRAME,
             pin_lease: Duration::from_secs(10),
             max_pending_wait: Duration::from_secs(30),
-            max_transfers_per_peer: 4,
+            max_transfers_per_peer: DEFAULT_MAX_TRANSFERS_PER_PEER,
             max_connections: 256,
             idle_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(5),

@@ -118,6 +118,10 @@ pub struct EngineCmd {
     /// Connections one peer address may hold on this engine's P2P producer.
     #[arg(long, default_value_t = kvmesh_transfer::server::DEFAULT_MAX_CONNECTIONS_PER_IP)]
     p2p_max_connections_per_ip: usize,
+    /// Fetch streams one peer address may run at once on this engine's P2P producer (more wait
+    /// their turn). Engines on one host share an address: raise it for a loopback fleet.
+    #[arg(long, default_value_t = kvmesh_transfer::server::DEFAULT_MAX_TRANSFERS_PER_PEER)]
+    p2p_max_fetches_per_peer: usize,
     /// Blocks one peer lookup may pin on this engine's P2P producer (the rest are answered MISS).
     #[arg(long, default_value_t = kvmesh_transfer::server::DEFAULT_MAX_PINS_PER_LOOKUP)]
     p2p_max_pins_per_lookup: usize,
@@ -212,6 +216,7 @@ impl EngineCmd {
                     .transpose()?,
                 allowed_consumers: self.p2p_allowed_consumers.clone(),
                 max_connections_per_ip: self.p2p_max_connections_per_ip,
+                max_fetches_per_peer: self.p2p_max_fetches_per_peer,
                 max_pins_per_lookup: self.p2p_max_pins_per_lookup,
                 max_pinned_per_peer: self.p2p_max_pinned_per_peer,
                 role: self.role.parse::<Role>()?,

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::candidate::{Candidate, SchedulingContext};
 use crate::cost_model::CostModel;
-use crate::predict::{RateSource, TtftParams, predict};
+use crate::predict::{RateSource, TtftParams, contended_pull_ms, predict};
 
 pub const TYPE: &str = "p2p-source-producer";
 
@@ -232,21 +232,25 @@ impl P2pSourceProducer {
             return d;
         }
         if self.params.mode == P2pMode::CostModel {
-            let dest = candidates
-                .get(computing)
-                .map(|c| c.endpoint)
-                .unwrap_or(source.endpoint);
+            let dest = candidates.get(computing);
+            let dest_id = dest.map(|c| c.endpoint).unwrap_or(source.endpoint);
             let delta = d.delta_tokens as u64;
-            let recompute = self.cost_model.predict_recompute_ms(dest, delta);
-            let pull = self
-                .cost_model
-                .predict_pull_ms(source.endpoint, dest, delta);
+            let recompute = self.cost_model.predict_recompute_ms(dest_id, delta);
+            // Transfers already on the source's (or the puller's) link share it with this one:
+            // a hot holder serving many pulls makes each slower, until recomputing wins.
+            let sharing = source.pulls_out.max(dest.map_or(0, |c| c.pulls_in));
+            let pull = contended_pull_ms(
+                self.cost_model
+                    .predict_pull_ms(source.endpoint, dest_id, delta),
+                self.cost_model.params().pull_floor_ms,
+                sharing,
+            );
             d.predicted_recompute_ms = Some(recompute);
             d.predicted_pull_ms = Some(pull);
             if recompute <= pull + self.params.margin_ms {
                 d.skipped = Some(SkipReason::Cost);
                 d.why = format!(
-                    "recompute {recompute:.1} ms <= pull {pull:.1} ms + margin {:.1} ms",
+                    "recompute {recompute:.1} ms <= pull {pull:.1} ms ({sharing} transfers already on the link) + margin {:.1} ms",
                     self.params.margin_ms
                 );
                 return d;
@@ -474,6 +478,33 @@ mod tests {
         let c = [cand(0, 0, 0, 0.0), cand(1, 100, 100, 0.0)];
         let refs: Vec<&Candidate> = c.iter().collect();
         assert_eq!(p.select(&ctx("x"), &refs, 0).source, Some(EndpointId(1)));
+    }
+
+    #[test]
+    fn cost_model_recomputes_when_the_holder_link_is_shared() {
+        // 1600 tokens: alone, pull 26 + 6.8 = 32.8 ms beats recompute 64 ms. With 8 pulls already
+        // out of the holder the bandwidth part is split 9 ways: 26 + 9 x 6.8 = 87.3 ms > 64 ms.
+        let p = producer(1, P2pMode::CostModel);
+        let mut c = [cand(0, 0, 0, 0.0), cand(1, 100, 100, 0.0)];
+        let refs: Vec<&Candidate> = c.iter().collect();
+        let alone = p.select(&ctx("x"), &refs, 0);
+        assert_eq!(alone.source, Some(EndpointId(1)));
+        c[1].pulls_out = 8;
+        let refs: Vec<&Candidate> = c.iter().collect();
+        let shared = p.select(&ctx("x"), &refs, 0);
+        assert_eq!(shared.source, None, "{shared:?}");
+        assert_eq!(shared.skipped, Some(SkipReason::Cost));
+        let pull = shared.predicted_pull_ms.expect("priced");
+        assert!(
+            (pull - (26.0 + 9.0 * 1600.0 / 235.0)).abs() < 1e-6,
+            "{pull}"
+        );
+        assert!(shared.why.contains("8 transfers"), "{}", shared.why);
+        // The puller's own ingress counts the same way.
+        c[1].pulls_out = 0;
+        c[0].pulls_in = 8;
+        let refs: Vec<&Candidate> = c.iter().collect();
+        assert_eq!(p.select(&ctx("x"), &refs, 0).source, None);
     }
 
     #[test]
