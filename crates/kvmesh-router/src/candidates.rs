@@ -57,6 +57,7 @@ pub(crate) fn candidate(e: &Endpoint, m: EndpointMatch) -> Candidate {
         has_p2p: e.spec.p2p_host_port().is_some(),
         pulls_in: load.pulls_in,
         pulls_out: load.pulls_out,
+        kv_group: e.kv_group.clone(),
     }
 }
 

@@ -5,6 +5,9 @@
 //! endpoints:
 //!   - {name: e0, url: "http://127.0.0.1:8100", p2p: "127.0.0.1:7100", role: both,
 //!      kv_events: {endpoint: "tcp://127.0.0.1:5557", topic: kv-events}}
+//!   # Endpoints whose KV blocks are not interchangeable (e.g. a vLLM server beside kvmesh
+//!   # engines) get their own `kv_group`: pulls and P/D hand-offs stay inside a group.
+//!   - {name: v0, url: "http://127.0.0.1:8200", p2p: "127.0.0.1:7200", kv_group: vllm-llama}
 //! # or: endpoints_file: fleet.yaml
 //! # Either list is watched (`kvmesh router --config` watches this file): endpoint changes apply
 //! # without a restart; other settings need one.
@@ -84,9 +87,22 @@ pub struct EndpointSpec {
     pub p2p: Option<String>,
     #[serde(default)]
     pub role: Role,
+    /// KV compatibility group: endpoints whose KV blocks are interchangeable (same model, block
+    /// size, dtype, layout, hash algorithm) share a group, and the router names pull sources and
+    /// P/D hand-offs only within one. A pull across groups would be refused by the fingerprint
+    /// and recomputed, so naming it only wastes a round trip and counts a failure. Default: one
+    /// implicit group shared by every endpoint without one (today's behaviour).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_group: Option<String>,
 }
 
 impl EndpointSpec {
+    /// The endpoint's KV group, `None` for the implicit default group (an empty string counts as
+    /// none, so a templated `kv_group: ""` does not split a fleet by accident).
+    pub fn kv_group(&self) -> Option<&str> {
+        self.kv_group.as_deref().filter(|g| !g.is_empty())
+    }
+
     /// `(host, port)` of the P2P address, if configured and well-formed.
     pub fn p2p_host_port(&self) -> Option<(String, u16)> {
         let s = self.p2p.as_deref()?;
@@ -497,6 +513,9 @@ pub struct DnsDiscovery {
     pub kv_events_port: Option<u16>,
     #[serde(default)]
     pub role: Role,
+    /// KV group of every address behind the name (see [`EndpointSpec::kv_group`]).
+    #[serde(default)]
+    pub kv_group: Option<String>,
     /// Ask this name server (`ip:port`) instead of the system's (`/etc/resolv.conf`).
     #[serde(default)]
     pub nameserver: Option<std::net::SocketAddr>,
@@ -534,6 +553,10 @@ pub struct KubernetesDiscovery {
     /// Role of pods without a `kvmesh.dev/role` annotation or label.
     #[serde(default)]
     pub role: Role,
+    /// KV group of pods without a `kvmesh.dev/kv-group` annotation or label (see
+    /// [`EndpointSpec::kv_group`]).
+    #[serde(default)]
+    pub kv_group: Option<String>,
 }
 
 /// When to disaggregate.
@@ -643,6 +666,7 @@ schedulingProfiles:
             kv_events: None,
             p2p: p2p.map(Into::into),
             role: Role::Both,
+            kv_group: None,
         };
         assert!(
             validate_endpoints(&[e("a", "http://x:1", None), e("a", "http://y:1", None)]).is_err()
@@ -650,6 +674,28 @@ schedulingProfiles:
         assert!(validate_endpoints(&[e("a", "ftp://x", None)]).is_err());
         assert!(validate_endpoints(&[e("a", "http://x:1", Some("nohost"))]).is_err());
         assert!(validate_endpoints(&[e("a", "http://x:1", Some("[::1]:7"))]).is_ok());
+    }
+
+    #[test]
+    fn kv_group_key_parses_and_defaults_to_the_implicit_group() {
+        let cfg: RouterConfig = serde_norway::from_str(
+            "endpoints:\n  - {name: a, url: \"http://x:1\", kv_group: vllm-llama}\n  - {name: b, url: \"http://x:2\"}\n  - {name: c, url: \"http://x:3\", kv_group: \"\"}\n",
+        )
+        .expect("parse");
+        cfg.validate().expect("valid");
+        let groups: Vec<Option<&str>> = cfg.endpoints.iter().map(|e| e.kv_group()).collect();
+        assert_eq!(groups, vec![Some("vllm-llama"), None, None]);
+        // The key survives a round trip and is left out when unset.
+        let out = serde_norway::to_string(&cfg.endpoints).expect("serialize");
+        assert!(out.contains("kv_group: vllm-llama"), "{out}");
+        assert_eq!(out.matches("kv_group").count(), 2, "{out}");
+        let c: RouterConfig =
+            serde_norway::from_str("discovery: {kind: dns, name: e.svc, kv_group: g1}")
+                .expect("dns");
+        let Some(DiscoveryConfig::Dns(d)) = &c.discovery else {
+            panic!("{:?}", c.discovery)
+        };
+        assert_eq!(d.kv_group.as_deref(), Some("g1"));
     }
 
     #[test]

@@ -31,6 +31,8 @@ pub struct EngineMetrics {
 pub struct Endpoint {
     pub id: EndpointId,
     pub name: Arc<str>,
+    /// `spec.kv_group()`, shared so every candidate built for a request clones a pointer.
+    pub kv_group: Option<Arc<str>>,
     pub spec: EndpointSpec,
     /// `spec.url` without a trailing slash; request paths are appended.
     pub base_url: String,
@@ -55,6 +57,7 @@ impl Endpoint {
         Endpoint {
             id,
             name: Arc::from(spec.name.as_str()),
+            kv_group: spec.kv_group().map(Arc::from),
             base_url: spec.url.trim_end_matches('/').to_owned(),
             spec,
             load: Arc::new(EndpointLoad::default()),
@@ -232,6 +235,7 @@ mod tests {
             kv_events: None,
             p2p: None,
             role: Role::Both,
+            kv_group: None,
         }
     }
 

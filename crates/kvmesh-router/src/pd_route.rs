@@ -8,12 +8,15 @@
 //!    are taken;
 //! 2. the decider picks P/D (`always`, or `{min_uncached_tokens: N}`: only when the prompt's
 //!    best prefill-side cache match leaves at least N tokens to compute) or decode-only;
-//! 3. prefill leg on the `prefill_profile`'s pick among `role: prefill` endpoints: body with
+//! 3. prefill leg on the `prefill_profile`'s pick among `role: prefill` endpoints that have a
+//!    decoder in their KV group (`kv_group`: blocks only move within one): body with
 //!    `stream=false`, `max_tokens=1` (and `max_completion_tokens=1` if present), no
 //!    `stream_options`, `kv_transfer_params` = [`KvTransferParams::prefill_leg`] merged with the
-//!    conversation's decoder params; without those, the prefill profile's `p2p-source-producer`
-//!    may name any endpoint (a decoder publishes its CPU-tier history) as `remote_kv_source`;
-//! 4. decode leg on the `decode_profile`'s pick among `role: decode` endpoints with the prefill
+//!    conversation's decoder params (only when that decoder is in the prefiller's group);
+//!    without those, the prefill profile's `p2p-source-producer` may name any endpoint of the
+//!    prefiller's group (a decoder publishes its CPU-tier history) as `remote_kv_source`;
+//! 4. decode leg on the `decode_profile`'s pick among `role: decode` endpoints (of the
+//!    prefiller's KV group when it reads the hand-off) with the prefill
 //!    response's `kv_transfer_params` verbatim; the decoder's answer streams to the client while
 //!    its final `kv_transfer_params` (last chunk / non-stream body) is cached for the
 //!    conversation. A failed prefill leg falls back to decode-only (the decoder computes).
@@ -142,7 +145,7 @@ pub(crate) async fn route_pd(
         list: &list,
         matches: &matches,
     };
-    let prefill = legs.prefill(&parsed, history).await;
+    let prefill = legs.prefill(&parsed, history, &decoders).await;
     legs.decode(&decoders, parsed, prefill, conv).await
 }
 
@@ -153,6 +156,8 @@ struct Prefilled {
     decode_params: Option<Value>,
     /// The endpoint that ran it.
     endpoint: Option<Arc<str>>,
+    /// Its KV group: the decode leg reading its hand-off must be in the same one.
+    kv_group: Option<Arc<str>>,
     /// Its part of the `x-kvmesh-decision` summary.
     explain: Option<Value>,
 }
@@ -175,9 +180,13 @@ impl Legs<'_> {
         &self,
         parsed: &ParsedRequest,
         history: Option<KvTransferParams>,
+        decoders: &[Arc<Endpoint>],
     ) -> Prefilled {
         let s = self.s;
-        let prefillers = with_role(self.list, Role::Prefill);
+        // A hand-off only works between endpoints whose KV blocks are interchangeable: a
+        // prefiller with no decoder of its KV group would compute blocks no decoder can read.
+        let mut prefillers = with_role(self.list, Role::Prefill);
+        prefillers.retain(|p| decoders.iter().any(|d| d.kv_group == p.kv_group));
         let pcands = candidates_of(&prefillers, self.matches);
         let bs = self.ctx.block_size;
         let best_prefill_hit = pcands.iter().map(|c| c.any_blocks * bs).max().unwrap_or(0);
@@ -196,6 +205,18 @@ impl Legs<'_> {
         let t0 = Instant::now();
         let mut decision = s.scheduler.schedule(&profile, self.ctx, &pcands);
         let chosen = decision.chosen_candidate(&pcands).cloned();
+        // The conversation's decoder is read only by a prefiller of its KV group; another
+        // prefiller recomputes the history rather than be told to pull blocks it would refuse.
+        let history = history.filter(|h| {
+            let Some(c) = &chosen else { return true };
+            let prefiller_group = by_id(self.list, c.endpoint).map(|e| e.kv_group.clone());
+            let decoder_group = history_endpoint(h, self.list).map(|e| e.kv_group.clone());
+            match (prefiller_group, decoder_group) {
+                (Some(p), Some(d)) => p == d,
+                // An unknown decoder (left the list): keep today's behaviour and let it try.
+                _ => true,
+            }
+        });
         // What the prefiller is told to read, recorded as the decision's P2P part: the
         // conversation history from its decoder, else (the profile's pick over every endpoint
         // holding the prefix in its CPU tier — decoders publish theirs) a P2P source.
@@ -251,6 +272,7 @@ impl Legs<'_> {
                 self.pd.leg("prefill", "ok");
                 out.decode_params = Some(params);
                 out.endpoint = Some(Arc::clone(&pep.name));
+                out.kv_group = pep.kv_group.clone();
             }
             Err(e) => {
                 self.pd.leg("prefill", "error");
@@ -268,9 +290,29 @@ impl Legs<'_> {
         &self,
         decoders: &[Arc<Endpoint>],
         mut parsed: ParsedRequest,
-        prefill: Prefilled,
+        mut prefill: Prefilled,
         conv: Option<String>,
     ) -> Response {
+        // A decoder reading the prefiller's hand-off must share its KV group (its blocks would be
+        // refused otherwise). The prefiller was chosen among those with such a decoder; if they
+        // all went away since, the decoder computes everything instead of failing a pull.
+        let in_group: Vec<Arc<Endpoint>> = decoders
+            .iter()
+            .filter(|d| d.kv_group == prefill.kv_group)
+            .cloned()
+            .collect();
+        let decoders: &[Arc<Endpoint>] = if prefill.decode_params.is_none() {
+            decoders
+        } else if in_group.is_empty() {
+            tracing::warn!(
+                group = prefill.kv_group.as_deref().unwrap_or("(default)"),
+                "no decoder left in the prefiller's KV group; decoding without the hand-off"
+            );
+            prefill.decode_params = None;
+            decoders
+        } else {
+            &in_group
+        };
         let first = self
             .decode_on(decoders, &mut parsed, &prefill, conv.clone())
             .await;
@@ -481,6 +523,24 @@ impl Legs<'_> {
     }
 }
 
+/// The listed endpoint whose P2P address the conversation history names.
+fn history_endpoint<'a>(
+    h: &KvTransferParams,
+    list: &'a [Arc<Endpoint>],
+) -> Option<&'a Arc<Endpoint>> {
+    let text = |v: &Option<Value>| match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => "?".to_owned(),
+    };
+    let host_port = format!("{}:{}", text(&h.remote_host), text(&h.remote_port));
+    list.iter().find(|e| {
+        e.spec
+            .p2p_host_port()
+            .is_some_and(|(host, port)| format!("{host}:{port}") == host_port)
+    })
+}
+
 /// The prefill leg's read of a conversation's history from the decoder that holds it, as a P2P
 /// decision for `/debug/decisions`.
 fn history_read(h: &KvTransferParams, list: &[Arc<Endpoint>]) -> P2pDecision {
@@ -490,14 +550,8 @@ fn history_read(h: &KvTransferParams, list: &[Arc<Endpoint>]) -> P2pDecision {
         None => "?".to_owned(),
     };
     let host_port = format!("{}:{}", text(&h.remote_host), text(&h.remote_port));
-    let decoder = list
-        .iter()
-        .find(|e| {
-            e.spec
-                .p2p_host_port()
-                .is_some_and(|(host, port)| format!("{host}:{port}") == host_port)
-        })
-        .map_or_else(|| host_port.clone(), |e| e.name.to_string());
+    let decoder =
+        history_endpoint(h, list).map_or_else(|| host_port.clone(), |e| e.name.to_string());
     P2pDecision {
         source: None,
         source_endpoint: Some(decoder),

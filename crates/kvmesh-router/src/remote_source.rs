@@ -77,6 +77,7 @@ mod tests {
             kv_events: None,
             p2p: p2p.map(str::to_owned),
             role: Default::default(),
+            kv_group: None,
         };
         Arc::new(Endpoint::new(EndpointId(id), spec))
     }

@@ -98,9 +98,15 @@ fn selector_matches(selector: &str, labels: &Value) -> bool {
 fn engine_deployments_are_discovered_with_http_p2p_and_events() {
     let (cfg, _dir) = router_config();
     let k = kubernetes_discovery(&cfg);
-    for (file, want_p2p) in [
-        ("deploy/kubernetes/sim-fleet/deployment.yaml", true),
-        ("deploy/kubernetes/vllm/deployment.yaml", true),
+    // The vLLM pods carry a KV group, the sim fleet none: the router never asks one to pull
+    // from the other.
+    for (file, want_p2p, want_group) in [
+        ("deploy/kubernetes/sim-fleet/deployment.yaml", true, None),
+        (
+            "deploy/kubernetes/vllm/deployment.yaml",
+            true,
+            Some("vllm-qwen2.5-1.5b-bs32"),
+        ),
     ] {
         let deployment = documents(file)
             .into_iter()
@@ -123,6 +129,7 @@ fn engine_deployments_are_discovered_with_http_p2p_and_events() {
         let found = pod_endpoint(&pod, &k).unwrap_or_else(|e| panic!("{file}: skipped: {e:?}"));
         assert!(found.ready, "{file}");
         assert_eq!(found.spec.role, Role::Both, "{file}");
+        assert_eq!(found.spec.kv_group(), want_group, "{file}");
         assert!(
             found.spec.url.starts_with("http://10.244.1.7:"),
             "{file}: {}",

@@ -37,6 +37,10 @@ pub struct Candidate {
     pub pulls_in: u64,
     /// Pulls this router named with the endpoint as source that have not finished yet.
     pub pulls_out: u64,
+    /// KV compatibility group (`kv_group` in the router's endpoint config); `None` is the
+    /// implicit group of every endpoint without one. Blocks only move within a group: another
+    /// group's blocks differ in model, layout, dtype or block size and a pull would be refused.
+    pub kv_group: Option<Arc<str>>,
 }
 
 impl Candidate {
@@ -57,7 +61,19 @@ impl Candidate {
             has_p2p: true,
             pulls_in: 0,
             pulls_out: 0,
+            kv_group: None,
         }
+    }
+
+    /// Whether `other`'s KV blocks are usable here (same group, the implicit one included).
+    pub fn same_kv_group(&self, other: &Candidate) -> bool {
+        self.kv_group == other.kv_group
+    }
+
+    /// Whether this candidate may serve a pull into `dest`: it has a P2P address and its blocks
+    /// are usable on `dest`.
+    pub fn can_source_for(&self, dest: &Candidate) -> bool {
+        self.has_p2p && self.same_kv_group(dest)
     }
 }
 

@@ -159,7 +159,8 @@ fn clamp_tokens(blocks: usize, block_size: usize, prompt: usize) -> u64 {
 }
 
 /// Predicts the TTFT of the request on `candidates[at]`; pull sources are any other candidate
-/// with a P2P address.
+/// with a P2P address in `candidates[at]`'s KV group (another group's blocks are refused by the
+/// fingerprint, so pricing a pull from it would promise a TTFT the engine cannot get).
 pub fn predict(
     ctx: &SchedulingContext<'_>,
     candidates: &[&Candidate],
@@ -200,7 +201,7 @@ pub fn predict(
     let mut best_pull: Option<PullPlan> = None;
     if p.p2p {
         for (i, s) in candidates.iter().enumerate() {
-            if i == at || !s.has_p2p {
+            if i == at || !s.can_source_for(c) {
                 continue;
             }
             let src = clamp_tokens(s.cpu_blocks, bs, prompt);

@@ -53,6 +53,9 @@ pub struct CandidateReport {
     /// Pulls in flight into / out of the endpoint (named by this router).
     pub pulls_in: u64,
     pub pulls_out: u64,
+    /// The endpoint's KV group, when it has one (pull sources are chosen within it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_group: Option<String>,
     /// The predicted time to first token, when the profile has a scorer that predicts it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub predicted: Option<Prediction>,
@@ -199,6 +202,7 @@ impl Profile {
                 total: None,
                 pulls_in: c.pulls_in,
                 pulls_out: c.pulls_out,
+                kv_group: c.kv_group.as_deref().map(str::to_owned),
                 predicted: None,
             })
             .collect();

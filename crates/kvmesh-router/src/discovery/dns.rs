@@ -43,7 +43,7 @@ pub fn endpoints_of(addrs: &[IpAddr], cfg: &DnsDiscovery) -> Vec<Discovered> {
         .into_iter()
         .map(|ip| {
             let name = format!("dns:{}", host_port(ip, cfg.http_port));
-            Discovered::ready(spec_at(name, ip, ports, cfg.role))
+            Discovered::ready(spec_at(name, ip, ports, cfg.role, cfg.kv_group.clone()))
         })
         .collect()
 }
@@ -185,6 +185,14 @@ mod tests {
         bare.kv_events_port = None;
         let s = &endpoints_of(&[ip("10.0.0.1")], &bare)[0].spec;
         assert_eq!((s.p2p.as_ref(), s.kv_events.as_ref()), (None, None));
+        assert_eq!(s.kv_group, None);
+        // The section's kv_group applies to every address behind the name.
+        bare.kv_group = Some("vllm-llama".into());
+        let eps = endpoints_of(&[ip("10.0.0.1"), ip("10.0.0.2")], &bare);
+        assert!(
+            eps.iter()
+                .all(|d| d.spec.kv_group.as_deref() == Some("vllm-llama"))
+        );
     }
 
     #[tokio::test]

@@ -27,6 +27,9 @@ use crate::metrics::{Kind, RouterMetrics};
 
 /// Annotation (or label) naming a pod's role: `prefill`, `decode` or `both`.
 pub const ROLE_KEY: &str = "kvmesh.dev/role";
+/// Annotation (or label) naming a pod's KV group (`EndpointSpec::kv_group`): pods whose KV blocks
+/// are interchangeable share one, and pulls never cross groups.
+pub const KV_GROUP_KEY: &str = "kvmesh.dev/kv-group";
 pub const HTTP_PORT_ANNOTATION: &str = "kvmesh.dev/http-port";
 pub const P2P_PORT_ANNOTATION: &str = "kvmesh.dev/p2p-port";
 pub const KV_EVENTS_PORT_ANNOTATION: &str = "kvmesh.dev/kv-events-port";
@@ -95,14 +98,28 @@ fn port(pod: &Pod, annotation_key: &'static str, name: &str) -> Result<Option<u1
     Ok(named)
 }
 
-fn role(pod: &Pod, default: Role) -> Result<Role, Skip> {
-    let value = annotation(pod, ROLE_KEY).or_else(|| {
+/// The annotation `key`, else the label `key`.
+fn annotation_or_label<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    annotation(pod, key).or_else(|| {
         pod.metadata
             .labels
             .as_ref()
-            .and_then(|l| l.get(ROLE_KEY))
+            .and_then(|l| l.get(key))
             .map(String::as_str)
-    });
+    })
+}
+
+/// The pod's KV group: annotation, then label, then the config's default; blank means none.
+fn kv_group(pod: &Pod, default: Option<&str>) -> Option<String> {
+    annotation_or_label(pod, KV_GROUP_KEY)
+        .map(str::trim)
+        .or(default)
+        .filter(|g| !g.is_empty())
+        .map(str::to_owned)
+}
+
+fn role(pod: &Pod, default: Role) -> Result<Role, Skip> {
+    let value = annotation_or_label(pod, ROLE_KEY);
     match value.map(str::trim) {
         None => Ok(default),
         Some("both") => Ok(Role::Both),
@@ -130,7 +147,13 @@ pub fn pod_endpoint(pod: &Pod, cfg: &KubernetesDiscovery) -> Result<Discovered, 
         p2p: port(pod, P2P_PORT_ANNOTATION, &cfg.ports.p2p)?,
         kv_events: port(pod, KV_EVENTS_PORT_ANNOTATION, &cfg.ports.kv_events)?,
     };
-    let spec = spec_at(pod_key(pod), ip, ports, role(pod, cfg.role)?);
+    let spec = spec_at(
+        pod_key(pod),
+        ip,
+        ports,
+        role(pod, cfg.role)?,
+        kv_group(pod, cfg.kv_group.as_deref()),
+    );
     Ok(Discovered {
         spec,
         ready: is_ready(pod),
@@ -417,6 +440,26 @@ mod tests {
             serde_json::json!({"deletionTimestamp": "2026-01-01T00:00:00Z"}),
         );
         assert!(!pod_endpoint(&terminating, &cfg()).expect("kept").ready);
+    }
+
+    #[test]
+    fn kv_group_from_annotation_then_label_then_config() {
+        let g = |meta: serde_json::Value, c: &KubernetesDiscovery| {
+            pod_endpoint(&pod("e", Some("10.0.0.1"), true, meta), c).map(|d| d.spec.kv_group)
+        };
+        let mut c = cfg();
+        assert_eq!(g(serde_json::json!({}), &c), Ok(None));
+        let label = serde_json::json!({"labels": {"kvmesh.dev/kv-group": "vllm-llama"}});
+        assert_eq!(g(label.clone(), &c), Ok(Some("vllm-llama".into())));
+        let both = serde_json::json!({"labels": {"kvmesh.dev/kv-group": "a"}, "annotations": {"kvmesh.dev/kv-group": "b"}});
+        assert_eq!(g(both, &c), Ok(Some("b".into())));
+        c.kv_group = Some("fleet".into());
+        assert_eq!(g(serde_json::json!({}), &c), Ok(Some("fleet".into())));
+        assert_eq!(g(label, &c), Ok(Some("vllm-llama".into())));
+        // A blank label is the implicit group, not a group named "".
+        c.kv_group = None;
+        let blank = serde_json::json!({"labels": {"kvmesh.dev/kv-group": ""}});
+        assert_eq!(g(blank, &c), Ok(None));
     }
 
     #[test]

@@ -43,9 +43,15 @@ pub struct Ports {
     pub kv_events: Option<u16>,
 }
 
-/// The endpoint spec of an engine at `ip`; KV events use the static config's defaults (connect,
-/// every topic).
-pub fn spec_at(name: String, ip: IpAddr, ports: Ports, role: Role) -> EndpointSpec {
+/// The endpoint spec of an engine at `ip` in KV group `kv_group`; KV events use the static
+/// config's defaults (connect, every topic).
+pub fn spec_at(
+    name: String,
+    ip: IpAddr,
+    ports: Ports,
+    role: Role,
+    kv_group: Option<String>,
+) -> EndpointSpec {
     EndpointSpec {
         name,
         url: format!("http://{}", host_port(ip, ports.http)),
@@ -57,6 +63,7 @@ pub fn spec_at(name: String, ip: IpAddr, ports: Ports, role: Role) -> EndpointSp
         }),
         p2p: ports.p2p.map(|p| host_port(ip, p)),
         role,
+        kv_group,
     }
 }
 
@@ -125,6 +132,7 @@ mod tests {
                 kv_events: Some(5557),
             },
             Role::Both,
+            None,
         );
         assert_eq!(s.url, "http://[fd00::7]:8000");
         assert_eq!(s.p2p.as_deref(), Some("[fd00::7]:7100"));
@@ -141,6 +149,7 @@ mod tests {
                 kv_events: None,
             },
             Role::Decode,
+            Some("g".into()),
         )])
         .expect("valid");
     }

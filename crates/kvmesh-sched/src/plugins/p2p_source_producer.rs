@@ -12,7 +12,10 @@
 //! replaces sampling and threshold by the placement cost function ([`crate::predict`]): the source
 //! is the peer with the cheapest pull path, priced with the transfers already in flight on both
 //! ends, and it is named only when the pull beats recomputing the same tokens.
-//! Endpoints without a configured P2P address are never sources.
+//! Endpoints without a configured P2P address are never sources, and in every mode neither are
+//! endpoints outside the computing endpoint's KV group ([`Candidate::kv_group`]): their blocks
+//! (another model, layout, dtype or block size) would be refused by the fingerprint and
+//! recomputed, so naming them only wastes a round trip and counts a failure.
 
 use std::sync::Arc;
 
@@ -152,7 +155,8 @@ impl P2pSourceProducer {
     }
 
     /// Chooses a source for a request placed on `candidates[computing]`. `candidates` are all
-    /// healthy endpoints (not only those the filters kept: any peer can serve a pull).
+    /// healthy endpoints (not only those the filters kept: any peer of the computing endpoint's
+    /// KV group can serve a pull).
     pub fn select(
         &self,
         ctx: &SchedulingContext<'_>,
@@ -179,19 +183,25 @@ impl P2pSourceProducer {
             return self.select_predicted(ctx, candidates, computing, d);
         }
         let cpu_tokens = |c: &Candidate| c.cpu_blocks as u64 * bs;
+        // Without a computing candidate (callers always pass one) there is no group to keep to.
+        let usable = |c: &Candidate| {
+            candidates
+                .get(computing)
+                .map_or(c.has_p2p, |dest| c.can_source_for(dest))
+        };
         let max_cached = candidates
             .iter()
-            .filter(|c| c.has_p2p)
+            .filter(|c| usable(c))
             .map(|c| cpu_tokens(c))
             .max()
             .unwrap_or(0);
         if max_cached == 0 {
             d.skipped = Some(SkipReason::NoSource);
-            d.why = "no peer holds the prefix in its CPU tier".to_owned();
+            d.why = no_source_why(candidates, computing, "holds the prefix in its CPU tier");
             return d;
         }
         let mut band: Vec<usize> = (0..candidates.len())
-            .filter(|&i| candidates[i].has_p2p && cpu_tokens(candidates[i]) + bs >= max_cached)
+            .filter(|&i| usable(candidates[i]) && cpu_tokens(candidates[i]) + bs >= max_cached)
             .collect();
         band.sort_by_key(|&i| candidates[i].endpoint);
         d.band = band
@@ -289,9 +299,13 @@ impl P2pSourceProducer {
         );
         let Some(plan) = pred.best_pull else {
             d.skipped = Some(SkipReason::NoSource);
-            d.why = format!(
-                "no peer's CPU tier leads by >= {} tokens",
-                self.params.min_cached_token_delta
+            d.why = no_source_why(
+                candidates,
+                computing,
+                &format!(
+                    "leads by >= {} tokens in its CPU tier",
+                    self.params.min_cached_token_delta
+                ),
             );
             return d;
         };
@@ -316,6 +330,27 @@ impl P2pSourceProducer {
         );
         d
     }
+}
+
+/// Why no source was found: "no peer <what>", plus, when a holder exists only outside the
+/// computing endpoint's KV group, that it was passed over for that reason (`/debug/decisions`
+/// should not look like the prefix is nowhere).
+fn no_source_why(candidates: &[&Candidate], computing: usize, what: &str) -> String {
+    let mut why = format!("no peer {what}");
+    let Some(dest) = candidates.get(computing) else {
+        return why;
+    };
+    let other_group = candidates
+        .iter()
+        .filter(|c| c.has_p2p && c.cpu_blocks > 0 && !c.same_kv_group(dest))
+        .count();
+    if other_group > 0 {
+        why.push_str(&format!(
+            " in KV group {} ({other_group} holder(s) in other groups are never sources)",
+            dest.kv_group.as_deref().unwrap_or("(default)")
+        ));
+    }
+    why
 }
 
 #[cfg(test)]
@@ -463,6 +498,54 @@ mod tests {
                 .skipped,
             Some(SkipReason::NoSource)
         );
+    }
+
+    #[test]
+    fn sources_outside_the_computing_kv_group_are_never_named_in_any_mode() {
+        let group = |c: &mut Candidate, g: Option<&str>| c.kv_group = g.map(Arc::from);
+        for mode in [P2pMode::Threshold, P2pMode::CostModel, P2pMode::Predicted] {
+            let p = producer(16, mode);
+            // e0 (kvmesh engines, implicit group) computes; e1 (vLLM group) holds 200 blocks,
+            // far more than any cost check needs. Many request ids, so sampling cannot hide it.
+            let mut c = [cand(0, 0, 0, 0.0), cand(1, 200, 200, 0.0)];
+            group(&mut c[1], Some("vllm"));
+            let refs: Vec<&Candidate> = c.iter().collect();
+            for id in ["a", "b", "c", "", "x", "request-42"] {
+                let d = p.select(&ctx(id), &refs, 0);
+                assert_eq!(d.source, None, "{mode:?} {d:?}");
+                assert_eq!(d.skipped, Some(SkipReason::NoSource), "{mode:?} {d:?}");
+                assert!(d.band.is_empty(), "{mode:?} {d:?}");
+                assert!(d.why.contains("other groups"), "{mode:?} {}", d.why);
+            }
+            // Named groups on both sides, different names: still never.
+            group(&mut c[0], Some("sim"));
+            let refs: Vec<&Candidate> = c.iter().collect();
+            assert_eq!(p.select(&ctx("a"), &refs, 0).source, None, "{mode:?}");
+            // The vLLM endpoint computing: the kvmesh holder e2 is not its source, the vLLM
+            // holder e1 is, though e2 holds more (and in threshold mode would take the band).
+            let mut c = [
+                cand(0, 0, 0, 0.0),
+                cand(1, 200, 200, 0.0),
+                cand(2, 250, 250, 0.0),
+            ];
+            group(&mut c[0], Some("vllm"));
+            group(&mut c[1], Some("vllm"));
+            let refs: Vec<&Candidate> = c.iter().collect();
+            for id in ["a", "b", "c", "", "x", "request-42"] {
+                let d = p.select(&ctx(id), &refs, 0);
+                assert_eq!(d.source, Some(EndpointId(1)), "{mode:?} {d:?}");
+                assert_eq!(d.band, vec!["e1"], "{mode:?} {d:?}");
+                assert_eq!(d.source_tokens, 200 * 16, "{mode:?} {d:?}");
+            }
+            // Same group (implicit on both sides) still pulls.
+            let c = [cand(0, 0, 0, 0.0), cand(1, 200, 200, 0.0)];
+            let refs: Vec<&Candidate> = c.iter().collect();
+            assert_eq!(
+                p.select(&ctx("a"), &refs, 0).source,
+                Some(EndpointId(1)),
+                "{mode:?}"
+            );
+        }
     }
 
     #[test]
