@@ -18,7 +18,8 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::tokens::{Segment, TokenSpace};
 use crate::workload::{
-    FleetShape, GPU_BLOCK_TOKENS, Scale, Session, Start, Step, StepKind, Workload, key, secs_f,
+    FleetShape, GPU_BLOCK_TOKENS, Scale, Session, SharedPrefixShape, Start, Step, StepKind,
+    Workload, key, shared_prefix_arrivals,
 };
 
 /// Default puller counts `fanout` runs (one workload, one fresh fleet per count and arm).
@@ -137,31 +138,16 @@ pub fn skew(scale: Scale, seed: u64, exponent: f64) -> Workload {
     };
     let cdf = zipf_cdf(prefixes, exponent);
     let mut rng = ChaCha8Rng::seed_from_u64(key(&[70, seed, exponent.to_bits()]));
-    let mut t = 0.0f64;
-    let mut sessions = Vec::new();
-    let mut i = 0u64;
-    loop {
-        let u: f64 = rng.random_range(f64::EPSILON..1.0);
-        t += -u.ln() / rate;
-        if t >= duration_s {
-            break;
-        }
-        let p = zipf_rank(&cdf, rng.random_range(0.0..1.0)) as u64;
-        sessions.push(Session {
-            start: Start::At(secs_f(t)),
-            steps: vec![Step {
-                gap: Duration::ZERO,
-                history: false,
-                segments: vec![
-                    Segment::seeded(key(&[71, seed, p]), len),
-                    Segment::seeded(key(&[72, seed, i]), 128),
-                ],
-                max_tokens: 64,
-                kind: StepKind::Request,
-            }],
-        });
-        i += 1;
-    }
+    let sessions = shared_prefix_arrivals(
+        &mut rng,
+        SharedPrefixShape {
+            rate,
+            duration_s,
+            prefix_len: len,
+            keys: (seed, 71, 72),
+        },
+        |rng| zipf_rank(&cdf, rng.random_range(0.0..1.0)) as u64,
+    );
     let offered = sessions.len() as f64 / duration_s;
     let per_server_tokens = prefixes * len / 4;
     Workload {

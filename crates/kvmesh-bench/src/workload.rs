@@ -270,6 +270,51 @@ pub fn fork(scale: Scale, seed: u64) -> Workload {
     }
 }
 
+/// What [`shared_prefix_arrivals`] generates: arrivals per second, for how long (model seconds),
+/// the shared prefixes' length, and `(seed, prefix tag, question tag)` for the segment keys.
+pub(crate) struct SharedPrefixShape {
+    pub rate: f64,
+    pub duration_s: f64,
+    pub prefix_len: usize,
+    pub keys: (u64, u64, u64),
+}
+
+/// Open-loop single-request sessions: Poisson arrivals, each a shared prefix chosen by
+/// `pick_prefix` plus a fresh 128-token question, 64 tokens out. Per arrival the RNG draws the
+/// gap first, then `pick_prefix` draws, so a workload stays the same for a seed.
+pub(crate) fn shared_prefix_arrivals(
+    rng: &mut ChaCha8Rng,
+    shape: SharedPrefixShape,
+    mut pick_prefix: impl FnMut(&mut ChaCha8Rng) -> u64,
+) -> Vec<Session> {
+    let (seed, prefix_tag, question_tag) = shape.keys;
+    let mut t = 0.0f64;
+    let mut sessions = Vec::new();
+    for i in 0u64.. {
+        // Exponential inter-arrival: -ln(U)/rate.
+        let u: f64 = rng.random_range(f64::EPSILON..1.0);
+        t += -u.ln() / shape.rate;
+        if t >= shape.duration_s {
+            break;
+        }
+        let p = pick_prefix(rng);
+        sessions.push(Session {
+            start: Start::At(secs_f(t)),
+            steps: vec![Step {
+                gap: Duration::ZERO,
+                history: false,
+                segments: vec![
+                    Segment::seeded(key(&[prefix_tag, seed, p]), shape.prefix_len),
+                    Segment::seeded(key(&[question_tag, seed, i]), 128),
+                ],
+                max_tokens: 64,
+                kind: StepKind::Request,
+            }],
+        });
+    }
+    sessions
+}
+
 /// Shared-prefix pool: more shared prefixes than one server caches, Poisson arrivals at `rate`.
 pub fn pool(scale: Scale, seed: u64, rate: f64) -> Workload {
     let (prefixes, len, duration_s) = match scale {
@@ -282,32 +327,16 @@ pub fn pool(scale: Scale, seed: u64, rate: f64) -> Workload {
         1.0
     };
     let mut rng = ChaCha8Rng::seed_from_u64(key(&[20, seed, rate.to_bits()]));
-    let mut t = 0.0f64;
-    let mut sessions = Vec::new();
-    let mut i = 0u64;
-    loop {
-        // Exponential inter-arrival: -ln(U)/rate.
-        let u: f64 = rng.random_range(f64::EPSILON..1.0);
-        t += -u.ln() / rate;
-        if t >= duration_s {
-            break;
-        }
-        let p = rng.random_range(0..prefixes as u64);
-        sessions.push(Session {
-            start: Start::At(secs_f(t)),
-            steps: vec![Step {
-                gap: Duration::ZERO,
-                history: false,
-                segments: vec![
-                    Segment::seeded(key(&[21, seed, p]), len),
-                    Segment::seeded(key(&[22, seed, i]), 128),
-                ],
-                max_tokens: 64,
-                kind: StepKind::Request,
-            }],
-        });
-        i += 1;
-    }
+    let sessions = shared_prefix_arrivals(
+        &mut rng,
+        SharedPrefixShape {
+            rate,
+            duration_s,
+            prefix_len: len,
+            keys: (seed, 21, 22),
+        },
+        |rng| rng.random_range(0..prefixes as u64),
+    );
     // What was actually offered: this Poisson realisation, not the nominal rate.
     let offered = sessions.len() as f64 / duration_s;
     // A server holds about a quarter of the pool, so no single server caches it all.
