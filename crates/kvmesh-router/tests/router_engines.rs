@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::engines::{SimEngine, engine_metric, engines_yaml, start_engine, stop};
 use common::{
-    client, doc, eventually_async, get_json, get_text, post_json, scrape_metric, start_router,
-    wait_for_prefix,
+    LOAD_P2P_PROFILE, client, doc, eventually_async, get_json, get_text, post_json, scrape_metric,
+    start_router, wait_for_prefix,
 };
 use futures::{FutureExt, StreamExt};
 use kvmesh_router::RouterHandle;
@@ -83,18 +83,6 @@ async fn affinity_sends_a_repeated_prefix_to_its_holder() {
     .unwrap();
 }
 
-const LOAD_P2P: &str = r#"
-seed: 5
-plugins:
-  - {type: queue-scorer, name: queue}
-  - {type: kv-cache-utilization-scorer, name: kv-util}
-  - {type: weighted-random-picker, name: wr}
-  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 2048}}
-schedulingProfiles:
-  - name: load-p2p
-    plugins: [{pluginRef: queue, weight: 3}, {pluginRef: kv-util, weight: 2}, {pluginRef: wr}, {pluginRef: p2p}]
-"#;
-
 /// Seeds a 4096-token prefix on e0, then sends a burst of 12 requests sharing it. Returns the
 /// router (for inspection) and the engines.
 async fn burst_after_seeding() -> (RouterHandle, Vec<SimEngine>) {
@@ -104,7 +92,7 @@ async fn burst_after_seeding() -> (RouterHandle, Vec<SimEngine>) {
         start_engine("e2", 1.0, 2048).await,
     ];
     let refs: Vec<&SimEngine> = engines.iter().collect();
-    let r = start_router(&format!("{LOAD_P2P}{}", engines_yaml(&refs)), None).await;
+    let r = start_router(&format!("{LOAD_P2P_PROFILE}{}", engines_yaml(&refs)), None).await;
     let prefix = doc(42, 4096);
     // Seed directly on e0 (bypassing the router), as a previous turn would have.
     let seeded = post_json(

@@ -13,26 +13,16 @@ use std::time::Duration;
 use common::engines::{
     SimEngine, engine_metric, sim_config, start_engine, start_engine_with, stop,
 };
-use common::{doc, get_json, post_json, scrape_metric, start_router, wait_for_prefix};
+use common::{
+    LOAD_P2P_PROFILE, doc, get_json, post_json, scrape_metric, start_router, wait_for_prefix,
+};
 use kvmesh_engine::Role;
 use serde_json::{Value, json};
 
 const LIMIT: Duration = Duration::from_secs(90);
 
-const PROFILE: &str = r#"
-seed: 5
-plugins:
-  - {type: queue-scorer, name: queue}
-  - {type: kv-cache-utilization-scorer, name: kv-util}
-  - {type: weighted-random-picker, name: wr}
-  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 2048}}
-schedulingProfiles:
-  - name: load-p2p
-    plugins: [{pluginRef: queue, weight: 3}, {pluginRef: kv-util, weight: 2}, {pluginRef: wr}, {pluginRef: p2p}]
-"#;
-
 fn yaml(engines: &[(&SimEngine, &str)]) -> String {
-    let mut s = format!("{PROFILE}endpoints:\n");
+    let mut s = format!("{LOAD_P2P_PROFILE}endpoints:\n");
     for (e, group) in engines {
         s.push_str(&format!(
             "  - {{name: {}, url: \"{}\", p2p: \"127.0.0.1:{}\", kv_group: {group}, kv_events: {{endpoint: \"{}\", topic: kv-events}}}}\n",

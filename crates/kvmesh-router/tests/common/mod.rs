@@ -237,6 +237,21 @@ impl PrefixLookup for FakePrefix {
     }
 }
 
+/// Load-aware placement (queue 3, kv-util 2, weighted random) plus P2P sources at a 2048-token
+/// lead: the `load-p2p` arm, for tests that put real sim engines behind the router (append
+/// `endpoints:`).
+pub const LOAD_P2P_PROFILE: &str = r#"
+seed: 5
+plugins:
+  - {type: queue-scorer, name: queue}
+  - {type: kv-cache-utilization-scorer, name: kv-util}
+  - {type: weighted-random-picker, name: wr}
+  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 2048}}
+schedulingProfiles:
+  - name: load-p2p
+    plugins: [{pluginRef: queue, weight: 3}, {pluginRef: kv-util, weight: 2}, {pluginRef: wr}, {pluginRef: p2p}]
+"#;
+
 /// YAML endpoint entries for fake engines (`p2p` = 127.0.0.1:7000+i).
 pub fn endpoints_yaml(engines: &[&FakeEngine]) -> String {
     let mut s = String::from("endpoints:\n");
