@@ -30,12 +30,15 @@ use kvmesh_core::lax;
 pub use crate::admission::AdmissionHook;
 use crate::compute::SamplingParams;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo, SeqOutput, SeqStream, SubmitError};
+use crate::prefetch::{PrefetchRequest, Prefetcher};
 
 /// Shared state of the HTTP layer.
 #[derive(Clone)]
 pub struct ApiState {
     pub engine: EngineHandle,
     pub admission_hook: Option<Arc<dyn AdmissionHook>>,
+    /// Runs `POST /kvmesh/prefetch` (None: the route answers 404, e.g. no P2P consumer).
+    pub prefetcher: Option<Arc<Prefetcher>>,
     pub created: u64,
     /// An upper bound on the UTF-8 bytes of text one token stands for (see [`check_text_fits`]).
     pub max_token_bytes: usize,
@@ -47,6 +50,7 @@ impl ApiState {
         Self {
             engine,
             admission_hook: None,
+            prefetcher: None,
             created: unix_now(),
             max_token_bytes,
         }
@@ -62,6 +66,11 @@ pub fn router(state: ApiState) -> Router {
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/kvmesh/prefetch", post(prefetch))
+        .route(
+            "/kvmesh/prefetch/{id}",
+            axum::routing::delete(cancel_prefetch),
+        )
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         // Long prompts as token-id arrays exceed axum's 2 MB default.
@@ -126,6 +135,15 @@ impl ApiError {
             message: format!("The model `{model}` does not exist."),
             param: Some("model"),
             reason: "unknown_model",
+        }
+    }
+    fn not_found(message: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError",
+            message: message.to_owned(),
+            param: None,
+            reason: "not_found",
         }
     }
     fn overloaded(waiting: usize) -> Self {
@@ -264,6 +282,36 @@ async fn reset_prefix_cache(State(s): State<ApiState>) -> Response {
         StatusCode::OK.into_response()
     } else {
         fail(&s, ApiError::unavailable("engine stopped"))
+    }
+}
+
+/// `POST /kvmesh/prefetch`: pull a history from a peer now (see [`crate::prefetch`]); answers
+/// when the prefetch ended (200 with its report, whatever its outcome) or 400 when malformed.
+async fn prefetch(State(s): State<ApiState>, body: Bytes) -> Response {
+    let Some(prefetcher) = s.prefetcher.clone() else {
+        return fail(&s, ApiError::not_found("this engine runs no prefetches"));
+    };
+    let req: PrefetchRequest = match typed_body(&body) {
+        Ok(r) => r,
+        Err(e) => return fail(&s, e),
+    };
+    match prefetcher.run(&s.engine, req).await {
+        Ok(report) => axum::Json(report).into_response(),
+        Err(e) => fail(
+            &s,
+            ApiError::bad_request("invalid_prefetch", e.to_string(), None),
+        ),
+    }
+}
+
+/// `DELETE /kvmesh/prefetch/{id}`: stop a running prefetch (404 when none runs with that id).
+async fn cancel_prefetch(
+    State(s): State<ApiState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    match &s.prefetcher {
+        Some(p) if p.cancel(&id) => StatusCode::NO_CONTENT.into_response(),
+        _ => fail(&s, ApiError::not_found("no prefetch running with this id")),
     }
 }
 

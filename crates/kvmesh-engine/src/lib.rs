@@ -14,6 +14,7 @@ pub mod outbox;
 pub mod p2p;
 pub mod pd;
 pub mod pool;
+pub mod prefetch;
 pub mod remote_read;
 
 pub use config::{EngineConfig, KvEventsConfig, P2pConfig, Role};

@@ -62,6 +62,8 @@ pub struct EngineMetrics {
     pub p2p: kvmesh_transfer::TransferMetrics,
     /// P/D counters (`vllm:nixl_num_kv_expired_reqs`, `kvmesh_engine_pd_*`).
     pub pd: PdMetrics,
+    /// Prefetch counters (`kvmesh_engine_prefetches_total`, `kvmesh_engine_prefetch_blocks_total`).
+    pub prefetch: PrefetchMetrics,
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -113,6 +115,7 @@ impl EngineMetrics {
             step_seconds: Histogram::new(TTFT_BUCKETS.iter().copied()),
             p2p: kvmesh_transfer::TransferMetrics::new(),
             pd: PdMetrics::default(),
+            prefetch: PrefetchMetrics::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -258,6 +261,7 @@ impl EngineMetrics {
         );
         m.p2p.register(r);
         m.pd.register(r);
+        m.prefetch.register(r);
         Self { registry, ..m }
     }
 
@@ -354,6 +358,43 @@ impl PdMetrics {
         self.remote_reads
             .get_or_create(&PdReadLabel { leg, outcome })
             .inc();
+    }
+}
+
+/// Labels of `kvmesh_engine_prefetches_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PrefetchLabel {
+    pub outcome: String,
+}
+
+/// Prefetch counters on the engine registry ([`crate::prefetch`]).
+#[derive(Debug, Clone, Default)]
+pub struct PrefetchMetrics {
+    pub prefetches: Family<PrefetchLabel, Counter>,
+    pub blocks: Counter,
+}
+
+impl PrefetchMetrics {
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "kvmesh_engine_prefetches",
+            "Prefetches a router asked this engine to run ahead of a request, by outcome",
+            self.prefetches.clone(),
+        );
+        r.register(
+            "kvmesh_engine_prefetch_blocks",
+            "Blocks prefetches landed in the CPU tier",
+            self.blocks.clone(),
+        );
+    }
+
+    pub(crate) fn finished(&self, outcome: &str, blocks: usize) {
+        self.prefetches
+            .get_or_create(&PrefetchLabel {
+                outcome: outcome.to_owned(),
+            })
+            .inc();
+        self.blocks.inc_by(blocks as u64);
     }
 }
 

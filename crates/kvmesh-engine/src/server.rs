@@ -23,6 +23,7 @@ use crate::config::{AdvertisedAddr, ConfigError, EngineConfig, host_port};
 use crate::engine::{Engine, EngineHandle, build_engine};
 use crate::p2p::{P2pConsumer, start_producer};
 use crate::pd::PdAdmission;
+use crate::prefetch::Prefetcher;
 use crate::publish::{advertised_endpoint, start_event_publisher};
 
 /// Why a server could not start.
@@ -232,6 +233,7 @@ pub async fn start_server(
         _ => None,
     };
     let mut state = ApiState::new(engine.clone());
+    state.prefetcher = Some(Arc::new(Prefetcher::new(Arc::clone(&consumer))));
     // P/D hook: handles NIXL-style P/D params and delegates `remote_kv_source` to P2pAdmission.
     state.admission_hook =
         Some(options.admission_hook.unwrap_or_else(|| {

@@ -318,6 +318,10 @@ pub struct RouterConfig {
     /// release them shortest work first (`kvmesh_sched::hold_queue`). Absent = place on arrival.
     #[serde(default)]
     pub dispatch: Option<DispatchConfig>,
+    /// Prefetch ahead of arrival: follow sessions and, when a turn ends, have a second engine
+    /// pull the history during the client's gap (`docs/architecture.md#prefetch`). Absent = off.
+    #[serde(default)]
+    pub prefetch: Option<PrefetchConfig>,
     /// A client connection must deliver a request's complete headers within this, counted from
     /// when it opens or its previous response ended (so it also bounds idle keep-alive
     /// connections); no two chunks of a request body may be further apart.
@@ -384,6 +388,134 @@ impl RouterConfig {
         }
         if self.max_in_flight == 0 {
             return Err(ConfigError::Invalid("max_in_flight must be > 0".into()));
+        }
+        if let Some(p) = &self.prefetch {
+            p.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a request's session id is read from (`prefetch.session_id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionIdSource {
+    /// `header:<name>`: a request header (the bench and vLLM's multi-turn benchmark send
+    /// `x-session-id`).
+    Header(String),
+    /// `body:<field>`: a top-level string (or number) field, e.g. OpenAI's `user`.
+    Body(String),
+    /// `metadata:<key>`: a key of the request's `metadata` object.
+    Metadata(String),
+}
+
+impl std::str::FromStr for SessionIdSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (kind, name) = s.split_once(':').ok_or_else(|| {
+            format!("session_id {s:?}: expected header:<name>, body:<field> or metadata:<key>")
+        })?;
+        let name = name.trim();
+        if name.is_empty() {
+            return Err(format!("session_id {s:?}: empty name"));
+        }
+        match kind.trim() {
+            "header" => Ok(Self::Header(name.to_ascii_lowercase())),
+            "body" => Ok(Self::Body(name.to_owned())),
+            "metadata" => Ok(Self::Metadata(name.to_owned())),
+            other => Err(format!(
+                "session_id {s:?}: unknown source {other:?} (header, body, metadata)"
+            )),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SessionIdSource {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for SessionIdSource {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let text = match self {
+            Self::Header(n) => format!("header:{n}"),
+            Self::Body(n) => format!("body:{n}"),
+            Self::Metadata(n) => format!("metadata:{n}"),
+        };
+        s.serialize_str(&text)
+    }
+}
+
+/// `prefetch:` — sessions and prefetch ahead of arrival.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefetchConfig {
+    /// Where the session id comes from (default `header:x-session-id`).
+    #[serde(default = "default_session_id")]
+    pub session_id: SessionIdSource,
+    /// KV bytes one token takes on these engines (prices the budget and the reports; default
+    /// 73,728: gpt-oss-120b, bf16).
+    #[serde(default = "default_kv_bytes_per_token")]
+    pub kv_bytes_per_token: u64,
+    /// Most modelled bytes of prefetches in flight towards one endpoint (default 8 GiB); a
+    /// prefetch that does not fit is skipped, never queued.
+    #[serde(default = "default_prefetch_budget")]
+    pub max_inflight_bytes_per_endpoint: u64,
+    /// Histories shorter than this are not prefetched (a pull's setup would cost more than it
+    /// saves).
+    #[serde(default = "default_prefetch_min_tokens")]
+    pub min_tokens: usize,
+    /// A session idle this long is forgotten (its unused prefetch counted as expired).
+    #[serde(default = "default_session_ttl")]
+    pub session_ttl_s: f64,
+    /// Most sessions followed at once (the least recently active is dropped beyond it).
+    #[serde(default = "default_max_sessions")]
+    pub max_sessions: usize,
+    /// Scheduling profile that picks the prefetch target (default: the default profile).
+    #[serde(default)]
+    pub profile: Option<String>,
+    /// Longest a prefetch may run before the router stops waiting for its report.
+    #[serde(default = "default_prefetch_timeout")]
+    pub timeout_s: f64,
+}
+
+fn default_session_id() -> SessionIdSource {
+    SessionIdSource::Header("x-session-id".to_owned())
+}
+fn default_kv_bytes_per_token() -> u64 {
+    73_728
+}
+fn default_prefetch_budget() -> u64 {
+    8 << 30
+}
+fn default_prefetch_min_tokens() -> usize {
+    1024
+}
+fn default_session_ttl() -> f64 {
+    120.0
+}
+fn default_max_sessions() -> usize {
+    65_536
+}
+fn default_prefetch_timeout() -> f64 {
+    30.0
+}
+
+impl PrefetchConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError::Invalid(format!("prefetch: {m}")));
+        if self.kv_bytes_per_token == 0 {
+            return bad("kv_bytes_per_token must be > 0");
+        }
+        if self.max_sessions == 0 {
+            return bad("max_sessions must be > 0");
+        }
+        if !(self.session_ttl_s.is_finite() && self.session_ttl_s > 0.0) {
+            return bad("session_ttl_s must be a positive number of seconds");
+        }
+        if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
+            return bad("timeout_s must be a positive number of seconds");
         }
         Ok(())
     }

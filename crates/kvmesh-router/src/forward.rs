@@ -211,6 +211,26 @@ pub(crate) struct Tap {
     pub dispatch: Option<Arc<Dispatcher>>,
     /// Capture the engine's final `kv_transfer_params`: `stream` says whether the body is SSE.
     pub capture: Option<(bool, ParamsSink)>,
+    /// Runs when the body ends, however it ends, if the engine sent at least one byte (its
+    /// prefill ran: the prompt's blocks exist there). Prefetch follows sessions with it.
+    pub on_end: Option<Box<dyn FnOnce() + Send>>,
+}
+
+/// Runs its hook when dropped, if `armed` (see [`Tap::on_end`]). A drop, not code after the
+/// stream's loop: hyper drops a body with a `Content-Length` once that many bytes are out.
+struct EndHook {
+    hook: Option<Box<dyn FnOnce() + Send>>,
+    armed: bool,
+}
+
+impl Drop for EndHook {
+    fn drop(&mut self) {
+        if self.armed
+            && let Some(f) = self.hook.take()
+        {
+            f();
+        }
+    }
 }
 
 /// Largest non-stream body kept to read its `kv_transfer_params`.
@@ -239,7 +259,12 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         learn,
         dispatch,
         capture,
+        on_end,
     } = tap;
+    let mut end_hook = EndHook {
+        hook: on_end,
+        armed: false,
+    };
     // Held requests re-check when this one's prefill is over and when it ends (however it ends).
     let wake = WakeOnDrop(dispatch.clone());
     let out = async_stream::stream! {
@@ -254,6 +279,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
                 Ok(bytes) => {
                     if first {
                         first = false;
+                        end_hook.armed = true;
                         guard.prefill_done();
                         if let Some(d) = &dispatch {
                             d.wake();
@@ -313,6 +339,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         }
         drop(guard);
         drop(wake);
+        drop(end_hook);
     };
     Body::from_stream(out)
 }

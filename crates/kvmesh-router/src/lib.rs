@@ -25,12 +25,14 @@ pub mod indexer;
 pub mod load;
 pub mod metrics;
 pub mod pd_route;
+mod prefetch;
 pub mod prefix;
 mod remote_source;
 pub mod request;
 pub mod route;
 pub mod scrape;
 pub mod server;
+pub mod sessions;
 pub mod state;
 mod tokenizer;
 

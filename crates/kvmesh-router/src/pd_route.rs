@@ -444,6 +444,7 @@ impl Legs<'_> {
             learn: None,
             dispatch: None,
             capture,
+            on_end: None,
         };
         let mut resp = Response::new(tap_body(upstream, tap));
         *resp.status_mut() = status;

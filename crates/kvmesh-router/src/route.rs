@@ -24,6 +24,7 @@ use crate::forward::{
     DECISION_HEADER, Failed, Learn, Tap, engine_request, forwarded_headers, refused, request_id,
     send_to_engine, tap_body, wants_explanation,
 };
+use crate::prefetch;
 use crate::remote_source::{NamedSource, name_source};
 use crate::request::{ApiKind, ParsedRequest};
 use crate::state::{Placement, RouterState, outcome};
@@ -64,7 +65,9 @@ pub(crate) async fn route_aggregated(
     // A first try may name a pull source in the body; a retry starts from the client's params.
     let client_params = parsed.fields.get("kv_transfer_params").cloned();
     let keys = chain_keys(&parsed.tokens, s.config.block_size);
+    let session = prefetch::session_of(&s, &headers, &parsed);
     let req = Attempt {
+        session: session.as_deref(),
         s: &s,
         profile: &profile,
         kind,
@@ -102,6 +105,8 @@ struct Attempt<'a> {
     request_id: &'a str,
     keys: &'a [ChainKey],
     t0: Instant,
+    /// The request's session id, when the router follows sessions (`prefetch:`).
+    session: Option<&'a str>,
 }
 
 impl Attempt<'_> {
@@ -212,6 +217,11 @@ impl Attempt<'_> {
         if status.is_server_error() || status.is_client_error() {
             s.metrics.error("upstream_status");
         }
+        // Settled once the engine answered: a first try refused by a dead owner is not the
+        // placement that decides whether the session's prefetch was used.
+        if let Some(session) = self.session {
+            prefetch::on_placed(s, session, &ep);
+        }
         let mut resp_headers = forwarded_headers(&upstream, &ep);
         if let Some(summary) = summary
             && let Ok(v) = HeaderValue::from_str(&summary)
@@ -229,11 +239,19 @@ impl Attempt<'_> {
             pulled: source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
             dispatched,
         });
+        // The turn's blocks exist on `ep` once it answers: prepare the session's next turn.
+        let on_end = self.session.filter(|_| status.is_success()).map(|session| {
+            let (s, ep) = (Arc::clone(s), Arc::clone(&ep));
+            let (session, tokens) = (session.to_owned(), Arc::new(parsed.tokens.clone()));
+            Box::new(move || prefetch::on_turn_end(&s, session, ep, tokens))
+                as Box<dyn FnOnce() + Send>
+        });
         let tap = Tap {
             guard,
             learn,
             dispatch: s.dispatch.clone(),
             capture: None,
+            on_end,
         };
         let mut resp = Response::new(tap_body(upstream, tap));
         *resp.status_mut() = status;

@@ -194,9 +194,26 @@ pub async fn start(
         .dispatch
         .clone()
         .map(|c| Arc::new(crate::dispatch::Dispatcher::new(c, &mut registry)));
+    let sessions = match &config.prefetch {
+        Some(c) => {
+            if scheduler.profile(c.profile.as_deref()).is_none() {
+                return Err(crate::config::ConfigError::Invalid(format!(
+                    "prefetch: unknown scheduling profile {:?}",
+                    c.profile
+                ))
+                .into());
+            }
+            Some(Arc::new(crate::sessions::Sessions::new(
+                c.clone(),
+                &mut registry,
+            )))
+        }
+        None => None,
+    };
     let state = Arc::new(RouterState {
         pd,
         dispatch,
+        sessions,
         decisions: DecisionLog::new(config.decisions_capacity),
         config,
         endpoints: Arc::clone(&endpoints),

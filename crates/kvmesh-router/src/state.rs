@@ -20,6 +20,7 @@ use crate::feed::EventFeed;
 use crate::metrics::RouterMetrics;
 use crate::prefix::PrefixLookup;
 use crate::request::ApiKind;
+use crate::sessions::Sessions;
 
 /// Everything the handlers share.
 pub struct RouterState {
@@ -41,6 +42,8 @@ pub struct RouterState {
     pub in_flight: AtomicUsize,
     /// The KV-event feed (what each endpoint's event stream has delivered).
     pub feed: Arc<dyn EventFeed>,
+    /// Sessions followed for prefetch ahead of arrival, when the config has `prefetch:`.
+    pub sessions: Option<Arc<Sessions>>,
 }
 
 /// Placements on an endpoint after which an event stream that delivered nothing is reported: an
@@ -72,7 +75,7 @@ pub(crate) fn enter(s: &Arc<RouterState>) -> Option<InFlight> {
 }
 
 /// Seconds since the Unix epoch (decision records carry wall-clock time).
-fn unix_now() -> f64 {
+pub(crate) fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())

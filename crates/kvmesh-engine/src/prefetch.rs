@@ -1,0 +1,229 @@
+//! Prefetch ahead of arrival: a router that expects a session's next turn here asks this engine
+//! to pull the session's history from a peer's CPU tier now, during the client's tool gap, so the
+//! transfer is off the next request's critical path (`docs/architecture.md#prefetch`).
+//!
+//! A prefetch is the request path's remote read ([`P2pConsumer::read`], sharing pulls in flight)
+//! without a request behind it: the blocks land in the CPU tier as ordinary cached blocks
+//! (announced with `BlockStored`, so the router sees the new holder), unpinned once landed —
+//! memory pressure may evict them like any other block. A request that arrives while the
+//! prefetch is still running waits for those blocks instead of pulling them again.
+//!
+//! Bounds: at most [`MAX_RUNNING`] prefetches at once per engine (more are refused as `busy`, a
+//! prefetch never queues behind another), each cancellable by id; the router budgets in-flight
+//! bytes per engine on top.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvmesh_core::{RemoteKvSource, TokenId};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::task::AbortHandle;
+
+use crate::compute::SamplingParams;
+use crate::engine::{EngineHandle, EngineRequest};
+use crate::p2p::{P2pConsumer, release_pulled};
+use crate::remote_read::{ReadOptions, ReadOutcome, RemoteRead};
+
+/// Prefetches one engine runs at once; the router's byte budget is the finer bound.
+pub const MAX_RUNNING: usize = 8;
+/// Longest prefetch id accepted (ids are the router's, echoed in logs and cancels).
+pub const MAX_ID_BYTES: usize = 128;
+
+/// `POST /kvmesh/prefetch` body.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct PrefetchRequest {
+    pub prefetch_id: String,
+    /// The history whose full blocks to bring here (the engine hashes them as it would a prompt).
+    pub prompt_token_ids: Vec<TokenId>,
+    /// The peer whose CPU tier holds them (same shape as `kv_transfer_params.remote_kv_source`).
+    pub remote_kv_source: RemoteKvSource,
+}
+
+/// What a prefetch did (the response body).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefetchReport {
+    pub prefetch_id: String,
+    /// `pulled`, `nothing_missing`, `failed`, `cancelled`, `busy`, `waited_out`, `expired`.
+    pub outcome: String,
+    /// Blocks that were missing here when the prefetch started.
+    pub wanted_blocks: usize,
+    /// Blocks that landed.
+    pub blocks: usize,
+    /// Tokens per block on this engine.
+    pub block_size: usize,
+    /// Why a pull moved less than it wanted (the pull's failure reason), if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl PrefetchReport {
+    fn new(id: &str, outcome: &str) -> Self {
+        Self {
+            prefetch_id: id.to_owned(),
+            outcome: outcome.to_owned(),
+            wanted_blocks: 0,
+            blocks: 0,
+            block_size: 0,
+            reason: None,
+        }
+    }
+}
+
+/// Why a prefetch request was refused before it ran.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PrefetchRefused {
+    #[error("prefetch_id must be 1..={MAX_ID_BYTES} bytes")]
+    BadId,
+    #[error("prompt_token_ids has {0} tokens, more than max_model_len {1}")]
+    TooLong(usize, usize),
+    #[error("a prefetch with id {0:?} is already running")]
+    Duplicate(String),
+}
+
+/// The prefetches running on this engine, by id (abortable).
+#[derive(Debug)]
+pub struct Prefetcher {
+    consumer: Arc<P2pConsumer>,
+    running: Mutex<HashMap<String, AbortHandle>>,
+}
+
+/// Removes a finished prefetch from the running table, however its task ended.
+struct Deregister<'a> {
+    running: &'a Mutex<HashMap<String, AbortHandle>>,
+    id: String,
+}
+
+impl Drop for Deregister<'_> {
+    fn drop(&mut self) {
+        self.running.lock().remove(&self.id);
+    }
+}
+
+impl Prefetcher {
+    pub fn new(consumer: Arc<P2pConsumer>) -> Self {
+        Self {
+            consumer,
+            running: Mutex::default(),
+        }
+    }
+
+    /// Prefetches running now.
+    pub fn running(&self) -> usize {
+        self.running.lock().len()
+    }
+
+    /// Runs one prefetch to its end (or its cancellation) and reports it; counted in
+    /// `kvmesh_engine_prefetches_total{outcome}`. Refuses malformed requests before any work.
+    pub async fn run(
+        self: &Arc<Self>,
+        engine: &EngineHandle,
+        req: PrefetchRequest,
+    ) -> Result<PrefetchReport, PrefetchRefused> {
+        let id = req.prefetch_id.clone();
+        if id.is_empty() || id.len() > MAX_ID_BYTES {
+            return Err(PrefetchRefused::BadId);
+        }
+        let max = engine.config().max_model_len;
+        if req.prompt_token_ids.len() > max {
+            return Err(PrefetchRefused::TooLong(req.prompt_token_ids.len(), max));
+        }
+        let task = {
+            let mut running = self.running.lock();
+            if running.contains_key(&id) {
+                return Err(PrefetchRefused::Duplicate(id));
+            }
+            if running.len() >= MAX_RUNNING {
+                drop(running);
+                let report = PrefetchReport::new(&id, "busy");
+                engine
+                    .metrics()
+                    .prefetch
+                    .finished(&report.outcome, report.blocks);
+                return Ok(report);
+            }
+            let (this, engine2, id2) = (Arc::clone(self), engine.clone(), id.clone());
+            let task = tokio::spawn(async move {
+                let _deregister = Deregister {
+                    running: &this.running,
+                    id: id2,
+                };
+                this.pull(&engine2, req).await
+            });
+            running.insert(id.clone(), task.abort_handle());
+            task
+        };
+        let report = match task.await {
+            Ok(report) => report,
+            // Aborted by `cancel` (a panic would be a bug; it is reported as a failure).
+            Err(e) if e.is_cancelled() => PrefetchReport::new(&id, "cancelled"),
+            Err(_) => PrefetchReport::new(&id, "failed"),
+        };
+        engine
+            .metrics()
+            .prefetch
+            .finished(&report.outcome, report.blocks);
+        Ok(report)
+    }
+
+    /// Stops a running prefetch (blocks that landed stay cached). False when none runs with `id`.
+    pub fn cancel(&self, id: &str) -> bool {
+        match self.running.lock().remove(id) {
+            Some(handle) => {
+                handle.abort();
+                true
+            }
+            None => false,
+        }
+    }
+
+    async fn pull(&self, engine: &EngineHandle, req: PrefetchRequest) -> PrefetchReport {
+        let id = req.prefetch_id;
+        let mut carrier = EngineRequest {
+            request_id: format!("prefetch-{id}"),
+            prompt: req.prompt_token_ids,
+            // Never sampled: the carrier only names the blocks to read.
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: None,
+            },
+            max_tokens: 0,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            kv_transfer_params: None,
+            arrival: Instant::now(),
+            external_hashes: Vec::new(),
+            pull_pinned_hashes: Vec::new(),
+            external_query_tokens: 0,
+        };
+        let opts = ReadOptions {
+            threshold_tokens: 0,
+            share_inflight: true,
+        };
+        let read = RemoteRead::from_source(&req.remote_kv_source);
+        let outcome = self.consumer.read(engine, &mut carrier, &read, opts).await;
+        // Nothing is waiting for these blocks: leave them to the tier's LRU like any cached block.
+        release_pulled(engine, &carrier);
+        let mut report = PrefetchReport::new(&id, "");
+        report.block_size = engine.kv_layout().block_size;
+        report.outcome = match outcome {
+            ReadOutcome::Expired => "expired",
+            ReadOutcome::NothingMissing { .. } | ReadOutcome::BelowThreshold => "nothing_missing",
+            ReadOutcome::WaitedOut => "waited_out",
+            ReadOutcome::Pulled { pull, wanted, .. } => {
+                report.wanted_blocks = wanted;
+                report.blocks = pull.report.blocks;
+                report.reason = pull.report.outcome.reason().map(|r| r.to_string());
+                if pull.report.blocks > 0 {
+                    "pulled"
+                } else {
+                    "failed"
+                }
+            }
+        }
+        .to_owned();
+        report
+    }
+}

@@ -1,0 +1,259 @@
+//! Prefetch ahead of arrival, the I/O half (the pure half is [`crate::sessions`]).
+//!
+//! When a turn of a session ends on its owner, the router expects the next turn after the
+//! client's gap (a tool call, a user reading) and prepares a second place for it: the profile
+//! picks, among the endpoints that do not hold the history, the one the next turn would go to if
+//! the owner were busy, and that engine pulls the history from the owner's CPU tier now
+//! (`POST /kvmesh/prefetch`). When the next turn arrives the index shows two holders, so
+//! placement can follow load without a pull on the critical path. Bounded by a per-endpoint
+//! budget of in-flight bytes; a prefetch still running when the next turn lands elsewhere is
+//! cancelled (`DELETE /kvmesh/prefetch/{id}`); every outcome is counted
+//! (`kvmesh_router_prefetches_total`) and each prefetch decision is in `/debug/decisions`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::http::HeaderMap;
+use kvmesh_core::chain::chain_keys;
+use kvmesh_core::{RemoteKvSource, TokenId};
+use kvmesh_sched::SchedulingContext;
+use kvmesh_sched::decisions::DecisionRecord;
+use serde_json::{Value, json};
+
+use crate::candidates::{by_id, gather};
+use crate::config::SessionIdSource;
+use crate::endpoints::Endpoint;
+use crate::request::ParsedRequest;
+use crate::sessions::{Ticket, TicketState, Verdict, verdict};
+use crate::state::{RouterState, unix_now};
+
+/// Longest session id accepted (longer ones are ignored: the request is routed as sessionless).
+const MAX_SESSION_ID_BYTES: usize = 256;
+
+/// Engine path of prefetches.
+pub const PREFETCH_PATH: &str = "/kvmesh/prefetch";
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The request's session id, from where `prefetch.session_id` says (None when prefetch is off
+/// or the request carries none).
+pub(crate) fn session_of(
+    s: &RouterState,
+    headers: &HeaderMap,
+    parsed: &ParsedRequest,
+) -> Option<String> {
+    let sessions = s.sessions.as_ref()?;
+    let id = match &sessions.config.session_id {
+        SessionIdSource::Header(name) => headers
+            .get(name.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
+        SessionIdSource::Body(field) => parsed.field::<Value>(field).and_then(id_text),
+        SessionIdSource::Metadata(key) => parsed
+            .field::<Value>("metadata")
+            .and_then(|m| m.get(key).cloned())
+            .and_then(id_text),
+    }?;
+    (!id.is_empty() && id.len() <= MAX_SESSION_ID_BYTES).then_some(id)
+}
+
+fn id_text(v: Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// The session's next turn was placed on `placed`: settles the prefetch prepared for it.
+pub(crate) fn on_placed(s: &Arc<RouterState>, session: &str, placed: &Endpoint) {
+    let Some(sessions) = s.sessions.as_ref() else {
+        return;
+    };
+    let ticket = sessions.table.lock().turn_arrived(session, Instant::now());
+    let Some(ticket) = ticket else {
+        return;
+    };
+    match verdict(&ticket, placed.id) {
+        Verdict::Used => {
+            sessions.count("used");
+            sessions.count_bytes("used", ticket.landed_bytes);
+        }
+        Verdict::UsedInFlight => {
+            sessions.count("used_in_flight");
+            sessions.count_bytes("used", ticket.bytes);
+        }
+        Verdict::Wasted { cancel } => {
+            sessions.count("wasted");
+            sessions.count_bytes("wasted", ticket.landed_bytes);
+            if cancel {
+                cancel_on_target(s, &ticket);
+            }
+        }
+        Verdict::AlreadyFailed => {}
+    }
+    tracing::debug!(session, prefetch = %ticket.id, target = %ticket.target_name,
+        placed = %placed.name, "prefetch settled by the next turn");
+}
+
+/// Asks the target to stop a prefetch nobody will use (best effort, in the background).
+fn cancel_on_target(s: &Arc<RouterState>, ticket: &Ticket) {
+    let Some(target) = s.endpoints.get(ticket.target) else {
+        return;
+    };
+    let url = target.url(&format!("{PREFETCH_PATH}/{}", ticket.id));
+    let client = s.client.clone();
+    let sessions = s.sessions.clone();
+    tokio::spawn(async move {
+        let r = client
+            .delete(url)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await;
+        if r.is_ok_and(|r| r.status().is_success())
+            && let Some(sessions) = sessions
+        {
+            sessions.count("cancelled");
+        }
+    });
+}
+
+/// A turn of `session` ended on `owner` (its prompt is `tokens`): remember it and, if worth it,
+/// have a second engine pull the history now. Runs in the background; never fails a request.
+pub(crate) fn on_turn_end(
+    s: &Arc<RouterState>,
+    session: String,
+    owner: Arc<Endpoint>,
+    tokens: Arc<Vec<TokenId>>,
+) {
+    let Some(sessions) = s.sessions.clone() else {
+        return;
+    };
+    let dropped = sessions.table.lock().turn_finished(
+        &session,
+        owner.id,
+        Arc::clone(&tokens),
+        Instant::now(),
+    );
+    sessions.count_dropped(&dropped);
+    sessions.refresh_gauges();
+    if tokens.len() < sessions.config.min_tokens {
+        sessions.count("skipped_short");
+        return;
+    }
+    let Some((host, port)) = owner.spec.p2p_host_port() else {
+        sessions.count("skipped_no_target");
+        return;
+    };
+    let bs = s.config.block_size;
+    let keys = chain_keys(&tokens, bs);
+    // Targets: endpoints of the owner's KV group with a P2P consumer that miss part of it.
+    let (eligible, mut candidates) = gather(s, &keys, Some(owner.id));
+    candidates.retain(|c| c.has_p2p && c.kv_group == owner.kv_group);
+    if candidates.iter().any(|c| c.any_blocks >= keys.len()) {
+        // A second holder exists already: the next turn has its choice without a pull.
+        sessions.count("skipped_held");
+        return;
+    }
+    let profile_name = sessions.config.profile.as_deref();
+    let (Some(profile), false) = (s.scheduler.profile(profile_name), candidates.is_empty()) else {
+        sessions.count("skipped_no_target");
+        return;
+    };
+    let id = format!("pf-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
+    let t0 = Instant::now();
+    let ctx = SchedulingContext {
+        request_id: &id,
+        prompt_tokens: tokens.len(),
+        total_blocks: keys.len(),
+        block_size: bs,
+        max_tokens: None,
+    };
+    let decision = s.scheduler.schedule(&profile, &ctx, &candidates);
+    let chosen = decision.chosen_candidate(&candidates).cloned();
+    let Some(target) = chosen.and_then(|c| by_id(&eligible, c.endpoint).cloned().map(|e| (c, e)))
+    else {
+        sessions.count("skipped_no_target");
+        return;
+    };
+    let (cand, target) = target;
+    let missing_tokens = (keys.len() - cand.any_blocks.min(keys.len())) * bs;
+    let bytes = missing_tokens as u64 * sessions.config.kv_bytes_per_token;
+    let cap = sessions.config.max_inflight_bytes_per_endpoint;
+    if !sessions.budget.lock().try_reserve(target.id, bytes, cap) {
+        sessions.count("skipped_budget");
+        return;
+    }
+    let ticket = Ticket {
+        id: id.clone(),
+        target: target.id,
+        target_name: Arc::clone(&target.name),
+        bytes,
+        landed_bytes: 0,
+        state: TicketState::Running,
+    };
+    if !sessions.table.lock().attach(&session, ticket) {
+        sessions.budget.lock().release(target.id, bytes);
+        return;
+    }
+    sessions.count("issued");
+    sessions.count_bytes("issued", bytes);
+    sessions.refresh_gauges();
+    s.decisions.push(Arc::new(DecisionRecord {
+        request_id: id.clone(),
+        at: unix_now(),
+        path: PREFETCH_PATH.to_owned(),
+        prompt_tokens: tokens.len(),
+        blocks: keys.len(),
+        scheduling_us: t0.elapsed().as_micros() as u64,
+        held_ms: 0.0,
+        outcome: "prefetch",
+        decision,
+    }));
+    let body = json!({
+        "prefetch_id": id,
+        "prompt_token_ids": tokens.as_slice(),
+        "remote_kv_source": RemoteKvSource {
+            kv_request_id: id.clone(),
+            remote_host: host,
+            remote_port: port,
+        },
+    });
+    let (s, url) = (Arc::clone(s), target.url(PREFETCH_PATH));
+    tokio::spawn(async move {
+        let timeout = Duration::from_secs_f64(sessions.config.timeout_s);
+        let reply = s.client.post(url).json(&body).timeout(timeout).send().await;
+        let report: Option<Value> = match reply {
+            Ok(r) if r.status().is_success() => r.json().await.ok(),
+            _ => None,
+        };
+        let blocks = report
+            .as_ref()
+            .and_then(|r| r.get("blocks"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        let tokens_per_block = report
+            .as_ref()
+            .and_then(|r| r.get("block_size"))
+            .and_then(Value::as_u64)
+            .unwrap_or(bs as u64);
+        let landed = blocks * tokens_per_block * sessions.config.kv_bytes_per_token;
+        let state = if blocks > 0 {
+            sessions.count("landed");
+            sessions.count_bytes("landed", landed);
+            TicketState::Landed {
+                blocks: blocks as usize,
+            }
+        } else {
+            sessions.count("failed");
+            TicketState::Failed
+        };
+        sessions.budget.lock().release(target.id, bytes);
+        let attached = sessions.table.lock().settle(&session, &id, state, landed);
+        if !attached && let Some(r) = &report {
+            tracing::debug!(prefetch = %id, report = %r, "prefetch ended after its session moved on");
+        }
+        sessions.refresh_gauges();
+    });
+}

@@ -1,0 +1,433 @@
+//! The sessions the router follows for prefetch ahead of arrival (`prefetch:` in the config;
+//! `docs/architecture.md#prefetch`): per session id, the engine that ran its last turn, that
+//! turn's prompt, and at most one prefetch prepared for the next turn; per endpoint, the bytes of
+//! prefetches in flight. [`SessionTable`] and [`PrefetchBudget`] are pure (the clock is an
+//! argument); [`Sessions`] puts them behind locks next to the prefetch metrics. The I/O (asking
+//! an engine to pull, cancelling) is in `crate::prefetch`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmesh_core::TokenId;
+use kvmesh_index::EndpointId;
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::config::PrefetchConfig;
+
+/// Where a prefetch is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TicketState {
+    /// The target engine is pulling.
+    Running,
+    /// The target reported `blocks` landed (its block size).
+    Landed { blocks: usize },
+    /// The target pulled nothing (peer gone, blocks evicted, refused, busy).
+    Failed,
+}
+
+/// One prefetch prepared for a session's next turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ticket {
+    pub id: String,
+    pub target: EndpointId,
+    pub target_name: Arc<str>,
+    /// Modelled bytes the prefetch was budgeted for (missing tokens × KV bytes per token).
+    pub bytes: u64,
+    /// Bytes that landed (0 until the target reports).
+    pub landed_bytes: u64,
+    pub state: TicketState,
+}
+
+#[derive(Debug)]
+struct Session {
+    owner: EndpointId,
+    tokens: Arc<Vec<TokenId>>,
+    at: Instant,
+    ticket: Option<Ticket>,
+}
+
+/// What became of a prefetch when its session's next turn was placed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Placed on the prefetch's target after the blocks landed.
+    Used,
+    /// Placed on the target while the pull was still running: the request waits for it there
+    /// (shorter than pulling from scratch), the prefetch counts as used.
+    UsedInFlight,
+    /// Placed elsewhere: whatever landed was for nothing; `cancel` when still running.
+    Wasted { cancel: bool },
+    /// The prefetch had failed: counted when it failed.
+    AlreadyFailed,
+}
+
+/// The verdict for `ticket` when the next turn is placed on `placed_on`.
+pub fn verdict(ticket: &Ticket, placed_on: EndpointId) -> Verdict {
+    match (ticket.state, ticket.target == placed_on) {
+        (TicketState::Failed, _) => Verdict::AlreadyFailed,
+        (TicketState::Landed { .. }, true) => Verdict::Used,
+        (TicketState::Running, true) => Verdict::UsedInFlight,
+        (TicketState::Running, false) => Verdict::Wasted { cancel: true },
+        (TicketState::Landed { .. }, false) => Verdict::Wasted { cancel: false },
+    }
+}
+
+/// Sessions by id (pure; bounded by `max_sessions`, entries older than the TTL dropped).
+#[derive(Debug)]
+pub struct SessionTable {
+    map: HashMap<String, Session>,
+    max_sessions: usize,
+    ttl: Duration,
+}
+
+impl SessionTable {
+    pub fn new(max_sessions: usize, ttl: Duration) -> Self {
+        Self {
+            map: HashMap::new(),
+            max_sessions,
+            ttl,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// A turn of `key` ended on `owner` with this prompt. Returns the tickets that will never be
+    /// used: a previous one still attached (its turn never came back through placement) and
+    /// those of sessions that expired or were pushed out by the bound.
+    pub fn turn_finished(
+        &mut self,
+        key: &str,
+        owner: EndpointId,
+        tokens: Arc<Vec<TokenId>>,
+        now: Instant,
+    ) -> Vec<Ticket> {
+        let mut dropped = self.expire(now);
+        if !self.map.contains_key(key) && self.map.len() >= self.max_sessions {
+            // Full of live sessions: the least recently active one makes room.
+            if let Some(oldest) = self
+                .map
+                .iter()
+                .min_by_key(|(_, s)| s.at)
+                .map(|(k, _)| k.clone())
+                && let Some(s) = self.map.remove(&oldest)
+            {
+                dropped.extend(s.ticket);
+            }
+        }
+        let previous = self.map.insert(
+            key.to_owned(),
+            Session {
+                owner,
+                tokens,
+                at: now,
+                ticket: None,
+            },
+        );
+        dropped.extend(previous.and_then(|s| s.ticket));
+        dropped
+    }
+
+    /// The next turn of `key` arrived: takes its ticket (the session stays, for its owner).
+    pub fn turn_arrived(&mut self, key: &str, now: Instant) -> Option<Ticket> {
+        let s = self.map.get_mut(key)?;
+        if now.saturating_duration_since(s.at) >= self.ttl {
+            return None;
+        }
+        s.at = now;
+        s.ticket.take()
+    }
+
+    /// The session's last owner and prompt (None when unknown or expired).
+    pub fn last_turn(&self, key: &str, now: Instant) -> Option<(EndpointId, Arc<Vec<TokenId>>)> {
+        let s = self.map.get(key)?;
+        (now.saturating_duration_since(s.at) < self.ttl).then(|| (s.owner, Arc::clone(&s.tokens)))
+    }
+
+    /// Attaches a prefetch to `key`; false (nothing attached) when the session is gone or has one.
+    pub fn attach(&mut self, key: &str, ticket: Ticket) -> bool {
+        match self.map.get_mut(key) {
+            Some(s) if s.ticket.is_none() => {
+                s.ticket = Some(ticket);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The target reported prefetch `id` of `key`: records its state and returns true if the
+    /// ticket is still attached (false: the next turn took it already, or the session is gone).
+    pub fn settle(&mut self, key: &str, id: &str, state: TicketState, landed_bytes: u64) -> bool {
+        match self
+            .map
+            .get_mut(key)
+            .and_then(|s| s.ticket.as_mut())
+            .filter(|t| t.id == id)
+        {
+            Some(t) => {
+                t.state = state;
+                t.landed_bytes = landed_bytes;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops sessions idle for the TTL; returns their tickets (never used).
+    pub fn expire(&mut self, now: Instant) -> Vec<Ticket> {
+        let ttl = self.ttl;
+        let mut dropped = Vec::new();
+        self.map.retain(|_, s| {
+            let keep = now.saturating_duration_since(s.at) < ttl;
+            if !keep {
+                dropped.extend(s.ticket.take());
+            }
+            keep
+        });
+        dropped
+    }
+}
+
+/// Bytes of prefetches in flight per endpoint, against a cap (pure).
+#[derive(Debug, Default)]
+pub struct PrefetchBudget {
+    inflight: HashMap<EndpointId, u64>,
+}
+
+impl PrefetchBudget {
+    /// Reserves `bytes` on `ep` if that keeps it within `cap` (a single prefetch larger than the
+    /// cap is never admitted).
+    pub fn try_reserve(&mut self, ep: EndpointId, bytes: u64, cap: u64) -> bool {
+        let used = self.inflight.entry(ep).or_default();
+        if used.saturating_add(bytes) > cap {
+            return false;
+        }
+        *used += bytes;
+        true
+    }
+
+    pub fn release(&mut self, ep: EndpointId, bytes: u64) {
+        if let Some(used) = self.inflight.get_mut(&ep) {
+            *used = used.saturating_sub(bytes);
+            if *used == 0 {
+                self.inflight.remove(&ep);
+            }
+        }
+    }
+
+    pub fn inflight(&self, ep: EndpointId) -> u64 {
+        self.inflight.get(&ep).copied().unwrap_or(0)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.inflight.values().sum()
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BytesLabel {
+    kind: &'static str,
+}
+
+/// The session table, the budget and the prefetch metrics, shared by the handlers.
+pub struct Sessions {
+    pub config: PrefetchConfig,
+    pub table: Mutex<SessionTable>,
+    pub budget: Mutex<PrefetchBudget>,
+    prefetches: Family<OutcomeLabel, Counter>,
+    bytes: Family<BytesLabel, Counter>,
+    inflight_bytes: Gauge,
+    sessions: Gauge,
+}
+
+impl Sessions {
+    pub fn new(config: PrefetchConfig, registry: &mut Registry) -> Self {
+        let s = Sessions {
+            table: Mutex::new(SessionTable::new(
+                config.max_sessions,
+                Duration::from_secs_f64(config.session_ttl_s),
+            )),
+            config,
+            budget: Mutex::default(),
+            prefetches: Family::default(),
+            bytes: Family::default(),
+            inflight_bytes: Gauge::default(),
+            sessions: Gauge::default(),
+        };
+        registry.register(
+            "kvmesh_router_prefetches",
+            "Prefetches ahead of arrival by outcome: issued, landed, failed, used, used_in_flight, \
+             wasted, cancelled, expired, and skipped_{short,held,no_target,budget}",
+            s.prefetches.clone(),
+        );
+        registry.register(
+            "kvmesh_router_prefetch_bytes",
+            "Modelled KV bytes of prefetches: issued (budgeted), landed, used, wasted",
+            s.bytes.clone(),
+        );
+        registry.register(
+            "kvmesh_router_prefetch_inflight_bytes",
+            "Modelled KV bytes of prefetches running now, all endpoints",
+            s.inflight_bytes.clone(),
+        );
+        registry.register(
+            "kvmesh_router_sessions",
+            "Sessions the router follows for prefetch",
+            s.sessions.clone(),
+        );
+        s
+    }
+
+    pub fn count(&self, outcome: &'static str) {
+        self.prefetches
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
+    }
+
+    pub fn count_bytes(&self, kind: &'static str, bytes: u64) {
+        self.bytes.get_or_create(&BytesLabel { kind }).inc_by(bytes);
+    }
+
+    /// Refreshes the gauges (after the table or the budget changed).
+    pub fn refresh_gauges(&self) {
+        let total = self.budget.lock().total();
+        self.inflight_bytes
+            .set(i64::try_from(total).unwrap_or(i64::MAX));
+        let n = self.table.lock().len();
+        self.sessions.set(n as i64);
+    }
+
+    /// Counts tickets that will never be used (expired sessions): their landed bytes are waste.
+    pub fn count_dropped(&self, tickets: &[Ticket]) {
+        for t in tickets {
+            self.count("expired");
+            self.count_bytes("wasted", t.landed_bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ticket(id: &str, target: u32, state: TicketState) -> Ticket {
+        Ticket {
+            id: id.to_owned(),
+            target: EndpointId(target),
+            target_name: Arc::from(format!("e{target}")),
+            bytes: 100,
+            landed_bytes: 0,
+            state,
+        }
+    }
+
+    fn tokens(n: u32) -> Arc<Vec<TokenId>> {
+        Arc::new((0..n).collect())
+    }
+
+    #[test]
+    fn a_prefetch_is_used_only_where_the_next_turn_lands() {
+        let landed = ticket("p", 2, TicketState::Landed { blocks: 4 });
+        assert_eq!(verdict(&landed, EndpointId(2)), Verdict::Used);
+        assert_eq!(
+            verdict(&landed, EndpointId(1)),
+            Verdict::Wasted { cancel: false }
+        );
+        let running = ticket("p", 2, TicketState::Running);
+        assert_eq!(verdict(&running, EndpointId(2)), Verdict::UsedInFlight);
+        assert_eq!(
+            verdict(&running, EndpointId(3)),
+            Verdict::Wasted { cancel: true },
+            "a wrong prediction still pulling is cancelled"
+        );
+        let failed = ticket("p", 2, TicketState::Failed);
+        assert_eq!(verdict(&failed, EndpointId(2)), Verdict::AlreadyFailed);
+    }
+
+    #[test]
+    fn the_next_turn_takes_the_ticket_once() {
+        let t0 = Instant::now();
+        let mut t = SessionTable::new(8, Duration::from_secs(60));
+        assert!(
+            t.turn_finished("s", EndpointId(1), tokens(64), t0)
+                .is_empty()
+        );
+        assert!(t.attach("s", ticket("p1", 2, TicketState::Running)));
+        assert!(
+            !t.attach("s", ticket("p2", 3, TicketState::Running)),
+            "one prefetch per session"
+        );
+        assert!(!t.attach("other", ticket("p3", 3, TicketState::Running)));
+        assert!(t.settle("s", "p1", TicketState::Landed { blocks: 4 }, 400));
+        assert!(!t.settle("s", "nope", TicketState::Failed, 0));
+        let got = t.turn_arrived("s", t0 + Duration::from_secs(5)).unwrap();
+        assert_eq!(got.state, TicketState::Landed { blocks: 4 });
+        assert_eq!(got.landed_bytes, 400);
+        assert!(t.turn_arrived("s", t0 + Duration::from_secs(6)).is_none());
+        assert!(
+            !t.settle("s", "p1", TicketState::Failed, 0),
+            "a report after the turn took the ticket is not attached"
+        );
+        let (owner, toks) = t.last_turn("s", t0).unwrap();
+        assert_eq!((owner, toks.len()), (EndpointId(1), 64));
+    }
+
+    #[test]
+    fn sessions_expire_and_are_bounded_and_their_tickets_are_returned() {
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(10);
+        let mut t = SessionTable::new(2, ttl);
+        t.turn_finished("a", EndpointId(1), tokens(16), t0);
+        assert!(t.attach("a", ticket("pa", 2, TicketState::Running)));
+        t.turn_finished("b", EndpointId(1), tokens(16), t0 + Duration::from_secs(1));
+        // A third live session pushes out the least recently active one, with its ticket.
+        let dropped = t.turn_finished("c", EndpointId(1), tokens(16), t0 + Duration::from_secs(2));
+        assert_eq!(dropped.len(), 1);
+        assert_eq!(dropped[0].id, "pa");
+        assert_eq!(t.len(), 2);
+        assert!(t.last_turn("a", t0 + Duration::from_secs(2)).is_none());
+        // Idle past the TTL: gone.
+        assert!(t.turn_arrived("b", t0 + Duration::from_secs(11)).is_none());
+        assert!(t.expire(t0 + Duration::from_secs(13)).is_empty());
+        assert!(t.is_empty());
+        // A new turn of a session with an unused ticket returns that ticket.
+        t.turn_finished("d", EndpointId(1), tokens(16), t0);
+        assert!(t.attach("d", ticket("pd", 2, TicketState::Running)));
+        let dropped = t.turn_finished("d", EndpointId(2), tokens(32), t0);
+        assert_eq!(dropped.len(), 1);
+    }
+
+    #[test]
+    fn the_budget_caps_bytes_in_flight_per_endpoint() {
+        let mut b = PrefetchBudget::default();
+        assert!(b.try_reserve(EndpointId(1), 60, 100));
+        assert!(
+            !b.try_reserve(EndpointId(1), 50, 100),
+            "would exceed the cap"
+        );
+        assert!(b.try_reserve(EndpointId(2), 50, 100), "per endpoint");
+        assert!(
+            !b.try_reserve(EndpointId(3), 101, 100),
+            "larger than the cap"
+        );
+        b.release(EndpointId(1), 60);
+        assert_eq!(b.inflight(EndpointId(1)), 0);
+        assert!(b.try_reserve(EndpointId(1), 100, 100));
+        assert_eq!(b.total(), 150);
+    }
+}
