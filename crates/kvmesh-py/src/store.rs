@@ -173,6 +173,13 @@ impl CpuStore {
         out
     }
 
+    /// The mean size of a held block (0 when empty). One node's tier holds blocks of one
+    /// layout, so this is the size of every block.
+    pub fn block_bytes(&self) -> u64 {
+        let g = self.inner.lock();
+        g.bytes.checked_div(g.entries.len() as u64).unwrap_or(0)
+    }
+
     /// Hashes evicted since the last call.
     pub fn take_removed(&self) -> Vec<BlockHash> {
         std::mem::take(&mut self.inner.lock().removed)

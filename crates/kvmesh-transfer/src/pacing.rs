@@ -16,6 +16,13 @@ pub trait LinkPacer: Send + Sync + std::fmt::Debug {
     /// Modelled bytes of one block (the real model's KV, not the wire payload): counted in
     /// `kvmesh_p2p_modelled_bytes_total`.
     fn modelled_bytes_per_block(&self) -> u64;
+    /// Blocks a producer releases per pacing step ([`PacedTransfer::reached`] is awaited every
+    /// this many blocks). The default, [`crate::server::PACE_CHUNK_BLOCKS`], suits a fast
+    /// modelled link; a slow link (a bandwidth cap) paces block by block, so that no block
+    /// waits for a whole chunk's time.
+    fn chunk_blocks(&self) -> usize {
+        crate::server::PACE_CHUNK_BLOCKS
+    }
 }
 
 /// One registered transfer.

@@ -81,12 +81,13 @@ pub struct ServerConfig {
     pub egress: Option<Arc<dyn LinkPacer>>,
 }
 
-/// Blocks released per pacing step of a fetch. Pacing the whole fetch up front would hold the
-/// first block back for the whole modelled transfer: under heavy fan-out on one holder (each
-/// fetch getting 1/N of the link) that can exceed the consumer's per-block step timeout, which
-/// would then read a slow link as a dead peer. Released chunk by chunk, the gap between two block
-/// frames is one chunk's modelled time (64 blocks of 16 gpt-oss tokens = 75 MB, ~4 ms alone on
-/// the default link), while the consumer still sees the fetch end when the link says.
+/// Blocks released per pacing step of a fetch (the default of [`LinkPacer::chunk_blocks`]).
+/// Pacing the whole fetch up front would hold the first block back for the whole modelled
+/// transfer: under heavy fan-out on one holder (each fetch getting 1/N of the link) that can
+/// exceed the consumer's per-block step timeout, which would then read a slow link as a dead
+/// peer. Released chunk by chunk, the gap between two block frames is one chunk's modelled time
+/// (64 blocks of 16 gpt-oss tokens = 75 MB, ~4 ms alone on the default link), while the consumer
+/// still sees the fetch end when the link says.
 pub const PACE_CHUNK_BLOCKS: usize = 64;
 
 /// Default [`ServerConfig::max_connections_per_ip`]: room for a busy consumer's concurrent pulls
@@ -630,13 +631,16 @@ impl Handler {
         // Registered for every block asked for; dropped (deregistered) when the fetch ends,
         // early or not.
         let egress = cfg.egress.clone();
-        let mut paced = egress.as_ref().filter(|_| n > 0).map(|p| p.begin(n));
+        let mut paced = egress
+            .as_ref()
+            .filter(|_| n > 0)
+            .map(|p| (p.begin(n), p.chunk_blocks().max(1)));
         for (i, &hash) in f.hashes.iter().enumerate() {
             let index = u32::try_from(i).unwrap_or(u32::MAX);
-            if let Some(p) = paced.as_mut()
-                && i % PACE_CHUNK_BLOCKS == 0
+            if let Some((p, chunk)) = paced.as_mut()
+                && i % *chunk == 0
             {
-                p.reached((i + PACE_CHUNK_BLOCKS).min(n)).await;
+                p.reached((i + *chunk).min(n)).await;
             }
             if looked_up.get(i) != Some(&hash) {
                 // Not pinned by the lookup (pending then, or a different list): pin it now.

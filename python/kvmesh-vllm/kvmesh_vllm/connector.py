@@ -143,6 +143,11 @@ class _Settings:
         # While a pull runs, vLLM polls the connector once per engine step; each poll sleeps up
         # to this long for it (GIL released) instead of letting an idle engine loop spin.
         self.poll_wait_ms = int(extra.get("poll_wait_ms", 10))
+        # Cap on what the producer serves to peers, all of them together (bytes/s, `64MiB`…);
+        # 0 or absent: no cap. Enforced block by block in Rust (kvmesh-py's pacer).
+        self.serve_bytes_per_sec = parse_bytes(extra.get("serve_bytes_per_sec", 0))
+        if self.serve_bytes_per_sec < 0:
+            raise ValueError("serve_bytes_per_sec must be >= 0")
         self.metrics_port: int | None = (
             int(extra["metrics_port"]) if extra.get("metrics_port") else None
         )
@@ -177,7 +182,8 @@ class _Settings:
         self.none_hash: str = _native.none_hash(algo, os.environ.get("PYTHONHASHSEED"))
 
     def node(self, *, listen_host: str | None, listen_port: int, cpu_bytes: int,
-             allowed_peers: list[str], allowed_consumers: list[str] | None) -> Any:
+             allowed_peers: list[str], allowed_consumers: list[str] | None,
+             serve_bytes_per_sec: int = 0) -> Any:
         return _native.Node(
             model_id=self.model_id,
             kv_dtype=self.kv_dtype,
@@ -195,6 +201,7 @@ class _Settings:
             secret=self.secret,
             timeout_ms=self.timeout_ms,
             max_pull_ms=self.max_pull_ms,
+            serve_bytes_per_sec=serve_bytes_per_sec,
         )
 
 
@@ -428,6 +435,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             listen_host=s.p2p_host, listen_port=s.p2p_port, cpu_bytes=s.cpu_bytes,
             # The worker only ever pulls from its own scheduler's staging tier.
             allowed_peers=["127.0.0.1"], allowed_consumers=s.allowed_consumers,
+            serve_bytes_per_sec=s.serve_bytes_per_sec,
         )
         self._layers: list[tuple[torch.Tensor, int]] = []
         self._block_bytes = 0
@@ -436,8 +444,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._stored: list[int] = []
         if s.metrics_port:
             _serve_metrics(s.metrics_port + 1, self._node.metrics_text)
-        logger.info("kvmesh connector (worker): p2p producer on %s:%s", s.p2p_host,
-                    self._node.port)
+        logger.info("kvmesh connector (worker): p2p producer on %s:%s%s", s.p2p_host,
+                    self._node.port,
+                    f", serving at most {s.serve_bytes_per_sec} B/s"
+                    if s.serve_bytes_per_sec else "")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None

@@ -2,9 +2,10 @@
 
 A computes a prefix; B, told by ``kv_transfer_params.remote_kv_source`` that A holds it, pulls
 the prefix's full blocks from A over the kvmesh P2P protocol and computes only the suffix. Also:
-a peer outside ``allowed_peers``, a peer with another fingerprint, and a dead peer all end in a
-recompute that the client cannot tell apart (HTTP 200, same greedy output), each counted by
-reason in ``kvmesh_p2p_pulls_total``.
+a peer outside ``allowed_peers``, a peer with another fingerprint, and a holder killed in the
+middle of the pull (its producer capped with ``serve_bytes_per_sec`` so that the pull lasts
+seconds) all end in a recompute that the client cannot tell apart (HTTP 200, same greedy output),
+each counted by reason in ``kvmesh_p2p_pulls_total``.
 
 Needs the environment of ``scripts/setup-vllm.sh`` and ``kvmesh_vllm`` installed; run through
 ``scripts/test-vllm.sh``. Every process it starts is in its own session and killed at the end.
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,13 +46,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class Server:
-    def __init__(self, name: str, model: str, workdir: str, allowed_peers: list[str]):
+    def __init__(self, name: str, model: str, workdir: str, allowed_peers: list[str],
+                 extra_config: dict | None = None):
         self.name = name
         self.http = free_port()
         self.p2p = free_port()
         self.metrics = free_port()
-        while self.metrics + 1 in (self.http, self.p2p):
+        # The worker's endpoint is metrics + 1, which nobody reserved: it must be free too.
+        while self.metrics + 1 in (self.http, self.p2p) or not bindable(self.metrics + 1):
             self.metrics = free_port()
         # ipc: vLLM's publisher binds it (a tcp://host:port endpoint would make it connect).
         self.events = f"ipc://{workdir}/{name}-events.sock"
@@ -60,6 +73,7 @@ class Server:
             "allowed_peers": allowed_peers,
             "metrics_port": self.metrics,
             "timeout_ms": 3000,
+            **(extra_config or {}),
         }
         ktc = {
             "kv_connector": "KvmeshConnector",
@@ -100,7 +114,9 @@ class Server:
     def wait_ready(self, deadline: float) -> None:
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: see {self.log_path}\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited: see {self.log_path}\n{self.errors()}\n{self.tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/health", timeout=2):
                     return
@@ -111,6 +127,12 @@ class Server:
     def tail(self, n: int = 30) -> str:
         with open(self.log_path) as f:
             return "".join(f.readlines()[-n:])
+
+    def errors(self, n: int = 15) -> str:
+        """The log's last lines that name an error (the root cause is rarely in the tail)."""
+        with open(self.log_path) as f:
+            lines = [ln for ln in f if re.search(r"Error|error:|Exception|ERROR", ln)]
+        return "".join(lines[-n:])
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -405,18 +427,70 @@ def test_4b_fingerprint_mismatch_recomputes(servers):
     odd.shutdown()
 
 
-def test_3_dead_peer_recomputes(servers):
+# The tiny model's block: 2 layers x (2 KV heads x 32 tokens x 2*64 values) x 2 bytes (bf16).
+TINY_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2
+
+
+def test_3_holder_killed_during_the_pull_recomputes(servers):
+    """A holder H whose producer is capped at one block a second (``serve_bytes_per_sec``) is
+    SIGKILLed while B's pull of its 8-block prefix is on the wire, after its first block left:
+    B answers 200 with the recompute's output, the failed pull is counted by reason."""
     a, b = servers
-    prompt = tokens(30, 6 * BLOCK) + tokens(31, 10)
-    cold = a.complete(prompt)  # A computes it, then dies before B asks
-    a.kill()
-    # B still pools a connection to A from the earlier tests: the dead peer shows up as
-    # `peer_closed` on it (or `connect` on a fresh dial); either way a failed pull, counted.
-    reasons = ("connect", "peer_closed")
-    n0 = {r: b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="failed", reason=r)
-          for r in reasons}
-    got = b.complete(prompt, remote(a))
-    n1 = {r: b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="failed", reason=r)
-          for r in reasons}
-    assert sum(n1.values()) == sum(n0.values()) + 1, (n0, n1)
-    assert_same_answer(got, cold)
+    workdir = os.path.dirname(a.log_path)
+    # One block a second: B's pull of 8 blocks would take 8 s; each block still arrives well
+    # inside B's per-step timeout (3 s), so only the kill can end it early.
+    h = Server("H", os.path.join(workdir, "tiny-llama"), workdir, allowed_peers=["127.0.0.1"],
+               extra_config={"serve_bytes_per_sec": TINY_BLOCK_BYTES})
+    try:
+        h.wait_ready(time.time() + STARTUP_S)
+        prompt = tokens(30, 8 * BLOCK) + tokens(31, 10)
+        cold = h.complete(prompt)  # H computes the prefix and keeps it in its CPU tier
+        held = h.kvmesh_worker_metric("kvmesh_cpu_tier_blocks")
+        assert held >= 8
+        assert h.kvmesh_worker_metric("kvmesh_cpu_tier_bytes") == held * TINY_BLOCK_BYTES
+
+        reasons = ("peer_closed", "connect")
+        n0 = {r: b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", reason=r) for r in reasons}
+        hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
+        in0 = b.kvmesh_scheduler_metric("kvmesh_p2p_blocks_total", direction="in")
+        result: dict = {}
+
+        def ask() -> None:
+            try:
+                result["got"] = b.complete(prompt, remote(h))
+            except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+                result["error"] = e
+
+        t0 = time.time()
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        # The pull is under way once H's producer has sent a block of it.
+        out, deadline = 0.0, time.time() + 60
+        while time.time() < deadline and asker.is_alive():
+            out = h.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out")
+            if out >= 1:
+                break
+            time.sleep(0.05)
+        fetches = h.kvmesh_worker_metric("kvmesh_p2p_fetches_served_total")
+        h.kill()
+        killed_at = time.time() - t0
+        assert 1 <= out < 8, f"H had sent {out} blocks when killed (want mid-pull)"
+        assert fetches == 1
+        asker.join(REQUEST_S)
+        assert not asker.is_alive(), "B did not answer"
+        if "error" in result:
+            raise result["error"]
+        took = time.time() - t0
+
+        n1 = {r: b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", reason=r) for r in reasons}
+        hits = b.vllm_metric("vllm:external_prefix_cache_hits_total") - hits0
+        pulled = b.kvmesh_scheduler_metric("kvmesh_p2p_blocks_total", direction="in") - in0
+        print(f"\nH killed {killed_at:.2f}s into the request, after {out:.0f} of 8 blocks left it; "
+              f"B got {pulled:.0f} blocks ({hits:.0f} external hit tokens), pull counted as "
+              f"{ {r: n1[r] - n0[r] for r in reasons} }, answered in {took:.2f}s")
+        # A mid-stream death reads as `peer_closed` (`connect` only if it died before the dial).
+        assert n1["peer_closed"] == n0["peer_closed"] + 1, (n0, n1)
+        assert pulled < 8 and hits < 8 * BLOCK
+        assert_same_answer(result["got"], cold)
+    finally:
+        h.kill()
