@@ -475,6 +475,10 @@ pub struct PrefetchConfig {
     /// Scheduling profile that picks the prefetch target (default: the default profile).
     #[serde(default)]
     pub profile: Option<String>,
+    /// How long after a turn ends the router decides (ms): a next turn that arrives sooner had
+    /// no gap to hide a transfer in, and the owner's load has settled after its answer.
+    #[serde(default = "default_prefetch_delay_ms")]
+    pub delay_ms: f64,
     /// Longest a prefetch may run before the router stops waiting for its report.
     #[serde(default = "default_prefetch_timeout")]
     pub timeout_s: f64,
@@ -498,6 +502,9 @@ fn default_session_ttl() -> f64 {
 fn default_max_sessions() -> usize {
     65_536
 }
+fn default_prefetch_delay_ms() -> f64 {
+    500.0
+}
 fn default_prefetch_timeout() -> f64 {
     30.0
 }
@@ -513,6 +520,9 @@ impl PrefetchConfig {
         }
         if !(self.session_ttl_s.is_finite() && self.session_ttl_s > 0.0) {
             return bad("session_ttl_s must be a positive number of seconds");
+        }
+        if !(self.delay_ms.is_finite() && self.delay_ms >= 0.0) {
+            return bad("delay_ms must be a number of milliseconds >= 0");
         }
         if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
             return bad("timeout_s must be a positive number of seconds");

@@ -119,8 +119,8 @@ fn cancel_on_target(s: &Arc<RouterState>, ticket: &Ticket) {
     });
 }
 
-/// A turn of `session` ended on `owner` (its prompt is `tokens`): remember it and, if worth it,
-/// have a second engine pull the history now. Runs in the background; never fails a request.
+/// A turn of `session` ended on `owner` (its prompt is `tokens`): remember it and, after
+/// `prefetch.delay_ms`, decide whether to prepare the next turn elsewhere. Never fails a request.
 pub(crate) fn on_turn_end(
     s: &Arc<RouterState>,
     session: String,
@@ -130,34 +130,53 @@ pub(crate) fn on_turn_end(
     let Some(sessions) = s.sessions.clone() else {
         return;
     };
-    let dropped = sessions.table.lock().turn_finished(
-        &session,
-        owner.id,
-        Arc::clone(&tokens),
-        Instant::now(),
-    );
+    let (dropped, generation) = {
+        let mut table = sessions.table.lock();
+        let dropped = table.turn_finished(&session, owner.id, Arc::clone(&tokens), Instant::now());
+        (dropped, table.generation(&session))
+    };
     sessions.count_dropped(&dropped);
     sessions.refresh_gauges();
     if tokens.len() < sessions.config.min_tokens {
         sessions.count("skipped_short");
         return;
     }
+    let delay = Duration::from_secs_f64(sessions.config.delay_ms / 1000.0);
+    let s = Arc::clone(s);
+    tokio::spawn(async move {
+        tokio::time::sleep(delay).await;
+        if sessions.table.lock().generation(&session) != generation {
+            // The next turn came (or the session moved on) before the gap was worth a transfer.
+            sessions.count("skipped_arrived");
+            return;
+        }
+        prepare_next_turn(&s, session, &owner, &tokens);
+    });
+}
+
+/// The prediction: where would the session's next turn go now? The profile decides over every
+/// endpoint that could take it (the owner, and those of its KV group with a P2P consumer). The
+/// owner (it holds the history) → nothing to do; another endpoint → it pulls the missing history
+/// from the owner now, within the budget.
+fn prepare_next_turn(
+    s: &Arc<RouterState>,
+    session: String,
+    owner: &Arc<Endpoint>,
+    tokens: &Arc<Vec<TokenId>>,
+) {
+    let Some(sessions) = s.sessions.clone() else {
+        return;
+    };
     let Some((host, port)) = owner.spec.p2p_host_port() else {
         sessions.count("skipped_no_target");
         return;
     };
     let bs = s.config.block_size;
-    let keys = chain_keys(&tokens, bs);
-    // Targets: endpoints of the owner's KV group with a P2P consumer that miss part of it.
-    let (eligible, mut candidates) = gather(s, &keys, Some(owner.id));
-    candidates.retain(|c| c.has_p2p && c.kv_group == owner.kv_group);
-    if candidates.iter().any(|c| c.any_blocks >= keys.len()) {
-        // A second holder exists already: the next turn has its choice without a pull.
-        sessions.count("skipped_held");
-        return;
-    }
+    let keys = chain_keys(tokens, bs);
+    let (eligible, mut candidates) = gather(s, &keys, None);
+    candidates.retain(|c| c.endpoint == owner.id || (c.has_p2p && c.kv_group == owner.kv_group));
     let profile_name = sessions.config.profile.as_deref();
-    let (Some(profile), false) = (s.scheduler.profile(profile_name), candidates.is_empty()) else {
+    let Some(profile) = s.scheduler.profile(profile_name) else {
         sessions.count("skipped_no_target");
         return;
     };
@@ -178,6 +197,15 @@ pub(crate) fn on_turn_end(
         return;
     };
     let (cand, target) = target;
+    if target.id == owner.id {
+        // The next turn would go back to its owner: nothing to move.
+        sessions.count("skipped_owner");
+        return;
+    }
+    if cand.any_blocks >= keys.len() {
+        sessions.count("skipped_held");
+        return;
+    }
     let missing_tokens = (keys.len() - cand.any_blocks.min(keys.len())) * bs;
     let bytes = missing_tokens as u64 * sessions.config.kv_bytes_per_token;
     let cap = sessions.config.max_inflight_bytes_per_endpoint;

@@ -50,6 +50,9 @@ struct Session {
     tokens: Arc<Vec<TokenId>>,
     at: Instant,
     ticket: Option<Ticket>,
+    /// Bumped by every turn end and arrival: a prefetch decided after a delay checks that
+    /// nothing happened to the session meanwhile.
+    generation: u64,
 }
 
 /// What became of a prefetch when its session's next turn was placed.
@@ -125,6 +128,7 @@ impl SessionTable {
                 dropped.extend(s.ticket);
             }
         }
+        let generation = self.map.get(key).map_or(0, |s| s.generation + 1);
         let previous = self.map.insert(
             key.to_owned(),
             Session {
@@ -132,6 +136,7 @@ impl SessionTable {
                 tokens,
                 at: now,
                 ticket: None,
+                generation,
             },
         );
         dropped.extend(previous.and_then(|s| s.ticket));
@@ -145,7 +150,13 @@ impl SessionTable {
             return None;
         }
         s.at = now;
+        s.generation += 1;
         s.ticket.take()
+    }
+
+    /// The session's generation (see `Session::generation`); None when unknown.
+    pub fn generation(&self, key: &str) -> Option<u64> {
+        self.map.get(key).map(|s| s.generation)
     }
 
     /// The session's last owner and prompt (None when unknown or expired).
@@ -272,7 +283,7 @@ impl Sessions {
         registry.register(
             "kvmesh_router_prefetches",
             "Prefetches ahead of arrival by outcome: issued, landed, failed, used, used_in_flight, \
-             wasted, cancelled, expired, and skipped_{short,held,no_target,budget}",
+             wasted, cancelled, expired, and skipped_{short,owner,arrived,held,no_target,budget}",
             s.prefetches.clone(),
         );
         registry.register(
@@ -375,7 +386,13 @@ mod tests {
         assert!(!t.attach("other", ticket("p3", 3, TicketState::Running)));
         assert!(t.settle("s", "p1", TicketState::Landed { blocks: 4 }, 400));
         assert!(!t.settle("s", "nope", TicketState::Failed, 0));
+        let g = t.generation("s").unwrap();
         let got = t.turn_arrived("s", t0 + Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            t.generation("s"),
+            Some(g + 1),
+            "an arrival is seen by a delayed decision"
+        );
         assert_eq!(got.state, TicketState::Landed { blocks: 4 });
         assert_eq!(got.landed_bytes, 400);
         assert!(t.turn_arrived("s", t0 + Duration::from_secs(6)).is_none());

@@ -27,10 +27,16 @@ plugins:
 schedulingProfiles:
   - name: prefix-p2p
     plugins: [{pluginRef: prefix, weight: 3}, {pluginRef: queue, weight: 1}, {pluginRef: max}, {pluginRef: p2p}]
+  - name: by-load
+    plugins: [{pluginRef: queue, weight: 1}, {pluginRef: max}]
+default_profile: prefix-p2p
 prefetch:
   session_id: header:x-session-id
   min_tokens: 1024
   kv_bytes_per_token: 1000
+  delay_ms: 300
+  # The prediction: where would the next turn go by load alone?
+  profile: by-load
 "#;
 
 fn yaml(engines: &[&SimEngine]) -> String {
@@ -75,9 +81,17 @@ async fn a_session_history_is_prefetched_to_a_second_engine_and_used_there() {
             }
         };
 
-        // Turn 1 of a session with a 4K history: computed on its owner, then prefetched.
+        // Turn 1 of a session with a 4K history, computed on its owner; right after it, a long
+        // request with the same prefix keeps the owner busy through the session's gap, so the
+        // prediction (by load) sends the next turn elsewhere: that engine prefetches.
         let history = doc(11, 4096);
         let (owner, _) = turn(&base, "s-1", &history).await;
+        let busy = tokio::spawn(
+            common::client()
+                .post(format!("{base}/v1/completions"))
+                .json(&json!({"prompt": format!("{history} busy"), "max_tokens": 3000, "ignore_eos": true}))
+                .send(),
+        );
         eventually_async(20, "the prefetch landed", || async {
             metric("landed").await >= 1.0
         })
@@ -157,6 +171,7 @@ async fn a_session_history_is_prefetched_to_a_second_engine_and_used_there() {
         .await;
         assert_eq!(metric("wasted").await, 0.0);
 
+        busy.abort();
         // A short history is not worth a pull.
         turn(&base, "s-2", &doc(13, 300)).await;
         eventually_async(5, "short history skipped", || async {
