@@ -8,6 +8,15 @@
 
 use futures::future::BoxFuture;
 
+/// Blocks released per pacing step of a fetch (the default of [`LinkPacer::chunk_blocks`]).
+/// Pacing the whole fetch up front would hold the first block back for the whole modelled
+/// transfer: under heavy fan-out on one holder (each fetch getting 1/N of the link) that can
+/// exceed the consumer's per-block step timeout, which would then read a slow link as a dead
+/// peer. Released chunk by chunk, the gap between two block frames is one chunk's modelled time
+/// (64 blocks of 16 gpt-oss tokens = 75 MB, ~4 ms alone on the default link), while the consumer
+/// still sees the fetch end when the link says.
+pub const PACE_CHUNK_BLOCKS: usize = 64;
+
 /// A node's modelled link, as the producer and the consumer see it.
 pub trait LinkPacer: Send + Sync + std::fmt::Debug {
     /// Registers a transfer of `blocks` blocks on the link, starting now. Dropping the returned
@@ -17,11 +26,11 @@ pub trait LinkPacer: Send + Sync + std::fmt::Debug {
     /// `kvmesh_p2p_modelled_bytes_total`.
     fn modelled_bytes_per_block(&self) -> u64;
     /// Blocks a producer releases per pacing step ([`PacedTransfer::reached`] is awaited every
-    /// this many blocks). The default, [`crate::server::PACE_CHUNK_BLOCKS`], suits a fast
+    /// this many blocks). The default, [`PACE_CHUNK_BLOCKS`], suits a fast
     /// modelled link; a slow link (a bandwidth cap) paces block by block, so that no block
     /// waits for a whole chunk's time.
     fn chunk_blocks(&self) -> usize {
-        crate::server::PACE_CHUNK_BLOCKS
+        PACE_CHUNK_BLOCKS
     }
 }
 

@@ -81,15 +81,6 @@ pub struct ServerConfig {
     pub egress: Option<Arc<dyn LinkPacer>>,
 }
 
-/// Blocks released per pacing step of a fetch (the default of [`LinkPacer::chunk_blocks`]).
-/// Pacing the whole fetch up front would hold the first block back for the whole modelled
-/// transfer: under heavy fan-out on one holder (each fetch getting 1/N of the link) that can
-/// exceed the consumer's per-block step timeout, which would then read a slow link as a dead
-/// peer. Released chunk by chunk, the gap between two block frames is one chunk's modelled time
-/// (64 blocks of 16 gpt-oss tokens = 75 MB, ~4 ms alone on the default link), while the consumer
-/// still sees the fetch end when the link says.
-pub const PACE_CHUNK_BLOCKS: usize = 64;
-
 /// Default [`ServerConfig::max_connections_per_ip`]: room for a busy consumer's concurrent pulls
 /// (its pool keeps 4 idle), a quarter of the overall 256.
 /// Default concurrent fetch streams one peer IP may run ([`ServerConfig::max_transfers_per_peer`]).
