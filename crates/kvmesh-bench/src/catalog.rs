@@ -13,11 +13,13 @@ pub const WORKLOAD_NAMES: &[&str] = &[
     "fork",
     "pool",
     "docqa",
+    "docqa-warm",
     "agentic-pd",
     "fanout",
     "fanout@<pullers>",
     "skew",
     "skew@<zipf exponent>",
+    "scaleout",
     "trace:<file>",
 ];
 
@@ -40,6 +42,8 @@ pub fn build(
             rates.into_iter().map(|r| pool(scale, seed, r)).collect()
         }
         "docqa" => vec![docqa(scale, seed)],
+        crate::waves::DOCQA_WARM => vec![crate::waves::docqa_warm(scale, seed)],
+        crate::scale_out::NAME => vec![crate::scale_out::scaleout(scale, seed)],
         "agentic-pd" => vec![agentic_pd(scale, seed)],
         "fanout" => fanout_pullers(scale)
             .into_iter()

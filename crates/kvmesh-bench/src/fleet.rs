@@ -412,27 +412,8 @@ impl Fleet {
         if let Some((arm, install)) = peer {
             fleet.router = Some(fleet.launch_peer(spec, arm, install, &http, ready).await?);
         } else if let Some(r) = &spec.router {
-            let arm: Arm = r.profile.parse().map_err(FleetError::Spec)?;
-            let endpoints: Vec<EndpointInfo> = fleet
-                .engines
-                .iter()
-                .map(|e| EndpointInfo {
-                    name: e.name.clone(),
-                    url: e.url.clone(),
-                    kv_events: format!("tcp://127.0.0.1:{}", e.kv_events_port),
-                    p2p: e.p2p_port.map(|p| format!("127.0.0.1:{p}")),
-                    role: e.role,
-                })
-                .collect();
-            let yaml = router_config::render_scaled(
-                arm,
-                &endpoints,
-                r.min_cached_token_delta,
-                spec.seed.unwrap_or(0),
-                spec.time_scale(),
-            );
             let config = log_dir.join("router.yaml");
-            std::fs::write(&config, yaml)?;
+            std::fs::write(&config, fleet.render_router_config(spec, r)?)?;
             let port = free_port()?;
             let mut args: Vec<String> = vec![
                 "router".into(),
@@ -460,6 +441,90 @@ impl Fleet {
             });
         }
         Ok(fleet)
+    }
+
+    /// The router YAML for the current engines (the router's static endpoint list).
+    fn render_router_config(&self, spec: &FleetSpec, r: &RouterSpec) -> Result<String, FleetError> {
+        let arm: Arm = r.profile.parse().map_err(FleetError::Spec)?;
+        let endpoints: Vec<EndpointInfo> = self
+            .engines
+            .iter()
+            .map(|e| EndpointInfo {
+                name: e.name.clone(),
+                url: e.url.clone(),
+                kv_events: format!("tcp://127.0.0.1:{}", e.kv_events_port),
+                p2p: e.p2p_port.map(|p| format!("127.0.0.1:{p}")),
+                role: e.role,
+            })
+            .collect();
+        Ok(router_config::render_scaled(
+            arm,
+            &endpoints,
+            r.min_cached_token_delta,
+            spec.seed.unwrap_or(0),
+            spec.time_scale(),
+        ))
+    }
+
+    /// Starts one more engine of `group` (named and numbered after the existing ones), waits
+    /// until its `/health` answers and returns its index in [`Fleet::engines`]. The router does
+    /// not know it yet: [`Fleet::publish_endpoints`] tells it (scale-out experiments).
+    pub async fn add_engine(
+        &mut self,
+        exe: &Path,
+        group: &EngineGroup,
+        ready: Duration,
+    ) -> Result<usize, FleetError> {
+        let idx = self.engines.len();
+        let name = format!("engine-{idx}-{}", group.role.as_str());
+        let log = self.log_dir.join(format!("{name}.log"));
+        let mut e = spawn_engine(exe, group, &self.served_model_name, idx, name, log)?;
+        let http = reqwest::Client::new();
+        let mut attempt = 0;
+        loop {
+            match wait_ready(&http, &e.url, &mut e.child, &e.name, &e.log, ready).await {
+                Ok(()) => break,
+                // Same port race as at launch: retry on fresh ports.
+                Err(FleetError::Exited { .. })
+                    if attempt < PORT_RETRIES
+                        && std::fs::read_to_string(&e.log)
+                            .is_ok_and(|t| t.contains("Address already in use")) =>
+                {
+                    attempt += 1;
+                    let _ = std::fs::rename(&e.log, e.log.with_extension(format!("log.{attempt}")));
+                    e = spawn_engine(
+                        exe,
+                        group,
+                        &self.served_model_name,
+                        idx,
+                        e.name.clone(),
+                        e.log.clone(),
+                    )?;
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        self.engines.push(e);
+        Ok(idx)
+    }
+
+    /// Rewrites the running `kvmesh router`'s config with the current engine list. The router
+    /// watches its config file and re-applies the inline `endpoints:` list on change (static
+    /// discovery, `docs/discovery.md`), so this is how an engine joins or leaves a running fleet.
+    /// The file is replaced by rename so the watcher never reads a half-written list.
+    pub fn publish_endpoints(&self, spec: &FleetSpec) -> Result<(), FleetError> {
+        let (Some(router), Some(r)) = (&self.router, &spec.router) else {
+            return Err(FleetError::Spec("the fleet has no router to tell".into()));
+        };
+        if router.peer.is_some() {
+            return Err(FleetError::Spec(
+                "a peer router's engine list is fixed at start".into(),
+            ));
+        }
+        let tmp = router.config.with_extension("yaml.new");
+        std::fs::write(&tmp, self.render_router_config(spec, r)?)?;
+        std::fs::rename(&tmp, &router.config)?;
+        Ok(())
     }
 
     /// Starts the external router of a peer arm in front of the (ready) engines.

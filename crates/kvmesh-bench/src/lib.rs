@@ -20,9 +20,11 @@ pub mod peers;
 pub mod report;
 pub mod router_config;
 pub mod runner;
+pub mod scale_out;
 pub mod stats;
 pub mod tokens;
 pub mod trace;
+pub mod waves;
 pub mod workload;
 
 pub use fleet::{Fleet, FleetSpec};

@@ -83,7 +83,48 @@ pub struct EngineEvidence {
     pub pd: BTreeMap<String, f64>,
 }
 
+/// `after − before` per key (a key missing on one side counts 0 there).
+fn map_delta(
+    after: &BTreeMap<String, f64>,
+    before: &BTreeMap<String, f64>,
+) -> BTreeMap<String, f64> {
+    after
+        .iter()
+        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0)))
+        .collect()
+}
+
 impl EngineEvidence {
+    /// Prompt tokens of one `vllm:prompt_tokens_by_source_total` source (`local_compute`,
+    /// `local_cache_hit`, `external_kv_transfer`); 0 when absent.
+    pub fn source_tokens(&self, source: &str) -> f64 {
+        self.prompt_tokens_by_source
+            .get(source)
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// What the counters rose by since `before` (an earlier scrape of the same engine): the
+    /// evidence of one phase of a run. Gauges among the P2P keys come out as differences too,
+    /// which nothing reads.
+    pub fn since(&self, before: &EngineEvidence) -> EngineEvidence {
+        EngineEvidence {
+            url: self.url.clone(),
+            external_hit_tokens: self.external_hit_tokens - before.external_hit_tokens,
+            local_hit_tokens: self.local_hit_tokens - before.local_hit_tokens,
+            prefix_cache_queries: self.prefix_cache_queries - before.prefix_cache_queries,
+            requests: self.requests - before.requests,
+            engine_ttft_sum_s: self.engine_ttft_sum_s - before.engine_ttft_sum_s,
+            engine_ttft_count: self.engine_ttft_count - before.engine_ttft_count,
+            prompt_tokens_by_source: map_delta(
+                &self.prompt_tokens_by_source,
+                &before.prompt_tokens_by_source,
+            ),
+            p2p: map_delta(&self.p2p, &before.p2p),
+            pd: map_delta(&self.pd, &before.pd),
+        }
+    }
+
     pub fn from_exposition(url: &str, text: &str) -> Self {
         let samples = parse_exposition(text);
         let mut by_source = BTreeMap::new();
@@ -137,6 +178,10 @@ pub struct Evidence {
     /// All P/D counters summed over engines.
     #[serde(default)]
     pub pd_counters: BTreeMap<String, f64>,
+    /// Fork: the children's wave as the engines counted it (counter deltas from just before the
+    /// first child to the end; see [`crate::waves`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub child_wave: Option<crate::waves::WaveCounters>,
     /// Tokens of conversation history read decoder → prefiller (bi-directional P/D).
     #[serde(default)]
     pub pd_history_tokens: f64,
@@ -194,6 +239,7 @@ impl Evidence {
         let pd_history_tokens = read_tokens("history");
         let pd_decode_tokens = read_tokens("decode");
         Self {
+            child_wave: None,
             pd_counters,
             pd_history_tokens,
             pd_decode_tokens,
@@ -208,6 +254,22 @@ impl Evidence {
             p2p_counters: counters,
             scrape_errors,
         }
+    }
+
+    /// The fleet's evidence since `before` (an earlier scrape): engines are paired by URL, an
+    /// engine absent from `before` (started in between) counts from zero.
+    pub fn since(&self, before: &Evidence) -> Evidence {
+        let engines = self
+            .engines
+            .iter()
+            .map(|e| match before.engines.iter().find(|b| b.url == e.url) {
+                Some(b) => e.since(b),
+                None => e.clone(),
+            })
+            .collect();
+        let mut errors = before.scrape_errors.clone();
+        errors.extend(self.scrape_errors.iter().cloned());
+        Evidence::from_engines(engines, errors)
     }
 
     /// Whether anything was verifiably pulled.
@@ -399,6 +461,25 @@ weird line without value
         assert_eq!(ev.engine_ttft_mean_s(), Some(0.1));
         assert!(ev.moved_anything());
         assert!(!ev.p2p_counters.keys().any(|k| k.ends_with("_bucket")));
+    }
+
+    #[test]
+    fn evidence_since_an_earlier_scrape_is_the_counter_delta() {
+        let before = EngineEvidence::from_exposition(
+            "c",
+            "vllm:prompt_tokens_by_source_total{source=\"local_compute\"} 50\n\
+             vllm:external_prefix_cache_hits_total 96\n",
+        );
+        let after = EngineEvidence::from_exposition("c", SAMPLE);
+        let fresh = EngineEvidence::from_exposition("new", SAMPLE);
+        let d = Evidence::from_engines(vec![after, fresh], vec![])
+            .since(&Evidence::from_engines(vec![before], vec![]));
+        assert_eq!(d.engines[0].source_tokens("local_compute"), 0.0);
+        assert_eq!(d.engines[0].source_tokens("external_kv_transfer"), 4096.0);
+        assert_eq!(d.engines[0].external_hit_tokens, 4000.0);
+        // An engine that joined in between counts from zero.
+        assert_eq!(d.engines[1].external_hit_tokens, 4096.0);
+        assert_eq!(d.external_hit_tokens, 8096.0);
     }
 
     #[test]

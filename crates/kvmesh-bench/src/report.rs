@@ -37,6 +37,9 @@ pub struct ArmResult {
     /// The router's decisions joined with what the client and engines saw (kvmesh arms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audit: Option<crate::audit::Audit>,
+    /// Scale-out workloads: the engine that joined mid-run, window by window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_out: Option<crate::scale_out::ScaleOutResult>,
 }
 
 /// A whole run.
@@ -247,6 +250,7 @@ impl BenchReport {
         }
         s.push_str(&self.routers_table());
         s.push_str(&self.audit_table());
+        s.push_str(&crate::scale_out::markdown(&self.results));
         for (workload, arms) in self.by_workload() {
             let Some(base) = arms.first() else { continue };
             let _ = writeln!(s, "\n**{workload}** — {}", base.workload_description);
@@ -261,10 +265,17 @@ impl BenchReport {
                 if let Some(b) = st.ttft_by_kind.get("child") {
                     let _ = write!(
                         line,
-                        "; branch-start TTFT p50 {} / p90 {}; slow branches (recomputed) {}",
+                        "; branch-start TTFT p50 {} / p90 {}; slow branches (TTFT ≥ ½ parent's) {}",
                         secs(b.p50),
                         secs(b.p90),
                         st.slow_branches.unwrap_or(0)
+                    );
+                }
+                if let Some(w) = &r.evidence.child_wave {
+                    let _ = write!(
+                        line,
+                        "; children that recomputed the context (engine counters over the children's wave) {}",
+                        w.explain()
                     );
                 }
                 if r.prefill_external_hit_tokens > 0.0 {
@@ -433,7 +444,17 @@ impl BenchReport {
                     secs,
                 ));
                 rows.push((
-                    "slow branches (recomputed)",
+                    "children that recomputed (engine counters)",
+                    |r| {
+                        r.evidence
+                            .child_wave
+                            .as_ref()
+                            .map(|w| w.recomputed_children)
+                    },
+                    crate::waves::fmt_children,
+                ));
+                rows.push((
+                    "slow branches (TTFT ≥ ½ parent's)",
                     |r| r.stats.slow_branches.map(|v| v as f64),
                     |v| format!("{v:.0}"),
                 ));
@@ -517,6 +538,7 @@ impl BenchReport {
                 }
             }
         }
+        s.push_str(&crate::scale_out::markdown(&self.results));
         s
     }
 
@@ -836,6 +858,7 @@ mod tests {
             records,
             router_version: None,
             audit: None,
+            scale_out: None,
         }
     }
 

@@ -179,6 +179,7 @@ fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, e: &RunError) -> ArmResult {
         records: Vec::new(),
         router_version: None,
         audit: None,
+        scale_out: None,
     }
 }
 
@@ -199,16 +200,9 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     let log_dir = plan.out_dir.join("logs").join(safe);
     let mut fleet = Fleet::launch(&spec, &plan.exe, &log_dir).await?;
     tokio::time::sleep(plan.settle).await;
-    let pb = plan.progress.then(|| {
-        let pb = ProgressBar::new(w.num_requests() as u64);
-        if let Ok(style) = ProgressStyle::with_template(
-            "{prefix:>24} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}",
-        ) {
-            pb.set_style(style);
-        }
-        pb.set_prefix(format!("{} / {}", w.name, arm.name()));
-        pb
-    });
+    let pb = plan
+        .progress
+        .then(|| bar(w, &format!("{} / {}", w.name, arm.name())));
     let cfg = DriveConfig {
         base_url: fleet.entry_url().to_owned(),
         model: fleet.served_model_name.clone(),
@@ -216,13 +210,28 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         prompt_format: plan.prompt_format,
         progress: pb.clone(),
     };
-    let records = driver::drive(w, &cfg).await;
+    let driven = drive_phases(plan, w, &spec, &mut fleet, &cfg).await;
+    let records = driven.records;
     if let Some(pb) = &pb {
         pb.finish();
     }
     let died = fleet.check_alive();
     let router_version = fleet.router.as_ref().and_then(|r| r.version.clone());
-    let evidence = scrape_evidence(&fleet).await;
+    let mut evidence = scrape_evidence(&fleet).await;
+    if let Some(before) = &driven.baseline {
+        evidence = evidence.since(before);
+    }
+    if let Some((parent, before)) = &driven.wave_before {
+        let children: Vec<&RequestRecord> = records
+            .iter()
+            .filter(|r| r.kind == crate::workload::StepKind::Child)
+            .collect();
+        evidence.child_wave = Some(crate::waves::WaveCounters::from_delta(
+            &evidence.since(before),
+            &children,
+            crate::waves::shared_context_tokens(w, *parent),
+        ));
+    }
     let prefill_hits: f64 = fleet
         .engines
         .iter()
@@ -239,6 +248,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     // Why each request went where it did (the router keeps its last `decisions_capacity`; a
     // peer router has no such endpoint).
     let mut audit = None;
+    let mut decisions = String::new();
     if let Some(r) = &fleet.router
         && r.peer.is_none()
         && let Ok(resp) = reqwest::get(format!("{}/debug/decisions?last=100000", r.url)).await
@@ -246,7 +256,20 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     {
         let _ = std::fs::write(log_dir.join("router-decisions.json"), &text);
         audit = audit_arm(&text, &records, w.seed, plan.fleet.time_scale, arm);
+        decisions = text;
     }
+    let engines_before = spec.engines.iter().map(|g| g.count).sum();
+    let scale_out = driven.join.map(|(shape, log)| {
+        crate::scale_out::analyse(
+            &records,
+            &decisions,
+            w.seed,
+            plan.fleet.time_scale,
+            shape,
+            engines_before,
+            &log,
+        )
+    });
     fleet.shutdown().await;
     let stats = summarize(&records, plan.fleet.time_scale, w.offered_rate);
     let pd = w.fleet.prefill > 0;
@@ -274,7 +297,110 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         records,
         router_version,
         audit,
+        scale_out,
     })
+}
+
+/// What driving one arm produced besides the measured records.
+struct Driven {
+    records: Vec<RequestRecord>,
+    /// Counters after an unmeasured warm-up (the arm's evidence is measured from here).
+    baseline: Option<Evidence>,
+    /// Fork: the parent's session and the counters between the parent's and children's waves.
+    wave_before: Option<(usize, Evidence)>,
+    /// Scale-out: the newcomer's schedule and what its join saw.
+    join: Option<(crate::scale_out::ScaleOutShape, crate::scale_out::JoinLog)>,
+}
+
+/// Drives `w` on the arm's fleet: a warm-up first if the workload has one ([`crate::waves`]),
+/// then the measured requests — in two waves for a fork (counters scraped in between), beside a
+/// newcomer's join for scale-out ([`crate::scale_out`]), else in one go.
+async fn drive_phases(
+    plan: &Plan,
+    w: &Workload,
+    spec: &FleetSpec,
+    fleet: &mut Fleet,
+    cfg: &DriveConfig,
+) -> Driven {
+    let ts = plan.fleet.time_scale;
+    let mut out = Driven {
+        records: Vec::new(),
+        baseline: None,
+        wave_before: None,
+        join: None,
+    };
+    if let Some(warm) = crate::waves::warmup_for(w) {
+        let wpb = plan
+            .progress
+            .then(|| bar(&warm, &format!("{} (not measured)", warm.name)));
+        let wcfg = DriveConfig {
+            progress: wpb.clone(),
+            ..cfg.clone()
+        };
+        let _ = driver::drive(&warm, &wcfg).await;
+        if let Some(wpb) = &wpb {
+            wpb.finish();
+        }
+        // Same settle as before the first request: the router sees the warm-up's KV events.
+        tokio::time::sleep(plan.settle).await;
+        out.baseline = Some(scrape_evidence(fleet).await);
+    }
+    if let Some(shape) = crate::scale_out::shape_of(w) {
+        // The drive and the newcomer's join run side by side; the join task stops sampling
+        // when the drive is done.
+        let (done_tx, done_rx) = tokio::sync::watch::channel(false);
+        let start = std::time::Instant::now();
+        let drive = async {
+            let r = driver::drive(w, cfg).await;
+            let _ = done_tx.send(true);
+            r
+        };
+        let joining = crate::scale_out::join_one(
+            fleet,
+            spec,
+            &plan.exe,
+            shape,
+            ts,
+            start,
+            done_rx,
+            cfg.progress.clone(),
+        );
+        let (records, log) = tokio::join!(drive, joining);
+        out.records = records;
+        out.join = Some((shape, log));
+    } else if let Some(parent) = crate::waves::fork_parent(w) {
+        // Fork in two waves (parent, then children) with the counters scraped in between, so
+        // the children's recomputes are read from the engines (see crate::waves).
+        let t0 = std::time::Instant::now();
+        let mut records = driver::drive(&crate::waves::parent_wave(w, parent), cfg).await;
+        let t = std::time::Instant::now();
+        out.wave_before = Some((parent, scrape_evidence(fleet).await));
+        let spent = t.elapsed().mul_f64(ts);
+        // The children's send times count from the parent's start, as in one wave.
+        let offset = t0.elapsed().as_secs_f64();
+        let children = driver::drive(&crate::waves::child_wave(w, parent, spent), cfg).await;
+        records.extend(children.into_iter().map(|mut r| {
+            r.sent_s += offset;
+            r
+        }));
+        records.sort_by_key(|r| (r.session, r.step));
+        out.records = records;
+    } else {
+        out.records = driver::drive(w, cfg).await;
+    }
+    out
+}
+
+/// A progress bar over `w`'s requests.
+fn bar(w: &Workload, prefix: &str) -> ProgressBar {
+    let pb = ProgressBar::new(w.num_requests() as u64);
+    if let Ok(style) =
+        ProgressStyle::with_template("{prefix:>24} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}")
+    {
+        pb.set_style(style);
+    }
+    pb.set_prefix(prefix.to_owned());
+    pb
 }
 
 /// An arm that prices its pulls may rightly pull nothing (the holder was the best place for
