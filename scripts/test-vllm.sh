@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end test of kvmesh's vLLM connector (issue 14): two real vLLM CPU servers on loopback
-# with KvmeshConnector, a tiny random-weight Llama built locally, `kvmesh router` in front for one
-# test, pytest.
+# with KvmeshConnector (a third, with a capped producer, for the killed-mid-pull test), a tiny
+# random-weight Llama built locally, `kvmesh router` in front for one test, pytest.
 #
 # CI (.ci/run) runs it after scripts/test.sh; on its own:
 #   bash scripts/test-vllm.sh [pytest args]
@@ -53,7 +53,7 @@ echo "test-vllm: environment ready in $(( $(date +%s) - start ))s"
 work="$(mktemp -d /tmp/kvmesh-vllm-test.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 # From a neutral directory with the pytest entry point (not `python -m`, which would put the
-# working directory first on sys.path): the servers must import the installed kvmesh_vllm.
+# working directory first on sys.path): the servers must import the kvmesh_vllm built above.
 cd "$work"
 set +e
 timeout 1500 nice -n 10 "$VENV/bin/pytest" -p no:cacheprovider -v -s --rootdir="$work" \
