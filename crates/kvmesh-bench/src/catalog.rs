@@ -14,7 +14,10 @@ pub const WORKLOAD_NAMES: &[&str] = &[
     "pool",
     "docqa",
     "docqa-warm",
+    "agentic",
+    "agentic-nogap",
     "agentic-pd",
+    "restart",
     "fanout",
     "fanout@<pullers>",
     "skew",
@@ -44,7 +47,14 @@ pub fn build(
         "docqa" => vec![docqa(scale, seed)],
         crate::waves::DOCQA_WARM => vec![crate::waves::docqa_warm(scale, seed)],
         crate::scale_out::NAME => vec![crate::scale_out::scaleout(scale, seed)],
+        // The experiment and its negative control (same sessions, no gap) in one run.
+        "agentic" => vec![
+            crate::agentic::agentic(scale, seed, crate::agentic::gaps(scale)),
+            crate::agentic::agentic(scale, seed, (0.0, 0.0)),
+        ],
+        "agentic-nogap" => vec![crate::agentic::agentic(scale, seed, (0.0, 0.0))],
         "agentic-pd" => vec![agentic_pd(scale, seed)],
+        crate::restart::NAME => vec![crate::restart::restart(scale, seed)],
         "fanout" => fanout_pullers(scale)
             .into_iter()
             .map(|n| fanout(scale, seed, n))

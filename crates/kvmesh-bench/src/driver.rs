@@ -267,6 +267,7 @@ mod tests {
                 decode: 0,
                 num_gpu_blocks: 1,
                 max_model_len: 1,
+                cpu_tier_ratio: 2,
             },
             min_cached_token_delta: 1,
         };
@@ -326,6 +327,7 @@ mod tests {
                 decode: 0,
                 num_gpu_blocks: 1,
                 max_model_len: 1,
+                cpu_tier_ratio: 2,
             },
             min_cached_token_delta: 1,
         };

@@ -508,6 +508,31 @@ impl Fleet {
         Ok(idx)
     }
 
+    /// Kills engine `idx` and starts a fresh one of `group` in its place (same name, new ports,
+    /// empty caches, counters from zero — a replaced pod), waiting until it answers `/health`.
+    /// The router does not know the new address yet: [`Fleet::publish_endpoints`] tells it.
+    pub async fn replace_engine(
+        &mut self,
+        idx: usize,
+        exe: &Path,
+        group: &EngineGroup,
+        ready: Duration,
+    ) -> Result<(), FleetError> {
+        let Some(old) = self.engines.get_mut(idx) else {
+            return Err(FleetError::Spec(format!("no engine {idx} to replace")));
+        };
+        let _ = old.child.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(5), old.child.wait()).await;
+        let name = old.name.clone();
+        let _ = std::fs::rename(&old.log, old.log.with_extension("log.before-restart"));
+        let log = old.log.clone();
+        let mut e = spawn_engine(exe, group, &self.served_model_name, idx, name, log)?;
+        let http = reqwest::Client::new();
+        wait_ready(&http, &e.url, &mut e.child, &e.name, &e.log, ready).await?;
+        self.engines[idx] = e;
+        Ok(())
+    }
+
     /// Rewrites the running `kvmesh router`'s config with the current engine list. The router
     /// watches its config file and re-applies the inline `endpoints:` list on change (static
     /// discovery, `docs/discovery.md`), so this is how an engine joins or leaves a running fleet.

@@ -98,6 +98,7 @@ pub fn fanout(scale: Scale, seed: u64, pullers: usize) -> Workload {
             decode: 0,
             num_gpu_blocks: (ctx * 4).div_ceil(GPU_BLOCK_TOKENS),
             max_model_len: ctx + 1024,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 2048,
     }
@@ -167,6 +168,7 @@ pub fn skew(scale: Scale, seed: u64, exponent: f64) -> Workload {
             decode: 0,
             num_gpu_blocks: per_server_tokens.div_ceil(GPU_BLOCK_TOKENS),
             max_model_len: len + 1024,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 2048,
     }

@@ -7,6 +7,7 @@
 //! [`peers`] (external routers as arms), [`runner`] and [`calibrate`] do the I/O, sharing
 //! [`launch`]'s vocabulary.
 
+pub mod agentic;
 pub mod audit;
 pub mod calibrate;
 pub mod catalog;
@@ -18,6 +19,7 @@ pub mod launch;
 pub mod metrics;
 pub mod peers;
 pub mod report;
+pub mod restart;
 pub mod router_config;
 pub mod runner;
 pub mod scale_out;

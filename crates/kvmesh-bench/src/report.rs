@@ -37,6 +37,12 @@ pub struct ArmResult {
     /// The router's decisions joined with what the client and engines saw (kvmesh arms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audit: Option<crate::audit::Audit>,
+    /// Restart workloads: TTFT around the prefill fleet's replacement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<crate::restart::RestartResult>,
+    /// What the router's prefetch counters say (arms with `prefetch:` in their config).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<crate::agentic::PrefetchStats>,
     /// Scale-out workloads: the engine that joined mid-run, window by window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale_out: Option<crate::scale_out::ScaleOutResult>,
@@ -251,6 +257,25 @@ impl BenchReport {
         s.push_str(&self.routers_table());
         s.push_str(&self.audit_table());
         s.push_str(&crate::scale_out::markdown(&self.results));
+        let agentic: Vec<crate::agentic::Row<'_>> = self
+            .results
+            .iter()
+            .filter(|r| crate::agentic::is_agentic(&r.workload))
+            .map(|r| crate::agentic::Row {
+                workload: &r.workload,
+                arm: &r.arm,
+                returning: crate::agentic::returning_turns(&r.records, r.time_scale),
+                pulled_tokens: r.evidence.external_hit_tokens,
+                prefetch: r.prefetch.as_ref(),
+            })
+            .collect();
+        s.push_str(&crate::agentic::markdown(&agentic));
+        let restarts: Vec<(&str, &crate::restart::RestartResult)> = self
+            .results
+            .iter()
+            .filter_map(|r| r.restart.as_ref().map(|x| (r.arm.as_str(), x)))
+            .collect();
+        s.push_str(&crate::restart::markdown(&restarts));
         for (workload, arms) in self.by_workload() {
             let Some(base) = arms.first() else { continue };
             let _ = writeln!(s, "\n**{workload}** — {}", base.workload_description);
@@ -858,6 +883,8 @@ mod tests {
             records,
             router_version: None,
             audit: None,
+            prefetch: None,
+            restart: None,
             scale_out: None,
         }
     }

@@ -47,6 +47,11 @@ pub enum Arm {
     /// `pd-load` plus bi-directional KV transfer: the next turn's prefiller reads the whole
     /// history (prompt and generated tokens) from the decoder.
     PdLoadBidir,
+    /// `affinity-p2p` plus prefetch ahead of arrival (`prefetch:`): when a session's turn ends,
+    /// a second engine pulls its history during the client's gap.
+    AffinityP2pPrefetch,
+    /// `ttft-p2p` plus prefetch ahead of arrival.
+    TtftP2pPrefetch,
     /// An external router (`vllm-router:<policy>`, `smg:<policy>`) in front of the same engines
     /// instead of `kvmesh router` (see [`crate::peers`]).
     Peer(PeerArm),
@@ -65,6 +70,8 @@ pub const ARM_NAMES: &[&str] = &[
     "pd-bidir",
     "pd-load",
     "pd-load-bidir",
+    "affinity-p2p-prefetch",
+    "ttft-p2p-prefetch",
 ];
 
 impl Arm {
@@ -82,6 +89,8 @@ impl Arm {
             Self::PdBidir => "pd-bidir",
             Self::PdLoad => "pd-load",
             Self::PdLoadBidir => "pd-load-bidir",
+            Self::AffinityP2pPrefetch => "affinity-p2p-prefetch",
+            Self::TtftP2pPrefetch => "ttft-p2p-prefetch",
             Self::Peer(p) => p.name(),
         }
     }
@@ -90,7 +99,7 @@ impl Arm {
     /// P/D arms pull too: the P→D handoff travels over the P2P service.
     pub fn pulls(self) -> bool {
         matches!(
-            self,
+            self.base(),
             Self::LoadP2p
                 | Self::AffinityP2p
                 | Self::CostP2p
@@ -104,7 +113,21 @@ impl Arm {
 
     /// Whether this arm's pulls are priced against recompute (so pulling nothing can be right).
     pub fn prices_pulls(self) -> bool {
-        matches!(self, Self::CostP2p | Self::TtftP2p)
+        matches!(self.base(), Self::CostP2p | Self::TtftP2p)
+    }
+
+    /// The placement policy under an arm that adds a mechanism to it (prefetch arms).
+    pub fn base(self) -> Arm {
+        match self {
+            Self::AffinityP2pPrefetch => Self::AffinityP2p,
+            Self::TtftP2pPrefetch => Self::TtftP2p,
+            other => other,
+        }
+    }
+
+    /// Whether the router prefetches sessions' histories ahead of their next turn.
+    pub fn prefetches(self) -> bool {
+        self != self.base()
     }
 
     /// Whether this arm disaggregates prefill and decode (needs a fleet with both roles).
@@ -148,6 +171,8 @@ impl std::str::FromStr for Arm {
             "pd-bidir" => Self::PdBidir,
             "pd-load" => Self::PdLoad,
             "pd-load-bidir" => Self::PdLoadBidir,
+            "affinity-p2p-prefetch" => Self::AffinityP2pPrefetch,
+            "ttft-p2p-prefetch" => Self::TtftP2pPrefetch,
             peer if peer.contains(':') => Self::Peer(PeerArm::parse(peer)?),
             other => {
                 return Err(format!(
@@ -236,14 +261,26 @@ decisions_capacity: 2048
         let _ = writeln!(y, "    role: {}", e.role.as_str());
     }
     // (type, name, parameters, weight in the profile; None = filter/picker/producer).
+    if arm.prefetches() {
+        // Sessions are the bench client's `X-Session-ID`; the budgets let two 32K-token
+        // histories (gpt-oss: 73,728 B/token) be in flight towards one engine and about a
+        // quarter of a bench engine's CPU tier (2x its GPU tier) hold unused copies; the
+        // decision waits 500 ms of model time after a turn ends (wall time on a sped-up fleet).
+        let _ = writeln!(
+            y,
+            "prefetch: {{session_id: \"header:x-session-id\", min_tokens: 2048, kv_bytes_per_token: 73728, max_inflight_bytes_per_endpoint: 4831838208, max_unused_bytes_per_endpoint: 3221225472, delay_ms: {}}}",
+            500.0 / ts
+        );
+    }
     let mut plugins: Vec<(&str, &str, String, Option<u32>)> = Vec::new();
-    match arm {
+    match arm.base() {
         Arm::Pd | Arm::PdBidir | Arm::PdLoad | Arm::PdLoadBidir => {
             render_pd(&mut y, arm);
             return y;
         }
         // A peer arm runs its own router (crate::peers); its kvmesh config is never started.
-        Arm::RoundRobin | Arm::Peer(_) => {
+        // (`base()` never returns these; listed so a new arm is a compile error here.)
+        Arm::RoundRobin | Arm::Peer(_) | Arm::AffinityP2pPrefetch | Arm::TtftP2pPrefetch => {
             plugins.push(("round-robin-picker", "picker", String::new(), None))
         }
         Arm::Affinity | Arm::AffinityP2p => {
@@ -268,7 +305,7 @@ decisions_capacity: 2048
             plugins.push(("weighted-random-picker", "picker", String::new(), None));
         }
         Arm::Ttft | Arm::TtftP2p => {
-            let p2p = arm == Arm::TtftP2p;
+            let p2p = arm.base() == Arm::TtftP2p;
             let cm = kvmesh_sched::cost_model::CostModelParams::default();
             let _ = writeln!(
                 y,
@@ -288,9 +325,9 @@ decisions_capacity: 2048
         }
     }
     if arm.pulls() {
-        let params = if arm == Arm::CostP2p {
+        let params = if arm.base() == Arm::CostP2p {
             format!("{{minCachedTokenDelta: {delta}, mode: cost_model, marginMs: 5}}")
-        } else if arm == Arm::TtftP2p {
+        } else if arm.base() == Arm::TtftP2p {
             format!("{{minCachedTokenDelta: {delta}, mode: predicted, marginMs: 5}}")
         } else {
             format!("{{minCachedTokenDelta: {delta}}}")

@@ -61,8 +61,9 @@ impl Default for FleetOptions {
 pub fn fleet_for(w: &Workload, arm: Arm, o: &FleetOptions) -> FleetSpec {
     let block_size = 16usize;
     let gpu = w.fleet.num_gpu_blocks.max(256);
-    // CPU tier ≈ 2× the GPU pool (llm-d deployment rule).
-    let cpu_bytes = 2 * gpu * block_size * o.sim_kv_bytes_per_token.max(1);
+    // CPU tier = the workload's ratio × the GPU pool (2 for most: llm-d's deployment rule).
+    let cpu_bytes =
+        w.fleet.cpu_tier_ratio.max(1) * gpu * block_size * o.sim_kv_bytes_per_token.max(1);
     let pd = w.fleet.prefill > 0;
     let mut extra = o.extra_engine_args.clone();
     if pd && arm.moves_history() {
@@ -179,6 +180,8 @@ fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, e: &RunError) -> ArmResult {
         records: Vec::new(),
         router_version: None,
         audit: None,
+        prefetch: None,
+        restart: None,
         scale_out: None,
     }
 }
@@ -239,10 +242,22 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         .filter(|(e, _)| e.role == Role::Prefill)
         .map(|(_, ev)| ev.external_hit_tokens)
         .sum();
+    let restart = driven.restart.as_ref().map(|(shape, log)| {
+        let prefill: Vec<&crate::metrics::EngineEvidence> = fleet
+            .engines
+            .iter()
+            .zip(&evidence.engines)
+            .filter(|(e, _)| e.role == Role::Prefill)
+            .map(|(_, ev)| ev)
+            .collect();
+        crate::restart::analyse(&records, plan.fleet.time_scale, *shape, log, &prefill)
+    });
+    let mut prefetch = None;
     if let Some(r) = &fleet.router
         && let Ok(resp) = reqwest::get(&r.metrics_url).await
         && let Ok(text) = resp.text().await
     {
+        prefetch = crate::agentic::PrefetchStats::from_router_metrics(&text);
         let _ = std::fs::write(log_dir.join("router-metrics.txt"), text);
     }
     // Why each request went where it did (the router keeps its last `decisions_capacity`; a
@@ -283,6 +298,12 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     if let Some(a) = &audit {
         priced_pull_flags(arm, a, &mut flags);
     }
+    // A prefetched history is read from the target's own CPU tier (a local hit, restored at
+    // host-to-device speed), so the engines' external-hit counter does not see it; the router's
+    // `used` count and the engines' `kvmesh_engine_prefetch_blocks_total` are its evidence.
+    if arm.prefetches() && prefetch.as_ref().is_some_and(|p| p.landed > 0.0) {
+        flags.retain(|f| !f.starts_with("UNVERIFIED"));
+    }
     Ok(ArmResult {
         workload: w.name.clone(),
         workload_description: w.description.clone(),
@@ -297,6 +318,8 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         records,
         router_version,
         audit,
+        prefetch,
+        restart,
         scale_out,
     })
 }
@@ -310,6 +333,8 @@ struct Driven {
     wave_before: Option<(usize, Evidence)>,
     /// Scale-out: the newcomer's schedule and what its join saw.
     join: Option<(crate::scale_out::ScaleOutShape, crate::scale_out::JoinLog)>,
+    /// Restart: when the prefill fleet was replaced.
+    restart: Option<(crate::restart::RestartShape, crate::restart::RestartLog)>,
 }
 
 /// Drives `w` on the arm's fleet: a warm-up first if the workload has one ([`crate::waves`]),
@@ -328,6 +353,7 @@ async fn drive_phases(
         baseline: None,
         wave_before: None,
         join: None,
+        restart: None,
     };
     if let Some(warm) = crate::waves::warmup_for(w) {
         let wpb = plan
@@ -368,6 +394,20 @@ async fn drive_phases(
         let (records, log) = tokio::join!(drive, joining);
         out.records = records;
         out.join = Some((shape, log));
+    } else if let Some(shape) = crate::restart::shape_of(w, &plan.scale) {
+        // The drive and the prefill fleet's replacement run side by side.
+        let (done_tx, done_rx) = tokio::sync::watch::channel(false);
+        let start = std::time::Instant::now();
+        let drive = async {
+            let r = driver::drive(w, cfg).await;
+            let _ = done_tx.send(true);
+            r
+        };
+        let restarting =
+            crate::restart::restart_prefill(fleet, spec, &plan.exe, shape, ts, start, done_rx);
+        let (records, log) = tokio::join!(drive, restarting);
+        out.records = records;
+        out.restart = Some((shape, log));
     } else if let Some(parent) = crate::waves::fork_parent(w) {
         // Fork in two waves (parent, then children) with the counters scraped in between, so
         // the children's recomputes are read from the engines (see crate::waves).

@@ -123,6 +123,7 @@ pub fn scaleout(scale: Scale, seed: u64) -> Workload {
             // Every prefix twice over: capacity is not what the newcomer lacks.
             num_gpu_blocks: (prefixes as usize * prefix_len * 2).div_ceil(GPU_BLOCK_TOKENS),
             max_model_len: prefix_len + 3 * (question + answer as usize) + 1024,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 2048,
     }

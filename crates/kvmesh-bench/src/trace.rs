@@ -186,6 +186,7 @@ pub fn workload(
             decode: 0,
             num_gpu_blocks: 32_768,
             max_model_len: longest + 1024,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 2048,
     })

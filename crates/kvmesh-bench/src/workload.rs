@@ -92,6 +92,9 @@ pub struct FleetShape {
     pub num_gpu_blocks: usize,
     /// Longest prompt + output the workload produces, for `--max-model-len`.
     pub max_model_len: usize,
+    /// CPU-tier blocks per GPU-tier block (host memory for offloaded KV; 2 unless the
+    /// experiment's premise is that the tier holds every live session).
+    pub cpu_tier_ratio: usize,
 }
 
 /// A runnable workload.
@@ -205,6 +208,7 @@ pub fn ladder(scale: Scale, seed: u64) -> Workload {
             decode: 0,
             num_gpu_blocks: (max_len * 4).div_ceil(GPU_BLOCK_TOKENS).max(4096),
             max_model_len: max_len + 1024,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 512,
     }
@@ -265,6 +269,7 @@ pub fn fork(scale: Scale, seed: u64) -> Workload {
             decode: 0,
             num_gpu_blocks: (ctx * 8).div_ceil(GPU_BLOCK_TOKENS),
             max_model_len: ctx + 1024,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 2048,
     }
@@ -358,6 +363,7 @@ pub fn pool(scale: Scale, seed: u64, rate: f64) -> Workload {
             decode: 0,
             num_gpu_blocks: per_server_tokens.div_ceil(GPU_BLOCK_TOKENS),
             max_model_len: len + 1024,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 2048,
     }
@@ -418,6 +424,7 @@ pub fn docqa(scale: Scale, seed: u64) -> Workload {
             decode: 0,
             num_gpu_blocks: per_server_tokens.div_ceil(GPU_BLOCK_TOKENS),
             max_model_len: len + turns * 256 + 1024,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 2048,
     }
@@ -518,6 +525,7 @@ pub fn agentic_pd(scale: Scale, seed: u64) -> Workload {
             decode: s.decode,
             num_gpu_blocks: (longest * 3).div_ceil(GPU_BLOCK_TOKENS),
             max_model_len: longest + 2048,
+            cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 1024,
     }

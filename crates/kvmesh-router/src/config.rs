@@ -462,6 +462,11 @@ pub struct PrefetchConfig {
     /// prefetch that does not fit is skipped, never queued.
     #[serde(default = "default_prefetch_budget")]
     pub max_inflight_bytes_per_endpoint: u64,
+    /// Most modelled bytes of prefetches towards one endpoint whose turn has not come yet
+    /// (running or landed, default 16 GiB): landed copies take CPU-tier room from other blocks,
+    /// so speculation is bounded by what the tier can spare, not only by what is in flight.
+    #[serde(default = "default_prefetch_unused")]
+    pub max_unused_bytes_per_endpoint: u64,
     /// Histories shorter than this are not prefetched (a pull's setup would cost more than it
     /// saves).
     #[serde(default = "default_prefetch_min_tokens")]
@@ -492,6 +497,9 @@ fn default_kv_bytes_per_token() -> u64 {
 }
 fn default_prefetch_budget() -> u64 {
     8 << 30
+}
+fn default_prefetch_unused() -> u64 {
+    16 << 30
 }
 fn default_prefetch_min_tokens() -> usize {
     1024

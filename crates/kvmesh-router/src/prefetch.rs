@@ -66,12 +66,20 @@ fn id_text(v: Value) -> Option<String> {
     }
 }
 
+/// The session's next turn reached the router: a prefetch decision still waiting for its delay
+/// will see it (there was no gap to use).
+pub(crate) fn on_arrival(s: &RouterState, session: &str) {
+    if let Some(sessions) = &s.sessions {
+        sessions.table.lock().turn_arrived(session, Instant::now());
+    }
+}
+
 /// The session's next turn was placed on `placed`: settles the prefetch prepared for it.
 pub(crate) fn on_placed(s: &Arc<RouterState>, session: &str, placed: &Endpoint) {
     let Some(sessions) = s.sessions.as_ref() else {
         return;
     };
-    let ticket = sessions.table.lock().turn_arrived(session, Instant::now());
+    let ticket = sessions.table.lock().take_ticket(session, Instant::now());
     let Some(ticket) = ticket else {
         return;
     };
@@ -208,6 +216,11 @@ fn prepare_next_turn(
     }
     let missing_tokens = (keys.len() - cand.any_blocks.min(keys.len())) * bs;
     let bytes = missing_tokens as u64 * sessions.config.kv_bytes_per_token;
+    let unused = sessions.table.lock().unused_bytes(target.id);
+    if unused.saturating_add(bytes) > sessions.config.max_unused_bytes_per_endpoint {
+        sessions.count("skipped_room");
+        return;
+    }
     let cap = sessions.config.max_inflight_bytes_per_endpoint;
     if !sessions.budget.lock().try_reserve(target.id, bytes, cap) {
         sessions.count("skipped_budget");

@@ -66,6 +66,9 @@ pub(crate) async fn route_aggregated(
     let client_params = parsed.fields.get("kv_transfer_params").cloned();
     let keys = chain_keys(&parsed.tokens, s.config.block_size);
     let session = prefetch::session_of(&s, &headers, &parsed);
+    if let Some(session) = &session {
+        prefetch::on_arrival(&s, session);
+    }
     let req = Attempt {
         session: session.as_deref(),
         s: &s,

@@ -143,14 +143,22 @@ impl SessionTable {
         dropped
     }
 
-    /// The next turn of `key` arrived: takes its ticket (the session stays, for its owner).
-    pub fn turn_arrived(&mut self, key: &str, now: Instant) -> Option<Ticket> {
+    /// The next turn of `key` reached the router (before it is placed): a prefetch decision
+    /// still waiting for its delay sees the session moved on.
+    pub fn turn_arrived(&mut self, key: &str, now: Instant) {
+        if let Some(s) = self.map.get_mut(key) {
+            s.at = now;
+            s.generation += 1;
+        }
+    }
+
+    /// The next turn of `key` was placed: takes its ticket (the session stays, for its owner).
+    pub fn take_ticket(&mut self, key: &str, now: Instant) -> Option<Ticket> {
         let s = self.map.get_mut(key)?;
         if now.saturating_duration_since(s.at) >= self.ttl {
             return None;
         }
         s.at = now;
-        s.generation += 1;
         s.ticket.take()
     }
 
@@ -192,6 +200,17 @@ impl SessionTable {
             }
             None => false,
         }
+    }
+
+    /// Bytes of the prefetches towards `target` whose turn has not come yet (running or landed):
+    /// what speculative copies occupy in its CPU tier, where they push out other blocks.
+    pub fn unused_bytes(&self, target: EndpointId) -> u64 {
+        self.map
+            .values()
+            .filter_map(|s| s.ticket.as_ref())
+            .filter(|t| t.target == target && t.state != TicketState::Failed)
+            .map(|t| t.bytes)
+            .sum()
     }
 
     /// Drops sessions idle for the TTL; returns their tickets (never used).
@@ -283,7 +302,7 @@ impl Sessions {
         registry.register(
             "kvmesh_router_prefetches",
             "Prefetches ahead of arrival by outcome: issued, landed, failed, used, used_in_flight, \
-             wasted, cancelled, expired, and skipped_{short,owner,arrived,held,no_target,budget}",
+             wasted, cancelled, expired, and skipped_{short,owner,arrived,held,no_target,budget,room}",
             s.prefetches.clone(),
         );
         registry.register(
@@ -386,16 +405,19 @@ mod tests {
         assert!(!t.attach("other", ticket("p3", 3, TicketState::Running)));
         assert!(t.settle("s", "p1", TicketState::Landed { blocks: 4 }, 400));
         assert!(!t.settle("s", "nope", TicketState::Failed, 0));
+        assert_eq!(t.unused_bytes(EndpointId(2)), 100);
+        assert_eq!(t.unused_bytes(EndpointId(3)), 0);
         let g = t.generation("s").unwrap();
-        let got = t.turn_arrived("s", t0 + Duration::from_secs(5)).unwrap();
+        t.turn_arrived("s", t0 + Duration::from_secs(5));
         assert_eq!(
             t.generation("s"),
             Some(g + 1),
             "an arrival is seen by a delayed decision"
         );
+        let got = t.take_ticket("s", t0 + Duration::from_secs(5)).unwrap();
         assert_eq!(got.state, TicketState::Landed { blocks: 4 });
         assert_eq!(got.landed_bytes, 400);
-        assert!(t.turn_arrived("s", t0 + Duration::from_secs(6)).is_none());
+        assert!(t.take_ticket("s", t0 + Duration::from_secs(6)).is_none());
         assert!(
             !t.settle("s", "p1", TicketState::Failed, 0),
             "a report after the turn took the ticket is not attached"
@@ -419,7 +441,7 @@ mod tests {
         assert_eq!(t.len(), 2);
         assert!(t.last_turn("a", t0 + Duration::from_secs(2)).is_none());
         // Idle past the TTL: gone.
-        assert!(t.turn_arrived("b", t0 + Duration::from_secs(11)).is_none());
+        assert!(t.take_ticket("b", t0 + Duration::from_secs(11)).is_none());
         assert!(t.expire(t0 + Duration::from_secs(13)).is_empty());
         assert!(t.is_empty());
         // A new turn of a session with an unused ticket returns that ticket.
