@@ -7,9 +7,11 @@
 //! endpoint list (`docs/discovery.md`), so the newcomer is found the way an operator would add
 //! one. From then on the harness scrapes the newcomer's counters once per window (computed,
 //! locally hit and pulled prompt tokens) and, after the run, joins every request with the router's
-//! decision log to know where it ran. Per window: the newcomer's TTFT p50 against the rest of
-//! the fleet's, and the warm-up time is the first window from which the newcomer keeps up
-//! ([`warm_up_window`]). The arms to compare are `load` (a cold newcomer recomputes every prefix
+//! decision log to know where it ran. Per window: the newcomer's TTFT (p50 and mean) against the
+//! rest of the fleet's; the warm-up time is the first window from which the newcomer's mean TTFT
+//! keeps up with the fleet average ([`warm_up_window`]). The mean, not the p50, is judged: a
+//! newcomer whose median request already hits can still recompute a prefix every few requests,
+//! and those recomputes are what warming up removes. The arms to compare are `load` (a cold newcomer recomputes every prefix
 //! it meets) and `load-p2p` (it pulls them).
 //!
 //! Pure parts (workload, windows, warm-up time, tables) are unit-tested; [`join_one`] does the I/O.
@@ -46,7 +48,7 @@ pub const JOIN_FRACTION: f64 = 0.3;
 /// Windows the arrival span is cut into (quick: 4 s each, full: 7.5 s).
 pub const WINDOWS: f64 = 12.0;
 
-/// Warm = the newcomer's window p50 TTFT within this factor of the fleet's...
+/// Warm = the newcomer's window mean TTFT within this factor of the rest of the fleet's...
 pub const TOLERANCE: f64 = 1.2;
 /// ...or this close in absolute terms (model s), so two ~20 ms cache hits count as equal.
 pub const SLACK_S: f64 = 0.010;
@@ -173,6 +175,7 @@ pub struct WindowRow {
     pub start_s: f64,
     pub new_requests: usize,
     pub new_ttft_p50_s: Option<f64>,
+    pub new_ttft_mean_s: Option<f64>,
     pub fleet_requests: usize,
     pub fleet_ttft_p50_s: Option<f64>,
     pub fleet_ttft_mean_s: Option<f64>,
@@ -215,6 +218,7 @@ pub fn windows(samples: &[Sample], join_s: f64, window_s: f64) -> Vec<WindowRow>
                 start_s: k as f64 * window_s,
                 new_requests: mine.len(),
                 new_ttft_p50_s: (!mine.is_empty()).then_some(lm.p50),
+                new_ttft_mean_s: (!mine.is_empty()).then_some(lm.mean),
                 fleet_requests: rest.len(),
                 fleet_ttft_p50_s: (!rest.is_empty()).then_some(lr.p50),
                 fleet_ttft_mean_s: (!rest.is_empty()).then_some(lr.mean),
@@ -224,13 +228,13 @@ pub fn windows(samples: &[Sample], join_s: f64, window_s: f64) -> Vec<WindowRow>
         .collect()
 }
 
-/// Whether a window has enough requests on both sides to judge, and if so whether the newcomer
-/// kept up ([`TOLERANCE`] or [`SLACK_S`]).
+/// Whether a window has enough requests on both sides to judge, and if so whether the newcomer's
+/// mean TTFT kept up with the rest's ([`TOLERANCE`] or [`SLACK_S`]).
 fn keeps_up(r: &WindowRow) -> Option<bool> {
     if r.new_requests < MIN_REQUESTS || r.fleet_requests < MIN_REQUESTS {
         return None;
     }
-    let (mine, fleet) = (r.new_ttft_p50_s?, r.fleet_ttft_p50_s?);
+    let (mine, fleet) = (r.new_ttft_mean_s?, r.fleet_ttft_mean_s?);
     Some(mine <= (fleet * TOLERANCE).max(fleet + SLACK_S))
 }
 
@@ -249,6 +253,20 @@ pub fn warm_up_window(rows: &[WindowRow]) -> Option<usize> {
     })
 }
 
+/// What the warm-up cost the newcomer's requests: over the windows after the join, the
+/// newcomer's requests × how much its mean TTFT exceeded the rest's (model s; windows where it
+/// was faster count 0, windows without requests on either side are skipped). Two arms that warm
+/// up in the same number of windows can differ here: a pulled prefix costs its requests less
+/// than a recomputed one.
+pub fn excess_ttft_s(rows: &[WindowRow]) -> f64 {
+    rows.iter()
+        .filter_map(|r| {
+            let gap = r.new_ttft_mean_s? - r.fleet_ttft_mean_s?;
+            Some(r.new_requests as f64 * gap.max(0.0))
+        })
+        .sum()
+}
+
 /// What happened to the newcomer in one arm.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ScaleOutResult {
@@ -264,6 +282,9 @@ pub struct ScaleOutResult {
     pub rows: Vec<WindowRow>,
     /// Start of the first window (model s after routable) from which it kept up.
     pub warm_up_s: Option<f64>,
+    /// [`excess_ttft_s`] over the run.
+    #[serde(default)]
+    pub excess_ttft_s: f64,
     /// Requests the newcomer ran, and its counters over the whole run (tokens).
     pub new_requests: usize,
     pub new_computed_tokens: f64,
@@ -445,6 +466,7 @@ pub fn analyse(
         out.new_pulled_tokens = last.source_tokens("external_kv_transfer");
     }
     out.warm_up_s = warm_up_window(&out.rows).and_then(|i| out.rows.get(i).map(|r| r.start_s));
+    out.excess_ttft_s = excess_ttft_s(&out.rows);
     out
 }
 
@@ -470,7 +492,7 @@ pub fn markdown(results: &[ArmResult]) -> String {
     let _ = writeln!(
         s,
         "\n**Scale-out warm-up** — the newcomer joins a fleet of {} at {:.1} s; windows of {:.1} s \
-         (model time). Warm = its window TTFT p50 ≤ max({TOLERANCE} × the rest's p50, rest + {:.0} ms) \
+         (model time). Warm = its window mean TTFT ≤ max({TOLERANCE} × the rest's mean, rest + {:.0} ms) \
          in {SUSTAIN} consecutive windows with ≥ {MIN_REQUESTS} requests on each side; the warm-up \
          time is the start of the first such window after the join (resolution: one window). \
          Requests are attributed to engines by the router's decision log; blocks (16 tokens) are \
@@ -480,10 +502,17 @@ pub fn markdown(results: &[ArmResult]) -> String {
         first.window_s,
         SLACK_S * 1000.0
     );
-    s.push_str("| arm | warm-up | newcomer requests | newcomer TTFT p50, first window → last | its computed / locally hit / pulled blocks (whole run) | notes |\n|---|---|---|---|---|---|\n");
+    s.push_str("| arm | warm-up | newcomer requests | newcomer TTFT p50 / mean, first window → last | excess TTFT: Σ requests × (its mean − rest's mean) | its computed / locally hit / pulled blocks (whole run) | notes |\n|---|---|---|---|---|---|---|\n");
     for (r, so) in &arms {
-        let first_p50 = so.rows.first().and_then(|w| w.new_ttft_p50_s);
-        let last_p50 = so.rows.iter().rev().find_map(|w| w.new_ttft_p50_s);
+        let first = so.rows.first();
+        let last = so.rows.iter().rev().find(|w| w.new_requests > 0);
+        let pm = |w: Option<&WindowRow>| {
+            format!(
+                "{} / {}",
+                ms(w.and_then(|w| w.new_ttft_p50_s)),
+                ms(w.and_then(|w| w.new_ttft_mean_s))
+            )
+        };
         let mut notes = Vec::new();
         if let Some(e) = &so.error {
             notes.push(e.clone());
@@ -498,14 +527,15 @@ pub fn markdown(results: &[ArmResult]) -> String {
         let b = GPU_BLOCK_TOKENS as f64;
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} → {} ms | {:.0} / {:.0} / {:.0} | {} |",
+            "| {} | {} | {} | {} → {} ms | {:.2} s | {:.0} / {:.0} / {:.0} | {} |",
             r.arm,
             so.warm_up_s
                 .map(|w| format!("{w:.1} s"))
                 .unwrap_or_else(|| "not within the run".into()),
             so.new_requests,
-            ms(first_p50),
-            ms(last_p50),
+            pm(first),
+            pm(last),
+            so.excess_ttft_s,
             so.new_computed_tokens / b,
             so.new_hit_tokens / b,
             so.new_pulled_tokens / b,
@@ -515,17 +545,18 @@ pub fn markdown(results: &[ArmResult]) -> String {
     for (r, so) in &arms {
         let _ = writeln!(
             s,
-            "\n`{}` per window (s after the join; TTFT in ms):\n\n| window | newcomer req | newcomer p50 | rest req | rest p50 | rest mean | computed / hit / pulled blocks | keeps up |\n|---|---|---|---|---|---|---|---|",
+            "\n`{}` per window (s after the join; TTFT in ms):\n\n| window | newcomer req | newcomer p50 / mean | rest req | rest p50 / mean | newcomer's computed / hit / pulled blocks | keeps up |\n|---|---|---|---|---|---|---|",
             r.arm
         );
         for w in &so.rows {
             let _ = writeln!(
                 s,
-                "| {:.0}–{:.0} | {} | {} | {} | {} | {} | {} / {} / {} | {} |",
+                "| {:.0}–{:.0} | {} | {} / {} | {} | {} / {} | {} / {} / {} | {} |",
                 w.start_s,
                 w.start_s + so.window_s,
                 w.new_requests,
                 ms(w.new_ttft_p50_s),
+                ms(w.new_ttft_mean_s),
                 w.fleet_requests,
                 ms(w.fleet_ttft_p50_s),
                 ms(w.fleet_ttft_mean_s),
@@ -548,12 +579,16 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    /// A window by (requests, mean TTFT) on the newcomer and on the rest; the p50s are set
+    /// apart from the means to show they are not what is judged.
     fn row(new: (usize, f64), fleet: (usize, f64)) -> WindowRow {
         WindowRow {
             new_requests: new.0,
-            new_ttft_p50_s: Some(new.1),
+            new_ttft_p50_s: Some(0.001),
+            new_ttft_mean_s: Some(new.1),
             fleet_requests: fleet.0,
-            fleet_ttft_p50_s: Some(fleet.1),
+            fleet_ttft_p50_s: Some(1.0),
+            fleet_ttft_mean_s: Some(fleet.1),
             ..Default::default()
         }
     }
@@ -577,6 +612,12 @@ mod tests {
         assert_eq!(
             warm_up_window(&[row((3, 0.5), (3, 0.02)), row((3, 0.02), (3, 0.02))]),
             Some(1)
+        );
+        // Excess TTFT = Σ requests × (mean gap); windows at par add 0, unjudged ones still count.
+        assert!(
+            (excess_ttft_s(&rows) - (5.0 * 0.22 + 5.0 * 0.17 + 5.0 * 0.005 + 0.87 + 6.0 * 0.01))
+                .abs()
+                < 1e-9
         );
         // Relative tolerance for slow fleets: 1.15 s against 1.0 s keeps up, 1.3 s does not.
         assert_eq!(keeps_up(&row((3, 1.15), (3, 1.0))), Some(true));
