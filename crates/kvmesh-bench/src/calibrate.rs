@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::client::{self, CompletionRequest, Outcome};
+use crate::fleet::scrape;
 use crate::metrics::{parse_exposition, sum};
-use crate::runner::scrape;
 use crate::tokens::{Segment, TokenGen, TokenSpace, mix};
 
 /// One row of the ladder (model milliseconds, medians over repetitions).

@@ -710,6 +710,24 @@ async fn stop(child: &mut Child) {
     let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
 }
 
+/// GET `{url}/metrics` with a timeout.
+pub async fn scrape(http: &reqwest::Client, url: &str) -> Result<String, String> {
+    let fut = async {
+        let r = http
+            .get(format!("{url}/metrics"))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !r.status().is_success() {
+            return Err(format!("HTTP {}", r.status()));
+        }
+        r.text().await.map_err(|e| e.to_string())
+    };
+    tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .map_err(|_| "timeout".to_owned())?
+}
+
 /// Relaunches of an engine whose port was taken between `free_port` and its bind.
 const PORT_RETRIES: usize = 3;
 

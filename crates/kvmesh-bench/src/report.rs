@@ -256,7 +256,12 @@ impl BenchReport {
         }
         s.push_str(&self.routers_table());
         s.push_str(&self.audit_table());
-        s.push_str(&crate::scale_out::markdown(&self.results));
+        let scale_outs: Vec<(&str, &crate::scale_out::ScaleOutResult)> = self
+            .results
+            .iter()
+            .filter_map(|r| r.scale_out.as_ref().map(|x| (r.arm.as_str(), x)))
+            .collect();
+        s.push_str(&crate::scale_out::markdown(&scale_outs));
         let agentic: Vec<crate::agentic::Row<'_>> = self
             .results
             .iter()
@@ -476,7 +481,7 @@ impl BenchReport {
                             .as_ref()
                             .map(|w| w.recomputed_children)
                     },
-                    crate::waves::fmt_children,
+                    crate::metrics::fmt_children,
                 ));
                 rows.push((
                     "slow branches (TTFT ≥ ½ parent's)",
@@ -563,7 +568,12 @@ impl BenchReport {
                 }
             }
         }
-        s.push_str(&crate::scale_out::markdown(&self.results));
+        let scale_outs: Vec<(&str, &crate::scale_out::ScaleOutResult)> = self
+            .results
+            .iter()
+            .filter_map(|r| r.scale_out.as_ref().map(|x| (r.arm.as_str(), x)))
+            .collect();
+        s.push_str(&crate::scale_out::markdown(&scale_outs));
         s
     }
 

@@ -546,7 +546,11 @@ mod tests {
         for n in ARM_NAMES {
             let a: Arm = n.parse().unwrap();
             assert_eq!(a.name(), *n);
-            assert_eq!(a.pulls(), n.ends_with("-p2p") || n.starts_with("pd"));
+            assert_eq!(
+                a.pulls(),
+                n.ends_with("-p2p") || n.ends_with("-p2p-prefetch") || n.starts_with("pd")
+            );
+            assert_eq!(a.prefetches(), n.ends_with("-prefetch"));
             assert_eq!(a.is_pd(), n.starts_with("pd"));
         }
         assert!("nope".parse::<Arm>().is_err());

@@ -229,7 +229,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
             .iter()
             .filter(|r| r.kind == crate::workload::StepKind::Child)
             .collect();
-        evidence.child_wave = Some(crate::waves::WaveCounters::from_delta(
+        evidence.child_wave = Some(crate::metrics::WaveCounters::from_delta(
             &evidence.since(before),
             &children,
             crate::waves::shared_context_tokens(w, *parent),
@@ -492,7 +492,7 @@ pub async fn scrape_evidence(fleet: &Fleet) -> Evidence {
     let mut engines = Vec::new();
     let mut errors = Vec::new();
     for e in &fleet.engines {
-        match scrape(&http, &e.url).await {
+        match crate::fleet::scrape(&http, &e.url).await {
             Ok(text) => {
                 let _ =
                     std::fs::write(fleet.log_dir.join(format!("{}-metrics.txt", e.name)), &text);
@@ -508,24 +508,6 @@ pub async fn scrape_evidence(fleet: &Fleet) -> Evidence {
         }
     }
     Evidence::from_engines(engines, errors)
-}
-
-/// GET `{url}/metrics` with a timeout.
-pub async fn scrape(http: &reqwest::Client, url: &str) -> Result<String, String> {
-    let fut = async {
-        let r = http
-            .get(format!("{url}/metrics"))
-            .send()
-            .await
-            .map_err(|e| e.to_string())?;
-        if !r.status().is_success() {
-            return Err(format!("HTTP {}", r.status()));
-        }
-        r.text().await.map_err(|e| e.to_string())
-    };
-    tokio::time::timeout(Duration::from_secs(10), fut)
-        .await
-        .map_err(|_| "timeout".to_owned())?
 }
 
 #[cfg(test)]

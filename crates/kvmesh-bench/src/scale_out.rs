@@ -31,7 +31,6 @@ use crate::client::Outcome;
 use crate::driver::{self, RequestRecord};
 use crate::fleet::{Fleet, FleetSpec};
 use crate::metrics::EngineEvidence;
-use crate::report::ArmResult;
 use crate::stats::Latency;
 use crate::tokens::{Segment, TokenSpace};
 use crate::workload::{
@@ -377,7 +376,7 @@ pub async fn join_one(
         // Boundary k is the start of window k; the last scrape closes the last window.
         let finished = *done.borrow();
         log.scrapes.push(
-            crate::runner::scrape(&http, &url)
+            crate::fleet::scrape(&http, &url)
                 .await
                 .ok()
                 .map(|t| EngineEvidence::from_exposition(&url, &t)),
@@ -480,11 +479,7 @@ fn blocks(v: Option<f64>) -> String {
 }
 
 /// The scale-out section of a report: one summary row per arm, then each arm's windows.
-pub fn markdown(results: &[ArmResult]) -> String {
-    let arms: Vec<(&ArmResult, &ScaleOutResult)> = results
-        .iter()
-        .filter_map(|r| r.scale_out.as_ref().map(|s| (r, s)))
-        .collect();
+pub fn markdown(arms: &[(&str, &ScaleOutResult)]) -> String {
     let Some((_, first)) = arms.first() else {
         return String::new();
     };
@@ -503,7 +498,7 @@ pub fn markdown(results: &[ArmResult]) -> String {
         SLACK_S * 1000.0
     );
     s.push_str("| arm | warm-up | newcomer requests | newcomer TTFT p50 / mean, first window → last | excess TTFT: Σ requests × (its mean − rest's mean) | its computed / locally hit / pulled blocks (whole run) | notes |\n|---|---|---|---|---|---|---|\n");
-    for (r, so) in &arms {
+    for (r, so) in arms {
         let first = so.rows.first();
         let last = so.rows.iter().rev().find(|w| w.new_requests > 0);
         let pm = |w: Option<&WindowRow>| {
@@ -528,7 +523,7 @@ pub fn markdown(results: &[ArmResult]) -> String {
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} → {} ms | {:.2} s | {:.0} / {:.0} / {:.0} | {} |",
-            r.arm,
+            r,
             so.warm_up_s
                 .map(|w| format!("{w:.1} s"))
                 .unwrap_or_else(|| "not within the run".into()),
@@ -542,11 +537,11 @@ pub fn markdown(results: &[ArmResult]) -> String {
             notes.join("; ")
         );
     }
-    for (r, so) in &arms {
+    for (r, so) in arms {
         let _ = writeln!(
             s,
             "\n`{}` per window (s after the join; TTFT in ms):\n\n| window | newcomer req | newcomer p50 / mean | rest req | rest p50 / mean | newcomer's computed / hit / pulled blocks | keeps up |\n|---|---|---|---|---|---|---|",
-            r.arm
+            r
         );
         for w in &so.rows {
             let _ = writeln!(

@@ -10,10 +10,6 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
-use crate::driver::RequestRecord;
-use crate::metrics::Evidence;
 use crate::tokens::Segment;
 use crate::workload::{self, Scale, Session, Start, Step, StepKind, Workload, key};
 
@@ -66,87 +62,6 @@ pub fn child_wave(w: &Workload, parent: usize, spent: Duration) -> Workload {
         }
     }
     out
-}
-
-/// The children's wave as the engines counted it.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct WaveCounters {
-    /// Children sent.
-    pub children: usize,
-    /// Tokens of the context every child shares with the parent.
-    pub shared_tokens: usize,
-    /// Requests the engines finished during the wave.
-    pub requests: f64,
-    /// Prompt tokens by where their KV came from, summed over the fleet.
-    pub computed_tokens: f64,
-    pub local_hit_tokens: f64,
-    pub pulled_tokens: f64,
-    /// The children's own tokens (prompt minus the shared context): computed in every arm.
-    pub own_tokens: f64,
-    /// `(computed − own) ÷ shared`: how many times the shared context was computed again. A
-    /// child that pulled or hit part of the context and computed the rest adds a fraction.
-    pub recomputed_children: f64,
-    /// Tokens each engine computed during the wave (fleet order).
-    pub computed_per_engine: Vec<f64>,
-}
-
-impl WaveCounters {
-    /// From the counter deltas over the children's wave (`delta` = after − before) and the
-    /// children's records (their prompt lengths).
-    pub fn from_delta(delta: &Evidence, children: &[&RequestRecord], shared: usize) -> Self {
-        let by = |src: &str| {
-            delta
-                .engines
-                .iter()
-                .fold(0.0, |a, e| a + e.source_tokens(src))
-        };
-        let computed = by("local_compute");
-        let prompts: f64 = children.iter().map(|r| r.prompt_tokens as f64).sum();
-        let own = (prompts - (children.len() * shared) as f64).max(0.0);
-        let recomputed = if shared > 0 {
-            ((computed - own) / shared as f64).max(0.0)
-        } else {
-            0.0
-        };
-        Self {
-            children: children.len(),
-            shared_tokens: shared,
-            requests: delta.engines.iter().fold(0.0, |a, e| a + e.requests),
-            computed_tokens: computed,
-            local_hit_tokens: by("local_cache_hit"),
-            pulled_tokens: by("external_kv_transfer"),
-            own_tokens: own,
-            recomputed_children: recomputed,
-            computed_per_engine: delta
-                .engines
-                .iter()
-                .map(|e| e.source_tokens("local_compute"))
-                .collect(),
-        }
-    }
-
-    /// How the number was derived, for reports.
-    pub fn explain(&self) -> String {
-        format!(
-            "{} = (Δ computed {:.0} − children's own {:.0} tokens) ÷ {}-token context; Δ local hit {:.0}, Δ pulled {:.0} tokens; {:.0} requests",
-            fmt_children(self.recomputed_children),
-            self.computed_tokens,
-            self.own_tokens,
-            self.shared_tokens,
-            self.local_hit_tokens,
-            self.pulled_tokens,
-            self.requests
-        )
-    }
-}
-
-/// Whole children print as integers, partial recomputes with one decimal.
-pub fn fmt_children(v: f64) -> String {
-    if (v - v.round()).abs() < 0.05 {
-        format!("{:.0}", v.round())
-    } else {
-        format!("{v:.1}")
-    }
 }
 
 /// Length of the context the fork's children share: the first segment of the parent's first
@@ -209,7 +124,8 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::client::Outcome;
-    use crate::metrics::EngineEvidence;
+    use crate::driver::RequestRecord;
+    use crate::metrics::{EngineEvidence, Evidence, WaveCounters, fmt_children};
     use crate::workload::fork;
 
     #[test]

@@ -38,14 +38,17 @@ pub struct UpCmd {
 
 #[derive(clap::Args)]
 pub struct BenchCmd {
-    /// Workload(s): ladder, fork, pool, pool@RATE, docqa, agentic-pd, trace:<file.jsonl>.
+    /// Workload(s): ladder, fork, pool, pool@RATE, docqa, docqa-warm, agentic (with its no-gap
+    /// control agentic-nogap), agentic-pd, restart, fanout, fanout@N, skew, skew@S, scaleout,
+    /// trace:<file.jsonl>.
     #[arg(long, value_delimiter = ',', required = true)]
     pub workload: Vec<String>,
     /// Router arms, compared in order (the first is the baseline): round-robin, affinity, load,
     /// load-p2p, affinity-p2p, cost-p2p, ttft and ttft-p2p (the default placement: predicted
     /// TTFT with an admission queue, without / with priced pulls); P/D workloads (agentic-pd): pd, pd-bidir (prefill leg
     /// by prefix affinity), pd-load, pd-load-bidir (prefill leg by load, no affinity); `-bidir`
-    /// arms pull the conversation history from the decoder. Peer routers in front of the same
+    /// arms pull the conversation history from the decoder; agentic: affinity-p2p-prefetch and
+    /// ttft-p2p-prefetch add prefetch ahead of a session's next turn. Peer routers in front of the same
     /// engines (install: `bash scripts/peer-routers.sh`): vllm-router:round_robin,
     /// vllm-router:cache_aware, vllm-router:kv_aware, vllm-router:power_of_two,
     /// smg:cache_aware, smg:round_robin.
