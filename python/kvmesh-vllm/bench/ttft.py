@@ -5,8 +5,10 @@ Builds a random-weight Llama (size from the flags), starts two vLLM servers with
 time to the first token (max_tokens=1) of prefix + a fresh suffix: cold (B computes everything)
 and with remote_kv_source naming A (B pulls the prefix). Loopback only; servers killed at the end.
 
-  .venv-vllm/bin/python python/kvmesh-vllm/bench/ttft.py --prefix 1984 --layers 8 --hidden 1024
-  (max_model_len follows --prefix)
+  ~/.cache/kvmesh/venv-vllm/bin/python python/kvmesh-vllm/bench/ttft.py \
+      --prefix 1984,8128,16320 --layers 8 --hidden 1024
+  (several prefixes share one pair of servers, measured in the order given; max_model_len
+  follows the largest; --cpu-bytes sizes both CPU tiers and the staging tier)
 """
 
 from __future__ import annotations
@@ -23,14 +25,46 @@ import test_e2e as e2e  # noqa: E402
 import tiny_model  # noqa: E402
 
 
+def measure(a: "e2e.Server", b: "e2e.Server", n: int, args: argparse.Namespace) -> None:
+    cold_t, pull_t, hop1, hop2 = [], [], [], []
+    dur = "kvmesh_p2p_pull_duration_seconds_sum"
+    for i in range(args.repeat):
+        prefix = e2e.tokens(1000 + 100 * n + i, n)
+        a.complete(prefix + e2e.tokens(2000 + i, 16))
+        for label, params, out in (("cold", None, cold_t), ("pull", e2e.remote(a), pull_t)):
+            prompt = prefix + e2e.tokens(3000 + 10 * i + len(out), 16)
+            h1, h2 = b.kvmesh_scheduler_metric(dur), b.kvmesh_worker_metric(dur)
+            t0 = time.time()
+            e2e.post(f"http://127.0.0.1:{b.http}/v1/completions",
+                     {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                      **({"kv_transfer_params": params} if params else {})})
+            out.append(time.time() - t0)
+            if params:
+                # The pull's two hops: peer -> B's staging tier (B's scheduler process), then
+                # staging -> B's worker over loopback (kvmesh_p2p_pull_duration_seconds).
+                hop1.append(b.kvmesh_scheduler_metric(dur) - h1)
+                hop2.append(b.kvmesh_worker_metric(dur) - h2)
+            b.reset_prefix_cache()
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    print(f"prefix {n} tokens, {args.layers} layers, hidden {args.hidden}: "
+          f"TTFT cold {med(cold_t):.3f}s, pull {med(pull_t):.3f}s, "
+          f"ratio {med(pull_t) / med(cold_t):.3f} (median of {args.repeat}; "
+          f"cold {['%.3f' % x for x in cold_t]}, pull {['%.3f' % x for x in pull_t]}; "
+          f"peer->staging {['%.3f' % x for x in hop1]}, "
+          f"staging->worker {['%.3f' % x for x in hop2]})",
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prefix", type=int, default=1984)
+    ap.add_argument("--prefix", default="1984", help="prefix tokens, comma-separated")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cpu-bytes", default="1GiB", help="each server's CPU tier (and staging)")
     args = ap.parse_args()
-    need = args.prefix + 64
+    prefixes = [int(p) for p in args.prefix.split(",") if p.strip()]
+    need = max(prefixes) + 64
     if int(os.environ.get("KVMESH_VLLM_MAX_MODEL_LEN", "2048")) < need:
         os.environ["KVMESH_VLLM_MAX_MODEL_LEN"] = str(need)
     work = tempfile.mkdtemp(prefix="kvmesh-ttft-")
@@ -38,29 +72,15 @@ def main() -> None:
                              hidden=args.hidden, heads=args.hidden // 64,
                              kv_heads=max(1, args.hidden // 128),
                              intermediate=args.hidden * 11 // 4)
-    a = e2e.Server("A", model, work, allowed_peers=["127.0.0.1"])
-    b = e2e.Server("B", model, work, allowed_peers=["127.0.0.1"])
+    extra = {"cpu_bytes": args.cpu_bytes}
+    a = e2e.Server("A", model, work, allowed_peers=["127.0.0.1"], extra_config=extra)
+    b = e2e.Server("B", model, work, allowed_peers=["127.0.0.1"], extra_config=extra)
     try:
         deadline = time.time() + e2e.STARTUP_S
         a.wait_ready(deadline)
         b.wait_ready(deadline)
-        cold_t, pull_t = [], []
-        for i in range(args.repeat):
-            prefix = e2e.tokens(1000 + i, args.prefix)
-            a.complete(prefix + e2e.tokens(2000 + i, 16))
-            for label, params, out in (("cold", None, cold_t), ("pull", e2e.remote(a), pull_t)):
-                prompt = prefix + e2e.tokens(3000 + 10 * i + len(out), 16)
-                t0 = time.time()
-                e2e.post(f"http://127.0.0.1:{b.http}/v1/completions",
-                         {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                          **({"kv_transfer_params": params} if params else {})})
-                out.append(time.time() - t0)
-                b.reset_prefix_cache()
-        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        print(f"prefix {args.prefix} tokens, {args.layers} layers, hidden {args.hidden}: "
-              f"TTFT cold {med(cold_t):.3f}s, pull {med(pull_t):.3f}s, "
-              f"ratio {med(pull_t) / med(cold_t):.3f} (median of {args.repeat}; "
-              f"cold {['%.3f' % x for x in cold_t]}, pull {['%.3f' % x for x in pull_t]})")
+        for n in prefixes:
+            measure(a, b, n, args)
     finally:
         a.kill()
         b.kill()
