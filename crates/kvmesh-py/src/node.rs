@@ -63,14 +63,23 @@ pub enum NodeError {
 #[derive(Debug, Clone)]
 pub struct PullDone {
     pub report: PullReport,
-    /// `blocks × block_bytes` bytes for buffer pulls; empty for pulls into the store.
-    pub data: Vec<u8>,
+    /// The blocks that arrived, in order, each `block_bytes` long, for buffer pulls (the
+    /// transport's own buffers, not copied here: the bindings copy them once, straight into the
+    /// Python object); empty for pulls into the store.
+    pub data: Vec<Bytes>,
 }
 
-/// Sink into a buffer of exactly the requested blocks; every block must have the same size.
+impl PullDone {
+    /// Bytes of all the blocks in [`PullDone::data`].
+    pub fn data_len(&self) -> usize {
+        self.data.iter().map(Bytes::len).sum()
+    }
+}
+
+/// Sink collecting exactly the requested blocks; every block must have the same size.
 struct BufSink {
     block_bytes: usize,
-    data: Vec<u8>,
+    data: Vec<Bytes>,
 }
 
 impl BlockSink for BufSink {
@@ -85,7 +94,7 @@ impl BlockSink for BufSink {
                 ),
             });
         }
-        self.data.extend_from_slice(&payload);
+        self.data.push(payload);
         Ok(())
     }
 }
@@ -376,8 +385,7 @@ async fn pull_task(
     } else {
         let mut sink = BufSink {
             block_bytes,
-            // Never more than the request's blocks.
-            data: Vec::with_capacity(hashes.len().saturating_mul(block_bytes)),
+            data: Vec::with_capacity(hashes.len()),
         };
         let report = client.pull(peer, &kv_request_id, &hashes, &mut sink).await;
         PullDone {
@@ -432,8 +440,8 @@ mod tests {
                 reason: PullReason::Miss
             }
         );
-        assert_eq!(done.data.len(), 24);
-        assert_eq!(&done.data[8..16], &[2u8; 8]);
+        assert_eq!(done.data_len(), 24);
+        assert_eq!(&done.data.concat()[8..16], &[2u8; 8]);
 
         b.start_pull("k", "127.0.0.1", port, "r2", hashes[..2].to_vec(), 8, true);
         let done = loop {
@@ -486,7 +494,7 @@ mod tests {
         let done = b.pull_blocking("127.0.0.1", port, "r", &hashes, 1000, false);
         let took = t0.elapsed();
         assert_eq!(done.report.outcome, PullOutcome::Complete);
-        assert_eq!(done.data.len(), 4000);
+        assert_eq!(done.data_len(), 4000);
         assert!(took >= Duration::from_millis(380), "4 blocks in {took:?}");
         assert!(took < Duration::from_secs(3), "4 blocks in {took:?}");
     }

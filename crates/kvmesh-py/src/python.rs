@@ -28,15 +28,29 @@ type PullTuple<'py> = (
     Option<Bound<'py, PyBytes>>,
 );
 
-fn pull_tuple(py: Python<'_>, done: PullDone, into_store: bool) -> PullTuple<'_> {
+fn pull_tuple(py: Python<'_>, done: PullDone, into_store: bool) -> PyResult<PullTuple<'_>> {
     let reason = done.report.outcome.reason().map(ToString::to_string);
-    let data = (!into_store).then(|| PyBytes::new(py, &done.data));
-    (
+    // The one copy of a pulled prefix on this side: from the transport's buffers straight into
+    // the bytes object the connector scatters into vLLM's blocks.
+    let data = if into_store {
+        None
+    } else {
+        Some(PyBytes::new_with(py, done.data_len(), |buf| {
+            let mut off = 0;
+            for block in &done.data {
+                let end = off + block.len();
+                buf[off..end].copy_from_slice(block);
+                off = end;
+            }
+            Ok(())
+        })?)
+    };
+    Ok((
         done.report.blocks,
         done.report.outcome.label(),
         reason,
         data,
-    )
+    ))
 }
 
 /// NONE_HASH (hex) as vLLM derives it: `H(cbor(seed))`, seed `PYTHONHASHSEED` or vLLM's default.
@@ -215,7 +229,7 @@ impl PyNode {
         hashes_in: Vec<u64>,
         block_bytes: usize,
         into_store: bool,
-    ) -> PullTuple<'py> {
+    ) -> PyResult<PullTuple<'py>> {
         let hs = hashes(&hashes_in);
         let done = py.detach(|| {
             self.inner
@@ -253,10 +267,10 @@ impl PyNode {
         py: Python<'py>,
         key: &str,
         into_store: bool,
-    ) -> Option<PullTuple<'py>> {
+    ) -> PyResult<Option<PullTuple<'py>>> {
         match self.inner.poll_pull(key) {
-            Some(Some(done)) => Some(pull_tuple(py, done, into_store)),
-            _ => None,
+            Some(Some(done)) => pull_tuple(py, done, into_store).map(Some),
+            _ => Ok(None),
         }
     }
 

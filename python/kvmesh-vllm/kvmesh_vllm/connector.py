@@ -486,8 +486,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         for kv, d in self._layers:
             per_block = kv.select(d, 0)
             nbytes = per_block.numel() * kv.element_size()
-            src = buf[:, off:off + nbytes].contiguous().view(kv.dtype)
-            src = src.view(k, *per_block.shape).to(kv.device).movedim(0, d)
+            # A strided view of this layer's bytes in every block (no copy on CPU): index_copy_
+            # reads it in place.
+            src = buf[:, off:off + nbytes].view(kv.dtype).unflatten(1, per_block.shape)
+            src = src.to(kv.device).movedim(0, d)
             ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
             kv.index_copy_(d, ids, src)
             off += nbytes
