@@ -150,8 +150,12 @@ pub(crate) fn on_turn_end(
         return;
     }
     let delay = Duration::from_secs_f64(sessions.config.delay_ms / 1000.0);
+    // Called from a response body's drop, which at shutdown may run outside the runtime.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
     let s = Arc::clone(s);
-    tokio::spawn(async move {
+    runtime.spawn(async move {
         tokio::time::sleep(delay).await;
         if sessions.table.lock().generation(&session) != generation {
             // The next turn came (or the session moved on) before the gap was worth a transfer.
