@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::driver::RequestRecord;
 use crate::metrics::{Sample, parse_exposition};
-use crate::stats::Latency;
+use crate::stats::{Latency, fmt_ms};
 use crate::tokens::{Segment, TokenSpace};
 use crate::workload::{
     FleetShape, GPU_BLOCK_TOKENS, Scale, Session, Start, Step, StepKind, Workload, key, secs_f,
@@ -216,21 +216,13 @@ impl PrefetchStats {
 
 /// TTFT (model seconds) of every turn after a session's first.
 pub fn returning_turns(records: &[RequestRecord], time_scale: f64) -> Latency {
-    let ts = if time_scale.is_finite() && time_scale > 0.0 {
-        time_scale
-    } else {
-        1.0
-    };
+    let ts = crate::stats::usable_time_scale(time_scale);
     Latency::from_secs(
         records
             .iter()
             .filter(|r| r.kind == StepKind::Turn && r.step > 0)
             .filter_map(|r| r.ttft_s.map(|t| t * ts)),
     )
-}
-
-fn ms(v: f64) -> String {
-    format!("{:.0} ms", v * 1000.0)
 }
 
 /// One arm's row of the agentic table.
@@ -265,9 +257,9 @@ pub fn markdown(rows: &[Row<'_>]) -> String {
                 "| {} | {} | {} | {} | {} | {:.0} | {} | {} | {} |",
                 r.arm,
                 l.count,
-                ms(l.p50),
-                ms(l.p90),
-                ms(l.p99),
+                fmt_ms(l.p50),
+                fmt_ms(l.p90),
+                fmt_ms(l.p99),
                 r.pulled_tokens,
                 p.map_or("—".into(), |p| format!(
                     "{:.0} / {:.0} / {:.0}",

@@ -382,32 +382,7 @@ impl Fleet {
         }
         let http = reqwest::Client::new();
         for (i, (e, group)) in fleet.engines.iter_mut().zip(groups).enumerate() {
-            let mut attempt = 0;
-            loop {
-                match wait_ready(&http, &e.url, &mut e.child, &e.name, &e.log, ready).await {
-                    Ok(()) => break,
-                    // `free_port` releases the port before the engine binds it, so another
-                    // process on a busy machine can take it first: retry on fresh ports.
-                    Err(FleetError::Exited { .. })
-                        if attempt < PORT_RETRIES
-                            && std::fs::read_to_string(&e.log)
-                                .is_ok_and(|t| t.contains("Address already in use")) =>
-                    {
-                        attempt += 1;
-                        let _ =
-                            std::fs::rename(&e.log, e.log.with_extension(format!("log.{attempt}")));
-                        *e = spawn_engine(
-                            exe,
-                            group,
-                            &spec.served_model_name,
-                            i,
-                            e.name.clone(),
-                            e.log.clone(),
-                        )?;
-                    }
-                    Err(err) => return Err(err),
-                }
-            }
+            wait_ready_or_respawn(&http, exe, group, &spec.served_model_name, i, e, ready).await?;
         }
         if let Some((arm, install)) = peer {
             fleet.router = Some(fleet.launch_peer(spec, arm, install, &http, ready).await?);
@@ -478,32 +453,7 @@ impl Fleet {
         let idx = self.engines.len();
         let name = format!("engine-{idx}-{}", group.role.as_str());
         let log = self.log_dir.join(format!("{name}.log"));
-        let mut e = spawn_engine(exe, group, &self.served_model_name, idx, name, log)?;
-        let http = reqwest::Client::new();
-        let mut attempt = 0;
-        loop {
-            match wait_ready(&http, &e.url, &mut e.child, &e.name, &e.log, ready).await {
-                Ok(()) => break,
-                // Same port race as at launch: retry on fresh ports.
-                Err(FleetError::Exited { .. })
-                    if attempt < PORT_RETRIES
-                        && std::fs::read_to_string(&e.log)
-                            .is_ok_and(|t| t.contains("Address already in use")) =>
-                {
-                    attempt += 1;
-                    let _ = std::fs::rename(&e.log, e.log.with_extension(format!("log.{attempt}")));
-                    e = spawn_engine(
-                        exe,
-                        group,
-                        &self.served_model_name,
-                        idx,
-                        e.name.clone(),
-                        e.log.clone(),
-                    )?;
-                }
-                Err(err) => return Err(err),
-            }
-        }
+        let e = self.start_ready(exe, group, idx, name, log, ready).await?;
         self.engines.push(e);
         Ok(idx)
     }
@@ -526,11 +476,33 @@ impl Fleet {
         let name = old.name.clone();
         let _ = std::fs::rename(&old.log, old.log.with_extension("log.before-restart"));
         let log = old.log.clone();
+        self.engines[idx] = self.start_ready(exe, group, idx, name, log, ready).await?;
+        Ok(())
+    }
+
+    /// Starts engine number `idx` of `group` and waits until it answers `/health`.
+    async fn start_ready(
+        &self,
+        exe: &Path,
+        group: &EngineGroup,
+        idx: usize,
+        name: String,
+        log: PathBuf,
+        ready: Duration,
+    ) -> Result<EngineProc, FleetError> {
         let mut e = spawn_engine(exe, group, &self.served_model_name, idx, name, log)?;
         let http = reqwest::Client::new();
-        wait_ready(&http, &e.url, &mut e.child, &e.name, &e.log, ready).await?;
-        self.engines[idx] = e;
-        Ok(())
+        wait_ready_or_respawn(
+            &http,
+            exe,
+            group,
+            &self.served_model_name,
+            idx,
+            &mut e,
+            ready,
+        )
+        .await?;
+        Ok(e)
     }
 
     /// Rewrites the running `kvmesh router`'s config with the current engine list. The router
@@ -730,6 +702,43 @@ pub async fn scrape(http: &reqwest::Client, url: &str) -> Result<String, String>
 
 /// Relaunches of an engine whose port was taken between `free_port` and its bind.
 const PORT_RETRIES: usize = 3;
+
+/// Waits until `e` answers `/health`. `free_port` releases a port before the engine binds it, so
+/// another process on a busy machine can take it first: an engine that exited with "Address
+/// already in use" is started again on fresh ports (its log kept aside), up to [`PORT_RETRIES`].
+async fn wait_ready_or_respawn(
+    http: &reqwest::Client,
+    exe: &Path,
+    group: &EngineGroup,
+    served_model_name: &str,
+    idx: usize,
+    e: &mut EngineProc,
+    ready: Duration,
+) -> Result<(), FleetError> {
+    let mut attempt = 0;
+    loop {
+        match wait_ready(http, &e.url, &mut e.child, &e.name, &e.log, ready).await {
+            Ok(()) => return Ok(()),
+            Err(FleetError::Exited { .. })
+                if attempt < PORT_RETRIES
+                    && std::fs::read_to_string(&e.log)
+                        .is_ok_and(|t| t.contains("Address already in use")) =>
+            {
+                attempt += 1;
+                let _ = std::fs::rename(&e.log, e.log.with_extension(format!("log.{attempt}")));
+                *e = spawn_engine(
+                    exe,
+                    group,
+                    served_model_name,
+                    idx,
+                    e.name.clone(),
+                    e.log.clone(),
+                )?;
+            }
+            Err(err) => return Err(err),
+        }
+    }
+}
 
 /// Picks fresh ports and starts engine number `idx` of `group`.
 fn spawn_engine(

@@ -20,7 +20,7 @@ use crate::driver::RequestRecord;
 use crate::fleet::{Fleet, FleetSpec};
 use crate::launch::Role;
 use crate::metrics::EngineEvidence;
-use crate::stats::Latency;
+use crate::stats::{Latency, fmt_ms};
 use crate::workload::{Scale, StepKind, Workload, agentic_pd};
 
 pub const NAME: &str = "restart";
@@ -82,11 +82,7 @@ pub async fn restart_prefill(
     start: Instant,
     mut done: watch::Receiver<bool>,
 ) -> RestartLog {
-    let ts = if time_scale.is_finite() && time_scale > 0.0 {
-        time_scale
-    } else {
-        1.0
-    };
+    let ts = crate::stats::usable_time_scale(time_scale);
     let mut log = RestartLog::default();
     let at = start + Duration::from_secs_f64(shape.restart_at_s / ts);
     tokio::select! {
@@ -163,11 +159,7 @@ pub fn analyse(
     log: &RestartLog,
     prefill_evidence: &[&EngineEvidence],
 ) -> RestartResult {
-    let ts = if time_scale.is_finite() && time_scale > 0.0 {
-        time_scale
-    } else {
-        1.0
-    };
+    let ts = crate::stats::usable_time_scale(time_scale);
     let restart_s = log.killed_wall_s * ts;
     let turns: Vec<(f64, f64)> = records
         .iter()
@@ -219,10 +211,6 @@ pub fn analyse(
     }
 }
 
-fn ms(v: f64) -> String {
-    format!("{:.0} ms", v * 1000.0)
-}
-
 /// The restart table: one row per arm, then each arm's windows.
 pub fn markdown(rows: &[(&str, &RestartResult)]) -> String {
     let mut s = String::new();
@@ -237,11 +225,11 @@ pub fn markdown(rows: &[(&str, &RestartResult)]) -> String {
         let _ = writeln!(
             s,
             "| {arm} | {} | {} | {} | {:.0} / {:.0}{} |",
-            r.before.as_ref().map_or("—".into(), |b| ms(b.p90)),
+            r.before.as_ref().map_or("—".into(), |b| fmt_ms(b.p90)),
             first.map_or("—".into(), |w| format!(
                 "{} / {}",
-                ms(w.ttft.p50),
-                ms(w.ttft.p90)
+                fmt_ms(w.ttft.p50),
+                fmt_ms(w.ttft.p90)
             )),
             r.recovered_after_s
                 .map_or("never".into(), |t| format!("{t:.0} s")),
@@ -258,7 +246,7 @@ pub fn markdown(rows: &[(&str, &RestartResult)]) -> String {
             "\n`{arm}` returning-turn TTFT p90 by window after the restart:"
         );
         for w in &r.windows {
-            let _ = write!(s, " +{:.0}s {} ({})", w.from_s, ms(w.ttft.p90), w.turns);
+            let _ = write!(s, " +{:.0}s {} ({})", w.from_s, fmt_ms(w.ttft.p90), w.turns);
         }
         s.push('\n');
     }

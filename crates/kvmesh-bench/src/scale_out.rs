@@ -321,11 +321,7 @@ pub async fn join_one(
     mut done: watch::Receiver<bool>,
     pb: Option<ProgressBar>,
 ) -> JoinLog {
-    let ts = if time_scale.is_finite() && time_scale > 0.0 {
-        time_scale
-    } else {
-        1.0
-    };
+    let ts = crate::stats::usable_time_scale(time_scale);
     let mut log = JoinLog::default();
     let at = start + Duration::from_secs_f64(shape.join_at_s / ts);
     tokio::select! {
@@ -416,11 +412,7 @@ pub fn analyse(
     engines_before: usize,
     join: &JoinLog,
 ) -> ScaleOutResult {
-    let ts = if time_scale.is_finite() && time_scale > 0.0 {
-        time_scale
-    } else {
-        1.0
-    };
+    let ts = crate::stats::usable_time_scale(time_scale);
     let mut out = ScaleOutResult {
         engines_before,
         started_at_s: join.started_wall_s * ts,

@@ -77,17 +77,27 @@ pub struct ArmStats {
     pub sample_errors: Vec<String>,
 }
 
+/// A fleet's `--time-scale` as a usable divisor: anything but a positive finite number is 1.
+pub fn usable_time_scale(time_scale: f64) -> f64 {
+    if time_scale.is_finite() && time_scale > 0.0 {
+        time_scale
+    } else {
+        1.0
+    }
+}
+
+/// Seconds as whole milliseconds, for report tables.
+pub fn fmt_ms(secs: f64) -> String {
+    format!("{:.0} ms", secs * 1000.0)
+}
+
 /// Computes the statistics; `time_scale` converts wall seconds to model seconds.
 pub fn summarize(
     records: &[RequestRecord],
     time_scale: f64,
     offered_rate: Option<f64>,
 ) -> ArmStats {
-    let ts = if time_scale.is_finite() && time_scale > 0.0 {
-        time_scale
-    } else {
-        1.0
-    };
+    let ts = usable_time_scale(time_scale);
     let ok: Vec<&RequestRecord> = records
         .iter()
         .filter(|r| r.outcome == Outcome::Ok)
