@@ -5,7 +5,9 @@ the prefix's full blocks from A over the kvmesh P2P protocol and computes only t
 a peer outside ``allowed_peers``, a peer with another fingerprint, and a holder killed in the
 middle of the pull (its producer capped with ``serve_bytes_per_sec`` so that the pull lasts
 seconds) all end in a recompute that the client cannot tell apart (HTTP 200, same greedy output),
-each counted by reason in ``kvmesh_p2p_pulls_total``.
+each counted by reason in ``kvmesh_p2p_pulls_total``. And with a kvmesh ``sim`` engine in the
+same router config (another ``kv_group``), the router never asks either kind to pull the other's
+blocks.
 
 Needs the environment of ``scripts/setup-vllm.sh`` and ``kvmesh_vllm`` installed; run through
 ``scripts/test-vllm.sh``. Every process it starts is in its own session and killed at the end.
@@ -25,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 
@@ -194,9 +197,9 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def tokens(seed: int, n: int) -> list[int]:
+def tokens(seed: int, n: int, vocab: int = tiny_model.VOCAB) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(3, tiny_model.VOCAB) for _ in range(n)]
+    return [rng.randrange(3, vocab) for _ in range(n)]
 
 
 def answer(r: dict) -> tuple[str, list[float]]:
@@ -317,6 +320,93 @@ def kvmesh_bin() -> str | None:
     return None
 
 
+def wait_healthy(port: int, proc: subprocess.Popen, log_path: str, limit_s: float = 60) -> None:
+    """Until ``/health`` on ``port`` answers; the log's tail if the process dies or is late."""
+    deadline = time.time() + limit_s
+    while True:
+        try:
+            get(f"http://127.0.0.1:{port}/health")
+            return
+        except (urllib.error.URLError, OSError):
+            if time.time() > deadline or proc.poll() is not None:
+                with open(log_path) as f:
+                    raise RuntimeError(f.read()[-3000:]) from None
+            time.sleep(0.3)
+
+
+class Child:
+    """A process started in its own session (``proc``, logging to ``log``), killed with it."""
+
+    proc: subprocess.Popen
+    log: Any
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+
+class SimEngine(Child):
+    """A kvmesh ``sim`` engine (``kvmesh engine --backend sim``) serving the same model name and
+    block size as the vLLM servers, hashing blocks the same way (sha256_cbor, same seed): the
+    router sees it hold the very block hashes a vLLM server would, yet its KV bytes are of
+    another layout and fingerprint."""
+
+    def __init__(self, binary: str, workdir: str):
+        self.http, self.p2p, self.events_port = free_port(), free_port(), free_port()
+        self.events = f"tcp://127.0.0.1:{self.events_port}"
+        self.log_path = os.path.join(workdir, "S.log")
+        self.log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        self.proc = subprocess.Popen(
+            [binary, "engine", "--backend", "sim", "--served-model-name", "tiny",
+             "--port", str(self.http), "--block-size", str(BLOCK), "--num-gpu-blocks", "1024",
+             "--time-scale", "100", "--p2p-port", str(self.p2p),
+             "--p2p-allowed-peers", "127.0.0.1",
+             "--kv-events-config", json.dumps({
+                 "enable_kv_cache_events": True, "publisher": "zmq",
+                 "endpoint": f"tcp://*:{self.events_port}", "topic": "kv"})],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        wait_healthy(self.http, self.proc, self.log_path)
+
+    def complete(self, prompt: list[int]) -> dict:
+        return post(f"http://127.0.0.1:{self.http}/v1/completions",
+                    {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(get(f"http://127.0.0.1:{self.http}/metrics"), name, **labels)
+
+
+class Router(Child):
+    """``kvmesh router`` on a free loopback port, killed by ``kill``."""
+
+    def __init__(self, binary: str, config_text: str, workdir: str, name: str):
+        config = os.path.join(workdir, f"{name}.yaml")
+        with open(config, "w") as f:
+            f.write(config_text)
+        self.port = free_port()
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [binary, "router", "--config", config, "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        wait_healthy(self.port, self.proc, self.log_path)
+
+    def complete(self, prompt: list[int]) -> dict:
+        return post(f"http://127.0.0.1:{self.port}/v1/completions",
+                    {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+
+    def decisions(self, last: int) -> list[dict]:
+        return json.loads(get(f"http://127.0.0.1:{self.port}/debug/decisions?last={last}"))
+
+    def holders(self, prompt: list[int]) -> dict:
+        """The router's index for ``prompt``: per endpoint, its cached tokens by tier."""
+        return post(f"http://127.0.0.1:{self.port}/debug/prefix", {"prompt": prompt})["endpoints"]
+
+
 def test_2b_router_names_the_holder_and_the_other_pulls(servers, tmp_path):
     """`kvmesh router` with a load-p2p profile in front of both: it indexes A's CPU tier from
     A's KV events and, for a request it places on B, names A in remote_kv_source; B pulls."""
@@ -325,8 +415,7 @@ def test_2b_router_names_the_holder_and_the_other_pulls(servers, tmp_path):
         pytest.skip("no kvmesh binary (set KVMESH_BIN or cargo build -p kvmesh)")
     a, b = servers
     model_dir = os.path.join(os.path.dirname(a.log_path), "tiny-llama")
-    config = tmp_path / "router.yaml"
-    config.write_text(f"""
+    config_text = f"""
 block_size: {BLOCK}
 tokenizer: {model_dir}
 metrics_scrape_interval: 500ms
@@ -349,47 +438,30 @@ schedulingProfiles:
     plugins:
       - {{pluginRef: rr}}
       - {{pluginRef: p2p}}
-""")
-    port = free_port()
-    log = open(tmp_path / "router.log", "w")
-    router = subprocess.Popen(
-        [binary, "router", "--config", str(config), "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+"""
+    router = Router(binary, config_text, str(tmp_path), "router")
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                get(f"http://127.0.0.1:{port}/health")
-                break
-            except (urllib.error.URLError, OSError):
-                if time.time() > deadline or router.poll() is not None:
-                    raise RuntimeError(open(tmp_path / "router.log").read()[-3000:]) from None
-                time.sleep(0.5)
         time.sleep(2)  # the router's event subscriptions settle
         prefix = tokens(50, 8 * BLOCK)
         a.complete(prefix + tokens(51, 10))  # A computes and announces the prefix (CPU tier)
         time.sleep(2)  # A's events reach the router
         pulls0 = b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete")
         hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        url = f"http://127.0.0.1:{router.port}/v1/completions"
         for i in range(4):  # round robin: at least one of these lands on B
             body = {"model": "tiny", "prompt": prefix + tokens(60 + i, 10), "max_tokens": 4,
                     "temperature": 0}
             post(url, body)
             if b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete") > pulls0:
                 break
-        decisions = get(f"http://127.0.0.1:{port}/debug/decisions?last=8")
+        decisions = json.dumps(router.decisions(8))
         pulls = b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", outcome="complete") - pulls0
         hits = b.vllm_metric("vllm:external_prefix_cache_hits_total") - hits0
         print(f"\nrouter: B pulled {pulls:.0f} time(s), {hits:.0f} external hit tokens")
         assert pulls == 1, f"B never pulled; router decisions: {decisions[-3000:]}"
         assert hits == 8 * BLOCK
     finally:
-        if router.poll() is None:
-            os.killpg(router.pid, signal.SIGKILL)
-            router.wait(timeout=30)
-        log.close()
+        router.kill()
 
 
 def test_4a_peer_not_allowed_recomputes(servers):
@@ -494,3 +566,128 @@ def test_3_holder_killed_during_the_pull_recomputes(servers):
         assert_same_answer(result["got"], cold)
     finally:
         h.kill()
+
+
+def test_5_vllm_and_kvmesh_engines_in_one_router_never_exchange_blocks(servers, tmp_path):
+    """vLLM servers A, B and a kvmesh sim engine S behind one `kvmesh router`, A and B in one
+    `kv_group`, S in another. S holds prefix P, A holds prefix Q, and the router indexes both
+    (same block hashes: S hashes as vLLM does). Requests for P and Q placed round robin on all
+    three are never told to pull across the groups (the router says why), and nobody counts a
+    fingerprint refusal. Control: the same fleet without groups makes the router name S as the
+    source for a vLLM server, which refuses it (`fingerprint_mismatch`) and recomputes (200)."""
+    binary = kvmesh_bin()
+    if binary is None:
+        pytest.skip("no kvmesh binary (set KVMESH_BIN or cargo build -p kvmesh)")
+    a, b = servers
+    model_dir = os.path.join(os.path.dirname(a.log_path), "tiny-llama")
+    s = SimEngine(binary, str(tmp_path))
+    routers: list[Router] = []
+    try:
+        def config(grouped: bool) -> str:
+            def group(g: str) -> str:
+                return f", kv_group: {g}" if grouped else ""
+            return f"""
+block_size: {BLOCK}
+tokenizer: {model_dir}
+endpoints:
+  - {{name: A, url: "http://127.0.0.1:{a.http}", p2p: "127.0.0.1:{a.p2p}"{group("vllm-tiny")},
+     kv_events: {{endpoint: "{a.events}", topic: kv}}}}
+  - {{name: B, url: "http://127.0.0.1:{b.http}", p2p: "127.0.0.1:{b.p2p}"{group("vllm-tiny")},
+     kv_events: {{endpoint: "{b.events}", topic: kv}}}}
+  - {{name: S, url: "http://127.0.0.1:{s.http}", p2p: "127.0.0.1:{s.p2p}"{group("kvmesh-sim")},
+     kv_events: {{endpoint: "{s.events}", topic: kv}}}}
+plugins:
+  - {{type: round-robin-picker, name: rr}}
+  - {{type: p2p-source-producer, name: p2p, parameters: {{minCachedTokenDelta: {2 * BLOCK}}}}}
+schedulingProfiles:
+  - {{name: load-p2p, plugins: [{{pluginRef: rr}}, {{pluginRef: p2p}}]}}
+"""
+        # Both routers from the start: each indexes only what it hears announced.
+        grouped = Router(binary, config(True), str(tmp_path), "router-grouped")
+        routers.append(grouped)
+        flat = Router(binary, config(False), str(tmp_path), "router-flat")
+        routers.append(flat)
+        time.sleep(2)  # event subscriptions settle
+        # Token ids every endpoint accepts (the sim engine's vocabulary is bytes: 257 ids).
+        def ids(seed: int, n: int) -> list[int]:
+            return tokens(seed, n, vocab=256)
+
+        p, q = ids(70, 8 * BLOCK), ids(71, 8 * BLOCK)
+        s.complete(p + ids(72, 10))  # S computes P
+        a.complete(q + ids(73, 10))  # A computes Q (its CPU tier announces it)
+        deadline = time.time() + 20
+        while True:
+            held_p, held_q = grouped.holders(p), grouped.holders(q)
+            s_p = sum(v for v in held_p.get("S", {}).values() if isinstance(v, (int, float)))
+            a_q = held_q.get("A", {}).get("cpu_tokens", 0)
+            if s_p >= 8 * BLOCK and a_q >= 8 * BLOCK:
+                break
+            assert time.time() < deadline, f"router index: P {held_p}, Q {held_q}"
+            time.sleep(0.3)
+
+        def counts() -> dict:
+            return {
+                "A mismatch": a.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total",
+                                                        reason="fingerprint_mismatch"),
+                "B mismatch": b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total",
+                                                        reason="fingerprint_mismatch"),
+                "S in": s.metric("kvmesh_p2p_blocks_total", direction="in"),
+                "S out": s.metric("kvmesh_p2p_blocks_total", direction="out"),
+                "S pull failures": s.metric("kvmesh_p2p_pulls_total", outcome="failed"),
+            }
+
+        before = counts()
+        sent = 0
+        for i in range(3):  # round robin over 3 endpoints: each gets P and Q at least once
+            for prefix, seed in ((p, 80 + i), (q, 90 + i)):
+                r = grouped.complete(prefix + ids(seed, 10))
+                assert r["choices"][0]["text"] is not None
+                sent += 1
+        decisions = grouped.decisions(sent)
+        assert len(decisions) == sent
+        group_of = {"A": "vllm", "B": "vllm", "S": "sim"}
+        refused_across = 0
+        for d in decisions:
+            src = (d.get("p2p") or {}).get("source_endpoint")
+            skipped = (d.get("p2p") or {}).get("skipped")
+            if src and not skipped:
+                assert group_of[src] == group_of[d["endpoint"]], f"pull named across groups: {d}"
+            if "other groups" in ((d.get("p2p") or {}).get("why") or ""):
+                refused_across += 1
+        placed = {e: sum(d["endpoint"] == e for d in decisions) for e in group_of}
+        after = counts()
+        print(f"\ngrouped: placed {placed}, {refused_across} decisions skipped a holder in "
+              f"another group; counters {before} -> {after}")
+        # Non-vacuous: the router saw holders across the boundary and declined them.
+        assert refused_across >= 2, json.dumps(decisions)[-3000:]
+        assert after == before, f"blocks crossed or were refused: {before} -> {after}"
+        grouped.kill()
+
+        # Control: no groups. The router names S for a request it places on A or B; the vLLM
+        # server refuses S's blocks at the handshake and recomputes. A prefix only S holds.
+        p = ids(74, 8 * BLOCK)
+        s.complete(p + ids(75, 10))
+        deadline = time.time() + 20
+        while sum(v for v in flat.holders(p).get("S", {}).values()
+                  if isinstance(v, (int, float))) < 8 * BLOCK:
+            assert time.time() < deadline, "flat router never indexed S"
+            time.sleep(0.3)
+        before = counts()
+        for i in range(3):
+            r = flat.complete(p + ids(100 + i, 10))
+            assert r["choices"][0]["text"] is not None
+        after = counts()
+        decisions = flat.decisions(3)
+        named_s = [d for d in decisions if d["endpoint"] in ("A", "B")
+                   and (d.get("p2p") or {}).get("source_endpoint") == "S"]
+        refusals = (after["A mismatch"] - before["A mismatch"]
+                    + after["B mismatch"] - before["B mismatch"])
+        print(f"flat: {len(named_s)} vLLM placements told to pull from S, {refusals:.0f} "
+              f"fingerprint refusals counted, all answered 200")
+        assert named_s, json.dumps(decisions)[-3000:]
+        assert refusals == len(named_s)
+        assert after["S out"] == before["S out"]
+    finally:
+        for r in routers:
+            r.kill()
+        s.kill()
