@@ -406,7 +406,15 @@ async fn calibrate_pair(
                 model: model_path.clone(),
                 block_size: args.block_size,
                 num_gpu_blocks: Some(gpu_blocks),
-                cpu_offload_bytes: Some((2 * gpu_blocks * args.block_size * 64).to_string()),
+                // The source serves pulls from its CPU tier, so the tier must hold every prefix
+                // measured. The sim's payload is 16 B/token; a real model's KV is far larger
+                // (SmolLM2 in f32: 46 KB/token, a 2K prefix 94 MB), and a tier sized for the sim
+                // held no real prefix beyond 128 tokens: every pull found nothing.
+                cpu_offload_bytes: Some(if backend == "sim" {
+                    (2 * gpu_blocks * args.block_size * 64).to_string()
+                } else {
+                    "2GiB".to_owned()
+                }),
                 sim_kv_bytes_per_token: (backend == "sim").then_some(16),
                 time_scale: (backend == "sim").then_some(args.time_scale),
                 max_model_len: Some(max_len + 1024),
