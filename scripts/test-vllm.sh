@@ -57,7 +57,8 @@ trap 'rm -rf "$work"' EXIT
 cd "$work"
 set +e
 timeout 1500 nice -n 10 "$VENV/bin/pytest" -p no:cacheprovider -v -s --rootdir="$work" \
-    --basetemp="$work/pytest" "$ROOT/python/kvmesh-vllm/tests/test_e2e.py" "$@"
+    --basetemp="$work/pytest" "$ROOT/python/kvmesh-vllm/tests/test_stats.py" \
+    "$ROOT/python/kvmesh-vllm/tests/test_e2e.py" "$@"
 rc=$?
 set -e
 if [[ $rc -ne 0 ]]; then

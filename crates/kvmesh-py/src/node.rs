@@ -1,9 +1,10 @@
 //! One mesh member inside a vLLM process: a [`CpuStore`], the kvmesh P2P producer serving it, and
 //! a [`PullClient`], all on a private tokio runtime so Python callers never need an event loop.
 //!
-//! Pulls land either in the store (the scheduler's staging tier) or in a buffer sized for exactly
-//! the requested blocks (the worker, which copies them into vLLM's blocks). Background pulls are
-//! keyed by the caller (vLLM's request id) and polled; nothing here blocks on Python.
+//! Pulls land either in the store or in a buffer sized for exactly the requested blocks (vLLM's
+//! worker, which copies them into vLLM's blocks); a lookup only asks a peer what it holds (vLLM's
+//! scheduler, deciding). Background pulls and lookups are keyed by the caller (vLLM's request
+//! id) and polled; nothing here blocks on Python.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,8 +14,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvmesh_core::{BlockHash, Fingerprint};
 use kvmesh_transfer::{
-    AllowList, BlockSink, ClientConfig, IpNet, PeerAddr, ProducerServer, PullClient, PullReport,
-    Secret, ServerConfig, SinkError, TransferMetrics,
+    AllowList, BlockSink, ClientConfig, IpNet, PeerAddr, ProducerServer, PullClient, PullOutcome,
+    PullReason, PullReport, Secret, ServerConfig, SinkError, TransferMetrics,
 };
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
@@ -262,9 +263,6 @@ impl Node {
         block_bytes: usize,
         into_store: bool,
     ) {
-        self.pulls.lock().insert(key.to_owned(), None);
-        let pulls = Arc::clone(&self.pulls);
-        let key = key.to_owned();
         let fut = pull_task(
             Arc::clone(&self.client),
             self.store.clone(),
@@ -274,8 +272,56 @@ impl Node {
             block_bytes,
             into_store,
         );
+        self.spawn_job(key, fut);
+    }
+
+    /// Start a lookup in the background under `key`, polled like a pull: `blocks` is the leading
+    /// run `host:port` can serve now, and nothing is moved ([`PullClient::lookup`]). The outcome
+    /// is `complete` when every block was found, `partial` (miss) for a shorter run, `failed`
+    /// with the reason otherwise.
+    pub fn start_lookup(
+        &self,
+        key: &str,
+        host: &str,
+        port: u16,
+        kv_request_id: &str,
+        hashes: Vec<BlockHash>,
+    ) {
+        let client = Arc::clone(&self.client);
+        let peer = PeerAddr::new(host, port);
+        let kv_request_id = kv_request_id.to_owned();
+        self.spawn_job(key, async move {
+            let start = std::time::Instant::now();
+            let (outcome, blocks) = match client.lookup(peer, &kv_request_id, &hashes).await {
+                Ok(n) if n == hashes.len() => (PullOutcome::Complete, n),
+                Ok(n) => (
+                    PullOutcome::Partial {
+                        reason: PullReason::Miss,
+                    },
+                    n,
+                ),
+                Err(reason) => (PullOutcome::Failed { reason }, 0),
+            };
+            PullDone {
+                report: PullReport {
+                    outcome,
+                    blocks,
+                    bytes: 0,
+                    duration: start.elapsed(),
+                },
+                data: Vec::new(),
+            }
+        });
+    }
+
+    /// Runs `job` on the runtime; its result waits under `key` (replacing a finished one) for
+    /// [`Node::poll_pull`].
+    fn spawn_job(&self, key: &str, job: impl Future<Output = PullDone> + Send + 'static) {
+        self.pulls.lock().insert(key.to_owned(), None);
+        let pulls = Arc::clone(&self.pulls);
+        let key = key.to_owned();
         self.rt.spawn(async move {
-            let done = fut.await;
+            let done = job.await;
             let mut g = pulls.lock();
             // Dropped by `forget` meanwhile: the caller no longer wants it.
             if let Some(slot) = g.get_mut(&key) {
@@ -422,6 +468,66 @@ mod tests {
         .expect("node starts")
     }
 
+    /// Polls the background job under `key` until it ends.
+    fn finished(node: &Node, key: &str) -> PullDone {
+        loop {
+            match node.poll_pull(key) {
+                Some(Some(d)) => return d,
+                Some(None) => std::thread::sleep(Duration::from_millis(5)),
+                None => panic!("job {key} lost"),
+            }
+        }
+    }
+
+    /// vLLM's split: the scheduler's node looks the prefix up (nothing moves), the worker's
+    /// node pulls what was found straight from the peer.
+    #[test]
+    fn a_lookup_finds_the_leading_run_and_a_pull_then_fetches_it() {
+        let a = node(fp(32), true, &[]);
+        let port = a.listen_addr().expect("listening").port();
+        for h in 1..=3u64 {
+            a.store()
+                .insert(BlockHash(h), Bytes::from(vec![h as u8; 8]));
+        }
+        let scheduler = node(fp(32), false, &["127.0.0.1"]);
+        let hashes: Vec<_> = (1..=4).map(BlockHash).collect();
+        scheduler.start_lookup("req", "127.0.0.1", port, "r1", hashes.clone());
+        let found = finished(&scheduler, "req");
+        assert_eq!(found.report.blocks, 3);
+        assert_eq!(found.report.bytes, 0);
+        assert!(found.data.is_empty());
+        assert_eq!(
+            found.report.outcome,
+            PullOutcome::Partial {
+                reason: PullReason::Miss
+            }
+        );
+        assert_eq!(
+            scheduler.metrics().blocks(kvmesh_transfer::Direction::In),
+            0
+        );
+
+        let worker = node(fp(32), true, &["127.0.0.1"]);
+        let done = worker.pull_blocking("127.0.0.1", port, "r1", &hashes[..3], 8, false);
+        assert_eq!(done.report.outcome, PullOutcome::Complete);
+        assert_eq!(done.data.concat(), [[1u8; 8], [2u8; 8], [3u8; 8]].concat());
+
+        // A refused peer fails the lookup with its reason, counted where it was asked.
+        let other = node(fp(16), false, &["127.0.0.1"]);
+        other.start_lookup("req", "127.0.0.1", port, "r2", hashes);
+        let refused = finished(&other, "req");
+        assert_eq!(refused.report.blocks, 0);
+        assert_eq!(
+            refused.report.outcome.reason().map(PullReason::label),
+            Some("fingerprint_mismatch")
+        );
+        assert!(
+            other
+                .metrics_text()
+                .contains("reason=\"fingerprint_mismatch\"")
+        );
+    }
+
     #[test]
     fn pulls_a_prefix_into_a_buffer_and_into_the_store() {
         let a = node(fp(32), true, &[]);
@@ -444,13 +550,7 @@ mod tests {
         assert_eq!(&done.data.concat()[8..16], &[2u8; 8]);
 
         b.start_pull("k", "127.0.0.1", port, "r2", hashes[..2].to_vec(), 8, true);
-        let done = loop {
-            match b.poll_pull("k") {
-                Some(Some(d)) => break d,
-                Some(None) => std::thread::sleep(Duration::from_millis(5)),
-                None => panic!("pull lost"),
-            }
-        };
+        let done = finished(&b, "k");
         assert_eq!(done.report.outcome, PullOutcome::Complete);
         assert_eq!(b.store().leading_hits(&hashes), 2);
         assert!(b.metrics_text().contains("kvmesh_p2p_pulls_total"));

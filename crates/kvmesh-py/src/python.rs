@@ -259,6 +259,23 @@ impl PyNode {
         });
     }
 
+    /// Start a background lookup under `key`: how many leading blocks `host:port` holds, none
+    /// moved. Polled like a pull (`poll_pull(key, True)`: `blocks` is that run, no data).
+    fn start_lookup(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        host: &str,
+        port: u16,
+        kv_request_id: &str,
+        hashes_in: Vec<u64>,
+    ) {
+        let hs = hashes(&hashes_in);
+        py.detach(|| {
+            self.inner.start_lookup(key, host, port, kv_request_id, hs);
+        });
+    }
+
     /// `None` while running or for an unknown key (see `is_pulling`); the pull's tuple once
     /// finished (then forgotten).
     #[pyo3(signature = (key, into_store=false))]

@@ -447,6 +447,75 @@ impl PullClient {
         }
     }
 
+    /// How many leading blocks of `hashes` `peer` can serve now (held, or being computed there),
+    /// without fetching any: for a consumer split over processes, where one decides and another
+    /// pulls (vLLM's scheduler and worker). The connection is not pooled: closing it releases
+    /// the producer's pins, so nothing stays pinned for a fetch that may never come; the later
+    /// pull pins again, and a block evicted in between is a miss there. A failure (refused,
+    /// unreachable, nothing held: `Miss`) is counted as a failed pull with its reason; a
+    /// successful lookup is not a pull.
+    pub async fn lookup(
+        &self,
+        peer: impl Into<PeerAddr>,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+    ) -> Result<usize, PullReason> {
+        let peer = peer.into();
+        let start = Instant::now();
+        let result = self.lookup_inner(&peer, kv_request_id, hashes).await;
+        if let Err(reason) = &result {
+            let outcome = PullOutcome::Failed {
+                reason: reason.clone(),
+            };
+            self.config
+                .metrics
+                .record_pull(&outcome, start.elapsed().as_secs_f64());
+            self.report_stop(&peer, kv_request_id, reason, 0);
+        }
+        result
+    }
+
+    async fn lookup_inner(
+        &self,
+        peer: &PeerAddr,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+    ) -> Result<usize, PullReason> {
+        if !self.config.allowed_peers.permits(peer) {
+            return Err(PullReason::NotAllowed);
+        }
+        if hashes.is_empty() {
+            return Ok(0);
+        }
+        let addr = self.resolve(peer).await?;
+        let mut conn = self.connect(addr).await?;
+        self.config.metrics.record_connection(false);
+        let step = self.config.timeout;
+        let lookup = Message::Lookup(Lookup {
+            kv_request_id: kv_request_id.to_string(),
+            hashes: hashes.to_vec(),
+        });
+        Self::write(&mut conn, step, &lookup, false)
+            .await
+            .map_err(|stop| stop.reason)?;
+        let reply = match Self::read(&mut conn, step, false)
+            .await
+            .map_err(|stop| stop.reason)?
+        {
+            Message::LookupReply(r) if r.statuses.len() == hashes.len() => r,
+            _ => return Err(PullReason::Protocol),
+        };
+        match reply
+            .statuses
+            .iter()
+            .take_while(|s| **s != BlockStatus::Miss)
+            .count()
+        {
+            0 => Err(PullReason::Miss),
+            usable => Ok(usable),
+        }
+    }
+
     /// Counts and logs why a pull stopped early, at a level that says who must act.
     fn report_stop(
         &self,

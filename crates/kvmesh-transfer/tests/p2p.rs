@@ -967,3 +967,34 @@ async fn with_a_secret_the_fingerprint_is_compared_only_after_authentication() {
         }
     );
 }
+
+/// A lookup without a fetch (vLLM's scheduler deciding, its worker pulling): the leading run the
+/// producer holds, no block moved, no pin left behind; failures are counted as failed pulls.
+#[tokio::test]
+async fn lookup_counts_the_leading_run_and_moves_nothing() {
+    let hs = hashes(8);
+    let p = start_producer(&hs[..5], ServerConfig::default()).await;
+    let client = client_for(p.addr, |_| {});
+    assert_eq!(bounded(client.lookup(p.addr, "r1", &hs)).await, Ok(5));
+    assert_eq!(client.metrics().blocks(kvmesh_transfer::Direction::In), 0);
+    assert_eq!(
+        client.metrics().pulls("complete", "none"),
+        0,
+        "a lookup is not a pull"
+    );
+    eventually("pins released once the lookup's connection closes", || {
+        p.source.pinned_blocks() == 0
+    })
+    .await;
+    // Nothing held: a miss, counted as a failed pull.
+    let other: Vec<BlockHash> = hs.iter().map(|h| BlockHash(h.0 + 999)).collect();
+    assert_eq!(
+        bounded(client.lookup(p.addr, "r2", &other)).await,
+        Err(PullReason::Miss)
+    );
+    assert_eq!(client.metrics().pulls("failed", "miss"), 1);
+    // The pull that follows a lookup fetches what it found.
+    let (report, sink) = pull(&client, p.addr, &hs[..5]).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!(sink.got, hs[..5]);
+}

@@ -5,11 +5,11 @@ block hash, as the kvmesh event-hash u64) into a bounded CPU tier held by Rust, 
 P2P producer serves to peers on ``p2p_port``.
 
 Pull: a request whose ``kv_transfer_params`` carries ``remote_kv_source {kv_request_id,
-remote_host, remote_port}`` makes the scheduler-side connector pull the prefix blocks it lacks
-from that peer into a staging tier in the scheduler process (in the background: it answers
-``None``, "ask again", meanwhile), then report the blocks that arrived as external hits with an
-asynchronous load. The worker pulls those blocks from the staging tier over loopback (the same
-protocol) and copies them into the block ids vLLM allocated. Anything that did not arrive is
+remote_host, remote_port}`` makes the scheduler-side connector ask that peer which of the prefix
+blocks it lacks the peer holds (a lookup: nothing moves; in the background, answering ``None``,
+"ask again", meanwhile), then report that run as external hits with an asynchronous load. The
+worker pulls those blocks straight from the peer and copies them into the block ids vLLM
+allocated. Anything that did not arrive (evicted since the lookup, peer gone, checksum) is
 reported through ``get_block_ids_with_load_errors`` so vLLM recomputes it.
 
 Only the adaptation to vLLM lives here; the protocol, tier, checksums, pins, allow-list and
@@ -39,6 +39,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmesh_vllm import _native
+from kvmesh_vllm.stats import CounterDeltas, KvmeshPromMetrics, KvmeshStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,6 +83,9 @@ class _Load:
     req_id: str
     hashes: list[int]
     block_ids: list[int]
+    host: str
+    port: int
+    kv_request_id: str
 
 
 @dataclass
@@ -92,7 +96,6 @@ class _Save:
 
 @dataclass
 class KvmeshConnectorMetadata(KVConnectorMetadata):
-    staging_port: int = 0
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
 
@@ -130,7 +133,6 @@ class _Settings:
         self.p2p_host: str = extra.get("p2p_host", "127.0.0.1")
         self.p2p_port: int = int(extra.get("p2p_port", 7100))
         self.cpu_bytes = parse_bytes(extra.get("cpu_bytes", "1GiB"))
-        self.staging_bytes = parse_bytes(extra.get("staging_bytes", self.cpu_bytes))
         self.allowed_peers: list[str] = list(extra.get("allowed_peers", []))
         self.allowed_consumers: list[str] | None = extra.get("allowed_consumers")
         secret_file = extra.get("p2p_secret_file")
@@ -240,6 +242,25 @@ class KvmeshConnector(KVConnectorBase_V1):
             self._init_scheduler()
         else:
             self._init_worker()
+        self._deltas = CounterDeltas()
+
+    # ------------------------------------------------------------------ vLLM's /metrics
+
+    def get_kv_connector_stats(self) -> KvmeshStats | None:
+        """What this process's P2P counters grew by since the last step (vLLM calls this every
+        step in both processes and adds the two)."""
+        grown = self._deltas.take(self._node.metrics_text())
+        return KvmeshStats(data={"counters": grown}) if grown else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvmeshStats:
+        return KvmeshStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvmeshPromMetrics:
+        return KvmeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -259,15 +280,17 @@ class KvmeshConnector(KVConnectorBase_V1):
             logger.info("kvmesh: kv_load_failure_policy %s -> %s", ktc.kv_load_failure_policy,
                         policy)
             ktc.kv_load_failure_policy = policy
-        # Staging: pulled blocks wait here for the worker, which reads them over loopback.
+        # Looks peers up (no producer, no tier: the worker pulls and serves).
         self._node = s.node(
-            listen_host="127.0.0.1", listen_port=0, cpu_bytes=s.staging_bytes,
-            allowed_peers=s.allowed_peers, allowed_consumers=["127.0.0.1/32"],
+            listen_host=None, listen_port=0, cpu_bytes=0,
+            allowed_peers=s.allowed_peers, allowed_consumers=None,
         )
-        self._staging_port: int = self._node.port
         self._tracked: dict[str, _Tracked] = {}
         self._lookup_start: dict[str, int] = {}
-        self._matched: dict[str, int] = {}
+        # Per request: the peer named and, once the lookup ended, the run it holds
+        # (first block index, blocks).
+        self._sources: dict[str, tuple[str, int, str]] = {}
+        self._found: dict[str, tuple[int, int]] = {}
         self._loads: list[_Load] = []
         # KV events for the CPU tier, published by vLLM's own publisher (--kv-events-config):
         # saves asked of the worker, by event hash, until it reports them stored; then the
@@ -277,10 +300,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._events: list[KVCacheEvent] = []
         if s.metrics_port:
             _serve_metrics(s.metrics_port, self._node.metrics_text)
-        logger.info(
-            "kvmesh connector (scheduler): staging on 127.0.0.1:%d, fingerprint %s",
-            self._staging_port, self._node.fingerprint(),
-        )
+        logger.info("kvmesh connector (scheduler): fingerprint %s", self._node.fingerprint())
 
     def _want(self, request: "Request", num_computed_tokens: int) -> tuple[int, list[int]]:
         """The first block index to pull and the hashes after the local hit, never the block
@@ -309,24 +329,31 @@ class KvmeshConnector(KVConnectorBase_V1):
         start, want = self._want(request, num_computed_tokens)
         if not want:
             return 0, False
-        self._lookup_start[rid] = start
-        staged = self._node.leading_hits(want)
-        if staged < len(want) and rid not in self._matched:
+        found = self._found.get(rid)
+        if found is None:
             if self._node.is_pulling(rid) and not self._node.wait_pull(rid, self._s.poll_wait_ms):
                 return None, False
             done = self._node.poll_pull(rid, True)
             if done is None:
                 kv_request_id = str(src.get("kv_request_id") or rid)
-                self._node.start_pull(rid, host, port, kv_request_id, want[staged:], 0, True)
+                self._sources[rid] = (host, port, kv_request_id)
+                self._node.start_lookup(rid, host, port, kv_request_id, want)
+                self._lookup_start[rid] = start
                 return None, False
             blocks, outcome, reason, _ = done
             if reason is not None:
                 log = logger.warning if outcome == "failed" else logger.info
-                log("kvmesh: pull of %d blocks from %s:%d for %s: %s, %d blocks (%s)",
-                    len(want) - staged, host, port, rid, outcome, blocks, reason)
-            staged = self._node.leading_hits(want)
-            self._matched[rid] = staged
-        n = staged * self._block_size
+                log("kvmesh: lookup of %d blocks on %s:%d for %s: %s, %d held (%s)",
+                    len(want), host, port, rid, outcome, blocks, reason)
+            found = (self._lookup_start[rid], blocks)
+            self._found[rid] = found
+        # Asked again later (e.g. no room to allocate), the local hit may have grown: only the
+        # found run past it is external; a local hit that shrank below the lookup's start has
+        # an unknown gap, so nothing is.
+        first, blocks = found
+        k = first + blocks - start if start >= first else 0
+        self._lookup_start[rid] = start
+        n = max(0, k) * self._block_size
         return n, n > 0
 
     def update_state_after_alloc(
@@ -342,12 +369,15 @@ class KvmeshConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         start = self._lookup_start.get(rid, 0)
+        source = self._sources.get(rid)
+        if source is None:
+            return
         k = num_external_tokens // self._block_size
         hashes = [event_hash(h) for h in request.block_hashes[start:start + k]]
-        self._loads.append(_Load(rid, hashes, block_ids[start:start + k]))
+        self._loads.append(_Load(rid, hashes, block_ids[start:start + k], *source))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvmeshConnectorMetadata(staging_port=self._staging_port, loads=self._loads)
+        meta = KvmeshConnectorMetadata(loads=self._loads)
         self._loads = []
         for new in scheduler_output.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
@@ -423,7 +453,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._tracked.pop(rid, None)
         self._lookup_start.pop(rid, None)
-        self._matched.pop(rid, None)
+        self._sources.pop(rid, None)
+        self._found.pop(rid, None)
         self._node.forget(rid)
         return False, None
 
@@ -433,8 +464,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         s = self._s
         self._node = s.node(
             listen_host=s.p2p_host, listen_port=s.p2p_port, cpu_bytes=s.cpu_bytes,
-            # The worker only ever pulls from its own scheduler's staging tier.
-            allowed_peers=["127.0.0.1"], allowed_consumers=s.allowed_consumers,
+            allowed_peers=s.allowed_peers, allowed_consumers=s.allowed_consumers,
             serve_bytes_per_sec=s.serve_bytes_per_sec,
         )
         self._layers: list[tuple[torch.Tensor, int]] = []
@@ -499,7 +529,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvmeshConnectorMetadata)
         for load in meta.loads:
             self._loading[load.req_id] = load.block_ids
-            self._node.start_pull(load.req_id, "127.0.0.1", meta.staging_port, load.req_id,
+            self._node.start_pull(load.req_id, load.host, load.port, load.kv_request_id,
                                   load.hashes, self._block_bytes, False)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
