@@ -105,6 +105,32 @@ pub(crate) fn on_placed(s: &Arc<RouterState>, session: &str, placed: &Endpoint) 
         placed = %placed.name, "prefetch settled by the next turn");
 }
 
+/// Asks an engine to pull blocks ahead of demand (`POST /kvmesh/prefetch` with `body`) and waits
+/// for its report: the report (None when the engine refused or did not answer in `timeout`), the
+/// blocks that landed and the engine's block size (`default_block_size` when it did not say).
+pub(crate) async fn send_prefetch(
+    s: &RouterState,
+    url: String,
+    body: &Value,
+    timeout: Duration,
+    default_block_size: usize,
+) -> (Option<Value>, u64, u64) {
+    let reply = s.client.post(url).json(body).timeout(timeout).send().await;
+    let report: Option<Value> = match reply {
+        Ok(r) if r.status().is_success() => r.json().await.ok(),
+        _ => None,
+    };
+    let field = |k: &str| {
+        report
+            .as_ref()
+            .and_then(|r| r.get(k))
+            .and_then(Value::as_u64)
+    };
+    let blocks = field("blocks").unwrap_or(0);
+    let block_size = field("block_size").unwrap_or(default_block_size as u64);
+    (report, blocks, block_size)
+}
+
 /// Asks the target to stop a prefetch nobody will use (best effort, in the background).
 fn cancel_on_target(s: &Arc<RouterState>, ticket: &Ticket) {
     let Some(target) = s.endpoints.get(ticket.target) else {
@@ -268,21 +294,7 @@ fn prepare_next_turn(
     let (s, url) = (Arc::clone(s), target.url(PREFETCH_PATH));
     tokio::spawn(async move {
         let timeout = Duration::from_secs_f64(sessions.config.timeout_s);
-        let reply = s.client.post(url).json(&body).timeout(timeout).send().await;
-        let report: Option<Value> = match reply {
-            Ok(r) if r.status().is_success() => r.json().await.ok(),
-            _ => None,
-        };
-        let blocks = report
-            .as_ref()
-            .and_then(|r| r.get("blocks"))
-            .and_then(Value::as_u64)
-            .unwrap_or(0);
-        let tokens_per_block = report
-            .as_ref()
-            .and_then(|r| r.get("block_size"))
-            .and_then(Value::as_u64)
-            .unwrap_or(bs as u64);
+        let (report, blocks, tokens_per_block) = send_prefetch(&s, url, &body, timeout, bs).await;
         let landed = blocks * tokens_per_block * sessions.config.kv_bytes_per_token;
         let state = if blocks > 0 {
             sessions.count("landed");

@@ -26,6 +26,7 @@ use crate::forward::{
 };
 use crate::prefetch;
 use crate::remote_source::{NamedSource, name_source};
+use crate::replicate;
 use crate::request::{ApiKind, ParsedRequest};
 use crate::state::{Placement, RouterState, outcome};
 
@@ -190,6 +191,7 @@ impl Attempt<'_> {
             held,
         };
         s.record(placement, decision);
+        replicate::after_placement(s, &parsed.tokens, keys, &fleet.candidates, &fleet.eligible);
 
         // Forward.
         let payload = match parsed.body() {

@@ -210,10 +210,15 @@ pub async fn start(
         }
         None => None,
     };
+    let replication = config
+        .replication
+        .clone()
+        .map(|c| Arc::new(crate::hot_prefixes::Replication::new(c, &mut registry)));
     let state = Arc::new(RouterState {
         pd,
         dispatch,
         sessions,
+        replication,
         decisions: DecisionLog::new(config.decisions_capacity),
         config,
         endpoints: Arc::clone(&endpoints),

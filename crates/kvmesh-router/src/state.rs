@@ -44,6 +44,8 @@ pub struct RouterState {
     pub feed: Arc<dyn EventFeed>,
     /// Sessions followed for prefetch ahead of arrival, when the config has `prefetch:`.
     pub sessions: Option<Arc<Sessions>>,
+    /// Hot-prefix replication, when the config has `replication:`.
+    pub replication: Option<Arc<crate::hot_prefixes::Replication>>,
 }
 
 /// Placements on an endpoint after which an event stream that delivered nothing is reported: an
