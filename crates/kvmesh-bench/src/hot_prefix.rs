@@ -105,6 +105,21 @@ pub fn fanout(scale: Scale, seed: u64, pullers: usize) -> Workload {
 }
 
 /// Cumulative Zipf(s) weights over ranks 1..=n (the last entry is 1).
+/// `kvmesh_router_replications_total` by outcome from a router's `/metrics` text (empty when
+/// no hot prefix was ever considered).
+pub fn replication_outcomes(text: &str) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    for sample in kvmesh_core::exposition::parse_exposition(text) {
+        if sample.name != "kvmesh_router_replications_total" {
+            continue;
+        }
+        if let Some((_, outcome)) = sample.labels.iter().find(|(k, _)| k == "outcome") {
+            *out.entry(outcome.clone()).or_insert(0.0) += sample.value;
+        }
+    }
+    out
+}
+
 fn zipf_cdf(n: usize, s: f64) -> Vec<f64> {
     let weights: Vec<f64> = (1..=n).map(|k| (k as f64).powf(-s)).collect();
     let total: f64 = weights.iter().sum();
@@ -232,6 +247,19 @@ mod tests {
         assert!(hot_top > 0.18 && hot_top < 0.32, "{hot_top}");
         assert!(uniform_top < mid_top && mid_top < hot_top);
         assert!(hot_distinct <= uniform_distinct);
+    }
+
+    #[test]
+    fn replication_outcomes_come_from_the_router_counters() {
+        let text = "# TYPE kvmesh_router_replications counter\n\
+            kvmesh_router_replications_total{outcome=\"issued\"} 3\n\
+            kvmesh_router_replications_total{outcome=\"landed\"} 2\n\
+            kvmesh_router_requests_total 9\n";
+        let got = replication_outcomes(text);
+        assert_eq!(got.get("issued"), Some(&3.0));
+        assert_eq!(got.get("landed"), Some(&2.0));
+        assert_eq!(got.len(), 2);
+        assert!(replication_outcomes("kvmesh_router_requests_total 9\n").is_empty());
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub struct ArmResult {
     /// Scale-out workloads: the engine that joined mid-run, window by window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale_out: Option<crate::scale_out::ScaleOutResult>,
+    /// Hot-prefix copies by outcome, from the router's counters (arms with `replication:`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<std::collections::BTreeMap<String, f64>>,
 }
 
 /// A whole run.
@@ -253,6 +256,25 @@ impl BenchReport {
                     r.flags.join("; ")
                 },
             );
+        }
+        for r in &self.results {
+            if let Some(outcomes) = &r.replication {
+                let list: Vec<String> = outcomes
+                    .iter()
+                    .map(|(k, v)| format!("{k} {v:.0}"))
+                    .collect();
+                let _ = writeln!(
+                    s,
+                    "\n**{}** on {}: hot-prefix copies (router): {}",
+                    r.arm,
+                    r.workload,
+                    if list.is_empty() {
+                        "none".into()
+                    } else {
+                        list.join(", ")
+                    }
+                );
+            }
         }
         s.push_str(&self.routers_table());
         s.push_str(&self.audit_table());
@@ -896,6 +918,7 @@ mod tests {
             prefetch: None,
             restart: None,
             scale_out: None,
+            replication: None,
         }
     }
 

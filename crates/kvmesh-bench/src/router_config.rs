@@ -52,6 +52,11 @@ pub enum Arm {
     AffinityP2pPrefetch,
     /// `ttft-p2p` plus prefetch ahead of arrival.
     TtftP2pPrefetch,
+    /// `affinity-p2p` plus hot-prefix replication (`replication:`): a prefix that keeps being
+    /// asked for while its holders are busy is copied to a second engine ahead of demand.
+    AffinityP2pReplicate,
+    /// `ttft-p2p` plus hot-prefix replication.
+    TtftP2pReplicate,
     /// An external router (`vllm-router:<policy>`, `smg:<policy>`) in front of the same engines
     /// instead of `kvmesh router` (see [`crate::peers`]).
     Peer(PeerArm),
@@ -72,6 +77,8 @@ pub const ARM_NAMES: &[&str] = &[
     "pd-load-bidir",
     "affinity-p2p-prefetch",
     "ttft-p2p-prefetch",
+    "affinity-p2p-replicate",
+    "ttft-p2p-replicate",
 ];
 
 impl Arm {
@@ -91,6 +98,8 @@ impl Arm {
             Self::PdLoadBidir => "pd-load-bidir",
             Self::AffinityP2pPrefetch => "affinity-p2p-prefetch",
             Self::TtftP2pPrefetch => "ttft-p2p-prefetch",
+            Self::AffinityP2pReplicate => "affinity-p2p-replicate",
+            Self::TtftP2pReplicate => "ttft-p2p-replicate",
             Self::Peer(p) => p.name(),
         }
     }
@@ -116,18 +125,23 @@ impl Arm {
         matches!(self.base(), Self::CostP2p | Self::TtftP2p)
     }
 
-    /// The placement policy under an arm that adds a mechanism to it (prefetch arms).
+    /// The placement policy under an arm that adds a mechanism to it (prefetch, replication).
     pub fn base(self) -> Arm {
         match self {
-            Self::AffinityP2pPrefetch => Self::AffinityP2p,
-            Self::TtftP2pPrefetch => Self::TtftP2p,
+            Self::AffinityP2pPrefetch | Self::AffinityP2pReplicate => Self::AffinityP2p,
+            Self::TtftP2pPrefetch | Self::TtftP2pReplicate => Self::TtftP2p,
             other => other,
         }
     }
 
     /// Whether the router prefetches sessions' histories ahead of their next turn.
     pub fn prefetches(self) -> bool {
-        self != self.base()
+        matches!(self, Self::AffinityP2pPrefetch | Self::TtftP2pPrefetch)
+    }
+
+    /// Whether the router copies hot prefixes to a second holder ahead of demand.
+    pub fn replicates(self) -> bool {
+        matches!(self, Self::AffinityP2pReplicate | Self::TtftP2pReplicate)
     }
 
     /// Whether this arm disaggregates prefill and decode (needs a fleet with both roles).
@@ -173,6 +187,8 @@ impl std::str::FromStr for Arm {
             "pd-load-bidir" => Self::PdLoadBidir,
             "affinity-p2p-prefetch" => Self::AffinityP2pPrefetch,
             "ttft-p2p-prefetch" => Self::TtftP2pPrefetch,
+            "affinity-p2p-replicate" => Self::AffinityP2pReplicate,
+            "ttft-p2p-replicate" => Self::TtftP2pReplicate,
             peer if peer.contains(':') => Self::Peer(PeerArm::parse(peer)?),
             other => {
                 return Err(format!(
@@ -268,6 +284,16 @@ decisions_capacity: 2048
             500.0 / ts
         );
     }
+    if arm.replicates() {
+        // A prefix asked for 4 times in 10 s (model time) while every holder has 8K tokens of
+        // prefill queued gets a second holder; one copy per prefix per 30 s.
+        let _ = writeln!(
+            y,
+            "replication: {{min_tokens: 2048, hot_requests: 4, window_s: {}, busy_tokens: 8192, max_holders: 2, cooldown_s: {}}}",
+            10.0 / ts,
+            30.0 / ts
+        );
+    }
     let mut plugins: Vec<(&str, &str, String, Option<u32>)> = Vec::new();
     match arm.base() {
         Arm::Pd | Arm::PdBidir | Arm::PdLoad | Arm::PdLoadBidir => {
@@ -276,7 +302,12 @@ decisions_capacity: 2048
         }
         // A peer arm runs its own router (crate::peers); its kvmesh config is never started.
         // (`base()` never returns these; listed so a new arm is a compile error here.)
-        Arm::RoundRobin | Arm::Peer(_) | Arm::AffinityP2pPrefetch | Arm::TtftP2pPrefetch => {
+        Arm::RoundRobin
+        | Arm::Peer(_)
+        | Arm::AffinityP2pPrefetch
+        | Arm::TtftP2pPrefetch
+        | Arm::AffinityP2pReplicate
+        | Arm::TtftP2pReplicate => {
             plugins.push(("round-robin-picker", "picker", String::new(), None))
         }
         Arm::Affinity | Arm::AffinityP2p => {
@@ -544,9 +575,13 @@ mod tests {
             assert_eq!(a.name(), *n);
             assert_eq!(
                 a.pulls(),
-                n.ends_with("-p2p") || n.ends_with("-p2p-prefetch") || n.starts_with("pd")
+                n.ends_with("-p2p")
+                    || n.ends_with("-p2p-prefetch")
+                    || n.ends_with("-p2p-replicate")
+                    || n.starts_with("pd")
             );
             assert_eq!(a.prefetches(), n.ends_with("-prefetch"));
+            assert_eq!(a.replicates(), n.ends_with("-replicate"));
             assert_eq!(a.is_pd(), n.starts_with("pd"));
         }
         assert!("nope".parse::<Arm>().is_err());

@@ -183,6 +183,7 @@ fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, e: &RunError) -> ArmResult {
         prefetch: None,
         restart: None,
         scale_out: None,
+        replication: None,
     }
 }
 
@@ -252,12 +253,15 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
             .collect();
         crate::restart::analyse(&records, plan.fleet.time_scale, *shape, log, &prefill)
     });
-    let mut prefetch = None;
+    let (mut prefetch, mut replication) = (None, None);
     if let Some(r) = &fleet.router
         && let Ok(resp) = reqwest::get(&r.metrics_url).await
         && let Ok(text) = resp.text().await
     {
         prefetch = crate::agentic::PrefetchStats::from_router_metrics(&text);
+        if arm.replicates() {
+            replication = Some(crate::hot_prefix::replication_outcomes(&text));
+        }
         let _ = std::fs::write(log_dir.join("router-metrics.txt"), text);
     }
     // Why each request went where it did (the router keeps its last `decisions_capacity`; a
@@ -321,6 +325,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         prefetch,
         restart,
         scale_out,
+        replication,
     })
 }
 
