@@ -1,7 +1,7 @@
 //! Workloads by name: what `kvmesh bench --workload` accepts, built from the generators in
 //! [`crate::workload`] and the trace replay in [`crate::trace`].
 
-use crate::hot_prefix::{fanout, fanout_pullers, skew, skew_exponents};
+use crate::hot_prefix::{SKEW_HEAVY, fanout, fanout_pullers, skew, skew_exponents, skew_heavy};
 use crate::trace;
 use crate::workload::{
     Scale, Workload, WorkloadError, WorkloadOptions, agentic_pd, docqa, fork, ladder, pool,
@@ -22,6 +22,8 @@ pub const WORKLOAD_NAMES: &[&str] = &[
     "fanout@<pullers>",
     "skew",
     "skew@<zipf exponent>",
+    "skew-heavy",
+    "skew-heavy@<zipf exponent>",
     "scaleout",
     "trace:<file>",
 ];
@@ -63,6 +65,10 @@ pub fn build(
             .into_iter()
             .map(|s| skew(scale, seed, s))
             .collect(),
+        SKEW_HEAVY => skew_exponents(scale)
+            .into_iter()
+            .map(|s| skew_heavy(scale, seed, s))
+            .collect(),
         other => {
             if let Some(path) = other.strip_prefix("trace:") {
                 vec![trace::workload(path, scale, seed, opts)?]
@@ -81,14 +87,12 @@ pub fn build(
                     })?;
                 vec![fanout(scale, seed, n)]
             } else if let Some(e) = other.strip_prefix("skew@") {
-                let e: f64 = e
-                    .parse()
-                    .ok()
-                    .filter(|e: &f64| e.is_finite() && (0.0..=4.0).contains(e))
-                    .ok_or_else(|| {
-                        WorkloadError::Unknown(format!("skew exponent {e:?} (0..=4)"))
-                    })?;
-                vec![skew(scale, seed, e)]
+                vec![skew(scale, seed, zipf_exponent(e)?)]
+            } else if let Some(e) = other
+                .strip_prefix(SKEW_HEAVY)
+                .and_then(|rest| rest.strip_prefix('@'))
+            {
+                vec![skew_heavy(scale, seed, zipf_exponent(e)?)]
             } else {
                 return Err(WorkloadError::Unknown(format!(
                     "workload {other:?}; known: {}",
@@ -101,4 +105,12 @@ pub fn build(
         w.token_space = space;
     }
     Ok(out)
+}
+
+/// A `skew` exponent from a workload name: finite, 0..=4.
+fn zipf_exponent(text: &str) -> Result<f64, WorkloadError> {
+    text.parse()
+        .ok()
+        .filter(|e: &f64| e.is_finite() && (0.0..=4.0).contains(e))
+        .ok_or_else(|| WorkloadError::Unknown(format!("skew exponent {text:?} (0..=4)")))
 }

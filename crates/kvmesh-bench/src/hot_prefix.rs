@@ -139,27 +139,98 @@ fn zipf_rank(cdf: &[f64], u: f64) -> usize {
         .min(cdf.len().saturating_sub(1))
 }
 
-/// Hot-prefix skew: Poisson arrivals at a fixed rate, each a shared prefix drawn Zipf(`exponent`)
-/// from the pool plus a fresh question. A server's GPU tier holds about a quarter of the pool,
-/// enough for the hot head, not for everything.
+/// Hot-prefix skew (`skew@s`): Poisson arrivals at a fixed rate, each a shared prefix drawn
+/// Zipf(`exponent`) from the pool plus a fresh 128-token question. A server's GPU tier holds about
+/// a quarter of the pool, enough for the hot head, not for everything. The fleet stays lightly
+/// loaded: the hot owners' queues stay short.
 pub fn skew(scale: Scale, seed: u64, exponent: f64) -> Workload {
-    let (prefixes, len, rate, duration_s, engines) = match scale {
-        Scale::Quick => (32usize, 4096usize, 6.0f64, 20.0f64, 4usize),
-        Scale::Full => (64, 8192, 10.0, 120.0, 8),
+    let shape = match scale {
+        Scale::Quick => SkewShape {
+            prefixes: 32,
+            prefix_len: 4096,
+            question_len: 128,
+            rate: 6.0,
+            duration_s: 20.0,
+            engines: 4,
+        },
+        Scale::Full => SkewShape {
+            prefixes: 64,
+            prefix_len: 8192,
+            question_len: 128,
+            rate: 10.0,
+            duration_s: 120.0,
+            engines: 8,
+        },
     };
+    skew_shaped("skew", shape, seed, exponent)
+}
+
+/// The same popularity with 2K-token questions at a higher rate (`skew-heavy@s`): every request
+/// brings real prefill work of its own, so at s = 1.2 the hottest prefix's requests alone keep one
+/// engine about 80 % busy (full: 32 req/s, 29 % of them for rank 1, ~85 ms of prefill each) while
+/// the fleet as a whole stays about a third busy. Locality then breaks by itself: the hot owner
+/// queues, and only placement that spreads its prefixes (pulling them, or a copy made ahead of
+/// demand) keeps the tail down.
+pub fn skew_heavy(scale: Scale, seed: u64, exponent: f64) -> Workload {
+    let shape = match scale {
+        Scale::Quick => SkewShape {
+            prefixes: 32,
+            prefix_len: 4096,
+            question_len: 2048,
+            rate: 16.0,
+            duration_s: 20.0,
+            engines: 4,
+        },
+        Scale::Full => SkewShape {
+            prefixes: 64,
+            prefix_len: 8192,
+            question_len: 2048,
+            rate: 32.0,
+            duration_s: 120.0,
+            engines: 8,
+        },
+    };
+    skew_shaped(SKEW_HEAVY, shape, seed, exponent)
+}
+
+/// Name stem of [`skew_heavy`].
+pub const SKEW_HEAVY: &str = "skew-heavy";
+
+struct SkewShape {
+    prefixes: usize,
+    prefix_len: usize,
+    question_len: usize,
+    rate: f64,
+    duration_s: f64,
+    engines: usize,
+}
+
+fn skew_shaped(stem: &str, shape: SkewShape, seed: u64, exponent: f64) -> Workload {
+    let SkewShape {
+        prefixes,
+        prefix_len: len,
+        question_len,
+        rate,
+        duration_s,
+        engines,
+    } = shape;
     let exponent = if exponent.is_finite() && exponent >= 0.0 {
         exponent
     } else {
         0.0
     };
     let cdf = zipf_cdf(prefixes, exponent);
-    let mut rng = ChaCha8Rng::seed_from_u64(key(&[70, seed, exponent.to_bits()]));
+    // The stem keeps `skew` draws as they were and gives each variant its own arrivals.
+    let variant = if stem == "skew" { 0 } else { 1 };
+    let mut rng = ChaCha8Rng::seed_from_u64(key(&[70 + variant, seed, exponent.to_bits()]));
     let sessions = shared_prefix_arrivals(
         &mut rng,
         SharedPrefixShape {
             rate,
             duration_s,
             prefix_len: len,
+            question_len,
+            max_tokens: 64,
             keys: (seed, 71, 72),
         },
         |rng| zipf_rank(&cdf, rng.random_range(0.0..1.0)) as u64,
@@ -167,9 +238,9 @@ pub fn skew(scale: Scale, seed: u64, exponent: f64) -> Workload {
     let offered = sessions.len() as f64 / duration_s;
     let per_server_tokens = prefixes * len / 4;
     Workload {
-        name: format!("skew@{exponent}"),
+        name: format!("{stem}@{exponent}"),
         description: format!(
-            "{prefixes} prefixes × {len} tokens, Zipf popularity s={exponent}, Poisson {rate} req/s for {duration_s} s on {engines} engines"
+            "{prefixes} prefixes × {len} tokens + {question_len}-token questions, Zipf popularity s={exponent}, Poisson {rate} req/s for {duration_s} s on {engines} engines"
         ),
         seed,
         token_space: TokenSpace::default(),
@@ -182,7 +253,7 @@ pub fn skew(scale: Scale, seed: u64, exponent: f64) -> Workload {
             prefill: 0,
             decode: 0,
             num_gpu_blocks: per_server_tokens.div_ceil(GPU_BLOCK_TOKENS),
-            max_model_len: len + 1024,
+            max_model_len: len + question_len + 1024,
             cpu_tier_ratio: 2,
         },
         min_cached_token_delta: 2048,
@@ -279,5 +350,25 @@ mod tests {
         let n = w.sessions.len() as f64;
         assert!((n - 1200.0).abs() < 1200.0 * 0.15, "{n}");
         assert_eq!(w.name, "skew@1.2");
+    }
+
+    #[test]
+    fn heavy_skew_brings_long_questions_and_its_own_arrivals() {
+        let light = skew(Scale::Full, 9, 1.2);
+        let heavy = skew_heavy(Scale::Full, 9, 1.2);
+        assert_eq!(heavy.name, "skew-heavy@1.2");
+        let n = heavy.sessions.len() as f64;
+        assert!((n - 3840.0).abs() < 3840.0 * 0.1, "{n}");
+        let question = |s: &Session| s.steps[0].segments[1].len();
+        assert!(heavy.sessions.iter().all(|s| question(s) == 2048));
+        assert!(light.sessions.iter().all(|s| question(s) == 128));
+        // The hottest prefix takes ~29% of requests at s = 1.2.
+        let mut counts = std::collections::HashMap::new();
+        for s in &heavy.sessions {
+            *counts.entry(prefix_key(s)).or_insert(0usize) += 1;
+        }
+        let max = counts.values().copied().max().unwrap_or(0) as f64;
+        assert!((max / n - 0.29).abs() < 0.04, "{}", max / n);
+        assert!(heavy.fleet.max_model_len >= 8192 + 2048 + 64);
     }
 }

@@ -276,16 +276,19 @@ pub fn fork(scale: Scale, seed: u64) -> Workload {
 }
 
 /// What [`shared_prefix_arrivals`] generates: arrivals per second, for how long (model seconds),
-/// the shared prefixes' length, and `(seed, prefix tag, question tag)` for the segment keys.
+/// the shared prefixes' length, each request's own question (tokens in) and answer (tokens out),
+/// and `(seed, prefix tag, question tag)` for the segment keys.
 pub(crate) struct SharedPrefixShape {
     pub rate: f64,
     pub duration_s: f64,
     pub prefix_len: usize,
+    pub question_len: usize,
+    pub max_tokens: u32,
     pub keys: (u64, u64, u64),
 }
 
 /// Open-loop single-request sessions: Poisson arrivals, each a shared prefix chosen by
-/// `pick_prefix` plus a fresh 128-token question, 64 tokens out. Per arrival the RNG draws the
+/// `pick_prefix` plus a fresh question of `question_len` tokens. Per arrival the RNG draws the
 /// gap first, then `pick_prefix` draws, so a workload stays the same for a seed.
 pub(crate) fn shared_prefix_arrivals(
     rng: &mut ChaCha8Rng,
@@ -310,9 +313,9 @@ pub(crate) fn shared_prefix_arrivals(
                 history: false,
                 segments: vec![
                     Segment::seeded(key(&[prefix_tag, seed, p]), shape.prefix_len),
-                    Segment::seeded(key(&[question_tag, seed, i]), 128),
+                    Segment::seeded(key(&[question_tag, seed, i]), shape.question_len),
                 ],
-                max_tokens: 64,
+                max_tokens: shape.max_tokens,
                 kind: StepKind::Request,
             }],
         });
@@ -338,6 +341,8 @@ pub fn pool(scale: Scale, seed: u64, rate: f64) -> Workload {
             rate,
             duration_s,
             prefix_len: len,
+            question_len: 128,
+            max_tokens: 64,
             keys: (seed, 21, 22),
         },
         |rng| rng.random_range(0..prefixes as u64),
@@ -697,6 +702,7 @@ mod tests {
             "ladder",
             "fanout",
             "skew",
+            "skew-heavy",
         ] {
             let q = build(name, Scale::Quick, 1, &WorkloadOptions::default()).unwrap();
             let f = build(name, Scale::Full, 1, &WorkloadOptions::default()).unwrap();
@@ -713,7 +719,15 @@ mod tests {
     fn unknown_names_are_errors() {
         assert!(build("nope", Scale::Quick, 1, &WorkloadOptions::default()).is_err());
         assert!(build("pool@x", Scale::Quick, 1, &WorkloadOptions::default()).is_err());
-        for bad in ["fanout@0", "fanout@x", "skew@-1", "skew@nan", "skew@9"] {
+        for bad in [
+            "fanout@0",
+            "fanout@x",
+            "skew@-1",
+            "skew@nan",
+            "skew@9",
+            "skew-heavy@x",
+            "skew-heavy1",
+        ] {
             assert!(
                 build(bad, Scale::Quick, 1, &WorkloadOptions::default()).is_err(),
                 "{bad}"
@@ -722,6 +736,17 @@ mod tests {
         assert_eq!(
             build("skew@0.8", Scale::Quick, 1, &WorkloadOptions::default()).unwrap()[0].name,
             "skew@0.8"
+        );
+        assert_eq!(
+            build(
+                "skew-heavy@1.2",
+                Scale::Quick,
+                1,
+                &WorkloadOptions::default()
+            )
+            .unwrap()[0]
+                .name,
+            "skew-heavy@1.2"
         );
         assert_eq!(
             build("pool@8", Scale::Quick, 1, &WorkloadOptions::default()).unwrap()[0].name,
