@@ -64,7 +64,12 @@ pub struct BenchReport {
 }
 
 /// The flags an arm earns from its evidence and outcomes.
-pub fn flags_for(pulls: bool, pd: bool, stats: &ArmStats, ev: &Evidence) -> Vec<String> {
+pub fn flags_for(
+    pulls: bool,
+    moves_otherwise: bool,
+    stats: &ArmStats,
+    ev: &Evidence,
+) -> Vec<String> {
     let mut f = Vec::new();
     if pulls && !ev.moved_anything() {
         f.push(
@@ -75,7 +80,7 @@ pub fn flags_for(pulls: bool, pd: bool, stats: &ArmStats, ev: &Evidence) -> Vec<
     if pulls && ev.moved_anything() && ev.external_hit_tokens <= 0.0 {
         f.push("UNVERIFIED: bytes moved but no vllm:external_prefix_cache_hits_total".into());
     }
-    if !pulls && !pd && ev.moved_anything() {
+    if !pulls && !moves_otherwise && ev.moved_anything() {
         f.push(format!(
             "UNEXPECTED: non-P2P arm moved {:.0} bytes",
             ev.p2p_bytes

@@ -57,6 +57,12 @@ pub enum Arm {
     AffinityP2pReplicate,
     /// `ttft-p2p` plus hot-prefix replication.
     TtftP2pReplicate,
+    /// `affinity` (no pulls on a request's path) plus hot-prefix replication: the only blocks
+    /// that move are copies made ahead of demand, so a busy hot owner gains a second holder
+    /// without any request waiting on a transfer.
+    AffinityReplicate,
+    /// `ttft` (no pulls on a request's path) plus hot-prefix replication.
+    TtftReplicate,
     /// An external router (`vllm-router:<policy>`, `smg:<policy>`) in front of the same engines
     /// instead of `kvmesh router` (see [`crate::peers`]).
     Peer(PeerArm),
@@ -79,6 +85,8 @@ pub const ARM_NAMES: &[&str] = &[
     "ttft-p2p-prefetch",
     "affinity-p2p-replicate",
     "ttft-p2p-replicate",
+    "affinity-replicate",
+    "ttft-replicate",
 ];
 
 impl Arm {
@@ -100,6 +108,8 @@ impl Arm {
             Self::TtftP2pPrefetch => "ttft-p2p-prefetch",
             Self::AffinityP2pReplicate => "affinity-p2p-replicate",
             Self::TtftP2pReplicate => "ttft-p2p-replicate",
+            Self::AffinityReplicate => "affinity-replicate",
+            Self::TtftReplicate => "ttft-replicate",
             Self::Peer(p) => p.name(),
         }
     }
@@ -130,6 +140,8 @@ impl Arm {
         match self {
             Self::AffinityP2pPrefetch | Self::AffinityP2pReplicate => Self::AffinityP2p,
             Self::TtftP2pPrefetch | Self::TtftP2pReplicate => Self::TtftP2p,
+            Self::AffinityReplicate => Self::Affinity,
+            Self::TtftReplicate => Self::Ttft,
             other => other,
         }
     }
@@ -141,7 +153,18 @@ impl Arm {
 
     /// Whether the router copies hot prefixes to a second holder ahead of demand.
     pub fn replicates(self) -> bool {
-        matches!(self, Self::AffinityP2pReplicate | Self::TtftP2pReplicate)
+        matches!(
+            self,
+            Self::AffinityP2pReplicate
+                | Self::TtftP2pReplicate
+                | Self::AffinityReplicate
+                | Self::TtftReplicate
+        )
+    }
+
+    /// Whether the engines need their P2P service: the arm pulls, or copies hot prefixes.
+    pub fn moves_blocks(self) -> bool {
+        self.pulls() || self.replicates()
     }
 
     /// Whether this arm disaggregates prefill and decode (needs a fleet with both roles).
@@ -189,6 +212,8 @@ impl std::str::FromStr for Arm {
             "ttft-p2p-prefetch" => Self::TtftP2pPrefetch,
             "affinity-p2p-replicate" => Self::AffinityP2pReplicate,
             "ttft-p2p-replicate" => Self::TtftP2pReplicate,
+            "affinity-replicate" => Self::AffinityReplicate,
+            "ttft-replicate" => Self::TtftReplicate,
             peer if peer.contains(':') => Self::Peer(PeerArm::parse(peer)?),
             other => {
                 return Err(format!(
@@ -307,9 +332,9 @@ decisions_capacity: 2048
         | Arm::AffinityP2pPrefetch
         | Arm::TtftP2pPrefetch
         | Arm::AffinityP2pReplicate
-        | Arm::TtftP2pReplicate => {
-            plugins.push(("round-robin-picker", "picker", String::new(), None))
-        }
+        | Arm::TtftP2pReplicate
+        | Arm::AffinityReplicate
+        | Arm::TtftReplicate => plugins.push(("round-robin-picker", "picker", String::new(), None)),
         Arm::Affinity | Arm::AffinityP2p => {
             plugins.push(("prefix-cache-scorer", "prefix", String::new(), Some(3)));
             plugins.push(("queue-scorer", "queue", String::new(), Some(2)));
@@ -582,6 +607,7 @@ mod tests {
             );
             assert_eq!(a.prefetches(), n.ends_with("-prefetch"));
             assert_eq!(a.replicates(), n.ends_with("-replicate"));
+            assert_eq!(a.moves_blocks(), a.pulls() || n.ends_with("-replicate"));
             assert_eq!(a.is_pd(), n.starts_with("pd"));
         }
         assert!("nope".parse::<Arm>().is_err());

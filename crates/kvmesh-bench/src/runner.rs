@@ -82,7 +82,7 @@ pub fn fleet_for(w: &Workload, arm: Arm, o: &FleetOptions) -> FleetSpec {
         sim_link: o.sim_link.clone(),
         role,
         // P/D handoff itself travels over P2P, so P/D fleets keep the service in both arms.
-        p2p: arm.pulls() || pd,
+        p2p: arm.moves_blocks() || pd,
         max_model_len: Some(w.fleet.max_model_len),
         extra_args: extra.clone(),
     };
@@ -292,7 +292,8 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
     fleet.shutdown().await;
     let stats = summarize(&records, plan.fleet.time_scale, w.offered_rate);
     let pd = w.fleet.prefill > 0;
-    let mut flags = flags_for(arm.pulls(), pd, &stats, &evidence);
+    // P/D hand-offs and hot-prefix copies move blocks without the arm pulling on demand.
+    let mut flags = flags_for(arm.pulls(), pd || arm.replicates(), &stats, &evidence);
     if arm.is_pd() {
         flags.extend(pd_flags(arm.moves_history(), prefill_hits, &evidence));
     }

@@ -48,7 +48,9 @@ pub struct BenchCmd {
     /// TTFT with an admission queue, without / with priced pulls); P/D workloads (agentic-pd): pd, pd-bidir (prefill leg
     /// by prefix affinity), pd-load, pd-load-bidir (prefill leg by load, no affinity); `-bidir`
     /// arms pull the conversation history from the decoder; agentic: affinity-p2p-prefetch and
-    /// ttft-p2p-prefetch add prefetch ahead of a session's next turn. Peer routers in front of the same
+    /// ttft-p2p-prefetch add prefetch ahead of a session's next turn; affinity-p2p-replicate,
+    /// ttft-p2p-replicate, and without on-demand pulls affinity-replicate, ttft-replicate, copy
+    /// hot prefixes to a second holder ahead of demand. Peer routers in front of the same
     /// engines (install: `bash scripts/peer-routers.sh`): vllm-router:round_robin,
     /// vllm-router:cache_aware, vllm-router:kv_aware, vllm-router:power_of_two,
     /// smg:cache_aware, smg:round_robin.
