@@ -6,21 +6,26 @@
 //! engines' prefetch API (`POST /kvmesh/prefetch`, the same one sessions use). The copy lands in
 //! its CPU tier and is announced by event; from then on placement sees two holders. Copies are
 //! bounded per target, one per prefix per cooldown, and every outcome is counted
-//! (`kvmesh_router_replications_total{outcome}`).
+//! (`kvmesh_router_replications_total{outcome}`). Every decision about a hot prefix (a copy
+//! issued, or skipped and why) and every copy's end (landed, failed) is also in
+//! `/debug/decisions` (profile `replication`), so an operator can see why a prefix did or did not
+//! get a second home without reading logs.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvmesh_core::{ChainKey, RemoteKvSource, TokenId};
-use kvmesh_sched::Candidate;
+use kvmesh_sched::decisions::DecisionRecord;
+use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
+use kvmesh_sched::{Candidate, Decision};
 use serde_json::json;
 
 use crate::candidates::by_id;
 use crate::endpoints::Endpoint;
-use crate::hot_prefixes::pick_copy;
+use crate::hot_prefixes::{Skip, pick_copy};
 use crate::prefetch::{PREFETCH_PATH, send_prefetch};
-use crate::state::RouterState;
+use crate::state::{RouterState, unix_now};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -52,6 +57,19 @@ pub(crate) fn after_placement(
     if !r.arrive(key, now) {
         return;
     }
+    let id = format!("rp-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
+    let prefix_tokens = prefix_blocks * bs;
+    let skipped = |label: &'static str, source: Option<&str>, target: Option<&str>, why: String| {
+        r.count(label);
+        let entry = Entry {
+            id: &id,
+            source,
+            target,
+            prefix_tokens,
+            prefix_blocks,
+        };
+        record(s, &entry, "replication_skipped", format!("{label}: {why}"));
+    };
     let copy = match pick_copy(
         candidates,
         prefix_blocks,
@@ -60,7 +78,12 @@ pub(crate) fn after_placement(
     ) {
         Ok(c) => c,
         Err(skip) => {
-            r.count(skip.label());
+            let holders: Vec<&Candidate> = candidates
+                .iter()
+                .filter(|c| c.any_blocks >= prefix_blocks)
+                .collect();
+            let why = skip_why(skip, &holders, r.config.busy_tokens, r.config.max_holders);
+            skipped(skip.label(), holders.first().map(|c| &*c.name), None, why);
             return;
         }
     };
@@ -68,22 +91,56 @@ pub(crate) fn after_placement(
     let (Some(source), Some(target)) =
         (by_id(eligible, src.endpoint), by_id(eligible, dst.endpoint))
     else {
-        r.count("skipped_no_target");
+        let why = "the chosen source or target is no longer eligible".to_owned();
+        skipped("skipped_no_target", Some(&src.name), Some(&dst.name), why);
         return;
     };
     let Some((host, port)) = source.spec.p2p_host_port() else {
-        r.count("skipped_no_source");
+        let why = format!("{} has no P2P producer address", source.name);
+        skipped(
+            "skipped_no_source",
+            Some(&source.name),
+            Some(&target.name),
+            why,
+        );
         return;
     };
     if !r.reserve(target.id) {
-        r.count("skipped_budget");
+        let why = format!(
+            "{} already has {} copies in flight (max_inflight_per_endpoint)",
+            target.name, r.config.max_inflight_per_endpoint
+        );
+        skipped(
+            "skipped_budget",
+            Some(&source.name),
+            Some(&target.name),
+            why,
+        );
         return;
     }
     r.copied(key, now);
     r.count("issued");
-    let id = format!("rp-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
     tracing::info!(copy = %id, source = %source.name, target = %target.name,
-        tokens = prefix_blocks * bs, "hot prefix: copying to a second holder");
+        tokens = prefix_tokens, "hot prefix: copying to a second holder");
+    let issued_why = format!(
+        "hot ({} requests within {} s); every holder has at least {} prefill tokens queued \
+         (source {} queues {}); {} is the least loaded endpoint of its KV group ({} queued)",
+        r.config.hot_requests,
+        r.config.window_s,
+        r.config.busy_tokens,
+        source.name,
+        src.in_flight_uncached_tokens,
+        target.name,
+        dst.in_flight_uncached_tokens
+    );
+    let entry = Entry {
+        id: &id,
+        source: Some(&source.name),
+        target: Some(&target.name),
+        prefix_tokens,
+        prefix_blocks,
+    };
+    record(s, &entry, "replication_issued", issued_why);
     // An engine never takes the block holding a prompt's last token from a peer (it computes
     // that token): one token past the prefix, from this request, makes every prefix block count.
     let end = (prefix_blocks * bs + 1).min(tokens.len());
@@ -101,18 +158,112 @@ pub(crate) fn after_placement(
         r.release(target.id);
         return;
     };
-    let (s, target) = (Arc::clone(s), Arc::clone(target));
+    let (s, source, target) = (Arc::clone(s), Arc::clone(source), Arc::clone(target));
     runtime.spawn(async move {
         let timeout = Duration::from_secs_f64(r.config.timeout_s);
         let url = target.url(PREFETCH_PATH);
         let (report, blocks, _) = send_prefetch(&s, url, &body, timeout, bs).await;
         r.release(target.id);
+        let entry = Entry {
+            id: &id,
+            source: Some(&source.name),
+            target: Some(&target.name),
+            prefix_tokens,
+            prefix_blocks,
+        };
+        let engine_says = |r: &Option<serde_json::Value>| match r {
+            Some(r) => format!(
+                "engine outcome {}, {} of {} blocks{}",
+                r.get("outcome").and_then(|v| v.as_str()).unwrap_or("?"),
+                r.get("blocks").and_then(|v| v.as_u64()).unwrap_or(0),
+                r.get("wanted_blocks").and_then(|v| v.as_u64()).unwrap_or(0),
+                r.get("reason")
+                    .and_then(|v| v.as_str())
+                    .map(|why| format!(" ({why})"))
+                    .unwrap_or_default()
+            ),
+            None => "the target refused or did not answer in time".to_owned(),
+        };
         if blocks > 0 {
             r.count("landed");
+            record(&s, &entry, "replication_landed", engine_says(&report));
         } else {
             r.count("failed");
             tracing::info!(copy = %id, target = %target.name, report = ?report,
                 "hot prefix: copy did not land");
+            record(&s, &entry, "replication_failed", engine_says(&report));
         }
     });
+}
+
+/// One replication decision as `/debug/decisions` shows it.
+struct Entry<'a> {
+    id: &'a str,
+    source: Option<&'a str>,
+    target: Option<&'a str>,
+    prefix_tokens: usize,
+    prefix_blocks: usize,
+}
+
+/// Adds a replication decision (`replication_issued`, `replication_skipped`) or a copy's end
+/// (`replication_landed`, `replication_failed`) to `/debug/decisions`: profile `replication`,
+/// `endpoint` = the target, `p2p.source_endpoint` = the source, `p2p.why` = the reason. The
+/// copy's id (`rp-N`) ties a decision to its end.
+fn record(s: &RouterState, e: &Entry<'_>, outcome: &'static str, why: String) {
+    let decision = Decision {
+        profile: "replication".to_owned(),
+        chosen: None,
+        endpoint: e.target.map(str::to_owned),
+        picker: "hot-prefix".to_owned(),
+        filters: Vec::new(),
+        candidates: Vec::new(),
+        p2p: Some(P2pDecision {
+            source: None,
+            source_endpoint: e.source.map(str::to_owned),
+            skipped: None,
+            source_tokens: e.prefix_tokens as u64,
+            computing_tokens: 0,
+            delta_tokens: e.prefix_tokens as i64,
+            predicted_recompute_ms: None,
+            predicted_pull_ms: None,
+            band: Vec::new(),
+            why,
+        }),
+    };
+    s.decisions.push(Arc::new(DecisionRecord {
+        request_id: e.id.to_owned(),
+        at: unix_now(),
+        path: PREFETCH_PATH.to_owned(),
+        prompt_tokens: e.prefix_tokens,
+        blocks: e.prefix_blocks,
+        scheduling_us: 0,
+        held_ms: 0.0,
+        outcome,
+        decision,
+    }));
+}
+
+/// Why `pick_copy` said no, with the holders' numbers behind it.
+fn skip_why(skip: Skip, holders: &[&Candidate], busy_tokens: u64, max_holders: usize) -> String {
+    let names = holders
+        .iter()
+        .map(|c| format!("{} ({} queued)", c.name, c.in_flight_uncached_tokens))
+        .collect::<Vec<_>>()
+        .join(", ");
+    match skip {
+        Skip::Holders => format!(
+            "held by {} endpoints, max_holders {max_holders}: {names}",
+            holders.len()
+        ),
+        Skip::HolderIdle => format!(
+            "a holder has under busy_tokens {busy_tokens} of prefill queued and can take the next \
+             request promptly: {names}"
+        ),
+        Skip::NoSource => {
+            format!("no holder has the whole prefix in its CPU tier and a P2P producer: {names}")
+        }
+        Skip::NoTarget => format!(
+            "no endpoint of the source's KV group with a P2P consumer lacks the prefix: {names}"
+        ),
+    }
 }

@@ -2,6 +2,7 @@
 //! every request for a shared prefix to its one holder. Once the prefix is hot and the holder
 //! busy, the router has the least loaded other engine copy it from the holder's CPU tier, ahead
 //! of any request for it there; the index then shows two holders, and no third copy is made.
+//! Each decision (issued, skipped with its reason) and the copy's end are in `/debug/decisions`.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -90,6 +91,50 @@ async fn a_hot_prefix_on_a_busy_holder_gets_a_second_holder() {
         burst(100).await;
         assert_eq!(copies("issued").await, 1.0);
         assert!(copies("skipped_holders").await >= 1.0);
+
+        // Every decision about the hot prefix and the copy's end are in /debug/decisions.
+        let decisions: Value = reqwest::get(format!("{router}/debug/decisions?last=500"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let replication: Vec<&Value> = decisions
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["profile"] == "replication")
+            .collect();
+        let with = |outcome: &str| -> Vec<&Value> {
+            replication.iter().copied().filter(|d| d["outcome"] == outcome).collect()
+        };
+        let issued = with("replication_issued");
+        assert_eq!(issued.len(), 1, "{replication:?}");
+        let issued = issued[0];
+        assert_eq!(issued["endpoint"], "e1", "{issued}");
+        assert_eq!(issued["p2p"]["source_endpoint"], "e0", "{issued}");
+        assert_eq!(issued["prompt_tokens"], 4096, "{issued}");
+        assert_eq!(issued["path"], "/kvmesh/prefetch", "{issued}");
+        assert!(issued["p2p"]["why"].as_str().unwrap().contains("hot"), "{issued}");
+        let landed = with("replication_landed");
+        assert_eq!(landed.len(), 1, "{replication:?}");
+        assert_eq!(landed[0]["request_id"], issued["request_id"], "the copy's end names its decision");
+        assert_eq!(landed[0]["endpoint"], "e1");
+        assert!(
+            landed[0]["p2p"]["why"].as_str().unwrap().contains("engine outcome pulled"),
+            "{}",
+            landed[0]
+        );
+        assert!(with("replication_failed").is_empty(), "{replication:?}");
+        let skipped = with("replication_skipped");
+        assert!(
+            skipped.iter().any(|d| {
+                let why = d["p2p"]["why"].as_str().unwrap();
+                why.starts_with("skipped_holders") && why.contains("e0") && why.contains("e1")
+            }),
+            "a skip names its reason and the holders: {skipped:?}"
+        );
+        assert!(skipped.iter().all(|d| d["prompt_tokens"] == 4096), "{skipped:?}");
         stop(r, engines).await;
     })
     .await
