@@ -159,6 +159,24 @@ pub struct PrefetchStats {
     pub bytes_issued: f64,
     pub bytes_used: f64,
     pub bytes_wasted: f64,
+    /// Restores ahead on the owner (its CPU tier into its GPU tier): issued, restored (blocks
+    /// moved), next turn placed on the owner (used) or elsewhere (wasted), and those that found
+    /// nothing to move or failed.
+    #[serde(default)]
+    pub restore_issued: f64,
+    #[serde(default)]
+    pub restored: f64,
+    #[serde(default)]
+    pub restore_used: f64,
+    #[serde(default)]
+    pub restore_wasted: f64,
+    #[serde(default)]
+    pub restore_nothing_missing: f64,
+    #[serde(default)]
+    pub restore_failed: f64,
+    /// Modelled KV bytes restores moved up (at the router's `kv_bytes_per_token`).
+    #[serde(default)]
+    pub bytes_restored: f64,
 }
 
 impl PrefetchStats {
@@ -200,11 +218,19 @@ impl PrefetchStats {
                     "skipped_room",
                     "skipped_owner",
                     "skipped_arrived",
+                    "restore_skipped_budget",
                 ],
             ),
             bytes_issued: by(bytes, "kind", &["issued"]),
             bytes_used: by(bytes, "kind", &["used"]),
             bytes_wasted: by(bytes, "kind", &["wasted"]),
+            restore_issued: by(outcomes, "outcome", &["restore_issued"]),
+            restored: by(outcomes, "outcome", &["restored"]),
+            restore_used: by(outcomes, "outcome", &["restore_used"]),
+            restore_wasted: by(outcomes, "outcome", &["restore_wasted", "restore_expired"]),
+            restore_nothing_missing: by(outcomes, "outcome", &["restore_nothing_missing"]),
+            restore_failed: by(outcomes, "outcome", &["restore_failed"]),
+            bytes_restored: by(bytes, "kind", &["restored"]),
         })
     }
 
@@ -248,13 +274,13 @@ pub fn markdown(rows: &[Row<'_>]) -> String {
     workloads.dedup();
     for w in workloads {
         let _ = writeln!(s, "\n**{w}: returning turns and prefetch**\n");
-        s.push_str("| arm | returning turns | TTFT p50 | TTFT p90 | TTFT p99 | external-hit tokens | prefetches issued / used / wasted | hit rate | prefetched GB used / wasted (modelled) |\n");
-        s.push_str("|---|---|---|---|---|---|---|---|---|\n");
+        s.push_str("| arm | returning turns | TTFT p50 | TTFT p90 | TTFT p99 | external-hit tokens | prefetches issued / used / wasted | hit rate | prefetched GB used / wasted (modelled) | restores issued / restored / used / nothing missing | restored GB (modelled) |\n");
+        s.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
         for r in rows.iter().filter(|r| r.workload == w) {
             let (l, p) = (&r.returning, r.prefetch);
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {:.0} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} |",
                 r.arm,
                 l.count,
                 fmt_ms(l.p50),
@@ -272,6 +298,11 @@ pub fn markdown(rows: &[Row<'_>]) -> String {
                     p.bytes_used / 1e9,
                     p.bytes_wasted / 1e9
                 )),
+                p.map_or("—".into(), |p| format!(
+                    "{:.0} / {:.0} / {:.0} / {:.0}",
+                    p.restore_issued, p.restored, p.restore_used, p.restore_nothing_missing
+                )),
+                p.map_or("—".into(), |p| format!("{:.1}", p.bytes_restored / 1e9)),
             );
         }
     }
@@ -314,13 +345,28 @@ kvmesh_router_prefetches_total{outcome=\"used\"} 5
 kvmesh_router_prefetches_total{outcome=\"used_in_flight\"} 1
 kvmesh_router_prefetches_total{outcome=\"wasted\"} 3
 kvmesh_router_prefetches_total{outcome=\"skipped_short\"} 2
+kvmesh_router_prefetches_total{outcome=\"restore_issued\"} 7
+kvmesh_router_prefetches_total{outcome=\"restored\"} 6
+kvmesh_router_prefetches_total{outcome=\"restore_used\"} 5
+kvmesh_router_prefetches_total{outcome=\"restore_nothing_missing\"} 1
 kvmesh_router_prefetch_bytes_total{kind=\"wasted\"} 3000000000
+kvmesh_router_prefetch_bytes_total{kind=\"restored\"} 2000000000
 ";
         let p = PrefetchStats::from_router_metrics(text).unwrap();
         assert_eq!(
             (p.issued, p.used, p.wasted, p.skipped),
             (10.0, 6.0, 3.0, 2.0)
         );
+        assert_eq!(
+            (
+                p.restore_issued,
+                p.restored,
+                p.restore_used,
+                p.restore_nothing_missing
+            ),
+            (7.0, 6.0, 5.0, 1.0)
+        );
+        assert_eq!(p.bytes_restored, 2e9);
         assert_eq!(p.hit_rate(), Some(0.6));
         assert_eq!(p.bytes_wasted, 3e9);
         assert!(PrefetchStats::from_router_metrics("kvmesh_router_requests_total 3\n").is_none());

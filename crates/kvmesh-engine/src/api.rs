@@ -285,7 +285,8 @@ async fn reset_prefix_cache(State(s): State<ApiState>) -> Response {
     }
 }
 
-/// `POST /kvmesh/prefetch`: pull a history from a peer now (see [`crate::prefetch`]); answers
+/// `POST /kvmesh/prefetch`: pull a history from a peer now, or without `remote_kv_source` restore
+/// it from this engine's CPU tier into its GPU tier (see [`crate::prefetch`]); answers
 /// when the prefetch ended (200 with its report, whatever its outcome) or 400 when malformed.
 async fn prefetch(State(s): State<ApiState>, body: Bytes) -> Response {
     let Some(prefetcher) = s.prefetcher.clone() else {

@@ -2,6 +2,8 @@
 //! so routers and dashboards built for vLLM read kvmesh unchanged; kvmesh-only ones are
 //! `kvmesh_engine_*`.
 
+use std::sync::atomic::AtomicU64;
+
 use kvmesh_core::exposition::FloatGauge;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -372,6 +374,10 @@ pub struct PrefetchLabel {
 pub struct PrefetchMetrics {
     pub prefetches: Family<PrefetchLabel, Counter>,
     pub blocks: Counter,
+    /// Blocks restores ahead copied from this engine's CPU tier into its GPU tier.
+    pub restored_blocks: Counter,
+    /// Modelled host-to-device time those copies were charged (unscaled seconds).
+    pub restore_modelled_seconds: Counter<f64, AtomicU64>,
 }
 
 impl PrefetchMetrics {
@@ -385,6 +391,16 @@ impl PrefetchMetrics {
             "kvmesh_engine_prefetch_blocks",
             "Blocks prefetches landed in the CPU tier",
             self.blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_prefetch_restored_blocks",
+            "Blocks restore-ahead prefetches copied from the CPU tier into the GPU tier",
+            self.restored_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_prefetch_restore_modelled_seconds",
+            "Modelled host-to-device time charged for restore-ahead copies (unscaled)",
+            self.restore_modelled_seconds.clone(),
         );
     }
 

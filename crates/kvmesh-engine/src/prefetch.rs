@@ -8,6 +8,16 @@
 //! memory pressure may evict them like any other block. A request that arrives while the
 //! prefetch is still running waits for those blocks instead of pulling them again.
 //!
+//! Without `remote_kv_source` the prefetch is a *restore ahead*: the router expects the next turn
+//! back here, on the history's owner, and the history has left the GPU tier but is still in this
+//! engine's CPU tier. Its blocks are copied up into the GPU tier now (the compute loop's
+//! `restore_ahead`: nothing while requests wait, only free or unreferenced cached blocks, a
+//! reserve of one step's blocks kept), so the next turn finds GPU hits. The host-to-device copy is
+//! charged as an on-demand restore is (to the next step, or spent at once on an idle engine): the
+//! cost moves off the request's critical path, it does not disappear. Outcomes `restored`,
+//! `nothing_missing` (all in the GPU tier already), `not_cached` (not in the CPU tier either),
+//! `gpu_short` (the bound stopped it before any block moved).
+//!
 //! Bounds: at most [`MAX_RUNNING`] prefetches at once per engine (more are refused as `busy`, a
 //! prefetch never queues behind another), each cancellable by id; the router budgets in-flight
 //! bytes per engine on top.
@@ -38,24 +48,31 @@ pub struct PrefetchRequest {
     /// The history whose full blocks to bring here (the engine hashes them as it would a prompt).
     pub prompt_token_ids: Vec<TokenId>,
     /// The peer whose CPU tier holds them (same shape as `kv_transfer_params.remote_kv_source`).
-    pub remote_kv_source: RemoteKvSource,
+    /// Absent: restore them from this engine's own CPU tier into its GPU tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_kv_source: Option<RemoteKvSource>,
 }
 
 /// What a prefetch did (the response body).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrefetchReport {
     pub prefetch_id: String,
-    /// `pulled`, `nothing_missing`, `failed`, `cancelled`, `busy`, `waited_out`, `expired`.
+    /// `pulled`, `nothing_missing`, `failed`, `cancelled`, `busy`, `waited_out`, `expired`; a
+    /// restore: `restored`, `nothing_missing`, `not_cached`, `gpu_short`, `failed`.
     pub outcome: String,
-    /// Blocks that were missing here when the prefetch started.
+    /// Blocks that were missing here when the prefetch started (a restore: in the CPU tier, not
+    /// in the GPU tier).
     pub wanted_blocks: usize,
-    /// Blocks that landed.
+    /// Blocks that landed (a restore: copied into the GPU tier).
     pub blocks: usize,
     /// Tokens per block on this engine.
     pub block_size: usize,
     /// Why a pull moved less than it wanted (the pull's failure reason), if it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// A restore: the modelled host-to-device time charged for it (unscaled ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modelled_restore_ms: Option<f64>,
 }
 
 impl PrefetchReport {
@@ -67,6 +84,7 @@ impl PrefetchReport {
             blocks: 0,
             block_size: 0,
             reason: None,
+            modelled_restore_ms: None,
         }
     }
 }
@@ -149,7 +167,11 @@ impl Prefetcher {
                     running: &this.running,
                     id: id2,
                 };
-                this.pull(&engine2, req).await
+                if req.remote_kv_source.is_some() {
+                    this.pull(&engine2, req).await
+                } else {
+                    restore(&engine2, req).await
+                }
             });
             running.insert(id.clone(), task.abort_handle());
             task
@@ -160,10 +182,13 @@ impl Prefetcher {
             Err(e) if e.is_cancelled() => PrefetchReport::new(&id, "cancelled"),
             Err(_) => PrefetchReport::new(&id, "failed"),
         };
-        engine
-            .metrics()
-            .prefetch
-            .finished(&report.outcome, report.blocks);
+        // Restored blocks are counted by the compute loop (they did not land in the CPU tier).
+        let landed = if report.modelled_restore_ms.is_some() {
+            0
+        } else {
+            report.blocks
+        };
+        engine.metrics().prefetch.finished(&report.outcome, landed);
         Ok(report)
     }
 
@@ -180,6 +205,9 @@ impl Prefetcher {
 
     async fn pull(&self, engine: &EngineHandle, req: PrefetchRequest) -> PrefetchReport {
         let id = req.prefetch_id;
+        let Some(source) = req.remote_kv_source else {
+            return PrefetchReport::new(&id, "failed");
+        };
         let mut carrier = EngineRequest {
             request_id: format!("prefetch-{id}"),
             prompt: req.prompt_token_ids,
@@ -202,7 +230,7 @@ impl Prefetcher {
             threshold_tokens: 0,
             share_inflight: true,
         };
-        let read = RemoteRead::from_source(&req.remote_kv_source);
+        let read = RemoteRead::from_source(&source);
         let outcome = self.consumer.read(engine, &mut carrier, &read, opts).await;
         // Nothing is waiting for these blocks: leave them to the tier's LRU like any cached block.
         release_pulled(engine, &carrier);
@@ -226,4 +254,29 @@ impl Prefetcher {
         .to_owned();
         report
     }
+}
+
+/// A restore ahead (no `remote_kv_source`): see the module docs.
+async fn restore(engine: &EngineHandle, req: PrefetchRequest) -> PrefetchReport {
+    let mut report = PrefetchReport::new(&req.prefetch_id, "failed");
+    report.block_size = engine.kv_layout().block_size;
+    let Some(r) = engine.restore_ahead(req.prompt_token_ids).await else {
+        report.reason = Some("engine compute loop stopped".to_owned());
+        return report;
+    };
+    report.wanted_blocks = r.wanted_blocks;
+    report.blocks = r.restored_blocks;
+    report.reason = r.stopped.map(str::to_owned);
+    report.modelled_restore_ms = Some(r.modelled_ms);
+    report.outcome = if r.restored_blocks > 0 {
+        "restored"
+    } else if r.wanted_blocks > 0 {
+        "gpu_short"
+    } else if r.gpu_blocks >= r.blocks {
+        "nothing_missing"
+    } else {
+        "not_cached"
+    }
+    .to_owned();
+    report
 }

@@ -75,8 +75,11 @@ impl ComputeBackend for PanicAfterArmed {
     fn finalize_block(&mut self, block: BlockId, hash: BlockHash, kv: &mut KvArena) {
         self.inner.finalize_block(block, hash, kv)
     }
-    fn on_host_restore(&mut self, tokens: usize) {
+    fn on_host_restore(&mut self, tokens: usize) -> Duration {
         self.inner.on_host_restore(tokens)
+    }
+    fn run_pending_restore(&mut self) {
+        self.inner.run_pending_restore()
     }
 }
 

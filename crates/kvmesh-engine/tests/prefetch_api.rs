@@ -127,3 +127,108 @@ async fn a_prefetch_from_a_peer_not_allowed_is_refused_and_counted() {
     .await
     .expect("test timed out");
 }
+
+/// A restore prefetch (no `remote_kv_source`) on an engine whose GPU tier lost a history that its
+/// CPU tier still holds: the history's blocks go back up now, charged the modelled host-to-device
+/// time, and the next turn finds them as GPU hits (no restore on its path). Asked again: nothing
+/// is missing. A history larger than the GPU tier can spare is restored only down to the reserve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_prefetch_brings_the_owners_cpu_tier_history_back_to_the_gpu() {
+    timeout(Duration::from_secs(60), async {
+        let mut cfg = base_config();
+        cfg.kv_events = None;
+        // 64 GPU blocks of 16 tokens; a restore keeps 256 / 16 = 16 of them (plus one per
+        // running sequence) allocatable.
+        cfg.num_gpu_blocks = 64;
+        cfg.max_num_batched_tokens = 256;
+        let e = start_engine(cfg, PROFILE, 1000.0, 32).await;
+        let m = e.engine.metrics();
+        let restore =
+            |id: &str, prompt: &[u32]| json!({"prefetch_id": id, "prompt_token_ids": prompt});
+        let history = tokens(1, 480); // 30 blocks
+        complete(e.addr, &history, 1, None).await;
+        // Another session's 60-block prompt pushes it out of the GPU tier (not the CPU tier).
+        complete(e.addr, &tokens(2, 960), 1, None).await;
+
+        let restored_before = m.cpu_restored_blocks.get();
+        let (status, report) = prefetch(e.addr, restore("rs-1", &history)).await;
+        assert_eq!(status, 200, "{report}");
+        assert_eq!(report["outcome"], "restored", "{report}");
+        let blocks = report["blocks"].as_u64().unwrap();
+        assert!(
+            blocks >= 20,
+            "most of the history had left the GPU tier: {report}"
+        );
+        assert_eq!(
+            report["wanted_blocks"], blocks,
+            "nothing held it back: {report}"
+        );
+        assert!(report.get("reason").is_none(), "{report}");
+        // Charged as an on-demand restore is: real KV bytes over the modelled H2D bandwidth.
+        let profile = kvmesh_engine::compute::profiles::profile(PROFILE).unwrap();
+        let want_ms = (blocks * 16) as f64 * profile.real_kv_bytes_per_token as f64
+            / kvmesh_engine::compute::sim::SIM_H2D_BYTES_PER_SEC
+            * 1000.0;
+        let got_ms = report["modelled_restore_ms"].as_f64().unwrap();
+        assert!((got_ms - want_ms).abs() < 1e-6, "{got_ms} vs {want_ms}");
+        assert_eq!(m.prefetch.restored_blocks.get(), blocks);
+        assert!((m.prefetch.restore_modelled_seconds.get() * 1000.0 - want_ms).abs() < 1e-6);
+        assert_eq!(m.prefetch.blocks.get(), 0, "nothing landed in the CPU tier");
+        assert_eq!(m.cpu_restored_blocks.get(), restored_before + blocks);
+
+        // Asked again: all in the GPU tier, nothing to copy (cheap).
+        let (_, again) = prefetch(e.addr, restore("rs-2", &history)).await;
+        assert_eq!(again["outcome"], "nothing_missing", "{again}");
+        assert_eq!(again["blocks"], 0, "{again}");
+
+        // The next turn: every history block is a hit and none is restored on its path.
+        let mut next = history.clone();
+        next.extend(tokens(3, 40));
+        let got = complete(e.addr, &next, 4, None).await;
+        assert_eq!(cached_tokens(&got), 480, "{got}");
+        assert_eq!(
+            m.cpu_restored_blocks.get(),
+            restored_before + blocks,
+            "no restore on the request's critical path"
+        );
+
+        // A history in neither tier: nothing to restore.
+        let (_, none) = prefetch(e.addr, restore("rs-3", &tokens(4, 320))).await;
+        assert_eq!(none["outcome"], "not_cached", "{none}");
+
+        // Bounded: a 60-block history, pushed out of the GPU tier, comes back only down to the
+        // reserve (16 blocks stay allocatable), the rest is left to the request.
+        let big = tokens(5, 960);
+        complete(e.addr, &big, 1, None).await;
+        complete(e.addr, &tokens(6, 960), 1, None).await;
+        let (_, bounded) = prefetch(e.addr, restore("rs-4", &big)).await;
+        assert_eq!(bounded["outcome"], "restored", "{bounded}");
+        assert_eq!(bounded["reason"], "gpu_short", "{bounded}");
+        let (got, wanted) = (
+            bounded["blocks"].as_u64().unwrap(),
+            bounded["wanted_blocks"].as_u64().unwrap(),
+        );
+        assert!(got < wanted && got <= 64 - 16, "{bounded}");
+        let text = reqwest::get(format!("http://{}/metrics", e.addr))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("kvmesh_engine_prefetch_restored_blocks_total{")),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("kvmesh_engine_prefetches_total{")
+                    && l.contains("outcome=\"restored\"")
+                    && l.ends_with(" 2")),
+            "{text}"
+        );
+        e.shutdown().await;
+    })
+    .await
+    .expect("test timed out");
+}

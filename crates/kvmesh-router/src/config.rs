@@ -495,6 +495,14 @@ pub struct PrefetchConfig {
     /// Longest a prefetch may run before the router stops waiting for its report.
     #[serde(default = "default_prefetch_timeout")]
     pub timeout_s: f64,
+    /// When the next turn is predicted back on its owner: restore the history from the owner's
+    /// CPU tier into its GPU tier once the index shows it left the GPU tier (default true).
+    #[serde(default = "default_true")]
+    pub restore: bool,
+    /// How often (ms) the router re-reads the index during a gap whose next turn goes back to
+    /// the owner, to catch the history leaving the owner's GPU tier (default: `delay_ms`).
+    #[serde(default)]
+    pub restore_recheck_ms: Option<f64>,
 }
 
 fn default_session_id() -> SessionIdSource {
@@ -524,6 +532,9 @@ fn default_prefetch_delay_ms() -> f64 {
 fn default_prefetch_timeout() -> f64 {
     30.0
 }
+fn default_true() -> bool {
+    true
+}
 
 impl PrefetchConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -543,7 +554,20 @@ impl PrefetchConfig {
         if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
             return bad("timeout_s must be a positive number of seconds");
         }
+        if self
+            .restore_recheck_ms
+            .is_some_and(|ms| !(ms.is_finite() && ms > 0.0))
+        {
+            return bad("restore_recheck_ms must be a positive number of milliseconds");
+        }
         Ok(())
+    }
+
+    /// The index re-read interval of restore-ahead: `restore_recheck_ms`, else `delay_ms`; at
+    /// least 1 ms so a zero delay cannot spin.
+    pub fn restore_recheck(&self) -> std::time::Duration {
+        let ms = self.restore_recheck_ms.unwrap_or(self.delay_ms).max(1.0);
+        std::time::Duration::from_secs_f64(ms / 1000.0)
     }
 }
 

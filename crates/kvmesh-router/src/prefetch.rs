@@ -9,6 +9,14 @@
 //! budget of in-flight bytes; a prefetch still running when the next turn lands elsewhere is
 //! cancelled (`DELETE /kvmesh/prefetch/{id}`); every outcome is counted
 //! (`kvmesh_router_prefetches_total`) and each prefetch decision is in `/debug/decisions`.
+//!
+//! Most next turns are predicted back on their owner. There the history can still leave the GPU
+//! tier during the gap (other sessions' work evicts it to the CPU tier), and the next turn would
+//! restore it on its critical path. So, with `prefetch.restore` (the default), the router keeps
+//! reading its index during the gap (every `restore_recheck_ms`) and, once the index shows the
+//! owner's CPU tier holding blocks of the history that its GPU tier lost, asks the owner to
+//! restore them now (`POST /kvmesh/prefetch` without `remote_kv_source`). A short gap in which
+//! nothing was evicted costs index reads only, no request; one restore per gap.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,16 +24,18 @@ use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
 use kvmesh_core::chain::chain_keys;
-use kvmesh_core::{RemoteKvSource, TokenId};
-use kvmesh_sched::SchedulingContext;
+use kvmesh_core::{ChainKey, RemoteKvSource, TokenId};
 use kvmesh_sched::decisions::DecisionRecord;
+use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
+use kvmesh_sched::{Decision, SchedulingContext};
 use serde_json::{Value, json};
 
 use crate::candidates::{by_id, gather};
 use crate::config::SessionIdSource;
 use crate::endpoints::Endpoint;
+use crate::prefix::match_of;
 use crate::request::ParsedRequest;
-use crate::sessions::{Ticket, TicketState, Verdict, verdict};
+use crate::sessions::{Sessions, Ticket, TicketState, Verdict, verdict};
 use crate::state::{RouterState, unix_now};
 
 /// Longest session id accepted (longer ones are ignored: the request is routed as sessionless).
@@ -83,6 +93,21 @@ pub(crate) fn on_placed(s: &Arc<RouterState>, session: &str, placed: &Endpoint) 
     let Some(ticket) = ticket else {
         return;
     };
+    if ticket.restore {
+        // A restore ran on the owner; it is quick and took no CPU-tier room: never cancelled.
+        match verdict(&ticket, placed.id) {
+            Verdict::Used | Verdict::UsedInFlight => {
+                sessions.count("restore_used");
+                sessions.count_bytes("restore_used", ticket.landed_bytes);
+            }
+            Verdict::Wasted { .. } => {
+                sessions.count("restore_wasted");
+                sessions.count_bytes("restore_wasted", ticket.landed_bytes);
+            }
+            Verdict::AlreadyFailed => {}
+        }
+        return;
+    }
     match verdict(&ticket, placed.id) {
         Verdict::Used => {
             sessions.count("used");
@@ -188,35 +213,207 @@ pub(crate) fn on_turn_end(
             sessions.count("skipped_arrived");
             return;
         }
-        prepare_next_turn(&s, session, &owner, &tokens);
+        let keys = chain_keys(&tokens, s.config.block_size);
+        let mut next = prepare_next_turn(&s, &session, &owner, &tokens, &keys);
+        // Back on the owner with the history in its GPU tier: watch the index for the history
+        // leaving it, until the next turn comes or the session is forgotten.
+        let (recheck, ttl) = (
+            sessions.config.restore_recheck(),
+            Duration::from_secs_f64(sessions.config.session_ttl_s),
+        );
+        let started = Instant::now();
+        while next == Next::OwnerResident {
+            tokio::time::sleep(recheck).await;
+            if sessions.table.lock().generation(&session) != generation || started.elapsed() > ttl {
+                // The GPU tier kept the history for the whole gap: nothing to do.
+                sessions.count("skipped_owner");
+                return;
+            }
+            next = recheck_owner(&s, &sessions, &session, &owner, &tokens, &keys);
+        }
     });
+}
+
+/// What the decision after a turn left to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// Decided (a prefetch issued, or skipped and counted).
+    Done,
+    /// The next turn goes back to the owner, whose GPU tier still holds the history: re-read
+    /// the index later (restore-ahead).
+    OwnerResident,
+}
+
+/// A re-read of the index during the gap: has the owner's GPU tier lost part of the history
+/// that its CPU tier still holds?
+fn recheck_owner(
+    s: &Arc<RouterState>,
+    sessions: &Arc<Sessions>,
+    session: &str,
+    owner: &Arc<Endpoint>,
+    tokens: &Arc<Vec<TokenId>>,
+    keys: &[ChainKey],
+) -> Next {
+    if !owner.is_healthy() {
+        sessions.count("skipped_owner");
+        return Next::Done;
+    }
+    let m = match_of(&s.prefix.find_matches(keys), owner.id);
+    restore_on_owner(
+        s,
+        sessions,
+        session,
+        owner,
+        tokens,
+        keys.len(),
+        (m.gpu_blocks, m.cpu_blocks),
+    )
+}
+
+/// The next turn goes back to `owner`, whose index entry for the history's `blocks` full blocks
+/// is `(gpu, cpu)` leading blocks: while the GPU tier holds them all there is nothing to do
+/// (yet); once the CPU tier holds more than the GPU tier, the owner restores those blocks now,
+/// within the in-flight budget. Nothing beyond the GPU prefix anywhere: keep watching (the CPU
+/// tier cannot help, the next turn computes them).
+fn restore_on_owner(
+    s: &Arc<RouterState>,
+    sessions: &Arc<Sessions>,
+    session: &str,
+    owner: &Arc<Endpoint>,
+    tokens: &Arc<Vec<TokenId>>,
+    blocks: usize,
+    (gpu, cpu): (usize, usize),
+) -> Next {
+    if !sessions.config.restore {
+        sessions.count("skipped_owner");
+        return Next::Done;
+    }
+    if gpu >= blocks || cpu <= gpu {
+        return Next::OwnerResident;
+    }
+    let bs = s.config.block_size;
+    let bytes = ((cpu - gpu) * bs) as u64 * sessions.config.kv_bytes_per_token;
+    let cap = sessions.config.max_inflight_bytes_per_endpoint;
+    if !sessions.budget.lock().try_reserve(owner.id, bytes, cap) {
+        sessions.count("restore_skipped_budget");
+        return Next::Done;
+    }
+    let id = format!("pf-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
+    let ticket = Ticket {
+        id: id.clone(),
+        target: owner.id,
+        target_name: Arc::clone(&owner.name),
+        bytes,
+        landed_bytes: 0,
+        state: TicketState::Running,
+        restore: true,
+    };
+    if !sessions.table.lock().attach(session, ticket) {
+        sessions.budget.lock().release(owner.id, bytes);
+        return Next::Done;
+    }
+    sessions.count("restore_issued");
+    sessions.count_bytes("restore_issued", bytes);
+    sessions.refresh_gauges();
+    let why = format!(
+        "next turn predicted back on its owner {}, whose GPU tier holds {gpu} of the history's \
+         {blocks} blocks and its CPU tier {cpu}: restore {} blocks ahead",
+        owner.name,
+        cpu - gpu
+    );
+    s.decisions.push(Arc::new(DecisionRecord {
+        request_id: id.clone(),
+        at: unix_now(),
+        path: PREFETCH_PATH.to_owned(),
+        prompt_tokens: tokens.len(),
+        blocks,
+        scheduling_us: 0,
+        held_ms: 0.0,
+        outcome: "prefetch_restore",
+        decision: Decision {
+            profile: "prefetch-restore".to_owned(),
+            chosen: Some(owner.id),
+            endpoint: Some(owner.name.to_string()),
+            picker: "session-owner".to_owned(),
+            filters: Vec::new(),
+            candidates: Vec::new(),
+            p2p: Some(P2pDecision {
+                source: Some(owner.id),
+                source_endpoint: Some(owner.name.to_string()),
+                skipped: None,
+                source_tokens: (cpu * bs) as u64,
+                computing_tokens: (gpu * bs) as u64,
+                delta_tokens: ((cpu - gpu) * bs) as i64,
+                predicted_recompute_ms: None,
+                predicted_pull_ms: None,
+                band: Vec::new(),
+                why,
+            }),
+        },
+    }));
+    // No `remote_kv_source`: the owner restores from its own CPU tier.
+    let body = json!({"prefetch_id": id, "prompt_token_ids": tokens.as_slice()});
+    let (s, sessions, owner) = (Arc::clone(s), Arc::clone(sessions), Arc::clone(owner));
+    let session = session.to_owned();
+    tokio::spawn(async move {
+        let timeout = Duration::from_secs_f64(sessions.config.timeout_s);
+        let url = owner.url(PREFETCH_PATH);
+        let (report, blocks, tokens_per_block) = send_prefetch(&s, url, &body, timeout, bs).await;
+        let restored = blocks * tokens_per_block * sessions.config.kv_bytes_per_token;
+        let outcome = report
+            .as_ref()
+            .and_then(|r| r.get("outcome"))
+            .and_then(Value::as_str);
+        let state = if blocks > 0 {
+            sessions.count("restored");
+            sessions.count_bytes("restored", restored);
+            TicketState::Landed {
+                blocks: blocks as usize,
+            }
+        } else {
+            // `nothing_missing`: the index was behind the engine (cheap, nothing moved).
+            sessions.count(if outcome == Some("nothing_missing") {
+                "restore_nothing_missing"
+            } else {
+                "restore_failed"
+            });
+            TicketState::Failed
+        };
+        sessions.budget.lock().release(owner.id, bytes);
+        let attached = sessions.table.lock().settle(&session, &id, state, restored);
+        if !attached && let Some(r) = &report {
+            tracing::debug!(prefetch = %id, report = %r, "restore ended after its session moved on");
+        }
+        sessions.refresh_gauges();
+    });
+    Next::Done
 }
 
 /// The prediction: where would the session's next turn go now? The profile decides over every
 /// endpoint that could take it (the owner, and those of its KV group with a P2P consumer). The
-/// owner (it holds the history) → nothing to do; another endpoint → it pulls the missing history
-/// from the owner now, within the budget.
+/// owner → restore ahead on it if its GPU tier lost the history ([`restore_on_owner`]); another
+/// endpoint → it pulls the missing history from the owner now, within the budget.
 fn prepare_next_turn(
     s: &Arc<RouterState>,
-    session: String,
+    session: &str,
     owner: &Arc<Endpoint>,
     tokens: &Arc<Vec<TokenId>>,
-) {
+    keys: &[ChainKey],
+) -> Next {
     let Some(sessions) = s.sessions.clone() else {
-        return;
+        return Next::Done;
     };
     let Some((host, port)) = owner.spec.p2p_host_port() else {
         sessions.count("skipped_no_target");
-        return;
+        return Next::Done;
     };
     let bs = s.config.block_size;
-    let keys = chain_keys(tokens, bs);
-    let (eligible, mut candidates) = gather(s, &keys, None);
+    let (eligible, mut candidates) = gather(s, keys, None);
     candidates.retain(|c| c.endpoint == owner.id || (c.has_p2p && c.kv_group == owner.kv_group));
     let profile_name = sessions.config.profile.as_deref();
     let Some(profile) = s.scheduler.profile(profile_name) else {
         sessions.count("skipped_no_target");
-        return;
+        return Next::Done;
     };
     let id = format!("pf-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
     let t0 = Instant::now();
@@ -232,29 +429,36 @@ fn prepare_next_turn(
     let Some(target) = chosen.and_then(|c| by_id(&eligible, c.endpoint).cloned().map(|e| (c, e)))
     else {
         sessions.count("skipped_no_target");
-        return;
+        return Next::Done;
     };
     let (cand, target) = target;
     if target.id == owner.id {
-        // The next turn would go back to its owner: nothing to move.
-        sessions.count("skipped_owner");
-        return;
+        // The next turn would go back to its owner: nothing to move between engines.
+        return restore_on_owner(
+            s,
+            &sessions,
+            session,
+            owner,
+            tokens,
+            keys.len(),
+            (cand.gpu_blocks, cand.cpu_blocks),
+        );
     }
     if cand.any_blocks >= keys.len() {
         sessions.count("skipped_held");
-        return;
+        return Next::Done;
     }
     let missing_tokens = (keys.len() - cand.any_blocks.min(keys.len())) * bs;
     let bytes = missing_tokens as u64 * sessions.config.kv_bytes_per_token;
     let unused = sessions.table.lock().unused_bytes(target.id);
     if unused.saturating_add(bytes) > sessions.config.max_unused_bytes_per_endpoint {
         sessions.count("skipped_room");
-        return;
+        return Next::Done;
     }
     let cap = sessions.config.max_inflight_bytes_per_endpoint;
     if !sessions.budget.lock().try_reserve(target.id, bytes, cap) {
         sessions.count("skipped_budget");
-        return;
+        return Next::Done;
     }
     let ticket = Ticket {
         id: id.clone(),
@@ -263,10 +467,11 @@ fn prepare_next_turn(
         bytes,
         landed_bytes: 0,
         state: TicketState::Running,
+        restore: false,
     };
-    if !sessions.table.lock().attach(&session, ticket) {
+    if !sessions.table.lock().attach(session, ticket) {
         sessions.budget.lock().release(target.id, bytes);
-        return;
+        return Next::Done;
     }
     sessions.count("issued");
     sessions.count_bytes("issued", bytes);
@@ -292,6 +497,7 @@ fn prepare_next_turn(
         },
     });
     let (s, url) = (Arc::clone(s), target.url(PREFETCH_PATH));
+    let session = session.to_owned();
     tokio::spawn(async move {
         let timeout = Duration::from_secs_f64(sessions.config.timeout_s);
         let (report, blocks, tokens_per_block) = send_prefetch(&s, url, &body, timeout, bs).await;
@@ -313,4 +519,5 @@ fn prepare_next_turn(
         }
         sessions.refresh_gauges();
     });
+    Next::Done
 }

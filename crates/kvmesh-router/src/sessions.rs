@@ -42,6 +42,9 @@ pub struct Ticket {
     /// Bytes that landed (0 until the target reports).
     pub landed_bytes: u64,
     pub state: TicketState,
+    /// A restore ahead on the owner (its CPU tier into its GPU tier), not a pull: it takes no
+    /// CPU-tier room and is counted under the `restore_*` outcomes.
+    pub restore: bool,
 }
 
 #[derive(Debug)]
@@ -203,12 +206,13 @@ impl SessionTable {
     }
 
     /// Bytes of the prefetches towards `target` whose turn has not come yet (running or landed):
-    /// what speculative copies occupy in its CPU tier, where they push out other blocks.
+    /// what speculative copies occupy in its CPU tier, where they push out other blocks (restores
+    /// add nothing there).
     pub fn unused_bytes(&self, target: EndpointId) -> u64 {
         self.map
             .values()
             .filter_map(|s| s.ticket.as_ref())
-            .filter(|t| t.target == target && t.state != TicketState::Failed)
+            .filter(|t| t.target == target && !t.restore && t.state != TicketState::Failed)
             .map(|t| t.bytes)
             .sum()
     }
@@ -302,12 +306,15 @@ impl Sessions {
         registry.register(
             "kvmesh_router_prefetches",
             "Prefetches ahead of arrival by outcome: issued, landed, failed, used, used_in_flight, \
-             wasted, cancelled, expired, and skipped_{short,owner,arrived,held,no_target,budget,room}",
+             wasted, cancelled, expired, skipped_{short,owner,arrived,held,no_target,budget,room}; \
+             restores on the owner: restore_{issued,nothing_missing,failed,used,wasted,expired,\
+             skipped_budget}, restored",
             s.prefetches.clone(),
         );
         registry.register(
             "kvmesh_router_prefetch_bytes",
-            "Modelled KV bytes of prefetches: issued (budgeted), landed, used, wasted",
+            "Modelled KV bytes of prefetches: issued (budgeted), landed, used, wasted; restores: \
+             restore_issued, restored, restore_used, restore_wasted",
             s.bytes.clone(),
         );
         registry.register(
@@ -345,8 +352,13 @@ impl Sessions {
     /// Counts tickets that will never be used (expired sessions): their landed bytes are waste.
     pub fn count_dropped(&self, tickets: &[Ticket]) {
         for t in tickets {
-            self.count("expired");
-            self.count_bytes("wasted", t.landed_bytes);
+            if t.restore {
+                self.count("restore_expired");
+                self.count_bytes("restore_wasted", t.landed_bytes);
+            } else {
+                self.count("expired");
+                self.count_bytes("wasted", t.landed_bytes);
+            }
         }
     }
 }
@@ -363,6 +375,7 @@ mod tests {
             bytes: 100,
             landed_bytes: 0,
             state,
+            restore: false,
         }
     }
 
@@ -449,6 +462,21 @@ mod tests {
         assert!(t.attach("d", ticket("pd", 2, TicketState::Running)));
         let dropped = t.turn_finished("d", EndpointId(2), tokens(32), t0);
         assert_eq!(dropped.len(), 1);
+    }
+
+    #[test]
+    fn a_restore_takes_no_cpu_tier_room() {
+        let mut t = SessionTable::new(8, Duration::from_secs(60));
+        let now = Instant::now();
+        t.turn_finished("a", EndpointId(2), tokens(4), now);
+        t.turn_finished("b", EndpointId(2), tokens(4), now);
+        assert!(t.attach("a", ticket("pa", 2, TicketState::Running)));
+        let restore = Ticket {
+            restore: true,
+            ..ticket("rb", 2, TicketState::Running)
+        };
+        assert!(t.attach("b", restore));
+        assert_eq!(t.unused_bytes(EndpointId(2)), 100, "only the pull's copy");
     }
 
     #[test]

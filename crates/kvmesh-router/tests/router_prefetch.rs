@@ -3,14 +3,21 @@
 //! the history during the gap (counted on both sides, shown in `/debug/decisions` and in the
 //! index), and when the owner is gone the next turn is served from that copy — a local CPU-tier
 //! hit, with no pull on its critical path and no recompute. Short histories are not prefetched.
+//! When the next turn goes back to its owner and the owner's GPU tier lost the history during
+//! the gap, the owner restores it from its own CPU tier ahead of the turn; a gap in which
+//! nothing was evicted costs no request.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
 use std::time::Duration;
 
-use common::engines::{SimEngine, engine_metric, start_engine, stop};
-use common::{doc, eventually_async, get_json, scrape_metric, start_router, wait_for_prefix};
+use common::engines::{
+    SimEngine, engine_metric, sim_config, start_engine, start_engine_with, stop,
+};
+use common::{
+    doc, eventually_async, get_json, post_json, scrape_metric, start_router, wait_for_prefix,
+};
 use serde_json::{Value, json};
 
 const LIMIT: Duration = Duration::from_secs(90);
@@ -178,6 +185,146 @@ async fn a_session_history_is_prefetched_to_a_second_engine_and_used_there() {
             metric("skipped_short").await >= 1.0
         })
         .await;
+        stop(r, engines).await;
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// One engine (every next turn goes back to its owner), a small GPU tier, restore-ahead on.
+const RESTORE_CONFIG: &str = r#"
+seed: 7
+block_size: 16
+plugins:
+  - {type: prefix-cache-scorer, name: prefix}
+  - {type: max-score-picker, name: max}
+schedulingProfiles:
+  - name: prefix
+    plugins: [{pluginRef: prefix, weight: 1}, {pluginRef: max}]
+prefetch:
+  session_id: header:x-session-id
+  min_tokens: 1024
+  kv_bytes_per_token: 1000
+  delay_ms: 200
+  restore_recheck_ms: 50
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_history_evicted_from_the_owners_gpu_is_restored_ahead_of_the_next_turn() {
+    tokio::time::timeout(LIMIT, async {
+        // 320 GPU blocks of 16 tokens; a restore keeps 512 / 16 = 32 of them allocatable.
+        let mut config = sim_config(320);
+        config.max_num_batched_tokens = 512;
+        let engines = vec![start_engine_with("e0", config, 20.0).await];
+        let yaml = format!(
+            "{RESTORE_CONFIG}{}",
+            common::engines::engines_yaml(&engines.iter().collect::<Vec<_>>())
+        );
+        let r = start_router(&yaml, None).await;
+        let base = format!("http://{}", r.addr);
+        let url = engines[0].url.clone();
+        let metric = |outcome: &'static str| {
+            let base = base.clone();
+            async move {
+                scrape_metric(
+                    &base,
+                    "kvmesh_router_prefetches_total",
+                    &format!("outcome=\"{outcome}\""),
+                )
+                .await
+            }
+        };
+
+        // Turn 1 ends on e0 with its 2K history in both tiers; the router watches the gap.
+        let history = doc(21, 2048);
+        let (owner, _) = turn(&base, "s-1", &history).await;
+        assert_eq!(owner, "e0");
+        wait_for_prefix(&r, &history, "e0", "gpu_tokens", 2032).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(metric("restore_issued").await, 0.0, "still in the GPU tier");
+        // Another client's 4.8K prompt pushes most of it out of the GPU tier (not the CPU tier).
+        let filler = post_json(
+            &format!("{base}/v1/completions"),
+            &json!({"prompt": doc(22, 4800), "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(filler.status(), 200);
+        eventually_async(20, "the owner restored the history", || async {
+            metric("restored").await >= 1.0
+        })
+        .await;
+        assert_eq!(metric("restore_issued").await, 1.0);
+        assert_eq!(metric("issued").await, 0.0, "no pull: one engine");
+        let restored = engine_metric(&url, "kvmesh_engine_prefetch_restored_blocks_total").await;
+        assert!(
+            restored >= 64.0,
+            "most of the 128 blocks came back: {restored}"
+        );
+        assert_eq!(
+            scrape_metric(
+                &url,
+                "kvmesh_engine_prefetches_total",
+                "outcome=\"restored\""
+            )
+            .await,
+            1.0
+        );
+        assert!(
+            engine_metric(
+                &url,
+                "kvmesh_engine_prefetch_restore_modelled_seconds_total"
+            )
+            .await
+                > 0.0
+        );
+        let decisions = get_json(&format!("{base}/debug/decisions?last=50")).await;
+        let restore = decisions
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["outcome"] == "prefetch_restore")
+            .unwrap_or_else(|| panic!("no restore decision: {decisions}"));
+        assert_eq!(restore["endpoint"], "e0", "{restore}");
+        assert_eq!(restore["path"], "/kvmesh/prefetch", "{restore}");
+        // The index sees the history back in the GPU tier.
+        wait_for_prefix(&r, &history, "e0", "gpu_tokens", 2032).await;
+
+        // The next turn finds the history in the GPU tier: no restore on its critical path.
+        let restores_before = engine_metric(&url, "kvmesh_engine_cpu_restored_blocks_total").await;
+        let hits_before = engine_metric(&url, "vllm:prefix_cache_hits_total").await;
+        let next = format!("{history} and then the tool said {}", doc(23, 200));
+        let (placed, _) = turn(&base, "s-1", &next).await;
+        assert_eq!(placed, "e0");
+        let hits = engine_metric(&url, "vllm:prefix_cache_hits_total").await - hits_before;
+        assert!(
+            hits >= 2032.0,
+            "history served from the GPU tier ({hits} hit tokens)"
+        );
+        assert_eq!(
+            engine_metric(&url, "kvmesh_engine_cpu_restored_blocks_total").await,
+            restores_before,
+            "no CPU-tier restore on the next turn's path"
+        );
+        eventually_async(5, "the restore counted as used", || async {
+            metric("restore_used").await == 1.0
+        })
+        .await;
+
+        // A gap in which nothing was evicted: index reads only, no request to the engine.
+        let short = doc(24, 2048);
+        turn(&base, "s-2", &short).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        turn(&base, "s-2", &format!("{short} ok")).await;
+        eventually_async(5, "the owner kept it", || async {
+            metric("skipped_owner").await >= 1.0
+        })
+        .await;
+        assert_eq!(metric("restore_issued").await, 1.0);
+        assert_eq!(
+            scrape_metric(&url, "kvmesh_engine_prefetches_total", "").await,
+            1.0,
+            "the engine was asked once"
+        );
         stop(r, engines).await;
     })
     .await

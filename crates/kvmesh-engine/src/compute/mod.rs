@@ -178,7 +178,15 @@ pub trait ComputeBackend: Send {
     /// hash-derived payload here; real backends keep the default (their KV is already written).
     fn finalize_block(&mut self, _block: BlockId, _hash: BlockHash, _kv: &mut KvArena) {}
     /// Called when the engine copied `tokens` worth of KV from the CPU tier into the arena (a
-    /// local prefix hit restored from host memory). Time-modelled backends charge the modelled
-    /// host-to-device copy to their next step; real backends keep the default.
-    fn on_host_restore(&mut self, _tokens: usize) {}
+    /// local prefix hit restored from host memory, or a restore ahead of a request).
+    /// Time-modelled backends charge the modelled host-to-device copy to their next step and
+    /// return it (unscaled); real backends keep the default (their copy already took its time).
+    fn on_host_restore(&mut self, _tokens: usize) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
+    /// Called when the engine is idle with host-to-device copies charged but no step to charge
+    /// them to (a restore ahead of a request on an idle engine): time-modelled backends spend
+    /// that time now, on the idle compute thread, so it is neither lost nor pushed onto the next
+    /// request's first step.
+    fn run_pending_restore(&mut self) {}
 }

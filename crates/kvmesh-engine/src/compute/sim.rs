@@ -247,10 +247,24 @@ impl ComputeBackend for SimBackend {
             })
     }
 
-    fn on_host_restore(&mut self, tokens: usize) {
-        self.pending_restore_ms += tokens as f64 * self.cfg.profile.real_kv_bytes_per_token as f64
+    fn on_host_restore(&mut self, tokens: usize) -> Duration {
+        let ms = tokens as f64 * self.cfg.profile.real_kv_bytes_per_token as f64
             / SIM_H2D_BYTES_PER_SEC
             * 1000.0;
+        self.pending_restore_ms += ms;
+        Duration::from_secs_f64(ms / 1000.0)
+    }
+
+    fn run_pending_restore(&mut self) {
+        let ms = std::mem::take(&mut self.pending_restore_ms);
+        if ms <= 0.0 {
+            return;
+        }
+        let modelled = Duration::from_secs_f64(ms / 1000.0);
+        self.total_modelled += modelled;
+        if self.sleep && self.cfg.time_scale > 0.0 {
+            std::thread::sleep(modelled.div_f64(self.cfg.time_scale));
+        }
     }
 
     fn finalize_block(&mut self, block: BlockId, hash: BlockHash, kv: &mut KvArena) {

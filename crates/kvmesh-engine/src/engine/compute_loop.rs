@@ -21,7 +21,8 @@ use crate::outbox::KvEventSink;
 use crate::pool::{BlockPool, BlockState};
 
 use super::types::{
-    Command, EngineRequest, FinishInfo, FinishReason, NewSeq, SeqOutput, SharedCounters,
+    Command, EngineRequest, FinishInfo, FinishReason, NewSeq, RestoreAhead, RestoreReport,
+    SeqOutput, SharedCounters,
 };
 
 struct Seq {
@@ -195,6 +196,15 @@ impl Core {
                     s.num_finalized = (s.num_computed / bs).max(s.num_finalized);
                 }
                 let _ = reply.send(true);
+            }
+            Command::Restore(r) => {
+                let RestoreAhead {
+                    tokens,
+                    hashes,
+                    reply,
+                } = *r;
+                let report = self.restore_ahead(&tokens, &hashes);
+                let _ = reply.send(report);
             }
             Command::Inspect(f) => f(&self.pool),
             Command::Shutdown => self.stop = true,
@@ -438,6 +448,129 @@ impl Core {
             return None;
         }
         Some(n)
+    }
+
+    /// Blocks a restore ahead leaves allocatable: one full step of new tokens
+    /// (`max_num_batched_tokens`) plus one block per running sequence, so the sequences already
+    /// here can take their next step without preemption.
+    fn restore_reserve(&self) -> usize {
+        self.cfg.max_num_batched_tokens.div_ceil(self.block_size()) + self.running.len()
+    }
+
+    /// Restore ahead of a request: the CPU-tier run of `hashes` right after their GPU-tier
+    /// prefix is copied into the GPU tier now, as an admission would copy it, and left cached
+    /// (evictable, most recently used) for the request that is expected next. Bounded so it never
+    /// costs the work already here: nothing while sequences wait (they need the blocks first),
+    /// only blocks that are free or cached-unreferenced (never a running sequence's), and never
+    /// below [`Core::restore_reserve`]. The host-to-device copy is charged like an on-demand
+    /// restore (to the next step), or spent now when the loop is idle.
+    fn restore_ahead(&mut self, tokens: &[TokenId], hashes: &[BlockHash]) -> RestoreReport {
+        let bs = self.block_size();
+        let n_full = hashes.len().min(tokens.len() / bs);
+        let hashes = &hashes[..n_full];
+        let gpu_hit = self.pool.lookup_prefix(hashes);
+        let wanted = self.cpu.lookup_prefix(&hashes[gpu_hit..]);
+        let mut report = RestoreReport {
+            blocks: n_full,
+            gpu_blocks: gpu_hit,
+            wanted_blocks: wanted,
+            restored_blocks: 0,
+            stopped: None,
+            modelled_ms: 0.0,
+        };
+        if wanted == 0 {
+            return report;
+        }
+        if !self.waiting.is_empty() {
+            report.stopped = Some("requests_waiting");
+            return report;
+        }
+        // The GPU-tier prefix is held during the copy so the copy's own allocations cannot
+        // evict it (it would turn the restore into a shuffle).
+        let evictable_hits = hashes[..gpu_hit]
+            .iter()
+            .filter(|h| {
+                self.pool
+                    .get(**h)
+                    .is_some_and(|b| self.pool.state(b) == BlockState::Cached)
+            })
+            .count();
+        let room = self
+            .pool
+            .num_allocatable()
+            .saturating_sub(evictable_hits)
+            .saturating_sub(self.restore_reserve());
+        let take = wanted.min(room);
+        if take < wanted {
+            report.stopped = Some("gpu_short");
+        }
+        if take == 0 {
+            return report;
+        }
+        let mut held: Vec<BlockId> = hashes[..gpu_hit]
+            .iter()
+            .filter_map(|h| self.pool.acquire_cached(*h))
+            .collect();
+        let mut restored = 0;
+        let mut stored_run: Option<BlockStored> = None;
+        for (i, h) in hashes.iter().enumerate().skip(gpu_hit).take(take) {
+            if let Some(b) = self.pool.acquire_cached(*h) {
+                // Already in the GPU tier past a gap in the prefix: nothing to copy.
+                held.push(b);
+                if let Some(run) = stored_run.take() {
+                    self.outbox.push(KvEvent::BlockStored(run));
+                }
+                continue;
+            }
+            let Some(payload) = self.cpu.get(*h) else {
+                break;
+            };
+            if payload.len() > self.bytes_per_block {
+                break;
+            }
+            let Some(b) = self.pool.allocate(&mut self.outbox) else {
+                report.stopped = Some("gpu_short");
+                break;
+            };
+            self.arena.block_mut(b)[..payload.len()].copy_from_slice(&payload);
+            held.push(b);
+            if self.pool.register(b, *h) {
+                let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
+                let run = stored_run.get_or_insert_with(|| gpu_stored(parent, bs));
+                run.block_hashes.push(*h);
+                run.token_ids
+                    .extend_from_slice(&tokens[i * bs..(i + 1) * bs]);
+            }
+            restored += 1;
+        }
+        if let Some(run) = stored_run {
+            self.outbox.push(KvEvent::BlockStored(run));
+        }
+        // Tail first, as a finished sequence releases: under pressure the LRU takes the end of
+        // the history before its beginning, and a shorter prefix hit stays usable.
+        for &b in held.iter().rev() {
+            self.pool.release(b);
+        }
+        self.flush_events();
+        report.restored_blocks = restored;
+        if restored > 0 {
+            self.metrics.cpu_restored_blocks.inc_by(restored as u64);
+            self.metrics
+                .prefetch
+                .restored_blocks
+                .inc_by(restored as u64);
+            let charged = self.backend.on_host_restore(restored * bs);
+            report.modelled_ms = charged.as_secs_f64() * 1000.0;
+            self.metrics
+                .prefetch
+                .restore_modelled_seconds
+                .inc_by(charged.as_secs_f64());
+            if self.running.is_empty() && self.waiting.is_empty() {
+                // No step to charge it to: the copy runs now, while nothing else would.
+                self.backend.run_pending_restore();
+            }
+        }
+        report
     }
 
     /// Makes sure digests exist for the first `n_blocks` full blocks of the sequence's tokens.

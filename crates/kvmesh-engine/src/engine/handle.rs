@@ -20,7 +20,8 @@ use crate::pool::BlockPool;
 
 use super::compute_loop::Core;
 use super::types::{
-    Command, EngineRequest, FinishReason, NewSeq, SeqOutput, SharedCounters, SubmitError,
+    Command, EngineRequest, FinishReason, NewSeq, RestoreAhead, RestoreReport, SeqOutput,
+    SharedCounters, SubmitError,
 };
 
 /// Cloneable access to a running engine.
@@ -281,6 +282,21 @@ impl EngineHandle {
             return false;
         }
         rx.await.unwrap_or(false)
+    }
+
+    /// Copies the history's full blocks that the CPU tier holds but the GPU tier does not into
+    /// the GPU tier now, ahead of the request expected to use them (bounded and charged as the
+    /// compute loop's `restore_ahead` says). None when the loop has stopped.
+    pub async fn restore_ahead(&self, tokens: Vec<TokenId>) -> Option<RestoreReport> {
+        let hashes = self.block_hashes(&tokens);
+        let (reply, rx) = oneshot::channel();
+        let cmd = Command::Restore(Box::new(RestoreAhead {
+            tokens,
+            hashes,
+            reply,
+        }));
+        self.tx.send(cmd).ok()?;
+        rx.await.ok()
     }
 
     /// Runs `f` on the compute thread against the GPU pool (tests, debugging).

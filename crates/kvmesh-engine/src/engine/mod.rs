@@ -29,4 +29,6 @@ mod types;
 mod tests;
 
 pub use handle::{Engine, EngineHandle, SeqStream, build_engine};
-pub use types::{EngineRequest, FinishInfo, FinishReason, SeqOutput, SharedCounters, SubmitError};
+pub use types::{
+    EngineRequest, FinishInfo, FinishReason, RestoreReport, SeqOutput, SharedCounters, SubmitError,
+};

@@ -108,9 +108,38 @@ pub(super) enum Command {
     /// End a sequence early: `Abort` when its client left, `Stop` when a stop string matched.
     Abort(u64, FinishReason),
     Reset(oneshot::Sender<bool>),
+    /// Restore ahead of a request (a router's restore prefetch): see [`RestoreAhead`].
+    Restore(Box<RestoreAhead>),
     /// Runs a closure on the compute thread with the pool (tests / debugging).
     Inspect(Box<dyn FnOnce(&BlockPool) + Send>),
     Shutdown,
+}
+
+/// Bring the CPU-tier blocks of a history into the GPU tier now, before the request that will
+/// use them arrives (`POST /kvmesh/prefetch` without `remote_kv_source`).
+pub(super) struct RestoreAhead {
+    /// The history's tokens (the restored blocks' `BlockStored` events carry them).
+    pub(super) tokens: Vec<TokenId>,
+    /// Event hashes of every full block of `tokens`.
+    pub(super) hashes: Vec<BlockHash>,
+    pub(super) reply: oneshot::Sender<RestoreReport>,
+}
+
+/// What a restore ahead did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RestoreReport {
+    /// Full blocks of the history.
+    pub blocks: usize,
+    /// Leading blocks already in the GPU tier.
+    pub gpu_blocks: usize,
+    /// Blocks after those that the CPU tier holds (what a restore could bring up).
+    pub wanted_blocks: usize,
+    /// Blocks brought into the GPU tier.
+    pub restored_blocks: usize,
+    /// Why it restored fewer than `wanted_blocks`: `requests_waiting` or `gpu_short`.
+    pub stopped: Option<&'static str>,
+    /// Modelled host-to-device time charged for the copy (unscaled ms; 0 on real backends).
+    pub modelled_ms: f64,
 }
 
 /// A submitted request, hashed and numbered, on its way to the loop.
