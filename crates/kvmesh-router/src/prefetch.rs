@@ -258,6 +258,13 @@ fn recheck_owner(
         sessions.count("skipped_owner");
         return Next::Done;
     }
+    // A one-block probe first: an engine releases a history tail first, so its GPU tier loses
+    // the last block before any other. While that block is there, the full walk (thousands of
+    // blocks, for every session in its gap, every recheck) is not worth doing.
+    let last = &keys[keys.len().saturating_sub(1)..];
+    if match_of(&s.prefix.find_matches(last), owner.id).gpu_blocks > 0 {
+        return Next::OwnerResident;
+    }
     let m = match_of(&s.prefix.find_matches(keys), owner.id);
     restore_on_owner(
         s,
