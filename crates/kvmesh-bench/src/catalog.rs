@@ -18,6 +18,7 @@ pub const WORKLOAD_NAMES: &[&str] = &[
     "agentic-nogap",
     "agentic-pd",
     "restart",
+    "restart-agg",
     "fanout",
     "fanout@<pullers>",
     "skew",
@@ -57,6 +58,7 @@ pub fn build(
         "agentic-nogap" => vec![crate::agentic::agentic(scale, seed, (0.0, 0.0))],
         "agentic-pd" => vec![agentic_pd(scale, seed)],
         crate::restart::NAME => vec![crate::restart::restart(scale, seed)],
+        crate::restart::NAME_AGG => vec![crate::restart::restart_agg(scale, seed)],
         "fanout" => fanout_pullers(scale)
             .into_iter()
             .map(|n| fanout(scale, seed, n))

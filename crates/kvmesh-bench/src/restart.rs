@@ -1,13 +1,19 @@
-//! The `restart` experiment (issue 19: restart recovery): agentic P/D conversations, and midway
-//! every prefill engine is killed and replaced (new process, new ports, empty caches — a
-//! Kubernetes pod restart). The router learns the replacements through its hot-reloaded endpoint
-//! list, drops the index of the engines that went away and keeps the decoders'.
+//! The restart experiments (issue 19: restart recovery). The router learns the replacements
+//! through its hot-reloaded endpoint list, drops the index of the engines that went away and
+//! keeps the survivors'.
 //!
-//! Arms: `pd` / `pd-load` recompute each conversation's history on its next prefill (a
-//! synchronized storm right after the restart); `pd-bidir` / `pd-load-bidir` read it from the
-//! decoder that holds it. Measured: TTFT of returning turns in windows before and after the
-//! restart, the time until it is back to steady state, and from the new prefillers' counters
-//! (which start at zero with them) what they computed vs read from decoders.
+//! - `restart`: agentic P/D conversations, and midway every prefill engine is killed and
+//!   replaced (new process, new ports, empty caches — a Kubernetes pod restart). `pd` /
+//!   `pd-load` recompute each conversation's history on its next prefill (a synchronized storm
+//!   right after the restart); `pd-bidir` / `pd-load-bidir` read it from the decoder that holds
+//!   it. Read from the new prefillers' counters (which start at zero with them).
+//! - `restart-agg`: the `agentic` sessions on an aggregated fleet, and midway half the engines
+//!   are replaced. A session whose owner died has its history only where a pull or prefetch
+//!   copied it before: with P2P the router finds those surviving copies, without it every such
+//!   session recomputes. Read from every engine's counters since the restart.
+//!
+//! Measured: TTFT of returning turns in windows before and after the restart, the time until it
+//! is back to steady state, and what the fleet computed vs read from peers after it.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -24,6 +30,8 @@ use crate::stats::{Latency, fmt_ms};
 use crate::workload::{Scale, StepKind, Workload, agentic_pd};
 
 pub const NAME: &str = "restart";
+/// The aggregated variant.
+pub const NAME_AGG: &str = "restart-agg";
 
 /// When the restart happens and how the timeline is cut (model seconds).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -39,6 +47,19 @@ pub fn restart(scale: Scale, seed: u64) -> Workload {
     let shape = shape(scale);
     w.description = format!(
         "{}; every prefill engine restarted (new process, empty caches) at {} s",
+        w.description, shape.restart_at_s
+    );
+    w
+}
+
+/// The `agentic` sessions (tool gaps and all) on an aggregated fleet with half the engines
+/// restarted midway.
+pub fn restart_agg(scale: Scale, seed: u64) -> Workload {
+    let mut w = crate::agentic::agentic(scale, seed, crate::agentic::gaps(scale));
+    w.name = NAME_AGG.into();
+    let shape = shape(scale);
+    w.description = format!(
+        "{}; half the engines restarted (new processes, empty caches) at {} s",
         w.description, shape.restart_at_s
     );
     w
@@ -60,7 +81,28 @@ fn shape(scale: Scale) -> RestartShape {
 /// The restart schedule of `w` run at `scale` (`quick` / `full`), if it is this experiment.
 pub fn shape_of(w: &Workload, scale: &str) -> Option<RestartShape> {
     let scale: Scale = scale.parse().ok()?;
-    (w.name == NAME).then(|| shape(scale))
+    (w.name == NAME || w.name == NAME_AGG).then(|| shape(scale))
+}
+
+/// Whether `w` restarts aggregated engines (`restart-agg`) rather than a prefill fleet.
+pub fn is_aggregated(w: &Workload) -> bool {
+    w.name == NAME_AGG
+}
+
+/// The engines a restart replaces: every prefill engine of a P/D fleet, else the first half of
+/// the aggregated engines (at least one).
+pub fn engines_to_replace(roles: &[Role]) -> Vec<usize> {
+    let prefill: Vec<usize> = (0..roles.len())
+        .filter(|&i| roles[i] == Role::Prefill)
+        .collect();
+    if !prefill.is_empty() {
+        return prefill;
+    }
+    let both: Vec<usize> = (0..roles.len())
+        .filter(|&i| roles[i] == Role::Both)
+        .collect();
+    let half = both.len().div_ceil(2);
+    both.into_iter().take(half).collect()
 }
 
 /// What the restart task saw (wall seconds from the start of the drive).
@@ -70,10 +112,13 @@ pub struct RestartLog {
     pub killed_wall_s: f64,
     pub routable_wall_s: f64,
     pub error: Option<String>,
+    /// Every engine's counters just before the kill (aggregated restarts read the fleet's
+    /// work after the restart as the difference).
+    pub before: Option<crate::metrics::Evidence>,
 }
 
-/// At the shape's time, replaces every prefill engine and tells the router.
-pub async fn restart_prefill(
+/// At the shape's time, replaces the engines [`engines_to_replace`] names and tells the router.
+pub async fn restart_engines(
     fleet: &mut Fleet,
     spec: &FleetSpec,
     exe: &Path,
@@ -92,16 +137,20 @@ pub async fn restart_prefill(
             return log;
         }
     }
-    let Some(group) = spec.engines.iter().find(|g| g.role == Role::Prefill) else {
-        log.error = Some("the fleet has no prefill engines".into());
+    let roles: Vec<Role> = fleet.engines.iter().map(|e| e.role).collect();
+    let replace = engines_to_replace(&roles);
+    let Some(role) = replace.first().map(|&i| roles[i]) else {
+        log.error = Some("the fleet has no engine to restart".into());
+        return log;
+    };
+    let Some(group) = spec.engines.iter().find(|g| g.role == role) else {
+        log.error = Some(format!("the fleet spec has no {} engines", role.as_str()));
         return log;
     };
     let ready = Duration::from_secs_f64(spec.ready_timeout_s.unwrap_or(60.0));
+    log.before = Some(scrape_fleet(fleet).await);
     log.killed_wall_s = start.elapsed().as_secs_f64();
-    let prefill: Vec<usize> = (0..fleet.engines.len())
-        .filter(|&i| fleet.engines[i].role == Role::Prefill)
-        .collect();
-    for i in prefill {
+    for i in replace {
         match fleet.replace_engine(i, exe, group, ready).await {
             Ok(()) => log.restarted.push(fleet.engines[i].name.clone()),
             Err(e) => {
@@ -116,6 +165,27 @@ pub async fn restart_prefill(
     }
     log.routable_wall_s = start.elapsed().as_secs_f64();
     log
+}
+
+/// Every engine's counters now (an engine that does not answer counts as all zero and is named
+/// in the evidence's scrape errors).
+async fn scrape_fleet(fleet: &Fleet) -> crate::metrics::Evidence {
+    let http = reqwest::Client::new();
+    let mut engines = Vec::new();
+    let mut errors = Vec::new();
+    for e in &fleet.engines {
+        match crate::fleet::scrape(&http, &e.url).await {
+            Ok(text) => engines.push(EngineEvidence::from_exposition(&e.url, &text)),
+            Err(err) => {
+                errors.push(format!("{}: {err}", e.url));
+                engines.push(EngineEvidence {
+                    url: e.url.clone(),
+                    ..Default::default()
+                });
+            }
+        }
+    }
+    crate::metrics::Evidence::from_engines(engines, errors)
 }
 
 /// One window of the timeline (model seconds relative to the restart).
@@ -136,10 +206,14 @@ pub struct RestartResult {
     /// Model seconds after the restart until a window's TTFT p90 is within 1.5x the steady
     /// state's again (and stays there for the next window); None if it never is.
     pub recovered_after_s: Option<f64>,
-    /// New prefillers (counters start with them): prompt tokens computed, history tokens read
-    /// from decoders.
+    /// After the restart: prompt tokens computed, and history tokens read from peers. P/D: the
+    /// new prefillers' counters (they start with them), history read from decoders. Aggregated:
+    /// every engine's counters since the restart, external-hit tokens.
     pub computed_after: f64,
     pub history_read_after: f64,
+    /// An aggregated fleet's restart (`restart-agg`).
+    #[serde(default)]
+    pub aggregated: bool,
     pub restarted: Vec<String>,
     pub error: Option<String>,
 }
@@ -151,13 +225,21 @@ pub fn recovered_from(windows: &[Window], steady_p90: f64, factor: f64) -> Optio
     (0..windows.len()).find(|&i| windows[i].turns > 0 && windows[i..].iter().all(ok))
 }
 
-/// Cuts the returning turns into windows around the restart and reads the new prefillers.
+/// What the engines did after the restart, as [`analyse`] reads it.
+pub enum AfterRestart<'a> {
+    /// The new prefillers' counters (P/D): history read from decoders.
+    Prefillers(&'a [&'a EngineEvidence]),
+    /// Every engine's counters since the restart (aggregated): history read = external hits.
+    Fleet(&'a [EngineEvidence]),
+}
+
+/// Cuts the returning turns into windows around the restart and reads the engines' counters.
 pub fn analyse(
     records: &[RequestRecord],
     time_scale: f64,
     shape: RestartShape,
     log: &RestartLog,
-    prefill_evidence: &[&EngineEvidence],
+    after: AfterRestart<'_>,
 ) -> RestartResult {
     let ts = crate::stats::usable_time_scale(time_scale);
     let restart_s = log.killed_wall_s * ts;
@@ -188,24 +270,39 @@ pub fn analyse(
         .then(|| recovered_from(&windows, before.p90, 1.5))
         .flatten()
         .map(|k| windows[k].from_s);
+    // Folds from 0.0: an empty `f64` sum is -0.0, which tables print as "-0".
+    let computed = |evs: &mut dyn Iterator<Item = &EngineEvidence>| {
+        evs.fold(0.0, |acc, e| acc + e.source_tokens("local_compute"))
+    };
+    let (computed_after, history_read_after, aggregated) = match after {
+        AfterRestart::Prefillers(evs) => (
+            computed(&mut evs.iter().copied()),
+            evs.iter().fold(0.0, |acc, e| {
+                acc + e
+                    .pd
+                    .iter()
+                    .filter(|(k, _)| {
+                        k.starts_with("kvmesh_engine_pd_remote_read_tokens")
+                            && k.contains("history")
+                    })
+                    .fold(0.0, |a, (_, v)| a + v)
+            }),
+            false,
+        ),
+        AfterRestart::Fleet(evs) => (
+            computed(&mut evs.iter()),
+            evs.iter().fold(0.0, |acc, e| acc + e.external_hit_tokens),
+            true,
+        ),
+    };
     RestartResult {
         shape: Some(shape),
         before: Some(before),
         windows,
         recovered_after_s,
-        // Folds from 0.0: an empty `f64` sum is -0.0, which tables print as "-0".
-        computed_after: prefill_evidence
-            .iter()
-            .fold(0.0, |acc, e| acc + e.source_tokens("local_compute")),
-        history_read_after: prefill_evidence.iter().fold(0.0, |acc, e| {
-            acc + e
-                .pd
-                .iter()
-                .filter(|(k, _)| {
-                    k.starts_with("kvmesh_engine_pd_remote_read_tokens") && k.contains("history")
-                })
-                .fold(0.0, |a, (_, v)| a + v)
-        }),
+        computed_after,
+        history_read_after,
+        aggregated,
         restarted: log.restarted.clone(),
         error: log.error.clone(),
     }
@@ -217,8 +314,14 @@ pub fn markdown(rows: &[(&str, &RestartResult)]) -> String {
     if rows.is_empty() {
         return s;
     }
-    s.push_str("\n**restart: the prefill fleet replaced mid-run**\n\n");
-    s.push_str("| arm | returning-turn TTFT p90 before | first window after: p50 / p90 | back within 1.5x after | new prefillers: computed / history read from decoders (tokens) |\n");
+    let aggregated = rows.iter().any(|(_, r)| r.aggregated);
+    if aggregated {
+        s.push_str("\n**restart: half the engines replaced mid-run**\n\n");
+        s.push_str("| arm | returning-turn TTFT p90 before | first window after: p50 / p90 | back within 1.5x after | fleet after the restart: computed / read from peers (tokens) |\n");
+    } else {
+        s.push_str("\n**restart: the prefill fleet replaced mid-run**\n\n");
+        s.push_str("| arm | returning-turn TTFT p90 before | first window after: p50 / p90 | back within 1.5x after | new prefillers: computed / history read from decoders (tokens) |\n");
+    }
     s.push_str("|---|---|---|---|---|\n");
     for (arm, r) in rows {
         let first = r.windows.first();
@@ -296,7 +399,7 @@ mod tests {
             record(1, 18.5, 0.11),
             record(1, 20.5, 0.1),
         ]);
-        let r = analyse(&records, 1.0, shape, &log, &[]);
+        let r = analyse(&records, 1.0, shape, &log, AfterRestart::Prefillers(&[]));
         assert_eq!(r.before.as_ref().unwrap().count, 10);
         assert_eq!(r.windows.len(), 6);
         assert_eq!(r.windows[0].turns, 1);
@@ -313,5 +416,40 @@ mod tests {
         assert!(w.fleet.prefill > 0);
         assert_eq!(shape_of(&w, "quick").map(|s| s.restart_at_s), Some(8.0));
         assert!(shape_of(&agentic_pd(Scale::Quick, 3), "quick").is_none());
+    }
+
+    #[test]
+    fn the_aggregated_variant_restarts_half_the_fleet_and_reads_every_engine() {
+        let w = restart_agg(Scale::Full, 3);
+        assert_eq!(w.name, NAME_AGG);
+        assert!(is_aggregated(&w) && !is_aggregated(&restart(Scale::Full, 3)));
+        assert_eq!((w.fleet.prefill, w.fleet.decode), (0, 0));
+        assert_eq!(shape_of(&w, "full").map(|s| s.restart_at_s), Some(60.0));
+        let both = vec![Role::Both; 8];
+        assert_eq!(engines_to_replace(&both), vec![0, 1, 2, 3]);
+        assert_eq!(engines_to_replace(&[Role::Both]), vec![0]);
+        let pd = [Role::Prefill, Role::Decode, Role::Prefill, Role::Decode];
+        assert_eq!(engines_to_replace(&pd), vec![0, 2]);
+        let ev = |computed: f64, pulled: f64| {
+            let mut e = EngineEvidence {
+                external_hit_tokens: pulled,
+                ..Default::default()
+            };
+            e.prompt_tokens_by_source
+                .insert("local_compute".into(), computed);
+            e
+        };
+        let fleet = [ev(100.0, 0.0), ev(50.0, 400.0)];
+        let log = RestartLog::default();
+        let r = analyse(
+            &[],
+            1.0,
+            shape(Scale::Quick),
+            &log,
+            AfterRestart::Fleet(&fleet),
+        );
+        assert_eq!((r.computed_after, r.history_read_after), (150.0, 400.0));
+        assert!(r.aggregated);
+        assert!(markdown(&[("ttft-p2p", &r)]).contains("read from peers"));
     }
 }

@@ -244,14 +244,37 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         .map(|(_, ev)| ev.external_hit_tokens)
         .sum();
     let restart = driven.restart.as_ref().map(|(shape, log)| {
-        let prefill: Vec<&crate::metrics::EngineEvidence> = fleet
-            .engines
-            .iter()
-            .zip(&evidence.engines)
-            .filter(|(e, _)| e.role == Role::Prefill)
-            .map(|(_, ev)| ev)
-            .collect();
-        crate::restart::analyse(&records, plan.fleet.time_scale, *shape, log, &prefill)
+        use crate::restart::{AfterRestart, analyse};
+        let ts = plan.fleet.time_scale;
+        match (&log.before, crate::restart::is_aggregated(w)) {
+            (Some(before), true) => {
+                // Replaced engines have new URLs, so they count from zero.
+                let since = evidence.since(before);
+                analyse(
+                    &records,
+                    ts,
+                    *shape,
+                    log,
+                    AfterRestart::Fleet(&since.engines),
+                )
+            }
+            _ => {
+                let prefill: Vec<&crate::metrics::EngineEvidence> = fleet
+                    .engines
+                    .iter()
+                    .zip(&evidence.engines)
+                    .filter(|(e, _)| e.role == Role::Prefill)
+                    .map(|(_, ev)| ev)
+                    .collect();
+                analyse(
+                    &records,
+                    ts,
+                    *shape,
+                    log,
+                    AfterRestart::Prefillers(&prefill),
+                )
+            }
+        }
     });
     let (mut prefetch, mut replication) = (None, None);
     if let Some(r) = &fleet.router
@@ -401,7 +424,7 @@ async fn drive_phases(
         out.records = records;
         out.join = Some((shape, log));
     } else if let Some(shape) = crate::restart::shape_of(w, &plan.scale) {
-        // The drive and the prefill fleet's replacement run side by side.
+        // The drive and the engines' replacement run side by side.
         let (done_tx, done_rx) = tokio::sync::watch::channel(false);
         let start = std::time::Instant::now();
         let drive = async {
@@ -410,7 +433,7 @@ async fn drive_phases(
             r
         };
         let restarting =
-            crate::restart::restart_prefill(fleet, spec, &plan.exe, shape, ts, start, done_rx);
+            crate::restart::restart_engines(fleet, spec, &plan.exe, shape, ts, start, done_rx);
         let (records, log) = tokio::join!(drive, restarting);
         out.records = records;
         out.restart = Some((shape, log));
