@@ -38,6 +38,9 @@ struct Seen {
     /// The latest arrivals within the window, at most `hot_requests` of them.
     arrivals: VecDeque<Instant>,
     last_copy: Option<Instant>,
+    /// The last skip shown in `/debug/decisions` and when: a prefix that stays hot while its
+    /// holders stay idle would otherwise add an entry per request and push placements out.
+    last_skip_shown: Option<(&'static str, Instant)>,
 }
 
 impl HotPrefixes {
@@ -65,6 +68,7 @@ impl HotPrefixes {
         let seen = self.entries.entry(key).or_insert_with(|| Seen {
             arrivals: VecDeque::new(),
             last_copy: None,
+            last_skip_shown: None,
         });
         seen.arrivals.push_back(now);
         while seen.arrivals.len() > self.hot_requests
@@ -86,6 +90,22 @@ impl HotPrefixes {
         if let Some(seen) = self.entries.get_mut(&key) {
             seen.last_copy = Some(now);
         }
+    }
+
+    /// Whether a skip of the prefix ending at `key` for `reason` should be shown in
+    /// `/debug/decisions` now: the first one, a changed reason, or once per cooldown (the
+    /// counters count every skip).
+    pub fn show_skip(&mut self, key: ChainKey, reason: &'static str, now: Instant) -> bool {
+        let Some(seen) = self.entries.get_mut(&key) else {
+            return true;
+        };
+        let show = seen.last_skip_shown.is_none_or(|(last, at)| {
+            last != reason || now.saturating_duration_since(at) >= self.cooldown
+        });
+        if show {
+            seen.last_skip_shown = Some((reason, now));
+        }
+        show
     }
 
     /// Drops prefixes with no arrival within the window and no copy within the cooldown; if none
@@ -171,6 +191,11 @@ impl Replication {
 
     pub(crate) fn copied(&self, key: ChainKey, now: Instant) {
         self.hot.lock().copied(key, now);
+    }
+
+    /// [`HotPrefixes::show_skip`].
+    pub(crate) fn show_skip(&self, key: ChainKey, reason: &'static str, now: Instant) -> bool {
+        self.hot.lock().show_skip(key, reason, now)
     }
 
     pub(crate) fn release(&self, target: EndpointId) {
@@ -283,6 +308,26 @@ mod tests {
         for i in 0..6 {
             assert!(!hot.arrive(other, t + i * 11 * S));
         }
+    }
+
+    #[test]
+    fn a_repeated_skip_is_shown_once_per_cooldown_or_when_its_reason_changes() {
+        let t0 = Instant::now();
+        let mut h = HotPrefixes::new(10 * S, 1, 30 * S, 16);
+        let k = ChainKey(7);
+        assert!(h.arrive(k, t0));
+        assert!(h.show_skip(k, "skipped_idle", t0));
+        assert!(!h.show_skip(k, "skipped_idle", t0 + S));
+        assert!(h.show_skip(k, "skipped_holders", t0 + 2 * S), "new reason");
+        assert!(!h.show_skip(k, "skipped_holders", t0 + 3 * S));
+        assert!(
+            h.show_skip(k, "skipped_holders", t0 + 32 * S),
+            "a cooldown later"
+        );
+        assert!(
+            h.show_skip(ChainKey(8), "skipped_idle", t0),
+            "unknown prefix"
+        );
     }
 
     #[test]

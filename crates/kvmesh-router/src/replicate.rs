@@ -68,7 +68,9 @@ pub(crate) fn after_placement(
             prefix_tokens,
             prefix_blocks,
         };
-        record(s, &entry, "replication_skipped", format!("{label}: {why}"));
+        if r.show_skip(key, label, now) {
+            record(s, &entry, "replication_skipped", format!("{label}: {why}"));
+        }
     };
     let copy = match pick_copy(
         candidates,
