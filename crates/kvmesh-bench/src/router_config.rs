@@ -305,7 +305,7 @@ decisions_capacity: 2048
         // decision waits 500 ms of model time after a turn ends (wall time on a sped-up fleet).
         let _ = writeln!(
             y,
-            "prefetch: {{session_id: \"header:x-session-id\", min_tokens: 2048, kv_bytes_per_token: 73728, max_inflight_bytes_per_endpoint: 4831838208, max_unused_bytes_per_endpoint: 3221225472, delay_ms: {}}}",
+            "prefetch: {{session_id: \"header:x-session-id\", min_tokens: 2048, kv_bytes_per_token: 73728, max_inflight_bytes_per_endpoint: 4831838208, max_unused_bytes_per_endpoint: 3221225472, restore: true, delay_ms: {}}}",
             500.0 / ts
         );
     }

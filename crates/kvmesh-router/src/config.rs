@@ -496,8 +496,10 @@ pub struct PrefetchConfig {
     #[serde(default = "default_prefetch_timeout")]
     pub timeout_s: f64,
     /// When the next turn is predicted back on its owner: restore the history from the owner's
-    /// CPU tier into its GPU tier once the index shows it left the GPU tier (default true).
-    #[serde(default = "default_true")]
+    /// CPU tier into its GPU tier once the index shows it left the GPU tier. Off by default:
+    /// on the `agentic` benchmark it fired as designed but did not lower TTFT and raised GPU
+    /// evictions by half (a history restored early is evicted again before its turn).
+    #[serde(default)]
     pub restore: bool,
     /// How often (ms) the router re-reads the index during a gap whose next turn goes back to
     /// the owner, to catch the history leaving the owner's GPU tier (default: `delay_ms`).
@@ -531,9 +533,6 @@ fn default_prefetch_delay_ms() -> f64 {
 }
 fn default_prefetch_timeout() -> f64 {
     30.0
-}
-fn default_true() -> bool {
-    true
 }
 
 impl PrefetchConfig {

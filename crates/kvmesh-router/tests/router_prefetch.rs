@@ -206,6 +206,7 @@ prefetch:
   min_tokens: 1024
   kv_bytes_per_token: 1000
   delay_ms: 200
+  restore: true
   restore_recheck_ms: 50
 "#;
 
