@@ -10,8 +10,10 @@
 # that it is found at once. This checkout's connector is built (maturin, release) into
 # target/kvmesh-vllm-py/ and put first on PYTHONPATH, never installed into the shared
 # environment, so clones testing different revisions do not overwrite each other's.
-# Waits while /tmp/kvmesh-bench.lock exists (someone is benchmarking on the shared cores), at most
-# $KVMESH_BENCH_LOCK_WAIT_S (default 1200) seconds: a lock left behind must not stall CI.
+# Waits while /tmp/kvmesh-bench.lock is held (someone is benchmarking on the shared cores: `flock
+# /tmp/kvmesh-bench.lock <command>`), at most $KVMESH_BENCH_LOCK_WAIT_S (default 1200) seconds.
+# flock leaves the file behind, so a file nobody holds does not count; without flock(1) the
+# file's existence does, and the time bound keeps a stale one from stalling CI.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,12 +22,18 @@ export KVMESH_VLLM_VENV="$VENV"
 start=$(date +%s)
 
 lock_wait_until=$(( start + ${KVMESH_BENCH_LOCK_WAIT_S:-1200} ))
-while [[ -e /tmp/kvmesh-bench.lock ]]; do
+bench_lock_held() {
+    [[ -e /tmp/kvmesh-bench.lock ]] || return 1
+    if command -v flock >/dev/null; then
+        ! flock -n /tmp/kvmesh-bench.lock true
+    fi
+}
+while bench_lock_held; do
     if (( $(date +%s) >= lock_wait_until )); then
-        echo "test-vllm: /tmp/kvmesh-bench.lock still exists; running anyway"
+        echo "test-vllm: /tmp/kvmesh-bench.lock still held; running anyway"
         break
     fi
-    echo "test-vllm: /tmp/kvmesh-bench.lock exists, waiting"
+    echo "test-vllm: /tmp/kvmesh-bench.lock is held, waiting"
     sleep 20
 done
 
