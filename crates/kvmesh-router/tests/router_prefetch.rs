@@ -210,6 +210,36 @@ prefetch:
   restore_recheck_ms: 50
 "#;
 
+/// Sends small unrelated prompts until the router's index shows one of them on `endpoint`: its
+/// KV-event subscription is live. (A SUB socket that connects after the engine published loses
+/// those events — ZMQ's slow joiner — and the restore test reads the index right after turn 1.)
+async fn wait_until_indexing(r: &kvmesh_router::RouterHandle, base: &str, endpoint: &str) {
+    for attempt in 0..40u32 {
+        let probe = doc(900 + attempt, 64);
+        let resp = post_json(
+            &format!("{base}/v1/completions"),
+            &json!({"prompt": probe, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        for _ in 0..10 {
+            let v: Value = post_json(
+                &format!("http://{}/debug/prefix", r.addr),
+                &json!({"prompt": probe}),
+            )
+            .await
+            .json()
+            .await
+            .unwrap();
+            if v["endpoints"][endpoint]["any_tokens"].as_u64().unwrap_or(0) > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    panic!("the router never indexed {endpoint}'s KV events");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_history_evicted_from_the_owners_gpu_is_restored_ahead_of_the_next_turn() {
     tokio::time::timeout(LIMIT, async {
@@ -236,6 +266,7 @@ async fn a_history_evicted_from_the_owners_gpu_is_restored_ahead_of_the_next_tur
             }
         };
 
+        wait_until_indexing(&r, &base, "e0").await;
         // Turn 1 ends on e0 with its 2K history in both tiers; the router watches the gap.
         let history = doc(21, 2048);
         let (owner, _) = turn(&base, "s-1", &history).await;
