@@ -103,6 +103,18 @@ impl BlockPool {
         self.by_hash.get(&hash).copied()
     }
 
+    /// How many of `hashes` are held by evictable blocks (cached, unreferenced): the blocks a
+    /// caller stops being able to allocate once it takes those hashes as a hit.
+    pub fn count_evictable(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .filter(|h| {
+                self.get(**h)
+                    .is_some_and(|b| self.state(b) == BlockState::Cached)
+            })
+            .count()
+    }
+
     pub fn contains(&self, hash: BlockHash) -> bool {
         self.by_hash.contains_key(&hash)
     }

@@ -18,7 +18,7 @@ use crate::config::EngineConfig;
 use crate::cpu_tier::{CpuTier, OffloadBlock};
 use crate::metrics::{EngineMetrics, SourceLabel};
 use crate::outbox::KvEventSink;
-use crate::pool::{BlockPool, BlockState};
+use crate::pool::BlockPool;
 
 use super::types::{
     Command, EngineRequest, FinishInfo, FinishReason, NewSeq, RestoreAhead, RestoreReport,
@@ -315,14 +315,7 @@ impl Core {
             return None;
         }
         // Blocks the hit pins that are currently evictable stop being allocatable.
-        let evictable_hits = hashes[..gpu_hit]
-            .iter()
-            .filter(|h| {
-                self.pool
-                    .get(**h)
-                    .is_some_and(|b| self.pool.state(b) == BlockState::Cached)
-            })
-            .count();
+        let evictable_hits = self.pool.count_evictable(&hashes[..gpu_hit]);
         let new_blocks = (hit_tokens + n).div_ceil(bs) - gpu_hit;
         if self.pool.num_allocatable().saturating_sub(evictable_hits) < new_blocks {
             return None;
@@ -487,14 +480,7 @@ impl Core {
         }
         // The GPU-tier prefix is held during the copy so the copy's own allocations cannot
         // evict it (it would turn the restore into a shuffle).
-        let evictable_hits = hashes[..gpu_hit]
-            .iter()
-            .filter(|h| {
-                self.pool
-                    .get(**h)
-                    .is_some_and(|b| self.pool.state(b) == BlockState::Cached)
-            })
-            .count();
+        let evictable_hits = self.pool.count_evictable(&hashes[..gpu_hit]);
         let room = self
             .pool
             .num_allocatable()
