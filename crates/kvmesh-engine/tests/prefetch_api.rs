@@ -29,6 +29,16 @@ fn body(id: &str, prompt: &[u32], port: u16) -> Value {
            "remote_kv_source": {"kv_request_id": id, "remote_host": "127.0.0.1", "remote_port": port}})
 }
 
+/// The engine's `/metrics` exposition.
+async fn metrics_text(addr: std::net::SocketAddr) -> String {
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefetch_lands_a_peers_blocks_before_the_request() {
     timeout(Duration::from_secs(60), async {
@@ -108,12 +118,7 @@ async fn a_prefetch_from_a_peer_not_allowed_is_refused_and_counted() {
         assert_eq!(report["outcome"], "failed", "{report}");
         assert_eq!(report["reason"], "not_allowed", "{report}");
         assert_eq!(b.engine.metrics().p2p.blocks(Direction::In), 0);
-        let text = reqwest::get(format!("http://{}/metrics", b.addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(b.addr).await;
         assert!(
             text.lines()
                 .any(|l| l.starts_with("kvmesh_engine_prefetches_total{")
@@ -209,12 +214,7 @@ async fn a_restore_prefetch_brings_the_owners_cpu_tier_history_back_to_the_gpu()
             bounded["wanted_blocks"].as_u64().unwrap(),
         );
         assert!(got < wanted && got <= 64 - 16, "{bounded}");
-        let text = reqwest::get(format!("http://{}/metrics", e.addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(e.addr).await;
         assert!(
             text.lines()
                 .any(|l| l.starts_with("kvmesh_engine_prefetch_restored_blocks_total{")),
