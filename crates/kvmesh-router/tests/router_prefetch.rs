@@ -76,17 +76,7 @@ async fn a_session_history_is_prefetched_to_a_second_engine_and_used_there() {
         ];
         let r = start_router(&yaml(&engines.iter().collect::<Vec<_>>()), None).await;
         let base = format!("http://{}", r.addr);
-        let metric = |outcome: &'static str| {
-            let base = base.clone();
-            async move {
-                scrape_metric(
-                    &base,
-                    "kvmesh_router_prefetches_total",
-                    &format!("outcome=\"{outcome}\""),
-                )
-                .await
-            }
-        };
+        let metric = |outcome: &'static str| prefetches(base.clone(), outcome);
 
         // Turn 1 of a session with a 4K history, computed on its owner; right after it, a long
         // request with the same prefix keeps the owner busy through the session's gap, so the
@@ -210,6 +200,16 @@ prefetch:
   restore_recheck_ms: 50
 "#;
 
+/// The router's `kvmesh_router_prefetches_total{outcome}`.
+async fn prefetches(base: String, outcome: &'static str) -> f64 {
+    scrape_metric(
+        &base,
+        "kvmesh_router_prefetches_total",
+        &format!("outcome=\"{outcome}\""),
+    )
+    .await
+}
+
 /// Sends small unrelated prompts until the router's index shows one of them on `endpoint`: its
 /// KV-event subscription is live. (A SUB socket that connects after the engine published loses
 /// those events — ZMQ's slow joiner — and the restore test reads the index right after turn 1.)
@@ -223,14 +223,7 @@ async fn wait_until_indexing(r: &kvmesh_router::RouterHandle, base: &str, endpoi
         .await;
         assert_eq!(resp.status(), 200);
         for _ in 0..10 {
-            let v: Value = post_json(
-                &format!("http://{}/debug/prefix", r.addr),
-                &json!({"prompt": probe}),
-            )
-            .await
-            .json()
-            .await
-            .unwrap();
+            let v = common::debug_prefix(r, &probe).await;
             if v["endpoints"][endpoint]["any_tokens"].as_u64().unwrap_or(0) > 0 {
                 return;
             }
@@ -254,17 +247,7 @@ async fn a_history_evicted_from_the_owners_gpu_is_restored_ahead_of_the_next_tur
         let r = start_router(&yaml, None).await;
         let base = format!("http://{}", r.addr);
         let url = engines[0].url.clone();
-        let metric = |outcome: &'static str| {
-            let base = base.clone();
-            async move {
-                scrape_metric(
-                    &base,
-                    "kvmesh_router_prefetches_total",
-                    &format!("outcome=\"{outcome}\""),
-                )
-                .await
-            }
-        };
+        let metric = |outcome: &'static str| prefetches(base.clone(), outcome);
 
         wait_until_indexing(&r, &base, "e0").await;
         // Turn 1 ends on e0 with its 2K history in both tiers; the router watches the gap.

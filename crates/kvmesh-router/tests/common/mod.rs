@@ -384,6 +384,18 @@ where
     }
 }
 
+/// The router's `/debug/prefix` answer for `prompt`: what each endpoint holds of it, by tier.
+pub async fn debug_prefix(r: &RouterHandle, prompt: &str) -> Value {
+    post_json(
+        &format!("http://{}/debug/prefix", r.addr),
+        &json!({"prompt": prompt}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap()
+}
+
 /// Polls `/debug/prefix` until `endpoint` holds at least `tokens` of `prompt` in `tier`.
 pub async fn wait_for_prefix(
     r: &RouterHandle,
@@ -394,14 +406,7 @@ pub async fn wait_for_prefix(
 ) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
-        let v: Value = post_json(
-            &format!("http://{}/debug/prefix", r.addr),
-            &json!({"prompt": prompt}),
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
+        let v = debug_prefix(r, prompt).await;
         let got = v["endpoints"][endpoint][tier].as_u64().unwrap_or(0);
         if got >= tokens {
             return;
