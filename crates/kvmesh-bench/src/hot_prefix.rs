@@ -169,8 +169,8 @@ pub fn skew(scale: Scale, seed: u64, exponent: f64) -> Workload {
 /// brings real prefill work of its own, so at s = 1.2 the hottest prefix's requests alone keep one
 /// engine about 80 % busy (full: 32 req/s, 29 % of them for rank 1, ~85 ms of prefill each) while
 /// the fleet as a whole stays about a third busy. Locality then breaks by itself: the hot owner
-/// queues, and only placement that spreads its prefixes (pulling them, or a copy made ahead of
-/// demand) keeps the tail down.
+/// queues, and only placement that spreads its requests (pulling the prefix or recomputing it
+/// elsewhere) keeps the tail down.
 pub fn skew_heavy(scale: Scale, seed: u64, exponent: f64) -> Workload {
     let shape = match scale {
         Scale::Quick => SkewShape {
