@@ -222,7 +222,14 @@ def _serve_metrics(port: int, texts: Any) -> None:
         def log_message(self, *args: Any) -> None:
             return
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    try:
+        server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    except OSError as e:
+        # The worker serves on metrics_port + 1: name both so the operator can pick a free pair.
+        raise RuntimeError(
+            f"kvmesh connector: cannot serve metrics on 127.0.0.1:{port} ({e}); "
+            "metrics_port and metrics_port + 1 must both be free"
+        ) from e
     threading.Thread(target=server.serve_forever, name="kvmesh-metrics", daemon=True).start()
 
 

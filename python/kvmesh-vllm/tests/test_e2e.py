@@ -43,10 +43,32 @@ REQUEST_S = 120
 LOGPROB_TOL = 0.05
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports are picked below the kernel's ephemeral range: a port the kernel handed out with
+# bind(0) can be taken again by any outgoing connection (vLLM's, ZMQ's) before the server
+# binds it, which once failed a CI run with EADDRINUSE. Below the range only another
+# listener can take it, and each pick is remembered so one test run never repeats one.
+_PICKED: set[int] = set()
+_PORT_RNG = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    high = min(_ephemeral_low(), 32768) - 2
+    low = 20000 if high > 21000 else 1024
+    for _ in range(1000):
+        port = _PORT_RNG.randrange(low, high)
+        if port in _PICKED or port + 1 in _PICKED or not bindable(port):
+            continue
+        _PICKED.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def bindable(port: int) -> bool:
@@ -65,9 +87,10 @@ class Server:
         self.http = free_port()
         self.p2p = free_port()
         self.metrics = free_port()
-        # The worker's endpoint is metrics + 1, which nobody reserved: it must be free too.
-        while self.metrics + 1 in (self.http, self.p2p) or not bindable(self.metrics + 1):
+        # The worker's endpoint is metrics + 1: it must be free too, and is reserved here.
+        while self.metrics + 1 in _PICKED or not bindable(self.metrics + 1):
             self.metrics = free_port()
+        _PICKED.add(self.metrics + 1)
         # ipc: vLLM's publisher binds it (a tcp://host:port endpoint would make it connect).
         self.events = f"ipc://{workdir}/{name}-events.sock"
         extra = {
