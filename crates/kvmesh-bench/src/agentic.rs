@@ -7,6 +7,8 @@
 //! of *returning* turns (every turn after a session's first), and from the router's counters the
 //! prefetch hit rate and the bytes prefetched for nothing. `agentic-nogap` is the negative
 //! control: turns follow each other at once, so there is no gap to hide a transfer in.
+//! `agentic-paced` has the same sessions with each keeping its own pace (an agent calling the
+//! same kind of tool again): the case where the router can tell when the next turn comes.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -145,6 +147,37 @@ pub fn gaps(scale: Scale) -> (f64, f64) {
     }
 }
 
+/// Name of [`agentic_paced`].
+pub const PACED: &str = "agentic-paced";
+
+/// How far one gap of a paced session may stray from its pace (relative).
+pub const PACE_JITTER: f64 = 0.1;
+
+/// The `agentic` sessions, each at its own pace: a session draws its pace once from the same
+/// 1–20 s range, and each of its gaps is that pace ± [`PACE_JITTER`]. Everything else (system
+/// prompts, tool outputs, arrivals) is `agentic`'s, so the two compare gap timing alone.
+pub fn agentic_paced(scale: Scale, seed: u64) -> Workload {
+    let (lo, hi) = gaps(scale);
+    let mut w = agentic(scale, seed, (lo, hi));
+    let mut rng = ChaCha8Rng::seed_from_u64(key(&[64, seed]));
+    for session in &mut w.sessions {
+        let pace = rng.random_range(lo..=hi);
+        for step in session.steps.iter_mut().skip(1) {
+            let jitter = rng.random_range(1.0 - PACE_JITTER..=1.0 + PACE_JITTER);
+            step.gap = secs_f(pace * jitter);
+        }
+    }
+    w.name = PACED.into();
+    w.description = w.description.replace(
+        &format!("tool gaps {lo}–{hi} s"),
+        &format!(
+            "each session at its own pace: gaps within ±{:.0} % of a pace drawn from {lo}–{hi} s",
+            PACE_JITTER * 100.0
+        ),
+    );
+    w
+}
+
 /// What the router's counters say prefetch did in one arm.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PrefetchStats {
@@ -177,6 +210,11 @@ pub struct PrefetchStats {
     /// Modelled KV bytes restores moved up (at the router's `kv_bytes_per_token`).
     #[serde(default)]
     pub bytes_restored: f64,
+    /// Decisions timed by the session's gap estimate, and restores skipped for want of one.
+    #[serde(default)]
+    pub timed_by_gap: f64,
+    #[serde(default)]
+    pub restore_skipped_unpredictable: f64,
 }
 
 impl PrefetchStats {
@@ -219,6 +257,7 @@ impl PrefetchStats {
                     "skipped_owner",
                     "skipped_arrived",
                     "restore_skipped_budget",
+                    "restore_skipped_unpredictable",
                 ],
             ),
             bytes_issued: by(bytes, "kind", &["issued"]),
@@ -231,6 +270,12 @@ impl PrefetchStats {
             restore_nothing_missing: by(outcomes, "outcome", &["restore_nothing_missing"]),
             restore_failed: by(outcomes, "outcome", &["restore_failed"]),
             bytes_restored: by(bytes, "kind", &["restored"]),
+            timed_by_gap: by(outcomes, "outcome", &["timed_by_gap"]),
+            restore_skipped_unpredictable: by(
+                outcomes,
+                "outcome",
+                &["restore_skipped_unpredictable"],
+            ),
         })
     }
 
@@ -264,7 +309,7 @@ pub struct Row<'a> {
 
 /// Whether `workload` is one of this module's (they get the table below).
 pub fn is_agentic(workload: &str) -> bool {
-    workload == "agentic" || workload == "agentic-nogap"
+    workload == "agentic" || workload == "agentic-nogap" || workload == PACED
 }
 
 /// The agentic tables (returning-turn TTFT, prefetch hit rate, wasted bytes), one per workload.
@@ -274,13 +319,13 @@ pub fn markdown(rows: &[Row<'_>]) -> String {
     workloads.dedup();
     for w in workloads {
         let _ = writeln!(s, "\n**{w}: returning turns and prefetch**\n");
-        s.push_str("| arm | returning turns | TTFT p50 | TTFT p90 | TTFT p99 | external-hit tokens | prefetches issued / used / wasted | hit rate | prefetched GB used / wasted (modelled) | restores issued / restored / used / nothing missing | restored GB (modelled) |\n");
-        s.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+        s.push_str("| arm | returning turns | TTFT p50 | TTFT p90 | TTFT p99 | external-hit tokens | prefetches issued / used / wasted | hit rate | prefetched GB used / wasted (modelled) | restores issued / restored / used / nothing missing | restored GB (modelled) | decisions timed by gap / restores skipped (pace unknown) |\n");
+        s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
         for r in rows.iter().filter(|r| r.workload == w) {
             let (l, p) = (&r.returning, r.prefetch);
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
                 r.arm,
                 l.count,
                 fmt_ms(l.p50),
@@ -303,6 +348,10 @@ pub fn markdown(rows: &[Row<'_>]) -> String {
                     p.restore_issued, p.restored, p.restore_used, p.restore_nothing_missing
                 )),
                 p.map_or("—".into(), |p| format!("{:.1}", p.bytes_restored / 1e9)),
+                p.map_or("—".into(), |p| format!(
+                    "{:.0} / {:.0}",
+                    p.timed_by_gap, p.restore_skipped_unpredictable
+                )),
             );
         }
     }
@@ -333,6 +382,41 @@ mod tests {
                 assert!(st.history);
             }
         }
+    }
+
+    #[test]
+    fn a_paced_session_keeps_its_pace_and_agentics_prompts() {
+        let paced = agentic_paced(Scale::Full, 7);
+        let plain = agentic(Scale::Full, 7, gaps(Scale::Full));
+        assert_eq!(paced.name, PACED);
+        assert!(
+            paced.description.contains("own pace"),
+            "{}",
+            paced.description
+        );
+        let mut paces = Vec::new();
+        for (a, b) in paced.sessions.iter().zip(&plain.sessions) {
+            assert_eq!(a.start, b.start);
+            for (sa, sb) in a.steps.iter().zip(&b.steps) {
+                assert_eq!(sa.segments, sb.segments);
+            }
+            assert_eq!(a.steps[0].gap, Duration::ZERO);
+            let g: Vec<f64> = a.steps[1..].iter().map(|s| s.gap.as_secs_f64()).collect();
+            let (min, max) = g
+                .iter()
+                .fold((f64::MAX, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+            // Any two gaps of a session are within the jitter of one pace.
+            assert!(
+                max <= min * (1.0 + PACE_JITTER) / (1.0 - PACE_JITTER) + 1e-9,
+                "{g:?}"
+            );
+            paces.push(min);
+        }
+        // ...while the paces themselves span the range.
+        let (lo, hi) = paces
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        assert!(lo < 3.0 && hi > 15.0, "{lo}..{hi}");
     }
 
     #[test]

@@ -505,6 +505,21 @@ pub struct PrefetchConfig {
     /// the owner, to catch the history leaving the owner's GPU tier (default: `delay_ms`).
     #[serde(default)]
     pub restore_recheck_ms: Option<f64>,
+    /// Time decisions by the session's own gaps (default on): once a session has left two gaps
+    /// that agree within `gap_tolerance`, the router decides `lead_ms` before the earliest
+    /// expected arrival instead of `delay_ms` after the turn, and a restore ahead is made only
+    /// for such predictable sessions (restored early, a history is evicted again before its
+    /// turn). Sessions without an estimate get pull prefetches at `delay_ms` as before.
+    #[serde(default = "default_true")]
+    pub gap_timing: bool,
+    /// How far ahead of the earliest expected arrival the router decides (ms, default 1000):
+    /// room for the transfer and for the arrival coming early.
+    #[serde(default = "default_prefetch_lead_ms")]
+    pub lead_ms: f64,
+    /// Most relative distance of a session's recent gaps from their mean for the session to
+    /// count as predictable (default 0.25).
+    #[serde(default = "default_gap_tolerance")]
+    pub gap_tolerance: f64,
 }
 
 fn default_session_id() -> SessionIdSource {
@@ -534,6 +549,15 @@ fn default_prefetch_delay_ms() -> f64 {
 fn default_prefetch_timeout() -> f64 {
     30.0
 }
+fn default_true() -> bool {
+    true
+}
+fn default_prefetch_lead_ms() -> f64 {
+    1000.0
+}
+fn default_gap_tolerance() -> f64 {
+    0.25
+}
 
 impl PrefetchConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -558,6 +582,12 @@ impl PrefetchConfig {
             .is_some_and(|ms| !(ms.is_finite() && ms > 0.0))
         {
             return bad("restore_recheck_ms must be a positive number of milliseconds");
+        }
+        if !(self.lead_ms.is_finite() && self.lead_ms >= 0.0) {
+            return bad("lead_ms must be a number of milliseconds >= 0");
+        }
+        if !(self.gap_tolerance.is_finite() && (0.0..1.0).contains(&self.gap_tolerance)) {
+            return bad("gap_tolerance must be in [0, 1)");
         }
         Ok(())
     }

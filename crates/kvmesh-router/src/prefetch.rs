@@ -17,6 +17,12 @@
 //! owner's CPU tier holding blocks of the history that its GPU tier lost, asks the owner to
 //! restore them now (`POST /kvmesh/prefetch` without `remote_kv_source`). A short gap in which
 //! nothing was evicted costs index reads only, no request; one restore per gap.
+//!
+//! When is decided by the session's own pace (`prefetch.gap_timing`): a session whose recent gaps
+//! agree is decided `lead_ms` before its earliest expected arrival, where the owner's load says
+//! more about the next turn's placement than it does right after the answer, and a restored
+//! history has little time to be evicted again. Restores wait for such an estimate; sessions
+//! without one get pull prefetches `delay_ms` after the turn.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,7 +41,7 @@ use crate::config::SessionIdSource;
 use crate::endpoints::Endpoint;
 use crate::prefix::match_of;
 use crate::request::ParsedRequest;
-use crate::sessions::{Sessions, Ticket, TicketState, Verdict, verdict};
+use crate::sessions::{Sessions, Ticket, TicketState, Verdict, decision_wait, verdict};
 use crate::state::{RouterState, unix_now};
 
 /// Longest session id accepted (longer ones are ignored: the request is routed as sessionless).
@@ -200,7 +206,15 @@ pub(crate) fn on_turn_end(
         sessions.count("skipped_short");
         return;
     }
-    let delay = Duration::from_secs_f64(sessions.config.delay_ms / 1000.0);
+    let estimate = sessions.gap_estimate(&session);
+    if estimate.is_some() {
+        sessions.count("timed_by_gap");
+    }
+    let delay = decision_wait(
+        estimate,
+        Duration::from_secs_f64(sessions.config.delay_ms / 1000.0),
+        Duration::from_secs_f64(sessions.config.lead_ms / 1000.0),
+    );
     // Called from a response body's drop, which at shutdown may run outside the runtime.
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
@@ -298,6 +312,13 @@ fn restore_on_owner(
     if gpu >= blocks || cpu <= gpu {
         return Next::OwnerResident;
     }
+    let estimate = sessions.gap_estimate(session);
+    if sessions.config.gap_timing && estimate.is_none() {
+        // Measured on `agentic`: restored whenever the eviction is seen, a history is evicted
+        // again by other sessions' turns before its own comes back.
+        sessions.count("restore_skipped_unpredictable");
+        return Next::Done;
+    }
     let bs = s.config.block_size;
     let bytes = ((cpu - gpu) * bs) as u64 * sessions.config.kv_bytes_per_token;
     let cap = sessions.config.max_inflight_bytes_per_endpoint;
@@ -322,9 +343,16 @@ fn restore_on_owner(
     sessions.count("restore_issued");
     sessions.count_bytes("restore_issued", bytes);
     sessions.refresh_gauges();
+    let expected = estimate.map_or(String::new(), |e| {
+        format!(
+            " (the session's gaps: {:.1} s ± {:.0} %)",
+            e.mean.as_secs_f64(),
+            e.spread * 100.0
+        )
+    });
     let why = format!(
         "next turn predicted back on its owner {}, whose GPU tier holds {gpu} of the history's \
-         {blocks} blocks and its CPU tier {cpu}: restore {} blocks ahead",
+         {blocks} blocks and its CPU tier {cpu}: restore {} blocks ahead{expected}",
         owner.name,
         cpu - gpu
     );

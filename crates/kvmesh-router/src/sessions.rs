@@ -1,11 +1,12 @@
 //! The sessions the router follows for prefetch ahead of arrival (`prefetch:` in the config;
 //! `docs/architecture.md#prefetch`): per session id, the engine that ran its last turn, that
-//! turn's prompt, and at most one prefetch prepared for the next turn; per endpoint, the bytes of
-//! prefetches in flight. [`SessionTable`] and [`PrefetchBudget`] are pure (the clock is an
-//! argument); [`Sessions`] puts them behind locks next to the prefetch metrics. The I/O (asking
-//! an engine to pull, cancelling) is in `crate::prefetch`.
+//! turn's prompt, the gaps it left between turns, and at most one prefetch prepared for the next
+//! turn; per endpoint, the bytes of prefetches in flight. [`SessionTable`], [`GapHistory`] and
+//! [`PrefetchBudget`] are pure (the clock is an argument); [`Sessions`] puts them behind locks
+//! next to the prefetch metrics. The I/O (asking an engine to pull, cancelling) is in
+//! `crate::prefetch`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -56,6 +57,74 @@ struct Session {
     /// Bumped by every turn end and arrival: a prefetch decided after a delay checks that
     /// nothing happened to the session meanwhile.
     generation: u64,
+    /// When the last turn ended, until the next one arrives (then it becomes a gap).
+    ended_at: Option<Instant>,
+    gaps: GapHistory,
+}
+
+/// Gaps kept per session: enough to tell a regular client from an irregular one, few enough
+/// that a session changing pace is followed within a few turns.
+const GAPS_KEPT: usize = 4;
+
+/// The last few gaps between a session's turn end and its next arrival (pure).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GapHistory {
+    gaps: VecDeque<Duration>,
+}
+
+/// A session's expected gap: `mean`, and the largest relative distance of a kept gap from it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GapEstimate {
+    pub mean: Duration,
+    pub spread: f64,
+}
+
+impl GapEstimate {
+    /// The earliest the next turn is expected: the mean less its spread.
+    pub fn earliest(&self) -> Duration {
+        self.mean.mul_f64((1.0 - self.spread).max(0.0))
+    }
+}
+
+impl GapHistory {
+    pub fn push(&mut self, gap: Duration) {
+        if self.gaps.len() == GAPS_KEPT {
+            self.gaps.pop_front();
+        }
+        self.gaps.push_back(gap);
+    }
+
+    /// The expected next gap when the session has left at least two gaps and they agree within
+    /// `tolerance` (relative to their mean); None for an unpredictable (or new) session.
+    pub fn estimate(&self, tolerance: f64) -> Option<GapEstimate> {
+        if self.gaps.len() < 2 {
+            return None;
+        }
+        let secs: Vec<f64> = self.gaps.iter().map(Duration::as_secs_f64).collect();
+        let mean = secs.iter().sum::<f64>() / secs.len() as f64;
+        if mean <= 0.0 {
+            return None;
+        }
+        let spread = secs
+            .iter()
+            .map(|g| (g - mean).abs() / mean)
+            .fold(0.0, f64::max);
+        (spread <= tolerance).then(|| GapEstimate {
+            mean: Duration::from_secs_f64(mean),
+            spread,
+        })
+    }
+}
+
+/// How long after a turn ends the router decides about the next one: `delay` when the session's
+/// gap is unknown; with an estimate, `lead` before the earliest expected arrival (never sooner
+/// than `delay`), so the owner's load is read near the arrival it predicts, and what is moved
+/// ahead has little time to be evicted again.
+pub fn decision_wait(estimate: Option<GapEstimate>, delay: Duration, lead: Duration) -> Duration {
+    match estimate {
+        Some(e) => e.earliest().saturating_sub(lead).max(delay),
+        None => delay,
+    }
 }
 
 /// What became of a prefetch when its session's next turn was placed.
@@ -131,7 +200,12 @@ impl SessionTable {
                 dropped.extend(s.ticket);
             }
         }
-        let generation = self.map.get(key).map_or(0, |s| s.generation + 1);
+        let (generation, gaps) = self
+            .map
+            .get_mut(key)
+            .map_or((0, GapHistory::default()), |s| {
+                (s.generation + 1, std::mem::take(&mut s.gaps))
+            });
         let previous = self.map.insert(
             key.to_owned(),
             Session {
@@ -140,6 +214,8 @@ impl SessionTable {
                 at: now,
                 ticket: None,
                 generation,
+                ended_at: Some(now),
+                gaps,
             },
         );
         dropped.extend(previous.and_then(|s| s.ticket));
@@ -147,12 +223,21 @@ impl SessionTable {
     }
 
     /// The next turn of `key` reached the router (before it is placed): a prefetch decision
-    /// still waiting for its delay sees the session moved on.
+    /// still waiting for its delay sees the session moved on, and the gap since the last turn
+    /// ended joins the session's gap history.
     pub fn turn_arrived(&mut self, key: &str, now: Instant) {
         if let Some(s) = self.map.get_mut(key) {
             s.at = now;
             s.generation += 1;
+            if let Some(ended) = s.ended_at.take() {
+                s.gaps.push(now.saturating_duration_since(ended));
+            }
         }
+    }
+
+    /// The session's expected next gap (see [`GapHistory::estimate`]).
+    pub fn gap_estimate(&self, key: &str, tolerance: f64) -> Option<GapEstimate> {
+        self.map.get(key)?.gaps.estimate(tolerance)
     }
 
     /// The next turn of `key` was placed: takes its ticket (the session stays, for its owner).
@@ -308,7 +393,8 @@ impl Sessions {
             "Prefetches ahead of arrival by outcome: issued, landed, failed, used, used_in_flight, \
              wasted, cancelled, expired, skipped_{short,owner,arrived,held,no_target,budget,room}; \
              restores on the owner: restore_{issued,nothing_missing,failed,used,wasted,expired,\
-             skipped_budget}, restored",
+             skipped_budget,skipped_unpredictable}, restored; timed_by_gap: decisions timed by \
+             the session's gap estimate",
             s.prefetches.clone(),
         );
         registry.register(
@@ -328,6 +414,16 @@ impl Sessions {
             s.sessions.clone(),
         );
         s
+    }
+
+    /// The session's gap estimate when decisions are timed by gaps (`prefetch.gap_timing`).
+    pub fn gap_estimate(&self, session: &str) -> Option<GapEstimate> {
+        if !self.config.gap_timing {
+            return None;
+        }
+        self.table
+            .lock()
+            .gap_estimate(session, self.config.gap_tolerance)
     }
 
     pub fn count(&self, outcome: &'static str) {
@@ -477,6 +573,61 @@ mod tests {
         };
         assert!(t.attach("b", restore));
         assert_eq!(t.unused_bytes(EndpointId(2)), 100, "only the pull's copy");
+    }
+
+    #[test]
+    fn a_regular_session_gets_a_gap_estimate_and_an_irregular_one_none() {
+        let secs = Duration::from_secs_f64;
+        let t0 = Instant::now();
+        let mut t = SessionTable::new(8, Duration::from_secs(600));
+        // Turn ends at 0, next arrives 10 s later, ends 2 s after that, next arrives 11 s later.
+        let mut at = t0;
+        for (i, gap) in [10.0, 11.0, 9.5].into_iter().enumerate() {
+            t.turn_finished("regular", EndpointId(1), tokens(16), at);
+            assert_eq!(
+                t.gap_estimate("regular", 0.25).is_some(),
+                i >= 2,
+                "it takes two gaps to make an estimate"
+            );
+            at += secs(gap);
+            t.turn_arrived("regular", at);
+            at += secs(2.0);
+        }
+        let e = t.gap_estimate("regular", 0.25).unwrap();
+        assert!((e.mean.as_secs_f64() - 10.1667).abs() < 1e-3, "{e:?}");
+        assert!(e.spread > 0.06 && e.spread < 0.09, "{e:?}");
+        // A tool call of 1 s, then one of 20 s: nothing to time a transfer by.
+        let mut at = t0;
+        for gap in [1.0, 20.0, 8.0] {
+            t.turn_finished("irregular", EndpointId(1), tokens(16), at);
+            at += secs(gap);
+            t.turn_arrived("irregular", at);
+        }
+        assert_eq!(t.gap_estimate("irregular", 0.25), None);
+        // An arrival without a turn end before it (a retry, a first turn) is not a gap.
+        t.turn_arrived("regular", at + secs(100.0));
+        assert_eq!(t.gap_estimate("regular", 0.25), Some(e));
+    }
+
+    #[test]
+    fn the_decision_waits_until_the_lead_before_the_earliest_expected_arrival() {
+        let ms = Duration::from_millis;
+        let (delay, lead) = (ms(500), ms(1000));
+        assert_eq!(decision_wait(None, delay, lead), delay, "unknown gap");
+        let regular = GapEstimate {
+            mean: ms(10_000),
+            spread: 0.1,
+        };
+        assert_eq!(decision_wait(Some(regular), delay, lead), ms(8_000));
+        let short = GapEstimate {
+            mean: ms(1_200),
+            spread: 0.0,
+        };
+        assert_eq!(
+            decision_wait(Some(short), delay, lead),
+            delay,
+            "never sooner than the delay"
+        );
     }
 
     #[test]

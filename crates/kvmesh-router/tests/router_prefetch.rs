@@ -181,7 +181,8 @@ async fn a_session_history_is_prefetched_to_a_second_engine_and_used_there() {
     .expect("test timed out");
 }
 
-/// One engine (every next turn goes back to its owner), a small GPU tier, restore-ahead on.
+/// One engine (every next turn goes back to its owner), a small GPU tier, restore-ahead on
+/// whenever the eviction is seen (`gap_timing: false`: no gap estimate needed).
 const RESTORE_CONFIG: &str = r#"
 seed: 7
 block_size: 16
@@ -198,6 +199,28 @@ prefetch:
   delay_ms: 200
   restore: true
   restore_recheck_ms: 50
+  gap_timing: false
+"#;
+
+/// As [`RESTORE_CONFIG`], with restores timed by the session's gaps (the default).
+const GAP_TIMED_CONFIG: &str = r#"
+seed: 7
+block_size: 16
+plugins:
+  - {type: prefix-cache-scorer, name: prefix}
+  - {type: max-score-picker, name: max}
+schedulingProfiles:
+  - name: prefix
+    plugins: [{pluginRef: prefix, weight: 1}, {pluginRef: max}]
+prefetch:
+  session_id: header:x-session-id
+  min_tokens: 1024
+  kv_bytes_per_token: 1000
+  delay_ms: 100
+  restore: true
+  restore_recheck_ms: 50
+  lead_ms: 300
+  gap_tolerance: 0.5
 "#;
 
 /// The router's `kvmesh_router_prefetches_total{outcome}`.
@@ -340,6 +363,91 @@ async fn a_history_evicted_from_the_owners_gpu_is_restored_ahead_of_the_next_tur
             1.0,
             "the engine was asked once"
         );
+        stop(r, engines).await;
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_a_session_with_a_regular_pace_is_restored_ahead() {
+    tokio::time::timeout(LIMIT, async {
+        let mut config = sim_config(320);
+        config.max_num_batched_tokens = 512;
+        let engines = vec![start_engine_with("e0", config, 20.0).await];
+        let yaml = format!(
+            "{GAP_TIMED_CONFIG}{}",
+            common::engines::engines_yaml(&engines.iter().collect::<Vec<_>>())
+        );
+        let r = start_router(&yaml, None).await;
+        let base = format!("http://{}", r.addr);
+        let url = engines[0].url.clone();
+        let metric = |outcome: &'static str| prefetches(base.clone(), outcome);
+        let evict = |seed: u32| {
+            let base = base.clone();
+            async move {
+                let filler = post_json(
+                    &format!("{base}/v1/completions"),
+                    &json!({"prompt": doc(seed, 4800), "max_tokens": 1}),
+                )
+                .await;
+                assert_eq!(filler.status(), 200);
+            }
+        };
+
+        wait_until_indexing(&r, &base, "e0").await;
+        // Every gap below is 1 s from one answer to the next turn: a regular pace.
+        let gap = Duration::from_millis(1000);
+        // Turn 1: no gap seen yet. Its history leaves the GPU tier in the gap, and nothing is
+        // restored: when the turn comes back is unknown.
+        let mut prompt = doc(31, 2048);
+        turn(&base, "s-1", &prompt).await;
+        let ended = tokio::time::Instant::now();
+        evict(32).await;
+        eventually_async(10, "the unpredictable session was skipped", || async {
+            metric("restore_skipped_unpredictable").await >= 1.0
+        })
+        .await;
+        assert_eq!(metric("restore_issued").await, 0.0);
+        assert_eq!(metric("timed_by_gap").await, 0.0);
+        tokio::time::sleep_until(ended + gap).await;
+        // Turns 2 and 3; after turn 3 the router has seen two gaps that agree.
+        for (i, seed) in [33, 34].into_iter().enumerate() {
+            prompt = format!("{prompt} and the tool said {}", doc(seed, 100));
+            turn(&base, "s-1", &prompt).await;
+            let ended = tokio::time::Instant::now();
+            eventually_async(5, "two gaps make an estimate", || async {
+                metric("timed_by_gap").await == i as f64
+            })
+            .await;
+            if i == 0 {
+                tokio::time::sleep_until(ended + gap).await;
+            }
+        }
+        // After the third turn the router knows the pace: the history evicted now comes back
+        // ahead of the fourth turn.
+        evict(35).await;
+        eventually_async(20, "the owner restored the history", || async {
+            metric("restored").await >= 1.0
+        })
+        .await;
+        assert_eq!(metric("restore_issued").await, 1.0);
+        assert!(engine_metric(&url, "kvmesh_engine_prefetch_restored_blocks_total").await >= 64.0);
+        let decisions = get_json(&format!("{base}/debug/decisions?last=50")).await;
+        let restore = decisions
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["outcome"] == "prefetch_restore")
+            .unwrap_or_else(|| panic!("no restore decision: {decisions}"));
+        let why = restore["p2p"]["why"].as_str().unwrap_or_default();
+        assert!(why.contains("the session's gaps"), "{restore}");
+        prompt = format!("{prompt} and then {}", doc(36, 100));
+        turn(&base, "s-1", &prompt).await;
+        eventually_async(5, "the restore counted as used", || async {
+            metric("restore_used").await == 1.0
+        })
+        .await;
         stop(r, engines).await;
     })
     .await
