@@ -375,6 +375,7 @@ impl Fleet {
                     idx,
                     name,
                     log,
+                    None,
                 )?);
                 groups.push(group);
                 idx += 1;
@@ -458,16 +459,18 @@ impl Fleet {
         Ok(idx)
     }
 
-    /// Kills engine `idx` and starts a fresh one of `group` in its place (same name, new ports,
-    /// empty caches, counters from zero — a replaced pod), waiting until it answers `/health`.
-    /// The router does not know the new address yet: [`Fleet::publish_endpoints`] tells it.
+    /// Kills engine `idx` and starts a fresh one of `group` in its place: same name and, like a
+    /// pod restarting behind its Service, the same ports (empty caches, counters from zero), so
+    /// any router — a peer's fixed worker list too — finds it where it was. Waits until it
+    /// answers `/health`. Returns whether the address changed (a port was taken meanwhile and
+    /// fresh ones were picked): then [`Fleet::publish_endpoints`] must tell the router.
     pub async fn replace_engine(
         &mut self,
         idx: usize,
         exe: &Path,
         group: &EngineGroup,
         ready: Duration,
-    ) -> Result<(), FleetError> {
+    ) -> Result<bool, FleetError> {
         let Some(old) = self.engines.get_mut(idx) else {
             return Err(FleetError::Spec(format!("no engine {idx} to replace")));
         };
@@ -476,8 +479,36 @@ impl Fleet {
         let name = old.name.clone();
         let _ = std::fs::rename(&old.log, old.log.with_extension("log.before-restart"));
         let log = old.log.clone();
-        self.engines[idx] = self.start_ready(exe, group, idx, name, log, ready).await?;
-        Ok(())
+        let ports = EnginePorts {
+            http: old.port,
+            kv_events: old.kv_events_port,
+            kv_replay: old.kv_replay_port,
+            p2p: old.p2p_port,
+        };
+        let url = old.url.clone();
+        let mut e = spawn_engine(
+            exe,
+            group,
+            &self.served_model_name,
+            idx,
+            name,
+            log,
+            Some(ports),
+        )?;
+        let http = reqwest::Client::new();
+        wait_ready_or_respawn(
+            &http,
+            exe,
+            group,
+            &self.served_model_name,
+            idx,
+            &mut e,
+            ready,
+        )
+        .await?;
+        let moved = e.url != url;
+        self.engines[idx] = e;
+        Ok(moved)
     }
 
     /// Starts engine number `idx` of `group` and waits until it answers `/health`.
@@ -490,7 +521,7 @@ impl Fleet {
         log: PathBuf,
         ready: Duration,
     ) -> Result<EngineProc, FleetError> {
-        let mut e = spawn_engine(exe, group, &self.served_model_name, idx, name, log)?;
+        let mut e = spawn_engine(exe, group, &self.served_model_name, idx, name, log, None)?;
         let http = reqwest::Client::new();
         wait_ready_or_respawn(
             &http,
@@ -733,6 +764,7 @@ async fn wait_ready_or_respawn(
                     idx,
                     e.name.clone(),
                     e.log.clone(),
+                    None,
                 )?;
             }
             Err(err) => return Err(err),
@@ -740,7 +772,16 @@ async fn wait_ready_or_respawn(
     }
 }
 
-/// Picks fresh ports and starts engine number `idx` of `group`.
+/// An engine's listening ports.
+#[derive(Debug, Clone, Copy)]
+struct EnginePorts {
+    http: u16,
+    kv_events: u16,
+    kv_replay: Option<u16>,
+    p2p: Option<u16>,
+}
+
+/// Starts engine number `idx` of `group` on `ports`, or on fresh ones.
 fn spawn_engine(
     exe: &Path,
     group: &EngineGroup,
@@ -748,11 +789,19 @@ fn spawn_engine(
     idx: usize,
     name: String,
     log: PathBuf,
+    ports: Option<EnginePorts>,
 ) -> Result<EngineProc, FleetError> {
-    let port = free_port()?;
-    let kv_events_port = free_port()?;
-    let kv_replay_port = Some(free_port()?);
-    let p2p_port = if group.p2p { Some(free_port()?) } else { None };
+    let ports = match ports {
+        Some(p) => p,
+        None => EnginePorts {
+            http: free_port()?,
+            kv_events: free_port()?,
+            kv_replay: Some(free_port()?),
+            p2p: if group.p2p { Some(free_port()?) } else { None },
+        },
+    };
+    let (port, kv_events_port, kv_replay_port, p2p_port) =
+        (ports.http, ports.kv_events, ports.kv_replay, ports.p2p);
     let args = engine_args(
         group,
         served_model_name,

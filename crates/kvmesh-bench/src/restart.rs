@@ -1,9 +1,10 @@
-//! The restart experiments (issue 19: restart recovery). The router learns the replacements
-//! through its hot-reloaded endpoint list, drops the index of the engines that went away and
-//! keeps the survivors'.
+//! The restart experiments (issue 19: restart recovery). A replacement comes back at its
+//! predecessor's address (a pod restarting behind its Service), so a router with a fixed worker
+//! list — a peer's — finds it too; kvmesh's router sees the killed process refuse connections,
+//! drops its index entries and keeps the survivors'.
 //!
 //! - `restart`: agentic P/D conversations, and midway every prefill engine is killed and
-//!   replaced (new process, new ports, empty caches — a Kubernetes pod restart). `pd` /
+//!   replaced (new process, same ports, empty caches — a Kubernetes pod restart). `pd` /
 //!   `pd-load` recompute each conversation's history on its next prefill (a synchronized storm
 //!   right after the restart); `pd-bidir` / `pd-load-bidir` read it from the decoder that holds
 //!   it. Read from the new prefillers' counters (which start at zero with them).
@@ -150,16 +151,21 @@ pub async fn restart_engines(
     let ready = Duration::from_secs_f64(spec.ready_timeout_s.unwrap_or(60.0));
     log.before = Some(scrape_fleet(fleet).await);
     log.killed_wall_s = start.elapsed().as_secs_f64();
+    let mut moved = false;
     for i in replace {
         match fleet.replace_engine(i, exe, group, ready).await {
-            Ok(()) => log.restarted.push(fleet.engines[i].name.clone()),
+            Ok(m) => {
+                moved |= m;
+                log.restarted.push(fleet.engines[i].name.clone());
+            }
             Err(e) => {
                 log.error = Some(format!("replacing {}: {e}", fleet.engines[i].name));
                 return log;
             }
         }
     }
-    if let Err(e) = fleet.publish_endpoints(spec) {
+    // Only when a port was taken meanwhile and a replacement came back elsewhere.
+    if moved && let Err(e) = fleet.publish_endpoints(spec) {
         log.error = Some(format!("telling the router: {e}"));
         return log;
     }

@@ -303,12 +303,14 @@ decisions_capacity: 2048
         // histories (gpt-oss: 73,728 B/token) be in flight towards one engine and about a
         // quarter of a bench engine's CPU tier (2x its GPU tier) hold unused copies; the
         // decision waits 500 ms of model time after a turn ends (wall time on a sped-up fleet),
-        // or for a session with a regular pace until 1 s of model time before its next turn.
+        // or for a session with a regular pace until 0.5 s of model time before its next turn
+        // (a restore of a 60K-token history takes ~90 ms of model time; the 1 s default also
+        // covers slower pulls).
         let _ = writeln!(
             y,
             "prefetch: {{session_id: \"header:x-session-id\", min_tokens: 2048, kv_bytes_per_token: 73728, max_inflight_bytes_per_endpoint: 4831838208, max_unused_bytes_per_endpoint: 3221225472, restore: true, delay_ms: {}, lead_ms: {}}}",
             500.0 / ts,
-            1000.0 / ts
+            500.0 / ts
         );
     }
     if arm.replicates() {

@@ -39,8 +39,9 @@ pub struct UpCmd {
 #[derive(clap::Args)]
 pub struct BenchCmd {
     /// Workload(s): ladder, fork, pool, pool@RATE, docqa, docqa-warm, agentic (with its no-gap
-    /// control agentic-nogap), agentic-pd, restart, restart-agg, fanout, fanout@N, skew, skew@S,
-    /// skew-heavy, skew-heavy@S, scaleout, trace:<file.jsonl>.
+    /// control agentic-nogap), agentic-paced (agentic's sessions, each at its own pace),
+    /// agentic-pd, restart, restart-agg, fanout, fanout@N, skew, skew@S, skew-heavy,
+    /// skew-heavy@S, scaleout, trace:<file.jsonl>.
     #[arg(long, value_delimiter = ',', required = true)]
     pub workload: Vec<String>,
     /// Router arms, compared in order (the first is the baseline): round-robin, affinity, load,
