@@ -274,6 +274,17 @@ impl Evidence {
         Evidence::from_engines(engines, errors)
     }
 
+    /// The same evidence without the engines at `urls` (engines that were replaced at the same
+    /// address: a diff against their predecessors' counters would be wrong).
+    pub fn without(self, urls: &[String]) -> Evidence {
+        let engines = self
+            .engines
+            .into_iter()
+            .filter(|e| !urls.contains(&e.url))
+            .collect();
+        Evidence::from_engines(engines, self.scrape_errors)
+    }
+
     /// Whether anything was verifiably pulled.
     pub fn moved_anything(&self) -> bool {
         self.p2p_bytes > 0.0 || self.p2p_blocks > 0.0
@@ -477,6 +488,23 @@ weird line without value
         assert_eq!(ev.p2p_bytes, 32768.0);
         assert_eq!(ev.p2p_modelled_bytes, 75_497_472.0);
         assert_eq!(ev.p2p_blocks, 64.0);
+    }
+
+    /// An engine replaced at the same address counts from zero after its restart: diffed
+    /// against its predecessor's counters, its work would vanish.
+    #[test]
+    fn a_replaced_engine_counts_from_zero_after_the_restart() {
+        let scrape = |url: &str, hits: u64| {
+            EngineEvidence::from_exposition(
+                url,
+                &format!("vllm:external_prefix_cache_hits_total {hits}\n"),
+            )
+        };
+        let before = Evidence::from_engines(vec![scrape("a", 500), scrape("b", 700)], vec![]);
+        // "b" restarted: its new process counted 300 since; "a" survived and counted 100 more.
+        let after = Evidence::from_engines(vec![scrape("a", 600), scrape("b", 300)], vec![]);
+        let since = after.since(&before.without(&["b".to_owned()]));
+        assert_eq!(since.external_hit_tokens, 400.0);
     }
 
     #[test]

@@ -113,8 +113,8 @@ pub struct RestartLog {
     pub killed_wall_s: f64,
     pub routable_wall_s: f64,
     pub error: Option<String>,
-    /// Every engine's counters just before the kill (aggregated restarts read the fleet's
-    /// work after the restart as the difference).
+    /// The surviving engines' counters just before the kill (aggregated restarts read the
+    /// fleet's work after the restart as the difference; replacements count from zero).
     pub before: Option<crate::metrics::Evidence>,
 }
 
@@ -149,7 +149,14 @@ pub async fn restart_engines(
         return log;
     };
     let ready = Duration::from_secs_f64(spec.ready_timeout_s.unwrap_or(60.0));
-    log.before = Some(scrape_fleet(fleet).await);
+    let before = scrape_fleet(fleet).await;
+    // The replacements count from zero at the same address: their predecessors' counters are
+    // left out of `before`, or the work after the restart would be diffed against them.
+    let replaced_urls: Vec<String> = replace
+        .iter()
+        .map(|&i| fleet.engines[i].url.clone())
+        .collect();
+    log.before = Some(before.without(&replaced_urls));
     log.killed_wall_s = start.elapsed().as_secs_f64();
     let mut moved = false;
     for i in replace {

@@ -248,7 +248,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         let ts = plan.fleet.time_scale;
         match (&log.before, crate::restart::is_aggregated(w)) {
             (Some(before), true) => {
-                // Replaced engines have new URLs, so they count from zero.
+                // Replaced engines are not in `before`: they count from zero.
                 let since = evidence.since(before);
                 analyse(
                     &records,
