@@ -380,9 +380,11 @@ impl Publisher {
                 };
                 let (batch, rest) = coalesce(first, &mut rx);
                 held = rest;
-                if let Err(e) = self.publish(&batch).await {
-                    errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "kv-event publish failed");
+                for part in split_batch(batch, MAX_COALESCED_EVENTS) {
+                    if let Err(e) = self.publish(&part).await {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %e, "kv-event publish failed");
+                    }
                 }
             }
         });
@@ -571,17 +573,20 @@ fn spawn_subscription_reader(
     })
 }
 
-/// Most events merged into one message by [`coalesce`].
+/// Most events in one published message: [`coalesce`] never merges past it and
+/// [`split_batch`] cuts a larger batch. Subscribers bound what they accept (vllm-router 0.1.17
+/// drops any message of more than 4096 events and suspends the engine's index entries), and an
+/// engine restoring a 100K-token history evicts ~6K blocks in one step.
 pub const MAX_COALESCED_EVENTS: usize = 4096;
 
 /// Appends the batches already queued behind `first` (same data-parallel rank, up to
-/// [`MAX_COALESCED_EVENTS`] events) to it, in order, so a backlog leaves as a few large messages
-/// instead of one message each. Engines emit a batch per step and per CPU-tier change (a pull
-/// lands its blocks one by one); under load, per-message cost on both ends of the socket made
-/// subscribers fall seconds behind. The merged batch keeps the first one's timestamp (its
-/// oldest event), so subscribers' lag figures stay honest; vLLM subscribers read any number of
-/// events per batch. Returns the merged batch and, if one of another rank stopped the merge,
-/// that batch (it leads the next message).
+/// [`MAX_COALESCED_EVENTS`] events in all) to it, in order, so a backlog leaves as a few large
+/// messages instead of one message each. Engines emit a batch per step and per CPU-tier change (a
+/// pull lands its blocks one by one); under load, per-message cost on both ends of the socket
+/// made subscribers fall seconds behind. The merged batch keeps the first one's timestamp (its
+/// oldest event), so subscribers' lag figures stay honest. Returns the merged batch and, if one
+/// stopped the merge (another rank, or it would overshoot the cap), that batch (it leads the
+/// next message).
 pub fn coalesce(
     mut first: EventBatch,
     rx: &mut mpsc::Receiver<EventBatch>,
@@ -590,12 +595,33 @@ pub fn coalesce(
         let Ok(next) = rx.try_recv() else {
             break;
         };
-        if next.data_parallel_rank != first.data_parallel_rank {
+        if next.data_parallel_rank != first.data_parallel_rank
+            || first.events.len() + next.events.len() > MAX_COALESCED_EVENTS
+        {
             return (first, Some(next));
         }
         first.events.extend(next.events);
     }
     (first, None)
+}
+
+/// `batch` as consecutive batches of at most `max` events each (same timestamp and rank, events
+/// in order); each is published as its own numbered message.
+pub fn split_batch(mut batch: EventBatch, max: usize) -> Vec<EventBatch> {
+    let max = max.max(1);
+    if batch.events.len() <= max {
+        return vec![batch];
+    }
+    let mut parts = Vec::with_capacity(batch.events.len().div_ceil(max));
+    let mut events = std::mem::take(&mut batch.events).into_iter().peekable();
+    while events.peek().is_some() {
+        parts.push(EventBatch {
+            ts: batch.ts,
+            events: events.by_ref().take(max).collect(),
+            data_parallel_rank: batch.data_parallel_rank,
+        });
+    }
+    parts
 }
 
 /// Why [`PublisherHandle::send`] refused a batch.
@@ -691,5 +717,49 @@ mod tests {
         assert_eq!(merged.events.len(), MAX_COALESCED_EVENTS);
         let (rest, _) = coalesce(rx.try_recv().unwrap(), &mut rx);
         assert_eq!(rest.events.len(), 5, "the 5 batches left behind the cap");
+    }
+
+    #[test]
+    fn a_batch_that_would_overshoot_the_cap_leads_the_next_message() {
+        let (tx, mut rx) = mpsc::channel(4);
+        let big = EventBatch {
+            events: (0..MAX_COALESCED_EVENTS as u64 - 1)
+                .flat_map(|t| removed(t, None).events)
+                .collect(),
+            ..removed(1, None)
+        };
+        tx.try_send(EventBatch {
+            events: (0..2).flat_map(|t| removed(t, None).events).collect(),
+            ..removed(2, None)
+        })
+        .unwrap();
+        let (merged, held) = coalesce(big, &mut rx);
+        assert_eq!(merged.events.len(), MAX_COALESCED_EVENTS - 1);
+        assert_eq!(held.map(|b| b.events.len()), Some(2));
+    }
+
+    #[test]
+    fn a_step_with_more_events_than_the_cap_is_cut_in_order() {
+        let events: Vec<KvEvent> = (0..10u64)
+            .flat_map(|tag| removed(tag, None).events)
+            .collect();
+        let batch = EventBatch {
+            ts: 7.5,
+            events: events.clone(),
+            data_parallel_rank: Some(1),
+        };
+        let parts = split_batch(batch, 4);
+        assert_eq!(
+            parts.iter().map(|p| p.events.len()).collect::<Vec<_>>(),
+            [4, 4, 2]
+        );
+        assert!(
+            parts
+                .iter()
+                .all(|p| p.ts == 7.5 && p.data_parallel_rank == Some(1))
+        );
+        let rejoined: Vec<KvEvent> = parts.into_iter().flat_map(|p| p.events).collect();
+        assert_eq!(rejoined, events);
+        assert_eq!(split_batch(removed(1, None), 4).len(), 1);
     }
 }
