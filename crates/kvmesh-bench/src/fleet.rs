@@ -454,7 +454,9 @@ impl Fleet {
         let idx = self.engines.len();
         let name = format!("engine-{idx}-{}", group.role.as_str());
         let log = self.log_dir.join(format!("{name}.log"));
-        let e = self.start_ready(exe, group, idx, name, log, ready).await?;
+        let e = self
+            .start_ready(exe, group, idx, name, log, ready, None)
+            .await?;
         self.engines.push(e);
         Ok(idx)
     }
@@ -486,32 +488,17 @@ impl Fleet {
             p2p: old.p2p_port,
         };
         let url = old.url.clone();
-        let mut e = spawn_engine(
-            exe,
-            group,
-            &self.served_model_name,
-            idx,
-            name,
-            log,
-            Some(ports),
-        )?;
-        let http = reqwest::Client::new();
-        wait_ready_or_respawn(
-            &http,
-            exe,
-            group,
-            &self.served_model_name,
-            idx,
-            &mut e,
-            ready,
-        )
-        .await?;
+        let e = self
+            .start_ready(exe, group, idx, name, log, ready, Some(ports))
+            .await?;
         let moved = e.url != url;
         self.engines[idx] = e;
         Ok(moved)
     }
 
-    /// Starts engine number `idx` of `group` and waits until it answers `/health`.
+    /// Starts engine number `idx` of `group` on `ports` (fresh ones when None, or when those
+    /// turn out to be taken) and waits until it answers `/health`.
+    #[allow(clippy::too_many_arguments)]
     async fn start_ready(
         &self,
         exe: &Path,
@@ -520,8 +507,9 @@ impl Fleet {
         name: String,
         log: PathBuf,
         ready: Duration,
+        ports: Option<EnginePorts>,
     ) -> Result<EngineProc, FleetError> {
-        let mut e = spawn_engine(exe, group, &self.served_model_name, idx, name, log, None)?;
+        let mut e = spawn_engine(exe, group, &self.served_model_name, idx, name, log, ports)?;
         let http = reqwest::Client::new();
         wait_ready_or_respawn(
             &http,

@@ -181,47 +181,34 @@ async fn a_session_history_is_prefetched_to_a_second_engine_and_used_there() {
     .expect("test timed out");
 }
 
-/// One engine (every next turn goes back to its owner), a small GPU tier, restore-ahead on
-/// whenever the eviction is seen (`gap_timing: false`: no gap estimate needed).
-const RESTORE_CONFIG: &str = r#"
+/// One engine (every next turn goes back to its owner), a small GPU tier, restore-ahead on, and
+/// the `prefetch:` timing settings given.
+fn restore_config(timing: &str) -> String {
+    format!(
+        r#"
 seed: 7
 block_size: 16
 plugins:
-  - {type: prefix-cache-scorer, name: prefix}
-  - {type: max-score-picker, name: max}
+  - {{type: prefix-cache-scorer, name: prefix}}
+  - {{type: max-score-picker, name: max}}
 schedulingProfiles:
   - name: prefix
-    plugins: [{pluginRef: prefix, weight: 1}, {pluginRef: max}]
+    plugins: [{{pluginRef: prefix, weight: 1}}, {{pluginRef: max}}]
 prefetch:
   session_id: header:x-session-id
   min_tokens: 1024
   kv_bytes_per_token: 1000
-  delay_ms: 200
   restore: true
   restore_recheck_ms: 50
-  gap_timing: false
-"#;
+{timing}"#
+    )
+}
 
-/// As [`RESTORE_CONFIG`], with restores timed by the session's gaps (the default).
-const GAP_TIMED_CONFIG: &str = r#"
-seed: 7
-block_size: 16
-plugins:
-  - {type: prefix-cache-scorer, name: prefix}
-  - {type: max-score-picker, name: max}
-schedulingProfiles:
-  - name: prefix
-    plugins: [{pluginRef: prefix, weight: 1}, {pluginRef: max}]
-prefetch:
-  session_id: header:x-session-id
-  min_tokens: 1024
-  kv_bytes_per_token: 1000
-  delay_ms: 100
-  restore: true
-  restore_recheck_ms: 50
-  lead_ms: 300
-  gap_tolerance: 0.5
-"#;
+/// Restore whenever the eviction is seen (`gap_timing: false`: no gap estimate needed).
+const RESTORE_ON_EVICTION: &str = "  delay_ms: 200\n  gap_timing: false\n";
+
+/// Restores timed by the session's gaps (the default).
+const RESTORE_GAP_TIMED: &str = "  delay_ms: 100\n  lead_ms: 300\n  gap_tolerance: 0.5\n";
 
 /// The router's `kvmesh_router_prefetches_total{outcome}`.
 async fn prefetches(base: String, outcome: &'static str) -> f64 {
@@ -264,7 +251,8 @@ async fn a_history_evicted_from_the_owners_gpu_is_restored_ahead_of_the_next_tur
         config.max_num_batched_tokens = 512;
         let engines = vec![start_engine_with("e0", config, 20.0).await];
         let yaml = format!(
-            "{RESTORE_CONFIG}{}",
+            "{}{}",
+            restore_config(RESTORE_ON_EVICTION),
             common::engines::engines_yaml(&engines.iter().collect::<Vec<_>>())
         );
         let r = start_router(&yaml, None).await;
@@ -376,7 +364,8 @@ async fn only_a_session_with_a_regular_pace_is_restored_ahead() {
         config.max_num_batched_tokens = 512;
         let engines = vec![start_engine_with("e0", config, 20.0).await];
         let yaml = format!(
-            "{GAP_TIMED_CONFIG}{}",
+            "{}{}",
+            restore_config(RESTORE_GAP_TIMED),
             common::engines::engines_yaml(&engines.iter().collect::<Vec<_>>())
         );
         let r = start_router(&yaml, None).await;
