@@ -55,6 +55,11 @@ pub struct EngineMetrics {
     pub cpu_evicted_blocks: FloatGauge,
     pub cpu_rejected_blocks: FloatGauge,
     pub cpu_restored_blocks: Counter,
+    /// Modelled host-to-device time of every CPU-tier restore (unscaled; time-modelled backends).
+    pub cpu_restore_modelled_seconds: Counter<f64, AtomicU64>,
+    /// Wall seconds requests spent admitted but waiting for their restored blocks to land
+    /// (`--sim-h2d overlap`).
+    pub cpu_restore_wait_seconds: Counter<f64, AtomicU64>,
     pub cpu_retained_evicted_blocks: FloatGauge,
     pub cpu_pull_pin_capped_blocks: FloatGauge,
     /// Pulls stopped because our own sink refused a block, by sink reason.
@@ -111,6 +116,8 @@ impl EngineMetrics {
             cpu_evicted_blocks: FloatGauge::default(),
             cpu_rejected_blocks: FloatGauge::default(),
             cpu_restored_blocks: Counter::default(),
+            cpu_restore_modelled_seconds: Counter::default(),
+            cpu_restore_wait_seconds: Counter::default(),
             cpu_retained_evicted_blocks: FloatGauge::default(),
             cpu_pull_pin_capped_blocks: FloatGauge::default(),
             p2p_sink_rejected: Family::default(),
@@ -240,6 +247,16 @@ impl EngineMetrics {
             "kvmesh_engine_cpu_restored_blocks",
             "Blocks restored from the CPU tier into the GPU tier",
             m.cpu_restored_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_restore_modelled_seconds",
+            "Modelled host-to-device copy time of CPU-tier restores (unscaled)",
+            m.cpu_restore_modelled_seconds.clone(),
+        );
+        r.register(
+            "kvmesh_engine_cpu_restore_wait_seconds",
+            "Seconds admitted requests waited for restored blocks to land (copy engine)",
+            m.cpu_restore_wait_seconds.clone(),
         );
         r.register(
             "kvmesh_engine_cpu_retained_evicted_blocks",

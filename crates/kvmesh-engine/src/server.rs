@@ -17,7 +17,7 @@ use crate::admission::AdmissionHook;
 use crate::api::{ApiState, router};
 use crate::compute::ComputeBackend;
 use crate::compute::profiles;
-use crate::compute::sim::{SimBackend, SimConfig};
+use crate::compute::sim::{SimBackend, SimConfig, SimH2d};
 use crate::compute::sim_link::SimLink;
 use crate::config::{AdvertisedAddr, ConfigError, EngineConfig, host_port};
 use crate::engine::{Engine, EngineHandle, build_engine};
@@ -134,17 +134,19 @@ pub fn sim_backend(
         time_scale,
         kv_bytes_per_token,
         SimLink::default(),
+        SimH2d::default(),
     )
 }
 
 /// Builds the `sim` backend for `profile` whose P2P transfers cost what `link` says
-/// (`--sim-link`).
+/// (`--sim-link`) and whose CPU-tier restores are charged as `h2d` says (`--sim-h2d`).
 pub fn sim_backend_with_link(
     config: &EngineConfig,
     profile: &str,
     time_scale: f64,
     kv_bytes_per_token: usize,
     link: SimLink,
+    h2d: SimH2d,
 ) -> Result<Box<dyn ComputeBackend>, ServerError> {
     let profile = profiles::profile(profile)
         .ok_or_else(|| ServerError::UnknownProfile(profile.to_owned()))?;
@@ -161,6 +163,7 @@ pub fn sim_backend_with_link(
         block_size: config.block_size,
         model_id: format!("sim:{}", profile.name),
         link,
+        h2d,
     })))
 }
 

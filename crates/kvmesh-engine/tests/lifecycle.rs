@@ -75,7 +75,7 @@ impl ComputeBackend for PanicAfterArmed {
     fn finalize_block(&mut self, block: BlockId, hash: BlockHash, kv: &mut KvArena) {
         self.inner.finalize_block(block, hash, kv)
     }
-    fn on_host_restore(&mut self, tokens: usize) -> Duration {
+    fn on_host_restore(&mut self, tokens: usize) -> kvmesh_engine::compute::HostRestoreCost {
         self.inner.on_host_restore(tokens)
     }
     fn run_pending_restore(&mut self) {

@@ -81,6 +81,12 @@ pub struct EngineCmd {
     /// the profile's published pull ladder by token count: no bytes, no contention).
     #[arg(long, default_value = kvmesh_engine::compute::sim_link::DEFAULT_SIM_LINK)]
     sim_link: String,
+    /// How the sim backend charges a restore from the CPU tier into the GPU tier: `overlap` (a
+    /// copy engine beside compute, as vLLM's offloading connector loads on its own stream: only
+    /// the requests needing the blocks wait, concurrent restores queue on the host link) or
+    /// `step` (added to the next step: the whole batch waits).
+    #[arg(long, default_value = "overlap")]
+    sim_h2d: String,
     #[arg(long, default_value = "sha256_cbor")]
     prefix_caching_hash_algo: String,
     /// The `engine` label of metrics.
@@ -340,6 +346,9 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
                 args.time_scale,
                 args.sim_kv_bytes_per_token,
                 args.sim_link.parse::<SimLink>()?,
+                args.sim_h2d
+                    .parse::<kvmesh_engine::compute::sim::SimH2d>()
+                    .map_err(anyhow::Error::msg)?,
             )?,
             Arc::new(ByteTokenizer),
         ),
@@ -390,7 +399,11 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
             args.sim_link.parse::<SimLink>(),
             kvmesh_engine::compute::profiles::profile(&args.profile),
         ) {
-            eprintln!("kvmesh engine: sim link {}", link.describe(profile));
+            eprintln!(
+                "kvmesh engine: sim link {}; CPU-tier restores: {}",
+                link.describe(profile),
+                args.sim_h2d
+            );
         }
     }
     // The line launchers and tests parse to learn the port.

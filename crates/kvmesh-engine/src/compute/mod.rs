@@ -16,6 +16,8 @@ pub mod profiles;
 pub mod sim;
 pub mod sim_link;
 
+use std::time::Duration;
+
 use kvmesh_core::{BlockHash, TokenId};
 use thiserror::Error;
 
@@ -126,6 +128,30 @@ pub struct BackendCapabilities {
     pub hash_derived_payloads: bool,
 }
 
+/// What a host-to-device restore copy costs ([`ComputeBackend::on_host_restore`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HostRestoreCost {
+    /// Nothing more: the copy already took its real time (real backends).
+    Paid,
+    /// Charged to the backend's next step, so it holds up the whole batch (`--sim-h2d step`).
+    /// Carries the modelled (unscaled) duration.
+    NextStep { modelled: Duration },
+    /// Runs on a copy engine beside compute (`--sim-h2d overlap`): the engine queues it and only
+    /// the requests needing the copied blocks wait `wall` (the modelled duration divided by the
+    /// time scale) for it.
+    CopyEngine { modelled: Duration, wall: Duration },
+}
+
+impl HostRestoreCost {
+    /// The modelled (unscaled) duration of the copy, however it is charged.
+    pub fn modelled(&self) -> Duration {
+        match self {
+            Self::Paid => Duration::ZERO,
+            Self::NextStep { modelled } | Self::CopyEngine { modelled, .. } => *modelled,
+        }
+    }
+}
+
 /// A backend's modelled link ([`ComputeBackend::modelled_link`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ModelledLink {
@@ -178,15 +204,15 @@ pub trait ComputeBackend: Send {
     /// hash-derived payload here; real backends keep the default (their KV is already written).
     fn finalize_block(&mut self, _block: BlockId, _hash: BlockHash, _kv: &mut KvArena) {}
     /// Called when the engine copied `tokens` worth of KV from the CPU tier into the arena (a
-    /// local prefix hit restored from host memory, or a restore ahead of a request).
-    /// Time-modelled backends charge the modelled host-to-device copy to their next step and
-    /// return it (unscaled); real backends keep the default (their copy already took its time).
-    fn on_host_restore(&mut self, _tokens: usize) -> std::time::Duration {
-        std::time::Duration::ZERO
+    /// local prefix hit restored from host memory, or a restore ahead of a request): what that
+    /// host-to-device copy costs ([`HostRestoreCost`]). Real backends keep the default (their
+    /// copy already took its time).
+    fn on_host_restore(&mut self, _tokens: usize) -> HostRestoreCost {
+        HostRestoreCost::Paid
     }
-    /// Called when the engine is idle with host-to-device copies charged but no step to charge
-    /// them to (a restore ahead of a request on an idle engine): time-modelled backends spend
-    /// that time now, on the idle compute thread, so it is neither lost nor pushed onto the next
-    /// request's first step.
+    /// Called when the engine is idle with host-to-device copies charged to the next step but no
+    /// step to charge them to (a restore ahead of a request on an idle engine): time-modelled
+    /// backends spend that time now, on the idle compute thread, so it is neither lost nor
+    /// pushed onto the next request's first step.
     fn run_pending_restore(&mut self) {}
 }

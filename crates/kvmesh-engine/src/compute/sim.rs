@@ -11,8 +11,8 @@ use kvmesh_core::{BlockHash, TokenId};
 use super::profiles::SimProfile;
 use super::sim_link::SimLink;
 use super::{
-    BackendCapabilities, BlockId, ComputeBackend, ComputeError, KvArena, KvLayout, ModelledLink,
-    SeqStep,
+    BackendCapabilities, BlockId, ComputeBackend, ComputeError, HostRestoreCost, KvArena, KvLayout,
+    ModelledLink, SeqStep,
 };
 
 /// Token the sim never samples unless asked (it generates text until `max_tokens`).
@@ -76,6 +76,32 @@ pub struct SimConfig {
     pub model_id: String,
     /// What a P2P transfer costs (`--sim-link`).
     pub link: SimLink,
+    /// How a host-to-device restore is charged (`--sim-h2d`).
+    pub h2d: SimH2d,
+}
+
+/// How the sim charges a host-to-device restore from the CPU tier (`--sim-h2d`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SimH2d {
+    /// On a copy engine beside compute, as vLLM's offloading connector loads on its own CUDA
+    /// stream: only the requests needing the copied blocks wait; concurrent copies queue on the
+    /// host link.
+    #[default]
+    Overlap,
+    /// Added to the next step, so every request in that batch waits for the copy (the model
+    /// before `overlap` existed; kept to compare against).
+    Step,
+}
+
+impl std::str::FromStr for SimH2d {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "overlap" => Ok(Self::Overlap),
+            "step" => Ok(Self::Step),
+            other => Err(format!("unknown --sim-h2d `{other}` (overlap, step)")),
+        }
+    }
 }
 
 /// Time-modelled backend (see module docs).
@@ -247,12 +273,28 @@ impl ComputeBackend for SimBackend {
             })
     }
 
-    fn on_host_restore(&mut self, tokens: usize) -> Duration {
+    fn on_host_restore(&mut self, tokens: usize) -> HostRestoreCost {
         let ms = tokens as f64 * self.cfg.profile.real_kv_bytes_per_token as f64
             / SIM_H2D_BYTES_PER_SEC
             * 1000.0;
-        self.pending_restore_ms += ms;
-        Duration::from_secs_f64(ms / 1000.0)
+        let modelled = Duration::from_secs_f64(ms / 1000.0);
+        match self.cfg.h2d {
+            SimH2d::Step => {
+                self.pending_restore_ms += ms;
+                HostRestoreCost::NextStep { modelled }
+            }
+            SimH2d::Overlap => {
+                let scale = if self.cfg.time_scale > 0.0 {
+                    self.cfg.time_scale
+                } else {
+                    1.0
+                };
+                HostRestoreCost::CopyEngine {
+                    modelled,
+                    wall: modelled.div_f64(scale),
+                }
+            }
+        }
     }
 
     fn run_pending_restore(&mut self) {
@@ -286,6 +328,7 @@ mod tests {
             block_size: 16,
             model_id: "sim".into(),
             link: SimLink::Ladder,
+            h2d: SimH2d::Step,
         }
     }
 
@@ -364,5 +407,49 @@ mod tests {
         assert_eq!(link.bytes_per_block, 16 * 73_728);
         assert_eq!(link.time_scale, 4.0);
         assert_eq!(b.modelled_pull_time(0), Some(Duration::ZERO));
+    }
+
+    /// `step` adds a restore's copy to the next step; `overlap` leaves the step alone and hands
+    /// the copy to the engine's copy engine, scaled to wall time.
+    #[test]
+    fn host_restores_are_charged_to_the_step_or_to_the_copy_engine() {
+        // 1024 tokens x 73,728 B at 50 GB/s = 1.51 ms.
+        let want = 1024.0 * 73_728.0 / SIM_H2D_BYTES_PER_SEC;
+        let mut step = SimBackend::without_sleep(cfg());
+        let cost = step.on_host_restore(1024);
+        assert!(matches!(cost, HostRestoreCost::NextStep { .. }));
+        assert!((cost.modelled().as_secs_f64() - want).abs() < 1e-9);
+        let mut overlap = SimBackend::without_sleep(SimConfig {
+            h2d: SimH2d::Overlap,
+            time_scale: 2.0,
+            ..cfg()
+        });
+        let HostRestoreCost::CopyEngine { modelled, wall } = overlap.on_host_restore(1024) else {
+            panic!("overlap mode uses the copy engine");
+        };
+        assert!((modelled.as_secs_f64() - want).abs() < 1e-9);
+        assert!((wall.as_secs_f64() - want / 2.0).abs() < 1e-9);
+
+        let mut arena = KvArena::new(4, 512);
+        let toks = vec![1u32; 2048];
+        let table: Vec<BlockId> = (0..128).collect();
+        let prefill = |b: &mut SimBackend, arena: &mut KvArena| {
+            let seq = SeqStep {
+                seq_id: 1,
+                tokens: &toks,
+                start_pos: 0,
+                block_table: &table,
+                sample: None,
+                num_generated: 0,
+            };
+            b.step(&[seq], arena).expect("step");
+            b.last_step_modelled().as_secs_f64()
+        };
+        let with_copy = prefill(&mut step, &mut arena);
+        let alone = prefill(&mut step, &mut arena);
+        assert!((with_copy - alone - want).abs() < 1e-9);
+        assert!((prefill(&mut overlap, &mut arena) - alone).abs() < 1e-9);
+        assert_eq!("overlap".parse::<SimH2d>(), Ok(SimH2d::Overlap));
+        assert!("async".parse::<SimH2d>().is_err());
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hashbrown::{HashMap, HashSet};
@@ -13,13 +13,14 @@ use kvmesh_core::events::BlockStored;
 use kvmesh_core::{BlockDigest, BlockHash, BlockHasher, KvEvent, Medium, TokenId};
 use tokio::sync::mpsc;
 
-use crate::compute::{BlockId, ComputeBackend, KvArena, SeqStep};
+use crate::compute::{BlockId, ComputeBackend, HostRestoreCost, KvArena, SeqStep};
 use crate::config::EngineConfig;
 use crate::cpu_tier::{CpuTier, OffloadBlock};
 use crate::metrics::{EngineMetrics, SourceLabel};
 use crate::outbox::KvEventSink;
 use crate::pool::BlockPool;
 
+use super::copy_engine::CopyEngine;
 use super::types::{
     Command, EngineRequest, FinishInfo, FinishReason, NewSeq, RestoreAhead, RestoreReport,
     SeqOutput, SharedCounters,
@@ -40,6 +41,9 @@ struct Seq {
     /// Prefix lookup done for the current residency (reset by preemption).
     resident: bool,
     first_token_at: Option<Instant>,
+    /// Admitted, but its restored blocks are still on the copy engine until then: it holds its
+    /// blocks and is not scheduled (other requests run meanwhile).
+    kv_ready_at: Option<Instant>,
     external: HashSet<BlockHash>,
     tx: mpsc::UnboundedSender<SeqOutput>,
 }
@@ -67,6 +71,8 @@ pub(super) struct Core {
     metrics: Arc<EngineMetrics>,
     counters: Arc<SharedCounters>,
     outbox: Vec<KvEvent>,
+    /// Host-to-device restores in flight (backends that overlap them with compute).
+    copies: CopyEngine,
     stop: bool,
 }
 
@@ -105,6 +111,7 @@ impl Core {
             metrics,
             counters,
             outbox: Vec::new(),
+            copies: CopyEngine::default(),
             stop: false,
             cfg,
         }
@@ -139,6 +146,13 @@ impl Core {
             }
             let progressed = self.step();
             self.update_gauges();
+            if !progressed && let Some(ready) = self.next_landing() {
+                // Only requests whose blocks are still being copied: wait for the first to land
+                // (in short slices, so commands are not held up).
+                let wait = ready.saturating_duration_since(Instant::now());
+                std::thread::sleep(wait.min(Duration::from_millis(2)));
+                continue;
+            }
             if !progressed && (!self.running.is_empty() || !self.waiting.is_empty()) {
                 // Waiting work that cannot be scheduled yet and nothing running: wait for a
                 // command (an abort or reset may free blocks) instead of spinning.
@@ -173,6 +187,7 @@ impl Core {
                     created_cache_tokens: 0,
                     resident: false,
                     first_token_at: None,
+                    kv_ready_at: None,
                     external,
                     tx,
                     req,
@@ -280,6 +295,9 @@ impl Core {
             seq.num_finalized = 0;
             seq.resident = false;
         }
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.kv_ready_at = None;
+        }
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
         self.metrics.num_preemptions.inc();
@@ -329,6 +347,7 @@ impl Core {
         // Restore from the CPU tier; stop at the first block that vanished or does not fit.
         let mut restored = 0;
         let mut restored_external = 0;
+        let mut copied: Vec<BlockHash> = Vec::new();
         let mut stored_run: Option<BlockStored> = None;
         for (i, h) in hashes.iter().enumerate().skip(gpu_hit).take(cpu_hit) {
             let Some(payload) = self.cpu.get(*h) else {
@@ -353,6 +372,8 @@ impl Core {
             restored += 1;
             if seq.external.contains(h) {
                 restored_external += 1;
+            } else {
+                copied.push(*h);
             }
         }
         if let Some(run) = stored_run {
@@ -372,18 +393,27 @@ impl Core {
         } else {
             Vec::new()
         };
+        self.metrics.cpu_restored_blocks.inc_by(restored as u64);
+        // Pulled (external) blocks are not charged again: the profile's pull time covers
+        // landing them.
+        if restored > restored_external {
+            self.charge_host_restore(copied, restored - restored_external);
+        }
+        // Blocks copied for this request, or still landing from an earlier copy (a restore
+        // ahead, another request's restore), hold it until they land.
+        let now = Instant::now();
+        let kv_ready_at = self.copies.ready_at(now, &hashes[..hit_blocks]);
+        if let Some(t) = kv_ready_at {
+            self.metrics
+                .cpu_restore_wait_seconds
+                .inc_by(t.saturating_duration_since(now).as_secs_f64());
+        }
         let seq = self.seqs.get_mut(&id)?;
         seq.blocks = blocks;
         seq.num_computed = hit_tokens;
         seq.num_finalized = hit_blocks;
         seq.resident = true;
-        self.metrics.cpu_restored_blocks.inc_by(restored as u64);
-        // Pulled (external) blocks are not charged again: the profile's pull time covers
-        // landing them.
-        if restored > restored_external {
-            self.backend
-                .on_host_restore((restored - restored_external) * bs);
-        }
+        seq.kv_ready_at = kv_ready_at;
         if first_time {
             let cached = hit_tokens.min(prompt_len);
             seq.cached_tokens = Some(cached);
@@ -498,6 +528,7 @@ impl Core {
             .filter_map(|h| self.pool.acquire_cached(*h))
             .collect();
         let mut restored = 0;
+        let mut copied: Vec<BlockHash> = Vec::new();
         let mut stored_run: Option<BlockStored> = None;
         for (i, h) in hashes.iter().enumerate().skip(gpu_hit).take(take) {
             if let Some(b) = self.pool.acquire_cached(*h) {
@@ -520,6 +551,7 @@ impl Core {
             };
             self.arena.block_mut(b)[..payload.len()].copy_from_slice(&payload);
             held.push(b);
+            copied.push(*h);
             if self.pool.register(b, *h) {
                 let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
                 let run = stored_run.get_or_insert_with(|| gpu_stored(parent, bs));
@@ -545,18 +577,57 @@ impl Core {
                 .prefetch
                 .restored_blocks
                 .inc_by(restored as u64);
-            let charged = self.backend.on_host_restore(restored * bs);
-            report.modelled_ms = charged.as_secs_f64() * 1000.0;
+            let cost = self.charge_host_restore(copied, restored);
+            report.modelled_ms = cost.modelled().as_secs_f64() * 1000.0;
             self.metrics
                 .prefetch
                 .restore_modelled_seconds
-                .inc_by(charged.as_secs_f64());
-            if self.running.is_empty() && self.waiting.is_empty() {
+                .inc_by(cost.modelled().as_secs_f64());
+            if matches!(cost, HostRestoreCost::NextStep { .. })
+                && self.running.is_empty()
+                && self.waiting.is_empty()
+            {
                 // No step to charge it to: the copy runs now, while nothing else would.
                 self.backend.run_pending_restore();
             }
         }
         report
+    }
+
+    /// Prices the host-to-device copy of `blocks` restored blocks (`copied`: their hashes) and,
+    /// when the backend overlaps it with compute, queues it on the copy engine.
+    fn charge_host_restore(&mut self, copied: Vec<BlockHash>, blocks: usize) -> HostRestoreCost {
+        let cost = self.backend.on_host_restore(blocks * self.block_size());
+        self.metrics
+            .cpu_restore_modelled_seconds
+            .inc_by(cost.modelled().as_secs_f64());
+        if let HostRestoreCost::CopyEngine { wall, .. } = cost {
+            self.copies.enqueue(Instant::now(), wall, copied);
+        }
+        cost
+    }
+
+    /// True while `id` waits for its restored blocks to land; clears the wait once they have.
+    fn still_landing(&mut self, id: u64, now: Instant) -> bool {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        match seq.kv_ready_at {
+            Some(t) if t > now => true,
+            Some(_) => {
+                seq.kv_ready_at = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// When the first admitted request still waiting for its blocks gets them.
+    fn next_landing(&self) -> Option<Instant> {
+        self.running
+            .iter()
+            .filter_map(|id| self.seqs.get(id).and_then(|s| s.kv_ready_at))
+            .min()
     }
 
     /// Makes sure digests exist for the first `n_blocks` full blocks of the sequence's tokens.
@@ -584,6 +655,7 @@ impl Core {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut plan: Vec<Planned> = Vec::new();
         let mut preempted = false;
+        let now = Instant::now();
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -593,7 +665,7 @@ impl Core {
             };
             let start = seq.num_computed;
             let n = (seq.tokens.len() - start).min(budget);
-            if n == 0 {
+            if n == 0 || self.still_landing(id, now) {
                 i += 1;
                 continue;
             }
@@ -636,6 +708,10 @@ impl Core {
                 };
                 self.waiting.pop_front();
                 self.running.push(id);
+                if self.still_landing(id, now) {
+                    // Holds its blocks until they land; the budget goes to the next in line.
+                    continue;
+                }
                 let start = self.seqs.get(&id).map_or(0, |s| s.num_computed);
                 plan.push(Planned { id, start, n });
                 budget -= n;

@@ -22,6 +22,7 @@
 //! block is reused.
 
 mod compute_loop;
+mod copy_engine;
 mod handle;
 mod types;
 

@@ -8,20 +8,27 @@ use kvmesh_core::{BlockHash, KvEvent, Medium, TokenId};
 use super::*;
 use crate::compute::SamplingParams;
 use crate::compute::profiles::GPT_OSS_120B_H200;
-use crate::compute::sim::{SimBackend, SimConfig};
+use crate::compute::sim::{SimBackend, SimConfig, SimH2d};
 use crate::config::EngineConfig;
 use crate::cpu_tier::{OffloadBlock, PinKind};
 use crate::outbox::CollectingSink;
 
 fn engine(cfg: EngineConfig, sink: CollectingSink) -> Engine {
+    // Restores charged to the step: without sleeping, a copy engine would make restores wait on
+    // the wall clock most of these tests do not model.
+    engine_with(cfg, sink, SimH2d::Step, 1.0)
+}
+
+fn engine_with(cfg: EngineConfig, sink: CollectingSink, h2d: SimH2d, time_scale: f64) -> Engine {
     let backend = SimBackend::without_sleep(SimConfig {
         profile: &GPT_OSS_120B_H200,
-        time_scale: 1.0,
+        time_scale,
         kv_bytes_per_token: 8,
         block_size: cfg.block_size,
         model_id: "sim".into(),
         // The ladder: these tests check the handle's off-thread copy of the profile's curve.
         link: crate::compute::sim_link::SimLink::Ladder,
+        h2d,
     });
     build_engine(
         cfg,
@@ -306,7 +313,18 @@ async fn random_workloads_finish_and_leave_a_consistent_pool() {
             cpu_offload_bytes: rng.random_range(1_000..40_000),
             ..EngineConfig::default()
         };
-        let e = engine(cfg.clone(), CollectingSink::default());
+        // Odd rounds overlap restores with compute (6 ms of wall time per 200 tokens), so
+        // requests wait admitted for their blocks, get preempted while waiting, and share them.
+        let e = if round % 2 == 1 {
+            engine_with(
+                cfg.clone(),
+                CollectingSink::default(),
+                SimH2d::Overlap,
+                0.05,
+            )
+        } else {
+            engine(cfg.clone(), CollectingSink::default())
+        };
         let bases: Vec<Vec<TokenId>> = (0..3)
             .map(|b| (0..200).map(|i| (i * 7 + b * 13) % 250).collect())
             .collect();
@@ -366,4 +384,59 @@ async fn random_workloads_finish_and_leave_a_consistent_pool() {
         e.shutdown();
     }
     assert!(preemptions > 0, "the workload should exercise preemption");
+}
+
+/// `--sim-h2d overlap`: a request restoring a long prefix from the CPU tier waits, admitted, for
+/// its copy; a request submitted right after it, needing nothing copied, is not held up by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_delays_only_the_request_that_needs_its_blocks() {
+    let cfg = EngineConfig {
+        num_gpu_blocks: 256,
+        cpu_offload_bytes: 1 << 20,
+        ..EngineConfig::default()
+    };
+    // 1024 tokens x 73,728 B at 50 GB/s = 1.51 ms modelled, 302 ms of wall time at this scale.
+    let e = engine_with(cfg, CollectingSink::default(), SimH2d::Overlap, 0.005);
+    let history: Vec<TokenId> = (0..1024).map(|i| (i * 7 % 250) as TokenId).collect();
+    let hashes = e.handle.block_hashes(&history);
+    let blocks: Vec<OffloadBlock> = hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| OffloadBlock {
+            hash: *h,
+            parent: i.checked_sub(1).map(|p| hashes[p]),
+            tokens: history[i * 16..(i + 1) * 16].to_vec(),
+            payload: crate::compute::sim::sim_block_payload(*h, 16 * 8).into(),
+        })
+        .collect();
+    assert_eq!(e.handle.cpu_tier().insert_run(&blocks), 64);
+
+    let mut returning = history.clone();
+    returning.extend([1, 2, 3]);
+    let t0 = Instant::now();
+    let restoring = e.handle.submit(request(returning, 1)).unwrap();
+    let fresh = e.handle.submit(request(vec![9; 40], 1)).unwrap();
+    let restored = tokio::spawn(async move {
+        let out = run_to_end(restoring).await;
+        (out, t0.elapsed())
+    });
+    let (_, _, fresh_fin) = run_to_end(fresh).await;
+    let fresh_done = t0.elapsed();
+    let ((cached, _, fin), restored_done) = restored.await.unwrap();
+    assert_eq!((cached, fin.cached_tokens), (Some(1024), 1024));
+    assert_eq!(fresh_fin.cached_tokens, 0);
+    assert!(
+        restored_done >= Duration::from_millis(295),
+        "the restoring request ran before its copy landed: {restored_done:?}"
+    );
+    assert!(
+        fresh_done < restored_done,
+        "the fresh request waited for another request's copy: {fresh_done:?} vs {restored_done:?}"
+    );
+    let m = e.handle.metrics();
+    assert_eq!(m.cpu_restored_blocks.get(), 64);
+    assert!(m.cpu_restore_wait_seconds.get() > 0.25);
+    let copy_s = m.cpu_restore_modelled_seconds.get();
+    assert!((copy_s - 1024.0 * 73_728.0 / 50e9).abs() < 1e-9, "{copy_s}");
+    e.shutdown();
 }
