@@ -9,6 +9,7 @@
 //! | `vllm-router:round_robin`, `:power_of_two` | nothing |
 //! | `vllm-router:cache_aware`, `smg:cache_aware` | nothing: an approximate prefix tree over the request, updated on routing (vllm-router 0.1.17 also fetches token ids from `/tokenize` for it; smg matches the text) |
 //! | `vllm-router:kv_aware` | the engines' ZMQ KV events (`--kv-event-source URL=tcp://…`, replay socket too) published under vLLM's default empty topic (0.1.17 drops any other topic: no index hits), and token ids of each prompt: a text prompt is tokenized by the worker (`POST /v1/completions/render`, which the engines answer 404, then `POST /tokenize`, which they serve) — one extra round trip per engine and request; the router hashes the events' `token_ids` itself, so the engines' `sha256_cbor` block hashes need not match anything |
+//! | `vllm-router:kv_aware_sessions` | as `kv_aware`, with its session affinity on (`--kv-aware-session-affinity-ttl-secs`): a session's turns stick to the engine its first turn went to while the session is active; the key is the `X-Session-ID` header the bench client sends (vllm-router also reads `session-id`, `x-claude-code-session-id` and `session_params.session_id`) |
 //! | `smg:round_robin` | nothing |
 //!
 //! smg rejects token-id prompts (`prompt` must be a string or a list of strings), which is one
@@ -71,8 +72,14 @@ pub enum PeerPolicy {
     RoundRobin,
     CacheAware,
     KvAware,
+    /// `kv_aware` with vllm-router's session affinity.
+    KvAwareSessions,
     PowerOfTwo,
 }
+
+/// The idle TTL of `kv_aware_sessions`' affinity: longer than any bench session's gap, so a
+/// session keeps its engine for its whole life.
+pub const SESSION_AFFINITY_TTL_SECS: u32 = 300;
 
 impl PeerPolicy {
     pub fn name(self) -> &'static str {
@@ -80,7 +87,16 @@ impl PeerPolicy {
             Self::RoundRobin => "round_robin",
             Self::CacheAware => "cache_aware",
             Self::KvAware => "kv_aware",
+            Self::KvAwareSessions => "kv_aware_sessions",
             Self::PowerOfTwo => "power_of_two",
+        }
+    }
+
+    /// The router's own `--policy` value.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::KvAwareSessions => Self::KvAware.name(),
+            other => other.name(),
         }
     }
 }
@@ -97,6 +113,7 @@ pub const PEER_ARMS: &[PeerArm] = &[
     PeerArm::new(PeerRouter::VllmRouter, PeerPolicy::RoundRobin),
     PeerArm::new(PeerRouter::VllmRouter, PeerPolicy::CacheAware),
     PeerArm::new(PeerRouter::VllmRouter, PeerPolicy::KvAware),
+    PeerArm::new(PeerRouter::VllmRouter, PeerPolicy::KvAwareSessions),
     PeerArm::new(PeerRouter::VllmRouter, PeerPolicy::PowerOfTwo),
     PeerArm::new(PeerRouter::Smg, PeerPolicy::CacheAware),
     PeerArm::new(PeerRouter::Smg, PeerPolicy::RoundRobin),
@@ -115,18 +132,23 @@ impl PeerArm {
             (R::VllmRouter, P::RoundRobin) => "vllm-router:round_robin",
             (R::VllmRouter, P::CacheAware) => "vllm-router:cache_aware",
             (R::VllmRouter, P::KvAware) => "vllm-router:kv_aware",
+            (R::VllmRouter, P::KvAwareSessions) => "vllm-router:kv_aware_sessions",
             (R::VllmRouter, P::PowerOfTwo) => "vllm-router:power_of_two",
             (R::Smg, P::CacheAware) => "smg:cache_aware",
             (R::Smg, P::RoundRobin) => "smg:round_robin",
             // Not constructible through `parse` (not in PEER_ARMS).
             (R::Smg, P::KvAware) => "smg:kv_aware",
+            (R::Smg, P::KvAwareSessions) => "smg:kv_aware_sessions",
             (R::Smg, P::PowerOfTwo) => "smg:power_of_two",
         }
     }
 
     /// Whether the router subscribes to the engines' KV events.
     pub fn uses_kv_events(self) -> bool {
-        self.policy == PeerPolicy::KvAware
+        matches!(
+            self.policy,
+            PeerPolicy::KvAware | PeerPolicy::KvAwareSessions
+        )
     }
 
     /// Parses `ROUTER:POLICY` (one of [`PEER_ARMS`]).
@@ -294,7 +316,13 @@ pub fn args(l: &PeerLaunch<'_>) -> Vec<String> {
     };
     push("--host", "127.0.0.1".into());
     push("--port", l.port.to_string());
-    push("--policy", l.arm.policy.name().into());
+    push("--policy", l.arm.policy.flag().into());
+    if l.arm.policy == PeerPolicy::KvAwareSessions {
+        push(
+            "--kv-aware-session-affinity-ttl-secs",
+            SESSION_AFFINITY_TTL_SECS.to_string(),
+        );
+    }
     push("--prometheus-host", "127.0.0.1".into());
     push("--prometheus-port", l.metrics_port.to_string());
     push("--health-check-timeout-secs", "10".into());
@@ -438,6 +466,18 @@ mod tests {
             assert!(kv.contains(want), "{want} missing in {kv}");
         }
         assert!(kv.ends_with("--worker-urls http://127.0.0.1:8000 http://127.0.0.1:8001"));
+        assert!(!kv.contains("session-affinity"), "{kv}");
+        let sessions = args(&launch(
+            PeerArm::parse("vllm-router:kv_aware_sessions").unwrap(),
+        ))
+        .join(" ");
+        for want in [
+            "--policy kv_aware ",
+            "--kv-aware-session-affinity-ttl-secs 300",
+            "--kv-event-source http://127.0.0.1:8001=tcp://127.0.0.1:9001",
+        ] {
+            assert!(sessions.contains(want), "{want} missing in {sessions}");
+        }
         let rr = args(&launch(PeerArm::parse("vllm-router:round_robin").unwrap())).join(" ");
         assert!(!rr.contains("--kv-event"), "{rr}");
         let smg = args(&launch(PeerArm::parse("smg:cache_aware").unwrap()));

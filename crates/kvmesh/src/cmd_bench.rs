@@ -53,7 +53,8 @@ pub struct BenchCmd {
     /// ttft-p2p-replicate, and without on-demand pulls affinity-replicate, ttft-replicate, copy
     /// hot prefixes to a second holder ahead of demand. Peer routers in front of the same
     /// engines (install: `bash scripts/peer-routers.sh`): vllm-router:round_robin,
-    /// vllm-router:cache_aware, vllm-router:kv_aware, vllm-router:power_of_two,
+    /// vllm-router:cache_aware, vllm-router:kv_aware, vllm-router:kv_aware_sessions (its
+    /// session affinity on, keyed by the client's X-Session-ID), vllm-router:power_of_two,
     /// smg:cache_aware, smg:round_robin.
     #[arg(long, value_delimiter = ',', default_value = "load,load-p2p")]
     pub arms: Vec<String>,
