@@ -305,6 +305,34 @@ pub struct Row<'a> {
     /// Tokens the engines counted as external hits (pulled from a peer, on demand or ahead).
     pub pulled_tokens: f64,
     pub prefetch: Option<&'a PrefetchStats>,
+    /// The engines' own tier movements.
+    pub tiers: TierStats,
+}
+
+/// What the engines' counters say about restores from their CPU tiers (summed over the fleet).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TierStats {
+    /// Blocks restored CPU→GPU when a request needed them (on its critical path).
+    pub restored_on_path: f64,
+    /// Blocks restored ahead of a request (restore prefetch).
+    pub restored_ahead: f64,
+    /// Wall seconds admitted requests waited for their host-to-device copies to land.
+    pub copy_wait_s: f64,
+    /// Blocks evicted from GPU tiers.
+    pub gpu_evicted: f64,
+}
+
+impl TierStats {
+    pub fn from_evidence(e: &crate::metrics::Evidence) -> Self {
+        let restored = e.tier_total("kvmesh_engine_cpu_restored_blocks_total");
+        let ahead = e.tier_total("kvmesh_engine_prefetch_restored_blocks_total");
+        Self {
+            restored_on_path: (restored - ahead).max(0.0),
+            restored_ahead: ahead,
+            copy_wait_s: e.tier_total("kvmesh_engine_cpu_restore_wait_seconds_total"),
+            gpu_evicted: e.tier_total("kvmesh_engine_gpu_evicted_blocks_total"),
+        }
+    }
 }
 
 /// Whether `workload` is one of this module's (they get the table below).
@@ -319,13 +347,13 @@ pub fn markdown(rows: &[Row<'_>]) -> String {
     workloads.dedup();
     for w in workloads {
         let _ = writeln!(s, "\n**{w}: returning turns and prefetch**\n");
-        s.push_str("| arm | returning turns | TTFT p50 | TTFT p90 | TTFT p99 | external-hit tokens | prefetches issued / used / wasted | hit rate | prefetched GB used / wasted (modelled) | restores issued / restored / used / nothing missing | restored GB (modelled) | decisions timed by gap / restores skipped (pace unknown) |\n");
-        s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        s.push_str("| arm | returning turns | TTFT p50 | TTFT p90 | TTFT p99 | external-hit tokens | prefetches issued / used / wasted | hit rate | prefetched GB used / wasted (modelled) | restores issued / restored / used / nothing missing | restored GB (modelled) | decisions timed by gap / restores skipped (pace unknown) | CPU→GPU restores on requests' paths / ahead (blocks) | wait for copies (wall s) | GPU evictions (blocks) |\n");
+        s.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
         for r in rows.iter().filter(|r| r.workload == w) {
             let (l, p) = (&r.returning, r.prefetch);
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {:.0} / {:.0} | {:.1} | {:.0} |",
                 r.arm,
                 l.count,
                 fmt_ms(l.p50),
@@ -352,6 +380,10 @@ pub fn markdown(rows: &[Row<'_>]) -> String {
                     "{:.0} / {:.0}",
                     p.timed_by_gap, p.restore_skipped_unpredictable
                 )),
+                r.tiers.restored_on_path,
+                r.tiers.restored_ahead,
+                r.tiers.copy_wait_s,
+                r.tiers.gpu_evicted,
             );
         }
     }
@@ -454,5 +486,46 @@ kvmesh_router_prefetch_bytes_total{kind=\"restored\"} 2000000000
         assert_eq!(p.hit_rate(), Some(0.6));
         assert_eq!(p.bytes_wasted, 3e9);
         assert!(PrefetchStats::from_router_metrics("kvmesh_router_requests_total 3\n").is_none());
+    }
+
+    /// The engines' restore counters reach the agentic table: restores on requests' paths are
+    /// all restores minus those made ahead, summed over the fleet.
+    #[test]
+    fn restores_on_the_path_and_ahead_come_from_the_engines() {
+        let engine = |url: &str, restored: u32, ahead: u32, wait: f64| {
+            crate::metrics::EngineEvidence::from_exposition(
+                url,
+                &format!(
+                    "kvmesh_engine_cpu_restored_blocks_total{{engine=\"0\"}} {restored}\n\
+                     kvmesh_engine_prefetch_restored_blocks_total{{engine=\"0\"}} {ahead}\n\
+                     kvmesh_engine_cpu_restore_wait_seconds_total{{engine=\"0\"}} {wait}\n\
+                     kvmesh_engine_gpu_evicted_blocks_total{{engine=\"0\"}} 40\n"
+                ),
+            )
+        };
+        let ev = crate::metrics::Evidence::from_engines(
+            vec![engine("a", 100, 30, 1.5), engine("b", 50, 0, 0.5)],
+            Vec::new(),
+        );
+        let t = TierStats::from_evidence(&ev);
+        assert_eq!(
+            t,
+            TierStats {
+                restored_on_path: 120.0,
+                restored_ahead: 30.0,
+                copy_wait_s: 2.0,
+                gpu_evicted: 80.0,
+            }
+        );
+        let row = Row {
+            workload: "agentic",
+            arm: "ttft-p2p",
+            returning: Latency::from_secs([0.1, 0.2]),
+            pulled_tokens: 0.0,
+            prefetch: None,
+            tiers: t,
+        };
+        let md = markdown(&[row]);
+        assert!(md.contains("| 120 / 30 | 2.0 | 80 |"), "{md}");
     }
 }

@@ -83,7 +83,19 @@ pub struct EngineEvidence {
     /// Every P/D counter (`kvmesh_engine_pd_*`, `vllm:nixl_num_kv_expired_reqs`).
     #[serde(default)]
     pub pd: BTreeMap<String, f64>,
+    /// Movements between the engine's own tiers (see [`TIER_COUNTERS`]).
+    #[serde(default)]
+    pub tiers: BTreeMap<String, f64>,
 }
+
+/// Counter prefixes of [`EngineEvidence::tiers`]: CPU→GPU restores (blocks, modelled copy time,
+/// time requests waited for copies), the part of them restored ahead of a request, and GPU-tier
+/// evictions.
+pub const TIER_COUNTERS: &[&str] = &[
+    "kvmesh_engine_cpu_restore",
+    "kvmesh_engine_prefetch_restored_blocks",
+    "kvmesh_engine_gpu_evicted_blocks",
+];
 
 /// `after − before` per key (a key missing on one side counts 0 there).
 fn map_delta(
@@ -124,6 +136,7 @@ impl EngineEvidence {
             ),
             p2p: map_delta(&self.p2p, &before.p2p),
             pd: map_delta(&self.pd, &before.pd),
+            tiers: map_delta(&self.tiers, &before.tiers),
         }
     }
 
@@ -153,6 +166,10 @@ impl EngineEvidence {
                 pd.extend(totals_by_prefix(&samples, "vllm:nixl_num_kv_expired_reqs"));
                 pd
             },
+            tiers: TIER_COUNTERS
+                .iter()
+                .flat_map(|p| totals_by_prefix(&samples, p))
+                .collect(),
         }
     }
 }
@@ -256,6 +273,14 @@ impl Evidence {
             p2p_counters: counters,
             scrape_errors,
         }
+    }
+
+    /// The fleet's total of one [`EngineEvidence::tiers`] counter (its full name).
+    pub fn tier_total(&self, name: &str) -> f64 {
+        self.engines
+            .iter()
+            .filter_map(|e| e.tiers.get(name))
+            .fold(0.0, |acc, v| acc + v)
     }
 
     /// The fleet's evidence since `before` (an earlier scrape): engines are paired by URL, an

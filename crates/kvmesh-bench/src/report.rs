@@ -299,6 +299,7 @@ impl BenchReport {
                 returning: crate::agentic::returning_turns(&r.records, r.time_scale),
                 pulled_tokens: r.evidence.external_hit_tokens,
                 prefetch: r.prefetch.as_ref(),
+                tiers: crate::agentic::TierStats::from_evidence(&r.evidence),
             })
             .collect();
         s.push_str(&crate::agentic::markdown(&agentic));
