@@ -497,8 +497,8 @@ pub struct PrefetchConfig {
     pub timeout_s: f64,
     /// When the next turn is predicted back on its owner: restore the history from the owner's
     /// CPU tier into its GPU tier once the index shows it left the GPU tier. Off by default:
-    /// on the `agentic` benchmark it fired as designed but did not lower TTFT and raised GPU
-    /// evictions by half (a history restored early is evicted again before its turn).
+    /// on sessions with a regular pace (`agentic-paced`) it lowers the median returning turn by
+    /// 11-16 % but not the tail, and raises GPU evictions by about a fifth (docs/benchmarks.md).
     #[serde(default)]
     pub restore: bool,
     /// How often (ms) the router re-reads the index during a gap whose next turn goes back to
