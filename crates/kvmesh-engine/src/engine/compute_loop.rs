@@ -294,8 +294,7 @@ impl Core {
             seq.num_computed = 0;
             seq.num_finalized = 0;
             seq.resident = false;
-        }
-        if let Some(seq) = self.seqs.get_mut(&id) {
+            // Readmission looks its blocks up again (and waits for any still landing).
             seq.kv_ready_at = None;
         }
         self.running.retain(|&r| r != id);
