@@ -143,6 +143,15 @@ impl SimBackend {
         self.cfg.profile
     }
 
+    /// The time scale modelled durations are divided by (1 when unset or invalid).
+    fn usable_time_scale(&self) -> f64 {
+        if self.cfg.time_scale > 0.0 {
+            self.cfg.time_scale
+        } else {
+            1.0
+        }
+    }
+
     /// Modelled (unscaled) duration of the last step.
     pub fn last_step_modelled(&self) -> Duration {
         self.last_step
@@ -248,20 +257,13 @@ impl ComputeBackend for SimBackend {
                     )
             }
         };
-        let scale = if self.cfg.time_scale > 0.0 {
-            self.cfg.time_scale
-        } else {
-            1.0
-        };
-        Some(Duration::from_secs_f64(ms / 1000.0 / scale))
+        Some(Duration::from_secs_f64(
+            ms / 1000.0 / self.usable_time_scale(),
+        ))
     }
 
     fn modelled_link(&self) -> Option<ModelledLink> {
-        let time_scale = if self.cfg.time_scale > 0.0 {
-            self.cfg.time_scale
-        } else {
-            1.0
-        };
+        let time_scale = self.usable_time_scale();
         self.cfg
             .link
             .params(self.cfg.profile)
@@ -283,17 +285,10 @@ impl ComputeBackend for SimBackend {
                 self.pending_restore_ms += ms;
                 HostRestoreCost::NextStep { modelled }
             }
-            SimH2d::Overlap => {
-                let scale = if self.cfg.time_scale > 0.0 {
-                    self.cfg.time_scale
-                } else {
-                    1.0
-                };
-                HostRestoreCost::CopyEngine {
-                    modelled,
-                    wall: modelled.div_f64(scale),
-                }
-            }
+            SimH2d::Overlap => HostRestoreCost::CopyEngine {
+                modelled,
+                wall: modelled.div_f64(self.usable_time_scale()),
+            },
         }
     }
 

@@ -345,7 +345,6 @@ impl Core {
         }
         // Restore from the CPU tier; stop at the first block that vanished or does not fit.
         let mut restored = 0;
-        let mut restored_external = 0;
         let mut copied: Vec<BlockHash> = Vec::new();
         let mut stored_run: Option<BlockStored> = None;
         for (i, h) in hashes.iter().enumerate().skip(gpu_hit).take(cpu_hit) {
@@ -369,9 +368,7 @@ impl Core {
                 run.token_ids.extend_from_slice(tokens);
             }
             restored += 1;
-            if seq.external.contains(h) {
-                restored_external += 1;
-            } else {
+            if !seq.external.contains(h) {
                 copied.push(*h);
             }
         }
@@ -395,8 +392,8 @@ impl Core {
         self.metrics.cpu_restored_blocks.inc_by(restored as u64);
         // Pulled (external) blocks are not charged again: the profile's pull time covers
         // landing them.
-        if restored > restored_external {
-            self.charge_host_restore(copied, restored - restored_external);
+        if !copied.is_empty() {
+            self.charge_host_restore(copied);
         }
         // Blocks copied for this request, or still landing from an earlier copy (a restore
         // ahead, another request's restore), hold it until they land.
@@ -576,7 +573,7 @@ impl Core {
                 .prefetch
                 .restored_blocks
                 .inc_by(restored as u64);
-            let cost = self.charge_host_restore(copied, restored);
+            let cost = self.charge_host_restore(copied);
             report.modelled_ms = cost.modelled().as_secs_f64() * 1000.0;
             self.metrics
                 .prefetch
@@ -593,10 +590,12 @@ impl Core {
         report
     }
 
-    /// Prices the host-to-device copy of `blocks` restored blocks (`copied`: their hashes) and,
-    /// when the backend overlaps it with compute, queues it on the copy engine.
-    fn charge_host_restore(&mut self, copied: Vec<BlockHash>, blocks: usize) -> HostRestoreCost {
-        let cost = self.backend.on_host_restore(blocks * self.block_size());
+    /// Prices the host-to-device copy of the `copied` blocks and, when the backend overlaps it
+    /// with compute, queues it on the copy engine.
+    fn charge_host_restore(&mut self, copied: Vec<BlockHash>) -> HostRestoreCost {
+        let cost = self
+            .backend
+            .on_host_restore(copied.len() * self.block_size());
         self.metrics
             .cpu_restore_modelled_seconds
             .inc_by(cost.modelled().as_secs_f64());

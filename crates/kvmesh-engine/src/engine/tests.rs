@@ -429,8 +429,9 @@ async fn a_restore_delays_only_the_request_that_needs_its_blocks() {
         restored_done >= Duration::from_millis(295),
         "the restoring request ran before its copy landed: {restored_done:?}"
     );
+    // Finished well before the other request's copy landed (~302 ms), not merely first.
     assert!(
-        fresh_done < restored_done,
+        fresh_done + Duration::from_millis(150) < restored_done,
         "the fresh request waited for another request's copy: {fresh_done:?} vs {restored_done:?}"
     );
     let m = e.handle.metrics();
