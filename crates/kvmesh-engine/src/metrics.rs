@@ -28,9 +28,20 @@ pub struct ErrorLabel {
     pub reason: &'static str,
 }
 
+/// vLLM's `vllm:cache_config_info` labels that say how much KV the GPU tier holds (routers read
+/// `num_gpu_blocks × block_size` as its capacity in tokens).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CacheConfigLabels {
+    pub block_size: String,
+    pub num_gpu_blocks: String,
+    pub enable_prefix_caching: &'static str,
+}
+
 /// The engine's metrics; shared (`Arc`) by the compute thread and the HTTP handlers.
 pub struct EngineMetrics {
     registry: Registry,
+    /// `vllm:cache_config_info` (value 1, the facts are labels), set by [`Self::describe_cache`].
+    cache_config_info: Family<CacheConfigLabels, FloatGauge>,
     pub num_requests_running: FloatGauge,
     pub num_requests_waiting: FloatGauge,
     pub kv_cache_usage_perc: FloatGauge,
@@ -92,6 +103,7 @@ impl EngineMetrics {
             .into_iter(),
         );
         let m = Self {
+            cache_config_info: Family::default(),
             num_requests_running: FloatGauge::default(),
             num_requests_waiting: FloatGauge::default(),
             kv_cache_usage_perc: FloatGauge::default(),
@@ -128,6 +140,11 @@ impl EngineMetrics {
             registry: Registry::default(),
         };
         let r = &mut registry;
+        r.register(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine's CacheConfig",
+            m.cache_config_info.clone(),
+        );
         r.register(
             "vllm:num_requests_running",
             "Requests in the running batch",
@@ -310,6 +327,18 @@ impl EngineMetrics {
     }
 
     /// Prometheus text exposition.
+    /// Publishes the GPU tier's shape as vLLM does (`vllm:cache_config_info`): routers size
+    /// what a busy engine can admit from it. Prefix caching is always on in a kvmesh engine.
+    pub fn describe_cache(&self, block_size: usize, num_gpu_blocks: usize) {
+        self.cache_config_info
+            .get_or_create(&CacheConfigLabels {
+                block_size: block_size.to_string(),
+                num_gpu_blocks: num_gpu_blocks.to_string(),
+                enable_prefix_caching: "True",
+            })
+            .set(1.0);
+    }
+
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
@@ -434,6 +463,17 @@ impl PrefetchMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cache_config_info_names_the_gpu_tier_as_vllm_does() {
+        let m = EngineMetrics::new("sim-model", "0");
+        m.describe_cache(16, 15_071);
+        let text = m.encode();
+        assert!(
+            text.contains("vllm:cache_config_info{model_name=\"sim-model\",engine=\"0\",block_size=\"16\",num_gpu_blocks=\"15071\",enable_prefix_caching=\"True\"} 1"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn exposes_vllm_names_with_labels() {

@@ -38,10 +38,28 @@ pub(crate) fn by_id(list: &[Arc<Endpoint>], id: EndpointId) -> Option<&Arc<Endpo
     list.iter().find(|e| e.id == id)
 }
 
-/// What the scheduler knows about `e` for a request whose index match on it is `m`.
-pub(crate) fn candidate(e: &Endpoint, m: EndpointMatch) -> Candidate {
+/// What the scheduler knows about `e` for a request whose index match on it is `m` and whose
+/// prompt's full blocks are `keys` (of `block_size` tokens).
+pub(crate) fn candidate(
+    e: &Endpoint,
+    m: EndpointMatch,
+    keys: &[ChainKey],
+    block_size: usize,
+) -> Candidate {
     let load = e.load.snapshot();
     let scraped = e.metrics();
+    let bs = block_size as u64;
+    let gpu_capacity_tokens = scraped.and_then(|m| m.gpu_capacity_tokens);
+    // Which of the prompt's blocks in-flight requests already hold matters only when the
+    // working set is near the GPU tier's size; the lookup takes the endpoint's lock.
+    let in_flight_context_tokens = load.context_blocks * bs + load.decode_tokens;
+    let near_capacity = gpu_capacity_tokens
+        .is_some_and(|cap| in_flight_context_tokens + keys.len() as u64 * bs > cap);
+    let in_flight_shared_tokens = if near_capacity {
+        e.load.shared_blocks(keys) * bs
+    } else {
+        0
+    };
     Candidate {
         endpoint: e.id,
         name: Arc::clone(&e.name),
@@ -51,6 +69,10 @@ pub(crate) fn candidate(e: &Endpoint, m: EndpointMatch) -> Candidate {
         in_flight_requests: load.requests,
         in_flight_uncached_tokens: load.uncached_tokens,
         in_flight_decode_tokens: load.decode_tokens,
+        in_flight_context_tokens,
+        in_flight_shared_tokens,
+        gpu_capacity_tokens,
+        decode_ms: e.load.in_flight_decode_ms(),
         waiting: scraped.map(|m| m.waiting),
         running: scraped.map(|m| m.running),
         kv_usage: scraped.map(|m| m.kv_usage),
@@ -61,14 +83,16 @@ pub(crate) fn candidate(e: &Endpoint, m: EndpointMatch) -> Candidate {
     }
 }
 
-/// Candidates for `endpoints`, given the index's matches for the request.
+/// Candidates for `endpoints`, given the index's matches for the request and its blocks.
 pub(crate) fn candidates_of(
     endpoints: &[Arc<Endpoint>],
     matches: &[EndpointMatch],
+    keys: &[ChainKey],
+    block_size: usize,
 ) -> Vec<Candidate> {
     endpoints
         .iter()
-        .map(|e| candidate(e, match_of(matches, e.id)))
+        .map(|e| candidate(e, match_of(matches, e.id), keys, block_size))
         .collect()
 }
 
@@ -82,6 +106,6 @@ pub(crate) fn gather(
     let matches = s.prefix.find_matches(keys);
     let mut eligible = eligible(&s.endpoints.list());
     eligible.retain(|e| Some(e.id) != excluded);
-    let candidates = candidates_of(&eligible, &matches);
+    let candidates = candidates_of(&eligible, &matches, keys, s.config.block_size);
     (eligible, candidates)
 }

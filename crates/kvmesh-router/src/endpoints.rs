@@ -24,6 +24,9 @@ pub struct EngineMetrics {
     pub waiting: f64,
     pub running: f64,
     pub kv_usage: f64,
+    /// Tokens the GPU tier holds (`num_gpu_blocks × block_size` of `vllm:cache_config_info`,
+    /// summed over data-parallel ranks), when the engine reports it.
+    pub gpu_capacity_tokens: Option<u64>,
     #[serde(skip)]
     pub scraped_at: Instant,
 }

@@ -274,9 +274,13 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         let mut sse = SseDataReader::new();
         let mut overflow = false;
         let mut held: Option<Bytes> = None;
+        let mut cut = false;
         while let Some(chunk) = chunks.next().await {
             match chunk {
                 Ok(bytes) => {
+                    if !first {
+                        guard.output_continues();
+                    }
                     if first {
                         first = false;
                         end_hook.armed = true;
@@ -323,10 +327,14 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
                     if let Some(prev) = held.take() {
                         yield Ok(prev);
                     }
+                    cut = true;
                     yield Err(std::io::Error::other(e));
                     break;
                 }
             }
+        }
+        if !first && !cut {
+            guard.output_done();
         }
         if let Some(last) = held.take() {
             if let Some((_, sink)) = &capture

@@ -7,11 +7,25 @@
 //! whose engine pulls its prefix also counts as a transfer into that endpoint and out of the
 //! source until its first byte (the pull is over by then): the cost of the next pull over the
 //! same links depends on it.
+//!
+//! A request also holds its prompt's blocks in the endpoint's in-flight working set until it ends
+//! (shared prefixes counted once, as the engine's prefix cache shares them): what the engine's GPU
+//! tier must hold for everything this router sent it. Past the tier's capacity a request waits for
+//! running ones to finish, so the router also learns how fast requests decode there (first byte to
+//! end, per requested output token: requests ask for very different lengths).
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
+use kvmesh_core::ChainKey;
+use parking_lot::Mutex;
 use serde::Serialize;
+
+/// Weight of a new decode-time sample in the running average.
+const DECODE_EWMA_ALPHA: f64 = 0.1;
 
 /// Atomic counters; read without locks on the scheduling path.
 #[derive(Debug, Default)]
@@ -21,6 +35,13 @@ pub struct EndpointLoad {
     decode_tokens: AtomicU64,
     pulls_in: AtomicU64,
     pulls_out: AtomicU64,
+    /// Distinct prompt blocks of in-flight requests, by chain key, with how many requests hold each.
+    context: Mutex<HashMap<ChainKey, u32>>,
+    /// `context.len()`, readable without the lock.
+    context_blocks: AtomicU64,
+    /// Running average of decode time per requested output token here (ms, f64 bits; 0 = no
+    /// sample yet).
+    decode_ms_per_token_bits: AtomicU64,
 }
 
 /// A point-in-time copy of [`EndpointLoad`].
@@ -31,6 +52,8 @@ pub struct LoadSnapshot {
     pub decode_tokens: u64,
     pub pulls_in: u64,
     pub pulls_out: u64,
+    /// Distinct prompt blocks in-flight requests hold (see [`LoadGuard::hold_context`]).
+    pub context_blocks: u64,
 }
 
 impl EndpointLoad {
@@ -41,7 +64,49 @@ impl EndpointLoad {
             decode_tokens: self.decode_tokens.load(Ordering::Relaxed),
             pulls_in: self.pulls_in.load(Ordering::Relaxed),
             pulls_out: self.pulls_out.load(Ordering::Relaxed),
+            context_blocks: self.context_blocks.load(Ordering::Relaxed),
         }
+    }
+
+    /// How many of `keys` in-flight requests already hold here (blocks a new request would share).
+    pub fn shared_blocks(&self, keys: &[ChainKey]) -> u64 {
+        let held = self.context.lock();
+        if held.is_empty() {
+            return 0;
+        }
+        keys.iter().filter(|k| held.contains_key(*k)).count() as u64
+    }
+
+    /// Average decode time per requested output token here (ms), once a request has finished.
+    pub fn decode_ms_per_token(&self) -> Option<f64> {
+        let v = f64::from_bits(self.decode_ms_per_token_bits.load(Ordering::Relaxed));
+        (v > 0.0).then_some(v)
+    }
+
+    /// How long the requests in flight here take to decode, on average (ms): their mean
+    /// requested output length at the learned per-token time.
+    pub fn in_flight_decode_ms(&self) -> Option<f64> {
+        let per_token = self.decode_ms_per_token()?;
+        let load = self.snapshot();
+        let mean_tokens = load
+            .decode_tokens
+            .checked_div(load.requests)
+            .unwrap_or(0)
+            .max(1);
+        Some(per_token * mean_tokens as f64)
+    }
+
+    fn observe_decode(&self, ms: f64, tokens: u64) {
+        let sample = ms / tokens.max(1) as f64;
+        if !sample.is_finite() || sample <= 0.0 {
+            return;
+        }
+        let avg = match self.decode_ms_per_token() {
+            Some(prev) => prev + DECODE_EWMA_ALPHA * (sample - prev),
+            None => sample,
+        };
+        self.decode_ms_per_token_bits
+            .store(avg.to_bits(), Ordering::Relaxed);
     }
 
     /// Counts one request with `uncached` prompt tokens to compute and `decode` tokens to generate.
@@ -54,6 +119,10 @@ impl EndpointLoad {
             uncached,
             decode,
             pull_source: None,
+            context: Vec::new(),
+            acquired_at: Instant::now(),
+            first_byte_at: None,
+            streamed: false,
         }
     }
 }
@@ -66,6 +135,12 @@ pub struct LoadGuard {
     decode: u64,
     /// The source of a pull this request's engine makes, until the pull is over.
     pull_source: Option<Arc<EndpointLoad>>,
+    /// The prompt blocks this request holds in the endpoint's working set.
+    context: Vec<ChainKey>,
+    acquired_at: Instant,
+    first_byte_at: Option<Instant>,
+    /// Output came in more than one piece (a stream): first byte to end is the decode.
+    streamed: bool,
 }
 
 impl LoadGuard {
@@ -86,18 +161,78 @@ impl LoadGuard {
         }
     }
 
+    /// Holds `keys` (the prompt's full blocks) in the endpoint's working set until the request
+    /// ends. Called once; later calls are ignored.
+    pub fn hold_context(&mut self, keys: &[ChainKey]) {
+        if !self.context.is_empty() || keys.is_empty() {
+            return;
+        }
+        let mut held = self.load.context.lock();
+        for k in keys {
+            *held.entry(*k).or_insert(0) += 1;
+        }
+        self.load
+            .context_blocks
+            .store(held.len() as u64, Ordering::Relaxed);
+        drop(held);
+        self.context = keys.to_vec();
+    }
+
     /// Prefill finished (first byte seen): the uncached tokens are no longer pending work.
     pub fn prefill_done(&mut self) {
+        if self.first_byte_at.is_none() {
+            self.first_byte_at = Some(Instant::now());
+        }
         self.load
             .uncached_tokens
             .fetch_sub(std::mem::take(&mut self.uncached), Ordering::Relaxed);
         self.pull_done();
+    }
+
+    /// More output arrived after the first byte: the response is streamed.
+    pub fn output_continues(&mut self) {
+        self.streamed = self.first_byte_at.is_some();
+    }
+
+    /// The response ended normally: learn how long requests decode here. A streamed response
+    /// decodes from its first byte to its end; a response that came in one piece has only its
+    /// whole time, an upper bound.
+    pub fn output_done(&mut self) {
+        let Some(first) = self.first_byte_at else {
+            return;
+        };
+        let from = if self.streamed {
+            first
+        } else {
+            self.acquired_at
+        };
+        self.load
+            .observe_decode(from.elapsed().as_secs_f64() * 1000.0, self.decode);
+    }
+
+    fn release_context(&mut self) {
+        if self.context.is_empty() {
+            return;
+        }
+        let mut held = self.load.context.lock();
+        for k in std::mem::take(&mut self.context) {
+            if let Entry::Occupied(mut e) = held.entry(k) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
+        self.load
+            .context_blocks
+            .store(held.len() as u64, Ordering::Relaxed);
     }
 }
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
         self.pull_done();
+        self.release_context();
         self.load.requests.fetch_sub(1, Ordering::Relaxed);
         self.load
             .uncached_tokens
@@ -149,6 +284,51 @@ mod tests {
         );
         drop(g2);
         assert_eq!(load.snapshot(), LoadSnapshot::default());
+    }
+
+    #[test]
+    fn shared_prompt_blocks_count_once_and_leave_with_the_last_holder() {
+        let load = Arc::new(EndpointLoad::default());
+        let keys = |r: std::ops::Range<u64>| r.map(ChainKey).collect::<Vec<_>>();
+        let mut a = load.acquire(0, 0);
+        a.hold_context(&keys(0..10));
+        a.hold_context(&keys(100..200)); // once per request
+        let mut b = load.acquire(0, 0);
+        b.hold_context(&keys(0..14)); // the same 10-block prefix and 4 more
+        assert_eq!(load.snapshot().context_blocks, 14);
+        assert_eq!(load.shared_blocks(&keys(8..20)), 6);
+        drop(a);
+        assert_eq!(load.snapshot().context_blocks, 14);
+        drop(b);
+        assert_eq!(load.snapshot().context_blocks, 0);
+        assert_eq!(load.shared_blocks(&keys(0..4)), 0);
+    }
+
+    #[test]
+    fn decode_time_is_learned_only_from_responses_that_ended_normally() {
+        let load = Arc::new(EndpointLoad::default());
+        // No first byte (refused, cut before any output): nothing learned.
+        let mut g = load.acquire(10, 10);
+        g.output_done();
+        drop(g);
+        assert_eq!(load.decode_ms_per_token(), None);
+        // A stream asking for 10 tokens: first byte, more output, normal end after ≥ 20 ms.
+        let mut g = load.acquire(10, 10);
+        g.prefill_done();
+        g.output_continues();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        g.output_done();
+        drop(g);
+        let first = load.decode_ms_per_token().expect("learned");
+        assert!((1.5..200.0).contains(&first), "{first}");
+        // A later sample moves the average a tenth of the way.
+        load.observe_decode((first + 100.0) * 4.0, 4);
+        let avg = load.decode_ms_per_token().expect("learned");
+        assert!((avg - (first + 10.0)).abs() < 1e-6, "{avg}");
+        // In flight: two requests asking for 100 and 300 tokens decode ~200 tokens' time.
+        let (_a, _b) = (load.acquire(0, 100), load.acquire(0, 300));
+        let d = load.in_flight_decode_ms().expect("known");
+        assert!((d - avg * 200.0).abs() < 1e-6, "{d}");
     }
 
     #[test]

@@ -60,6 +60,9 @@ pub struct RouterMetrics {
     in_flight_requests: Family<EndpointLabel, Gauge>,
     in_flight_uncached: Family<EndpointLabel, Gauge>,
     in_flight_decode: Family<EndpointLabel, Gauge>,
+    in_flight_context_blocks: Family<EndpointLabel, Gauge>,
+    gpu_capacity: Family<EndpointLabel, FloatGauge>,
+    decode_seconds: Family<EndpointLabel, FloatGauge>,
     waiting: Family<EndpointLabel, FloatGauge>,
     running: Family<EndpointLabel, FloatGauge>,
     kv_usage: Family<EndpointLabel, FloatGauge>,
@@ -111,6 +114,9 @@ impl RouterMetrics {
             in_flight_requests: Family::default(),
             in_flight_uncached: Family::default(),
             in_flight_decode: Family::default(),
+            in_flight_context_blocks: Family::default(),
+            gpu_capacity: Family::default(),
+            decode_seconds: Family::default(),
             waiting: Family::default(),
             running: Family::default(),
             kv_usage: Family::default(),
@@ -182,6 +188,21 @@ impl RouterMetrics {
             m.in_flight_decode.clone(),
         );
         r.register(
+            "kvmesh_router_endpoint_in_flight_context_blocks",
+            "Distinct prompt blocks of in-flight requests (what they need the GPU tier to hold; a shared prefix counts once)",
+            m.in_flight_context_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_gpu_capacity_tokens",
+            "Scraped vllm:cache_config_info num_gpu_blocks x block_size",
+            m.gpu_capacity.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_decode_seconds_per_token",
+            "Learned decode time per requested output token on the endpoint, first byte to end (prices the wait for GPU room)",
+            m.decode_seconds.clone(),
+        );
+        r.register(
             "kvmesh_router_endpoint_waiting_requests",
             "Scraped vllm:num_requests_waiting",
             m.waiting.clone(),
@@ -236,6 +257,7 @@ impl RouterMetrics {
             &self.in_flight_requests,
             &self.in_flight_uncached,
             &self.in_flight_decode,
+            &self.in_flight_context_blocks,
             &self.healthy,
             &self.events_silent,
         ] {
@@ -246,6 +268,8 @@ impl RouterMetrics {
             &self.running,
             &self.kv_usage,
             &self.prefill_rate,
+            &self.gpu_capacity,
+            &self.decode_seconds,
         ] {
             f.clear();
         }
@@ -266,6 +290,12 @@ impl RouterMetrics {
             self.in_flight_decode
                 .get_or_create(&l)
                 .set(clamp(load.decode_tokens));
+            self.in_flight_context_blocks
+                .get_or_create(&l)
+                .set(clamp(load.context_blocks));
+            if let Some(ms) = e.load.decode_ms_per_token() {
+                self.decode_seconds.get_or_create(&l).set(ms / 1000.0);
+            }
             self.healthy
                 .get_or_create(&l)
                 .set(i64::from(e.is_healthy()));
@@ -277,6 +307,9 @@ impl RouterMetrics {
                 self.waiting.get_or_create(&l).set(m.waiting);
                 self.running.get_or_create(&l).set(m.running);
                 self.kv_usage.get_or_create(&l).set(m.kv_usage);
+                if let Some(cap) = m.gpu_capacity_tokens {
+                    self.gpu_capacity.get_or_create(&l).set(cap as f64);
+                }
             }
             self.prefill_rate
                 .get_or_create(&l)

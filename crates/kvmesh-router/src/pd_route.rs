@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use kvmesh_core::chain::chain_keys;
-use kvmesh_core::{KvTransferParams, RemoteKvSource};
+use kvmesh_core::{ChainKey, KvTransferParams, RemoteKvSource};
 use kvmesh_index::EndpointMatch;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
 use kvmesh_sched::{Candidate, Decision, SchedulingContext};
@@ -144,6 +144,7 @@ pub(crate) async fn route_pd(
         ctx: &ctx,
         list: &list,
         matches: &matches,
+        keys: &keys,
     };
     let prefill = legs.prefill(&parsed, history, &decoders).await;
     legs.decode(&decoders, parsed, prefill, conv).await
@@ -171,6 +172,7 @@ struct Legs<'a> {
     ctx: &'a SchedulingContext<'a>,
     list: &'a [Arc<Endpoint>],
     matches: &'a [EndpointMatch],
+    keys: &'a [ChainKey],
 }
 
 impl Legs<'_> {
@@ -187,7 +189,7 @@ impl Legs<'_> {
         // prefiller with no decoder of its KV group would compute blocks no decoder can read.
         let mut prefillers = with_role(self.list, Role::Prefill);
         prefillers.retain(|p| decoders.iter().any(|d| d.kv_group == p.kv_group));
-        let pcands = candidates_of(&prefillers, self.matches);
+        let pcands = candidates_of(&prefillers, self.matches, self.keys, self.ctx.block_size);
         let bs = self.ctx.block_size;
         let best_prefill_hit = pcands.iter().map(|c| c.any_blocks * bs).max().unwrap_or(0);
         let uncached = parsed.tokens.len().saturating_sub(best_prefill_hit) as u64;
@@ -233,7 +235,12 @@ impl Legs<'_> {
                     .filter(|e| e.is_healthy() && e.spec.role != Role::Prefill)
                     .cloned()
                     .collect();
-                all.extend(candidates_of(&others, self.matches));
+                all.extend(candidates_of(
+                    &others,
+                    self.matches,
+                    self.keys,
+                    self.ctx.block_size,
+                ));
                 decision.p2p = profile.select_source(self.ctx, &all, c.endpoint);
                 name_source(decision.p2p.as_mut(), self.list, self.ctx.request_id)
             }
@@ -264,6 +271,7 @@ impl Legs<'_> {
             }
         };
         let mut guard = pep.load.acquire(uncached, 1);
+        guard.hold_context(self.keys);
         if let Some(src) = &source {
             guard.track_pull(&src.endpoint.load);
         }
@@ -348,7 +356,7 @@ impl Legs<'_> {
         conv: Option<String>,
     ) -> Result<Response, Failed> {
         let s = self.s;
-        let dcands = candidates_of(decoders, self.matches);
+        let dcands = candidates_of(decoders, self.matches, self.keys, self.ctx.block_size);
         let dprofile = s
             .scheduler
             .profile(Some(&self.pd.config.decode_profile))
@@ -393,9 +401,10 @@ impl Legs<'_> {
         let local = match_of(self.matches, dep.id).any_blocks as u64 * self.ctx.block_size as u64;
         let prompt = parsed.tokens.len() as u64;
         let read = if reads { prompt } else { local };
-        let guard = dep
+        let mut guard = dep
             .load
             .acquire(prompt.saturating_sub(read), parsed.max_tokens.unwrap_or(16));
+        guard.hold_context(self.keys);
         let req = engine_request(
             s,
             &dep,

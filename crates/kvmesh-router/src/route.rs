@@ -158,6 +158,7 @@ impl Attempt<'_> {
         let decode = parsed.max_tokens.unwrap_or(DEFAULT_DECODE_TOKENS);
         let idle_before = ep.load.snapshot().requests == 0;
         let mut guard = ep.load.acquire(uncached, decode);
+        guard.hold_context(keys);
         if let Some(src) = &source {
             guard.track_pull(&src.endpoint.load);
         }

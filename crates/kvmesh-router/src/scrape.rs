@@ -19,10 +19,12 @@ use crate::metrics::{Kind, RouterMetrics};
 use crate::prefix::PrefixLookup;
 
 /// Reads `vllm:num_requests_waiting`, `vllm:num_requests_running` (summed over series, e.g.
-/// data-parallel ranks) and `vllm:kv_cache_usage_perc` (mean) from Prometheus text. `None` if the
-/// text has none of them.
+/// data-parallel ranks), `vllm:kv_cache_usage_perc` (mean) and the GPU tier's size from
+/// `vllm:cache_config_info`'s `num_gpu_blocks` and `block_size` labels (summed over ranks) from
+/// Prometheus text. `None` if the text has none of the gauges.
 pub fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
     let (mut waiting, mut running, mut kv_sum, mut kv_n, mut seen) = (0.0, 0.0, 0.0, 0u32, false);
+    let mut capacity: Option<u64> = None;
     for s in samples(text) {
         match s.name.as_str() {
             "vllm:num_requests_waiting" => waiting += s.value,
@@ -30,6 +32,14 @@ pub fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
             "vllm:kv_cache_usage_perc" => {
                 kv_sum += s.value;
                 kv_n += 1;
+            }
+            "vllm:cache_config_info" => {
+                let label = |k| s.label(k).and_then(|v| v.parse::<u64>().ok());
+                if let (Some(blocks), Some(bs)) = (label("num_gpu_blocks"), label("block_size")) {
+                    let tokens = blocks.saturating_mul(bs);
+                    capacity = Some(capacity.unwrap_or(0).saturating_add(tokens));
+                }
+                continue;
             }
             _ => continue,
         }
@@ -43,6 +53,7 @@ pub fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
         } else {
             0.0
         },
+        gpu_capacity_tokens: capacity.filter(|&c| c > 0),
         scraped_at: now,
     })
 }
@@ -296,6 +307,30 @@ mod tests {
         .expect("fixture");
         let m = parse_engine_metrics(&text, Instant::now()).expect("has gauges");
         assert_eq!((m.waiting, m.running, m.kv_usage), (0.0, 0.0, 0.0));
+        // 16,384 blocks of 32 tokens: vLLM's own `kv_cache_size_tokens` label says 524,288.
+        assert!(text.contains("kv_cache_size_tokens=\"524288\""));
+        assert_eq!(m.gpu_capacity_tokens, Some(524_288));
+    }
+
+    #[test]
+    fn gpu_capacity_sums_ranks_and_needs_both_labels() {
+        let text = "vllm:num_requests_waiting 0\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"100\"} 1.0\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"50\"} 1.0\n";
+        let m = parse_engine_metrics(text, Instant::now()).expect("gauges");
+        assert_eq!(m.gpu_capacity_tokens, Some(2_400));
+        let partial = "vllm:num_requests_waiting 0\n\
+            vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n";
+        let m = parse_engine_metrics(partial, Instant::now()).expect("gauges");
+        assert_eq!(m.gpu_capacity_tokens, None);
+        // The info series alone is not a scrape of the gauges.
+        assert!(
+            parse_engine_metrics(
+                "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1\"} 1\n",
+                Instant::now()
+            )
+            .is_none()
+        );
     }
 
     #[test]

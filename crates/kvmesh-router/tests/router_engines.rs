@@ -265,3 +265,134 @@ async fn malformed_request_never_reaches_the_engine_and_disconnect_cancels() {
     .await
     .unwrap();
 }
+
+/// Streams a completion through the router and reads it to the end; returns the endpoint.
+async fn stream_to_end(base: &str, prompt: &str, max_tokens: u32) -> String {
+    let resp = post_json(
+        &format!("{base}/v1/completions"),
+        &json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true, "stream": true}),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let ep = resp.headers()["x-kvmesh-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let mut body = resp.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        chunk.unwrap();
+    }
+    ep
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gpu_tier_full_of_in_flight_work_is_priced_as_a_wait() {
+    tokio::time::timeout(LIMIT, async {
+        // 1,024 blocks of 16 tokens: each engine's GPU tier holds 16,384 tokens, and says so in
+        // `vllm:cache_config_info`.
+        let engines = vec![
+            start_engine("e0", 1.0, 1024).await,
+            start_engine("e1", 1.0, 1024).await,
+        ];
+        let refs: Vec<&SimEngine> = engines.iter().collect();
+        let yaml = format!(
+            "seed: 3\nmetrics_scrape_interval: 50ms\n{}",
+            engines_yaml(&refs)
+        );
+        let r = start_router(&yaml, None).await;
+        let base = format!("http://{}", r.addr);
+        common::eventually(5, "GPU tier sizes scraped", || {
+            r.state
+                .endpoints
+                .list()
+                .iter()
+                .all(|e| e.metrics().and_then(|m| m.gpu_capacity_tokens) == Some(16_384))
+        })
+        .await;
+        // Finished streams teach the router how long a request decodes on each engine.
+        for i in 0..40 {
+            let known = r
+                .state
+                .endpoints
+                .list()
+                .iter()
+                .filter(|e| e.load.decode_ms_per_token().is_some())
+                .count();
+            if known == 2 {
+                break;
+            }
+            stream_to_end(&base, &doc(100 + i, 64), 8).await;
+        }
+        assert!(
+            r.state
+                .endpoints
+                .list()
+                .iter()
+                .all(|e| e.load.decode_ms_per_token().is_some())
+        );
+        // A long stream holds 6,000 prompt + 9,000 decode tokens of one engine's 16,384.
+        let long = doc(7, 6_000);
+        let resp = post_json(
+            &format!("{base}/v1/completions"),
+            &json!({"prompt": long, "max_tokens": 9_000, "ignore_eos": true, "stream": true}),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        let busy = resp.headers()["x-kvmesh-endpoint"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let mut held = resp.bytes_stream();
+        held.next().await.unwrap().unwrap();
+        // A follow-up sharing its first 5,000 tokens: on the busy engine it needs only its own 5
+        // tokens and 2,000 decode tokens more, which no longer fit.
+        let follow = format!("{}zzzzz", &long[..5_000]);
+        let resp = post_json(
+            &format!("{base}/v1/completions"),
+            &json!({"prompt": follow, "max_tokens": 2_000, "stream": true}),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        drop(resp);
+        let decisions = get_json(&format!("{base}/debug/decisions?last=1")).await;
+        let cands = decisions[0]["candidates"].as_array().unwrap();
+        let on = |name: &str| {
+            cands
+                .iter()
+                .find(|c| c["endpoint"] == name)
+                .unwrap()
+                .clone()
+        };
+        let b = on(&busy);
+        let other = on(if busy == "e0" { "e1" } else { "e0" });
+        assert_eq!(b["gpu_capacity_tokens"], 16_384, "{b}");
+        assert!(
+            b["in_flight_context_tokens"].as_u64().unwrap() >= 14_992,
+            "{b}"
+        );
+        assert!(
+            b["in_flight_shared_tokens"].as_u64().unwrap() >= 4_992,
+            "{b}"
+        );
+        assert!(b["predicted"]["kv_wait_ms"].as_f64().unwrap() > 0.0, "{b}");
+        assert_eq!(
+            other["predicted"]["kv_wait_ms"].as_f64().unwrap(),
+            0.0,
+            "{other}"
+        );
+        let metrics = get_text(&format!("{base}/metrics")).await;
+        assert!(
+            metrics.contains(&format!(
+                "kvmesh_router_endpoint_gpu_capacity_tokens{{endpoint=\"{busy}\"}} 16384"
+            )),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("kvmesh_router_endpoint_decode_seconds_per_token{endpoint=\"e0\"}")
+        );
+        drop(held);
+        stop(r, engines).await;
+    })
+    .await
+    .unwrap();
+}

@@ -25,6 +25,17 @@ pub struct Candidate {
     pub in_flight_uncached_tokens: u64,
     /// Decode tokens (max_tokens) of in-flight requests.
     pub in_flight_decode_tokens: u64,
+    /// What in-flight requests need the GPU tier to hold: their distinct prompt tokens (a prefix
+    /// they share counted once) plus their decode tokens.
+    pub in_flight_context_tokens: u64,
+    /// This request's prompt tokens that in-flight requests already hold (it would share them).
+    /// Filled only when the working set is near `gpu_capacity_tokens`, else 0.
+    pub in_flight_shared_tokens: u64,
+    /// Tokens the endpoint's GPU tier holds (scraped `vllm:cache_config_info`), if reported.
+    pub gpu_capacity_tokens: Option<u64>,
+    /// How long the requests in flight there take to decode, first byte to end (ms): their mean
+    /// requested output length at the per-token time the router learned there.
+    pub decode_ms: Option<f64>,
     /// Scraped `vllm:num_requests_waiting` (None until the first successful scrape).
     pub waiting: Option<f64>,
     /// Scraped `vllm:num_requests_running`.
@@ -55,6 +66,10 @@ impl Candidate {
             in_flight_requests: 0,
             in_flight_uncached_tokens: 0,
             in_flight_decode_tokens: 0,
+            in_flight_context_tokens: 0,
+            in_flight_shared_tokens: 0,
+            gpu_capacity_tokens: None,
+            decode_ms: None,
             waiting: None,
             running: None,
             kv_usage: None,

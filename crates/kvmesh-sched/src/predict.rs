@@ -3,8 +3,10 @@
 //! For a request placed on candidate `c` the router predicts
 //!
 //! ```text
-//! ttft(c) = queue(c) + own(c) + decode_penalty × in_flight_requests(c) + step_overhead
+//! ttft(c) = queue(c) + kv_wait(c) + own(c) + decode_penalty × in_flight_requests(c) + step_overhead
 //! queue(c) = prefill tokens already sent to c and not yet computed / prefill_rate(c)
+//! kv_wait(c) = decode_time(c) × max(0, context(c) + this request's new context − gpu_capacity(c))
+//!                             / gpu_capacity(c)
 //! own(c)   = min( local:  uncached(c) / prefill_rate(c) + cpu_only(c) / restore_rate,
 //!                 pull s: pull_time(s → c, delta) + (prompt − cpu(s)) / prefill_rate(c)
 //!                         + (cpu_only(c) + delta) / restore_rate )
@@ -16,6 +18,16 @@
 //! work the router itself sent counts as queued (`in_flight_uncached_tokens`, exact for one router
 //! and released at the first byte); scraped gauges are seconds stale during a burst.
 //! A CPU-tier hit is not free (it is copied back to the GPU) but is far cheaper than recompute.
+//!
+//! `kv_wait` is why a saturated engine is slower than its queue says: an engine admits a request
+//! only when its GPU tier can hold its context, so once the requests in flight there (their
+//! distinct prompt blocks and decode tokens, as this router counts them) fill the tier, a new
+//! one waits for running ones to finish. Running requests free the tier at about its size per
+//! decode time, so the wait is the overflow's share of one decode time. Without it an engine
+//! with a short prefill queue but 2× its GPU tier in flight looked like the fastest place for a
+//! returning agent turn, and those turns measured 7× their prediction (`agentic-paced`).
+//! Unknown capacity or decode time (an engine that does not report `vllm:cache_config_info`, no
+//! finished request yet) prices no wait.
 //!
 //! A pull is an option only when `delta = cpu(s) − cached(c)` reaches `min_pull_tokens`, and its
 //! time is the cost model's prediction stretched by what already shares the link: transfers the
@@ -61,6 +73,13 @@ pub struct TtftParams {
     /// every later request there, and leaves the conversation's next turn without a warm cache.
     #[serde(alias = "work_weight", rename = "workWeight")]
     pub work_weight: f64,
+    /// How much the wait this request's prefill would add to requests still pulling their prefix
+    /// into the candidate counts, per such request, relative to its own TTFT. Such a request
+    /// joins the engine's queue only when its pull lands, behind whatever was placed there
+    /// meanwhile: a cold 50K-token prefill placed during a 200 ms pull delays the pulled turn by
+    /// its whole second of compute. 0 = ignore them.
+    #[serde(alias = "pulling_delay_weight", rename = "pullingDelayWeight")]
+    pub pulling_delay_weight: f64,
     /// Where prefill and pull rates come from: `configured` (the cost model's configured rates,
     /// the same for every endpoint) or `learned` (per endpoint / pair as learned online).
     pub rates: RateSource,
@@ -89,6 +108,7 @@ impl Default for TtftParams {
             min_pull_tokens: 512,
             margin_ms: 5.0,
             work_weight: 2.0,
+            pulling_delay_weight: 1.0,
             rates: RateSource::Configured,
         }
     }
@@ -105,9 +125,11 @@ impl TtftParams {
             || !finite_nonneg(self.step_overhead_ms)
             || !finite_nonneg(self.margin_ms)
             || !finite_nonneg(self.work_weight)
+            || !finite_nonneg(self.pulling_delay_weight)
         {
             return Err(
-                "decodePenaltyMs, stepOverheadMs, marginMs and workWeight must be finite and >= 0"
+                "decodePenaltyMs, stepOverheadMs, marginMs, workWeight and pullingDelayWeight \
+                 must be finite and >= 0"
                     .to_owned(),
             );
         }
@@ -139,14 +161,19 @@ pub struct PullPlan {
 pub struct Prediction {
     /// Prefill work ahead of the request (ms).
     pub queue_ms: f64,
+    /// Wait for room in the GPU tier: in-flight requests' context beyond its capacity (ms).
+    pub kv_wait_ms: f64,
     /// Compute + restore (+ pull, when the pull path is chosen) of this request (ms).
     pub own_ms: f64,
     /// Decode penalty + step overhead (ms).
     pub load_ms: f64,
     /// Predicted TTFT (ms).
     pub total_ms: f64,
+    /// The prefill time this request would put ahead of requests still pulling into the
+    /// endpoint, times their number and `pullingDelayWeight` (ms; part of `cost_ms`).
+    pub delays_pulling_ms: f64,
     /// What placement minimises: the TTFT plus `workWeight − 1` times the prefill work this
-    /// request adds to the endpoint (ms).
+    /// request adds to the endpoint, plus `delays_pulling_ms` (ms).
     pub cost_ms: f64,
     /// The cheapest pull considered, whether or not it won.
     pub best_pull: Option<PullPlan>,
@@ -171,9 +198,11 @@ pub fn predict(
     let Some(c) = candidates.get(at) else {
         return Prediction {
             queue_ms: f64::INFINITY,
+            kv_wait_ms: 0.0,
             own_ms: f64::INFINITY,
             load_ms: 0.0,
             total_ms: f64::INFINITY,
+            delays_pulling_ms: 0.0,
             cost_ms: f64::INFINITY,
             best_pull: None,
             pulls: false,
@@ -195,6 +224,7 @@ pub fn predict(
     let cpu_only = any - gpu;
     let uncached = prompt as u64 - any;
     let queue_ms = ms(c.in_flight_uncached_tokens, rate);
+    let kv_wait_ms = kv_wait_ms(ctx, c);
     let load_ms = p.decode_penalty_ms * c.in_flight_requests as f64 + p.step_overhead_ms;
     let local_ms = ms(uncached, rate) + ms(cpu_only, restore);
 
@@ -252,16 +282,37 @@ pub fn predict(
         Some(b) if pulls => prompt as u64 - b.source_tokens,
         _ => uncached,
     };
-    let total_ms = queue_ms + own_ms + load_ms;
+    let total_ms = queue_ms + kv_wait_ms + own_ms + load_ms;
+    let compute_ms = ms(computed, rate);
+    let delays_pulling_ms = p.pulling_delay_weight * c.pulls_in as f64 * compute_ms;
     Prediction {
         queue_ms,
+        kv_wait_ms,
         own_ms,
         load_ms,
         total_ms,
-        cost_ms: total_ms + (p.work_weight - 1.0) * ms(computed, rate),
+        delays_pulling_ms,
+        cost_ms: total_ms + (p.work_weight - 1.0) * compute_ms + delays_pulling_ms,
         best_pull,
         pulls,
     }
+}
+
+/// How long a request waits on `c` for its GPU tier to have room for its context (see the module
+/// header): 0 while the in-flight context plus this request's fits, or when the capacity or the
+/// decode time is unknown.
+pub fn kv_wait_ms(ctx: &SchedulingContext<'_>, c: &Candidate) -> f64 {
+    let (Some(capacity), Some(decode_ms)) = (c.gpu_capacity_tokens, c.decode_ms) else {
+        return 0.0;
+    };
+    if capacity == 0 || !decode_ms.is_finite() || decode_ms <= 0.0 {
+        return 0.0;
+    }
+    let own = (ctx.prompt_tokens as u64).saturating_sub(c.in_flight_shared_tokens)
+        + ctx.max_tokens.unwrap_or(0);
+    let need = c.in_flight_context_tokens.saturating_add(own);
+    let over = need.saturating_sub(capacity);
+    decode_ms * over as f64 / capacity as f64
 }
 
 /// A pull's time when `sharing` other transfers already use the busier of its two ends: the
@@ -354,6 +405,96 @@ mod tests {
         assert!(!shared.pulls, "{shared:?}");
         assert_eq!(shared.total_ms, without.total_ms);
         assert_eq!(shared.best_pull.expect("plan").sharing, 20);
+    }
+
+    #[test]
+    fn an_engine_whose_gpu_tier_is_full_of_in_flight_work_waits_for_decodes_to_finish() {
+        // A returning turn: 40K-token history. A holds it in its CPU tier and has a short prefill
+        // queue, but 2x its 240K-token GPU tier in flight (decodes take 2 s there). B is cold
+        // with room. On A the turn waits for ~280K tokens of decodes to end: more than B's
+        // recompute. Without the capacity fact A looks fastest.
+        let mut a = cand(0);
+        (a.cpu_blocks, a.any_blocks) = (2_500, 2_500);
+        (a.in_flight_requests, a.in_flight_uncached_tokens) = (10, 1_000);
+        a.in_flight_context_tokens = 480_000;
+        (a.gpu_capacity_tokens, a.decode_ms) = (Some(240_000), Some(2_000.0));
+        let mut b = cand(1);
+        b.in_flight_context_tokens = 60_000;
+        (b.gpu_capacity_tokens, b.decode_ms) = (Some(240_000), Some(2_000.0));
+        let turn = SchedulingContext {
+            max_tokens: Some(200),
+            ..ctx(41_000, 16)
+        };
+        let all = [&a, &b];
+        let p = TtftParams::default();
+        let (pa, pb) = (
+            predict(&turn, &all, 0, &cm(), &p),
+            predict(&turn, &all, 1, &cm(), &p),
+        );
+        // over = 480,000 + 41,200 − 240,000 = 281,200 → 2 s × 281,200 / 240,000.
+        assert!((pa.kv_wait_ms - 2_343.3).abs() < 1.0, "{pa:?}");
+        assert_eq!(pb.kv_wait_ms, 0.0);
+        assert!(pb.total_ms < pa.total_ms, "{pa:?} {pb:?}");
+        // Unknown capacity or decode time: no wait priced, A wins as before.
+        let mut blind = a.clone();
+        blind.gpu_capacity_tokens = None;
+        let all = [&blind, &b];
+        let (qa, qb) = (
+            predict(&turn, &all, 0, &cm(), &p),
+            predict(&turn, &all, 1, &cm(), &p),
+        );
+        assert_eq!(qa.kv_wait_ms, 0.0);
+        assert!(qa.total_ms < qb.total_ms);
+        // Blocks in-flight requests already hold are shared, not needed again.
+        let mut sharing = a.clone();
+        (
+            sharing.in_flight_context_tokens,
+            sharing.in_flight_shared_tokens,
+        ) = (230_000, 40_000);
+        let all = [&sharing, &b];
+        assert_eq!(predict(&turn, &all, 0, &cm(), &p).kv_wait_ms, 0.0);
+    }
+
+    #[test]
+    fn a_long_prefill_avoids_an_endpoint_whose_requests_are_still_pulling() {
+        // A pulled turn (2K tokens left to compute) is on its way into A: its pull lands in
+        // ~200 ms and it then queues behind whatever A got meanwhile. B has a little more
+        // queued work and nobody pulling. A cold 30K-token prompt must go to B: on A it would
+        // start ~20 ms sooner and make the pulled turn wait its whole prefill.
+        let mut a = cand(0);
+        (
+            a.in_flight_requests,
+            a.in_flight_uncached_tokens,
+            a.pulls_in,
+        ) = (1, 2_000, 1);
+        let mut b = cand(1);
+        (b.in_flight_requests, b.in_flight_uncached_tokens) = (1, 2_500);
+        let cold = ctx(30_000, 16);
+        let all = [&a, &b];
+        let p = TtftParams::default();
+        let (pa, pb) = (
+            predict(&cold, &all, 0, &cm(), &p),
+            predict(&cold, &all, 1, &cm(), &p),
+        );
+        assert!(
+            pa.total_ms < pb.total_ms,
+            "A still starts it sooner: {pa:?} {pb:?}"
+        );
+        assert!(pa.delays_pulling_ms > 500.0 && pb.delays_pulling_ms == 0.0);
+        assert!(pb.cost_ms < pa.cost_ms, "{pa:?} {pb:?}");
+        // Weight 0 restores the greedy choice.
+        let greedy = TtftParams {
+            pulling_delay_weight: 0.0,
+            ..TtftParams::default()
+        };
+        let (ga, gb) = (
+            predict(&cold, &all, 0, &cm(), &greedy),
+            predict(&cold, &all, 1, &cm(), &greedy),
+        );
+        assert!(ga.cost_ms < gb.cost_ms, "{ga:?} {gb:?}");
+        // A short prompt is charged only its own short prefill.
+        let short = predict(&ctx(512, 16), &all, 0, &cm(), &p);
+        assert!(short.delays_pulling_ms < 25.0, "{short:?}");
     }
 
     #[test]

@@ -41,6 +41,14 @@ pub struct CandidateReport {
     pub any_tokens: u64,
     pub in_flight_requests: u64,
     pub in_flight_uncached_tokens: u64,
+    /// What in-flight requests need the GPU tier to hold (distinct prompt + decode tokens).
+    pub in_flight_context_tokens: u64,
+    /// This request's prompt tokens in-flight requests already hold (0 unless near capacity).
+    pub in_flight_shared_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_capacity_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_ms: Option<f64>,
     pub waiting: Option<f64>,
     pub running: Option<f64>,
     pub kv_usage: Option<f64>,
@@ -194,6 +202,10 @@ impl Profile {
                 any_tokens: c.any_blocks as u64 * bs,
                 in_flight_requests: c.in_flight_requests,
                 in_flight_uncached_tokens: c.in_flight_uncached_tokens,
+                in_flight_context_tokens: c.in_flight_context_tokens,
+                in_flight_shared_tokens: c.in_flight_shared_tokens,
+                gpu_capacity_tokens: c.gpu_capacity_tokens,
+                decode_ms: c.decode_ms,
                 waiting: c.waiting,
                 running: c.running,
                 kv_usage: c.kv_usage,

@@ -353,6 +353,7 @@ pub fn build_engine(
         &config.served_model_name,
         &config.engine_label,
     ));
+    metrics.describe_cache(config.block_size, config.num_gpu_blocks);
     let cpu = Arc::new(CpuTier::new(
         config.cpu_offload_bytes,
         config.block_size,
