@@ -50,12 +50,10 @@ pub(crate) fn candidate(
     let scraped = e.metrics();
     let bs = block_size as u64;
     let gpu_capacity_tokens = scraped.and_then(|m| m.gpu_capacity_tokens);
-    // Which of the prompt's blocks in-flight requests already hold matters only when the
-    // working set is near the GPU tier's size; the lookup takes the endpoint's lock.
+    // How much of the prompt in-flight requests already hold matters only for the wait for GPU
+    // room, so only where the tier's size is known.
     let in_flight_context_tokens = load.context_blocks * bs + load.decode_tokens;
-    let near_capacity = gpu_capacity_tokens
-        .is_some_and(|cap| in_flight_context_tokens + keys.len() as u64 * bs > cap);
-    let in_flight_shared_tokens = if near_capacity {
+    let in_flight_shared_tokens = if gpu_capacity_tokens.is_some() && load.context_blocks > 0 {
         e.load.shared_blocks(keys) * bs
     } else {
         0

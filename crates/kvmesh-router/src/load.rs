@@ -68,13 +68,15 @@ impl EndpointLoad {
         }
     }
 
-    /// How many of `keys` in-flight requests already hold here (blocks a new request would share).
+    /// How many of a prompt's leading blocks `keys` in-flight requests already hold here (blocks
+    /// a new request would share). A chain key stands for its whole prefix, so the held ones are
+    /// a leading run: a binary search finds its end.
     pub fn shared_blocks(&self, keys: &[ChainKey]) -> u64 {
         let held = self.context.lock();
         if held.is_empty() {
             return 0;
         }
-        keys.iter().filter(|k| held.contains_key(*k)).count() as u64
+        keys.partition_point(|k| held.contains_key(k)) as u64
     }
 
     /// Average decode time per requested output token here (ms), once a request has finished.
@@ -120,7 +122,6 @@ impl EndpointLoad {
             decode,
             pull_source: None,
             context: Vec::new(),
-            acquired_at: Instant::now(),
             first_byte_at: None,
             streamed: false,
         }
@@ -137,7 +138,6 @@ pub struct LoadGuard {
     pull_source: Option<Arc<EndpointLoad>>,
     /// The prompt blocks this request holds in the endpoint's working set.
     context: Vec<ChainKey>,
-    acquired_at: Instant,
     first_byte_at: Option<Instant>,
     /// Output came in more than one piece (a stream): first byte to end is the decode.
     streamed: bool,
@@ -194,20 +194,15 @@ impl LoadGuard {
         self.streamed = self.first_byte_at.is_some();
     }
 
-    /// The response ended normally: learn how long requests decode here. A streamed response
-    /// decodes from its first byte to its end; a response that came in one piece has only its
-    /// whole time, an upper bound.
+    /// The response ended normally: learn how long requests decode here, from a streamed
+    /// response's first byte to its end. A response that came in one piece says nothing about
+    /// its decode (its time is mostly queue and prefill for a long prompt), so it teaches nothing.
     pub fn output_done(&mut self) {
-        let Some(first) = self.first_byte_at else {
+        let Some(first) = self.first_byte_at.filter(|_| self.streamed) else {
             return;
         };
-        let from = if self.streamed {
-            first
-        } else {
-            self.acquired_at
-        };
         self.load
-            .observe_decode(from.elapsed().as_secs_f64() * 1000.0, self.decode);
+            .observe_decode(first.elapsed().as_secs_f64() * 1000.0, self.decode);
     }
 
     fn release_context(&mut self) {
@@ -296,7 +291,13 @@ mod tests {
         let mut b = load.acquire(0, 0);
         b.hold_context(&keys(0..14)); // the same 10-block prefix and 4 more
         assert_eq!(load.snapshot().context_blocks, 14);
-        assert_eq!(load.shared_blocks(&keys(8..20)), 6);
+        // Held: 0..14 (and 100..200). A prompt sharing the first 12 blocks of that chain shares
+        // 12; one starting elsewhere shares none.
+        assert_eq!(load.shared_blocks(&keys(0..12)), 12);
+        let mut longer = keys(0..12);
+        longer.extend(keys(500..510));
+        assert_eq!(load.shared_blocks(&longer), 12);
+        assert_eq!(load.shared_blocks(&keys(300..320)), 0);
         drop(a);
         assert_eq!(load.snapshot().context_blocks, 14);
         drop(b);
@@ -309,6 +310,12 @@ mod tests {
         let load = Arc::new(EndpointLoad::default());
         // No first byte (refused, cut before any output): nothing learned.
         let mut g = load.acquire(10, 10);
+        g.output_done();
+        drop(g);
+        assert_eq!(load.decode_ms_per_token(), None);
+        // A response in one piece: its time is not a decode time.
+        let mut g = load.acquire(10, 10);
+        g.prefill_done();
         g.output_done();
         drop(g);
         assert_eq!(load.decode_ms_per_token(), None);

@@ -29,7 +29,7 @@ pub struct Candidate {
     /// they share counted once) plus their decode tokens.
     pub in_flight_context_tokens: u64,
     /// This request's prompt tokens that in-flight requests already hold (it would share them).
-    /// Filled only when the working set is near `gpu_capacity_tokens`, else 0.
+    /// Filled only when `gpu_capacity_tokens` is known, else 0.
     pub in_flight_shared_tokens: u64,
     /// Tokens the endpoint's GPU tier holds (scraped `vllm:cache_config_info`), if reported.
     pub gpu_capacity_tokens: Option<u64>,

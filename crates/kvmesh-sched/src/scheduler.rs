@@ -43,7 +43,7 @@ pub struct CandidateReport {
     pub in_flight_uncached_tokens: u64,
     /// What in-flight requests need the GPU tier to hold (distinct prompt + decode tokens).
     pub in_flight_context_tokens: u64,
-    /// This request's prompt tokens in-flight requests already hold (0 unless near capacity).
+    /// This request's prompt tokens in-flight requests already hold (0 without a known capacity).
     pub in_flight_shared_tokens: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_capacity_tokens: Option<u64>,
