@@ -25,9 +25,9 @@
 //! one waits for running ones to finish. Running requests free the tier at about its size per
 //! decode time, so the wait is the overflow's share of one decode time. Without it an engine
 //! with a short prefill queue but 2× its GPU tier in flight looked like the fastest place for a
-//! returning agent turn, and those turns measured 7× their prediction (`agentic-paced`).
-//! Unknown capacity or decode time (an engine that does not report `vllm:cache_config_info`, no
-//! finished request yet) prices no wait.
+//! returning agent turn, and the turns sent to such engines were 7× slower than the others
+//! (`agentic-paced`). Unknown capacity or decode time (an engine that does not report
+//! `vllm:cache_config_info`, no finished streamed response yet) prices no wait.
 //!
 //! A pull is an option only when `delta = cpu(s) − cached(c)` reaches `min_pull_tokens`, and its
 //! time is the cost model's prediction stretched by what already shares the link: transfers the
