@@ -70,7 +70,7 @@ pub(crate) fn candidate(
         in_flight_context_tokens,
         in_flight_shared_tokens,
         gpu_capacity_tokens,
-        decode_ms: e.load.in_flight_decode_ms(),
+        decode_ms: e.load.in_flight_decode_ms(&load),
         waiting: scraped.map(|m| m.waiting),
         running: scraped.map(|m| m.running),
         kv_usage: scraped.map(|m| m.kv_usage),

@@ -278,9 +278,6 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         while let Some(chunk) = chunks.next().await {
             match chunk {
                 Ok(bytes) => {
-                    if !first {
-                        guard.output_continues();
-                    }
                     if first {
                         first = false;
                         end_hook.armed = true;
@@ -296,6 +293,8 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
                                 ttft: l.dispatched.elapsed(),
                             });
                         }
+                    } else {
+                        guard.output_continues();
                     }
                     match &capture {
                         None => yield Ok::<Bytes, std::io::Error>(bytes),

@@ -85,11 +85,10 @@ impl EndpointLoad {
         (v > 0.0).then_some(v)
     }
 
-    /// How long the requests in flight here take to decode, on average (ms): their mean
-    /// requested output length at the learned per-token time.
-    pub fn in_flight_decode_ms(&self) -> Option<f64> {
+    /// How long the requests in flight here (as of `load`, a snapshot of this endpoint) take to
+    /// decode, on average (ms): their mean requested output length at the learned per-token time.
+    pub fn in_flight_decode_ms(&self, load: &LoadSnapshot) -> Option<f64> {
         let per_token = self.decode_ms_per_token()?;
-        let load = self.snapshot();
         let mean_tokens = load
             .decode_tokens
             .checked_div(load.requests)
@@ -334,7 +333,7 @@ mod tests {
         assert!((avg - (first + 10.0)).abs() < 1e-6, "{avg}");
         // In flight: two requests asking for 100 and 300 tokens decode ~200 tokens' time.
         let (_a, _b) = (load.acquire(0, 100), load.acquire(0, 300));
-        let d = load.in_flight_decode_ms().expect("known");
+        let d = load.in_flight_decode_ms(&load.snapshot()).expect("known");
         assert!((d - avg * 200.0).abs() < 1e-6, "{d}");
     }
 
