@@ -195,6 +195,8 @@ pub(crate) struct Learn {
     pub endpoint: EndpointId,
     pub computed_tokens: u64,
     pub pulled: Option<(EndpointId, u64)>,
+    /// Transfers already sharing the pull's links when it was named.
+    pub pull_sharing: u64,
     pub dispatched: Instant,
 }
 
@@ -290,6 +292,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
                                 endpoint: l.endpoint,
                                 computed_tokens: l.computed_tokens,
                                 pulled: l.pulled,
+                                pull_sharing: l.pull_sharing,
                                 ttft: l.dispatched.elapsed(),
                             });
                         }

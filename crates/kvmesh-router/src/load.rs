@@ -35,6 +35,12 @@ pub struct EndpointLoad {
     decode_tokens: AtomicU64,
     pulls_in: AtomicU64,
     pulls_out: AtomicU64,
+    /// Pulls ever named into the endpoint, and the sum of their `1 + sharing` (transfers already
+    /// on the busier end when each was named): the scrape loop divides the engine's own pull
+    /// times by their mean over an interval, so the learned rate is the link's, not the
+    /// contended one ([`kvmesh_sched::cost_model::uncontended_time`]).
+    pulls_named_in: AtomicU64,
+    pull_share_sum: AtomicU64,
     /// Distinct prompt blocks of in-flight requests, by chain key, with how many requests hold each.
     context: Mutex<HashMap<ChainKey, u32>>,
     /// `context.len()`, readable without the lock.
@@ -66,6 +72,15 @@ impl EndpointLoad {
             pulls_out: self.pulls_out.load(Ordering::Relaxed),
             context_blocks: self.context_blocks.load(Ordering::Relaxed),
         }
+    }
+
+    /// Pulls ever named into this endpoint and the sum of their `1 + sharing` (see
+    /// [`LoadGuard::track_pull`]); both only grow.
+    pub fn pull_share_totals(&self) -> (u64, u64) {
+        (
+            self.pulls_named_in.load(Ordering::Relaxed),
+            self.pull_share_sum.load(Ordering::Relaxed),
+        )
     }
 
     /// How many of a prompt's leading blocks `keys` in-flight requests already hold here (blocks
@@ -143,14 +158,22 @@ pub struct LoadGuard {
 }
 
 impl LoadGuard {
-    /// Counts a pull from `source` into this request's endpoint until the first byte.
-    pub fn track_pull(&mut self, source: &Arc<EndpointLoad>) {
+    /// Counts a pull from `source` into this request's endpoint until the first byte. Returns
+    /// the transfers already on the busier end (the source's egress or this endpoint's
+    /// ingress), the sharing the pull was priced with; 0 when this guard already tracks one.
+    pub fn track_pull(&mut self, source: &Arc<EndpointLoad>) -> u64 {
         if self.pull_source.is_some() {
-            return;
+            return 0;
         }
-        self.load.pulls_in.fetch_add(1, Ordering::Relaxed);
-        source.pulls_out.fetch_add(1, Ordering::Relaxed);
+        let ingress = self.load.pulls_in.fetch_add(1, Ordering::Relaxed);
+        let egress = source.pulls_out.fetch_add(1, Ordering::Relaxed);
+        let sharing = ingress.max(egress);
+        self.load.pulls_named_in.fetch_add(1, Ordering::Relaxed);
+        self.load
+            .pull_share_sum
+            .fetch_add(1 + sharing, Ordering::Relaxed);
         self.pull_source = Some(Arc::clone(source));
+        sharing
     }
 
     fn pull_done(&mut self) {
@@ -344,9 +367,16 @@ mod tests {
             Arc::new(EndpointLoad::default()),
         );
         let mut g = dest.acquire(10, 1);
-        g.track_pull(&src);
-        g.track_pull(&src);
+        assert_eq!(g.track_pull(&src), 0);
+        assert_eq!(g.track_pull(&src), 0);
         assert_eq!((dest.snapshot().pulls_in, src.snapshot().pulls_out), (1, 1));
+        // A second pull out of the same source shares its link with the first.
+        let other = Arc::new(EndpointLoad::default());
+        let mut g3 = other.acquire(10, 1);
+        assert_eq!(g3.track_pull(&src), 1);
+        assert_eq!(other.pull_share_totals(), (1, 2));
+        assert_eq!(dest.pull_share_totals(), (1, 1));
+        drop(g3);
         g.prefill_done();
         assert_eq!((dest.snapshot().pulls_in, src.snapshot().pulls_out), (0, 0));
         let mut g2 = dest.acquire(10, 1);

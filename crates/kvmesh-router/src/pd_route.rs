@@ -273,7 +273,8 @@ impl Legs<'_> {
         let mut guard = pep.load.acquire(uncached, 1);
         guard.hold_context(self.keys);
         if let Some(src) = &source {
-            guard.track_pull(&src.endpoint.load);
+            // The prefill leg teaches the cost model nothing, so its sharing is not needed.
+            let _ = guard.track_pull(&src.endpoint.load);
         }
         match self.run_prefill(&pep, body, source_hp.as_deref()).await {
             Ok(params) => {

@@ -159,9 +159,9 @@ impl Attempt<'_> {
         let idle_before = ep.load.snapshot().requests == 0;
         let mut guard = ep.load.acquire(uncached, decode);
         guard.hold_context(keys);
-        if let Some(src) = &source {
-            guard.track_pull(&src.endpoint.load);
-        }
+        let pull_sharing = source
+            .as_ref()
+            .map_or(0, |src| guard.track_pull(&src.endpoint.load));
         drop(admission_ticket);
         let scheduling = t0.elapsed();
         s.note_placement(&ep);
@@ -243,6 +243,7 @@ impl Attempt<'_> {
             endpoint: ep.id,
             computed_tokens: uncached,
             pulled: source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
+            pull_sharing,
             dispatched,
         });
         // The turn's blocks exist on `ep` once it answers: prepare the session's next turn.

@@ -11,7 +11,7 @@ use kvmesh_index::EndpointId;
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use kvmesh_sched::cost_model::CostModel;
+use kvmesh_sched::cost_model::{CostModel, uncontended_time};
 
 use crate::config::HealthCheckConfig;
 use crate::endpoints::{EndpointSet, EngineMetrics};
@@ -191,8 +191,10 @@ pub async fn scrape_loop(
 ) {
     let mut tick = tokio::time::interval(interval.max(Duration::from_millis(10)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let previous: Mutex<HashMap<EndpointId, (PrefillCounters, PullCounters)>> =
-        Mutex::new(HashMap::new());
+    // Per endpoint: its counters at the last scrape, and this router's (pulls named into it,
+    // sum of their 1 + sharing) at the same moment.
+    type Seen = (PrefillCounters, PullCounters, (u64, u64));
+    let previous: Mutex<HashMap<EndpointId, Seen>> = Mutex::new(HashMap::new());
     let block_tokens = block_size as u64;
     let floor = Duration::from_secs_f64(cost_model.params().pull_floor_ms.max(0.0) / 1000.0);
     loop {
@@ -224,7 +226,11 @@ pub async fn scrape_loop(
                 };
                 e.set_metrics(m);
                 {
-                    let now = (parse_prefill_counters(&text), parse_pull_counters(&text));
+                    let now = (
+                        parse_prefill_counters(&text),
+                        parse_pull_counters(&text),
+                        e.load.pull_share_totals(),
+                    );
                     let prev = previous.lock().insert(e.id, now);
                     if let Some((tokens, time)) = prev.and_then(|p| prefill_sample(&p.0, &now.0)) {
                         cost_model.observe_prefill_rate(e.id, tokens, time);
@@ -232,6 +238,12 @@ pub async fn scrape_loop(
                     if let Some((tokens, time)) =
                         prev.and_then(|p| pull_sample(&p.1, &now.1, block_tokens, floor))
                     {
+                        // The engine's pull times include the transfers that shared its links;
+                        // the predictions add the sharing of the moment, so learn the link's own.
+                        let (named, shares) = prev.map_or((0, 0), |p| {
+                            (now.2.0.saturating_sub(p.2.0), now.2.1.saturating_sub(p.2.1))
+                        });
+                        let time = uncontended_time(time, named, shares);
                         cost_model.observe_pull_rate_into(e.id, tokens, time);
                     }
                 }

@@ -17,6 +17,21 @@
 //! minus the floor, is a per-pair pull-rate sample (the only source that knows the pair).
 //! [`CostModel::pull_rate`] uses the pair's learned rate if it has one, else the destination's,
 //! else the configured default.
+//!
+//! Learned pull rates are **uncontended** link rates. A pull's observed time includes whatever
+//! shared its links (the sim's link model and a real NIC both split a link among its
+//! transfers), and the predictions stretch the uncontended time by the transfers sharing the
+//! link *now* ([`crate::predict::contended_pull_ms`]: bandwidth part × (1 + sharing)). Learning
+//! the observed rate as is would count contention twice: pulls learned during a 6-way fan-out
+//! would teach a ~6× slower rate, and the next fan-out would be stretched 6× again on top. So
+//! each sample is first divided by the same factor the prediction multiplies by: the
+//! per-request sample by its own `1 + pull_sharing`, the counter samples by the mean
+//! `1 + sharing` of the pulls named into the destination over the interval
+//! ([`uncontended_time`]). The router only knows the transfers already in flight when it names
+//! a pull, not those that start later, so a sample from a burst stays partly contended (the
+//! learned rate errs slow, never doubly).
+//! The inverse holds exactly for a sample whose sharing stayed what it was when the pull was
+//! named: learning it and predicting the same sharing gives back the observed time.
 //! Plain data structure; the gateway and the scrape loop feed it and `/metrics` exports the learned
 //! rates.
 
@@ -70,6 +85,9 @@ pub struct Observation {
     pub computed_tokens: u64,
     /// The source and token count of a pull named for this request.
     pub pulled: Option<(EndpointId, u64)>,
+    /// Transfers already on the busier end of that pull's links when it was named (what the
+    /// prediction stretched it by); 0 without a pull.
+    pub pull_sharing: u64,
     /// Time to first token.
     pub ttft: Duration,
 }
@@ -197,9 +215,12 @@ impl CostModel {
                 if pulled < self.params.min_sample_tokens {
                     return false;
                 }
-                let transfer_ms = ttft_ms
+                // The link's own time for these tokens: what the pull took beyond the floor,
+                // with the share of the link the other transfers took given back.
+                let transfer_ms = (ttft_ms
                     - self.predict_recompute_ms(obs.endpoint, obs.computed_tokens)
-                    - self.params.pull_floor_ms;
+                    - self.params.pull_floor_ms)
+                    / (1 + obs.pull_sharing) as f64;
                 // A pull that seemingly took no time says more about noise than about the link.
                 if transfer_ms <= 0.5 {
                     return false;
@@ -255,6 +276,18 @@ impl CostModel {
     }
 }
 
+/// The time `pulls` pulls would have taken alone, from the `time` they took beyond their floors
+/// while sharing their links: `time` over their mean stretch factor, `share_sum / pulls` (each
+/// pull's `1 + sharing`). Without pulls counted (`pulls == 0`, e.g. pulls another router named)
+/// the time is taken as uncontended.
+pub fn uncontended_time(time: Duration, pulls: u64, share_sum: u64) -> Duration {
+    if pulls == 0 {
+        return time;
+    }
+    let mean = (share_sum as f64 / pulls as f64).max(1.0);
+    time.div_f64(mean)
+}
+
 fn update<K: std::hash::Hash + Eq>(
     map: &mut HashMap<K, LearnedRate>,
     key: K,
@@ -303,6 +336,7 @@ mod tests {
             endpoint: A,
             computed_tokens: 10_000,
             pulled: None,
+            pull_sharing: 0,
             ttft: Duration::from_secs(1)
         }));
         assert!((m.prefill_rate(A) - 10_000.0).abs() < 1e-9);
@@ -311,6 +345,7 @@ mod tests {
             endpoint: A,
             computed_tokens: 10_000,
             pulled: None,
+            pull_sharing: 0,
             ttft: Duration::from_millis(500),
         });
         assert!((m.prefill_rate(A) - 12_000.0).abs() < 1e-9);
@@ -320,6 +355,7 @@ mod tests {
             endpoint: B,
             computed_tokens: 10,
             pulled: None,
+            pull_sharing: 0,
             ttft: Duration::from_millis(5)
         }));
     }
@@ -331,6 +367,7 @@ mod tests {
             endpoint: A,
             computed_tokens: 10_000,
             pulled: None,
+            pull_sharing: 0,
             ttft: Duration::from_secs(1),
         });
         // A pulled 4096 from B and computed 1000 itself: TTFT 142 ms = 100 ms recompute + 26 floor + 16 ms.
@@ -338,6 +375,7 @@ mod tests {
             endpoint: A,
             computed_tokens: 1000,
             pulled: Some((B, 4096)),
+            pull_sharing: 0,
             ttft: Duration::from_millis(142),
         });
         assert!(learned);
@@ -375,6 +413,7 @@ mod tests {
             endpoint: A,
             computed_tokens: 0,
             pulled: Some((B, 4096)),
+            pull_sharing: 0,
             ttft: Duration::from_millis(42),
         });
         assert!((m.pull_rate(B, A) - 256_000.0).abs() < 1e-6);
@@ -386,12 +425,53 @@ mod tests {
     }
 
     #[test]
+    fn contended_pulls_teach_the_uncontended_rate_so_contention_is_priced_once() {
+        use crate::predict::contended_pull_ms;
+        // A's prefill rate known (10K tok/s). B's link is at 256K tok/s alone, and A pulled
+        // 4,096 tokens from B while 3 other pulls shared B's link: the bandwidth part took
+        // 4 × 16 ms, TTFT = 100 ms recompute + 26 ms floor + 64 ms.
+        let m = CostModel::new(CostModelParams::default());
+        m.observe(Observation {
+            endpoint: A,
+            computed_tokens: 10_000,
+            pulled: None,
+            pull_sharing: 0,
+            ttft: Duration::from_secs(1),
+        });
+        assert!(m.observe(Observation {
+            endpoint: A,
+            computed_tokens: 1000,
+            pulled: Some((B, 4096)),
+            pull_sharing: 3,
+            ttft: Duration::from_millis(190),
+        }));
+        // The link rate, not a 4× slower one: a lone pull is predicted at 26 + 16 ms ...
+        assert!((m.pull_rate(B, A) - 256_000.0).abs() < 1e-6);
+        assert!((m.predict_pull_ms(B, A, 4096) - 42.0).abs() < 1e-6);
+        // ... and the same 3-way sharing gives back what was observed (90 ms), not 4 × that.
+        let again = contended_pull_ms(m.predict_pull_ms(B, A, 4096), 26.0, 3);
+        assert!((again - 90.0).abs() < 1e-6, "{again}");
+        // The scraped counters get the same correction: 4 pulls that each shared with 3 others
+        // took 4 × 64 ms beyond their floors, i.e. 64 ms of link time alone.
+        let alone = uncontended_time(Duration::from_millis(256), 4, 16);
+        assert_eq!(alone, Duration::from_millis(64));
+        assert!(m.observe_pull_rate_into(B, 4 * 4096, alone));
+        assert!((m.pull_rate_into(B) - 256_000.0).abs() < 1e-6);
+        // Pulls the router did not count are taken as uncontended.
+        assert_eq!(
+            uncontended_time(Duration::from_millis(256), 0, 0),
+            Duration::from_millis(256)
+        );
+    }
+
+    #[test]
     fn one_sample_moves_at_most_tenfold() {
         let m = CostModel::new(CostModelParams::default());
         m.observe(Observation {
             endpoint: A,
             computed_tokens: 1_000_000,
             pulled: None,
+            pull_sharing: 0,
             ttft: Duration::from_millis(1),
         });
         assert!((m.prefill_rate(A) - 250_000.0).abs() < 1e-6);
