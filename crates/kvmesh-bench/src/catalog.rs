@@ -1,7 +1,10 @@
 //! Workloads by name: what `kvmesh bench --workload` accepts, built from the generators in
 //! [`crate::workload`] and the trace replay in [`crate::trace`].
 
-use crate::hot_prefix::{SKEW_HEAVY, fanout, fanout_pullers, skew, skew_exponents, skew_heavy};
+use crate::hot_prefix::{
+    FANOUT_WAVES, SKEW_HEAVY, fanout, fanout_pullers, fanout_waves, skew, skew_exponents,
+    skew_heavy,
+};
 use crate::trace;
 use crate::workload::{
     Scale, Workload, WorkloadError, WorkloadOptions, agentic_pd, docqa, fork, ladder, pool,
@@ -22,6 +25,7 @@ pub const WORKLOAD_NAMES: &[&str] = &[
     "restart-agg",
     "fanout",
     "fanout@<pullers>",
+    "fanout-waves@<pullers>",
     "skew",
     "skew@<zipf exponent>",
     "skew-heavy",
@@ -82,14 +86,12 @@ pub fn build(
                     .map_err(|_| WorkloadError::Unknown(format!("pool rate {rate:?}")))?;
                 vec![pool(scale, seed, r)]
             } else if let Some(n) = other.strip_prefix("fanout@") {
-                let n: usize = n
-                    .parse()
-                    .ok()
-                    .filter(|&n| (1..=64).contains(&n))
-                    .ok_or_else(|| {
-                        WorkloadError::Unknown(format!("fanout pullers {n:?} (1..=64)"))
-                    })?;
-                vec![fanout(scale, seed, n)]
+                vec![fanout(scale, seed, fanout_count(n)?)]
+            } else if let Some(n) = other
+                .strip_prefix(FANOUT_WAVES)
+                .and_then(|rest| rest.strip_prefix('@'))
+            {
+                vec![fanout_waves(scale, seed, fanout_count(n)?)]
             } else if let Some(e) = other.strip_prefix("skew@") {
                 vec![skew(scale, seed, zipf_exponent(e)?)]
             } else if let Some(e) = other
@@ -109,6 +111,14 @@ pub fn build(
         w.token_space = space;
     }
     Ok(out)
+}
+
+/// A fan-out's puller count from a workload name: 1..=64 (each gets an engine of its own).
+fn fanout_count(text: &str) -> Result<usize, WorkloadError> {
+    text.parse()
+        .ok()
+        .filter(|n| (1..=64).contains(n))
+        .ok_or_else(|| WorkloadError::Unknown(format!("fanout pullers {text:?} (1..=64)")))
 }
 
 /// A `skew` exponent from a workload name: finite, 0..=4.

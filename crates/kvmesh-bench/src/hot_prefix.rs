@@ -40,14 +40,45 @@ pub fn skew_exponents(scale: Scale) -> Vec<f64> {
 
 /// Hot-prefix fan-out: a parent computes a `ctx`-token prefix on one engine; once it is done (and
 /// its blocks are in the holder's CPU tier and the router's index), `pullers` children sharing the
-/// prefix arrive together. The fleet has one engine more than the largest default puller count, so
-/// every child can land on an engine without the prefix.
+/// prefix arrive together. The fleet has one engine more than the largest default puller count
+/// (or than `pullers`, if larger), so every child can land on an engine without the prefix.
 pub fn fanout(scale: Scale, seed: u64, pullers: usize) -> Workload {
+    fanout_shaped(scale, seed, pullers, None)
+}
+
+/// Name stem of [`fanout_waves`].
+pub const FANOUT_WAVES: &str = "fanout-waves";
+
+/// Children in the first wave of [`fanout_waves`].
+pub const WAVE_SIZE: usize = 4;
+
+/// Model time between the two waves of [`fanout_waves`]: long enough for the first wave's pulls
+/// of the quick scale's 8K-token prefix, four sharing one link (~170 ms), to land and be
+/// announced, so the second wave finds the first wave's engines as holders.
+pub const WAVE_GAP: Duration = Duration::from_millis(600);
+
+/// The same fan-out in two waves (`fanout-waves@N`): [`WAVE_SIZE`] children first, the other
+/// `pullers − WAVE_SIZE` together [`WAVE_GAP`] later. The second, larger burst finds the prefix
+/// on the holder *and* on the engines that pulled it in the first: whether its pulls pile onto
+/// one link or spread over the replicas is up to the router's choice of source.
+pub fn fanout_waves(scale: Scale, seed: u64, pullers: usize) -> Workload {
+    fanout_shaped(scale, seed, pullers, Some((WAVE_SIZE, WAVE_GAP)))
+}
+
+fn fanout_shaped(
+    scale: Scale,
+    seed: u64,
+    pullers: usize,
+    waves: Option<(usize, Duration)>,
+) -> Workload {
+    let pullers = pullers.max(1);
     let (ctx, engines) = match scale {
         Scale::Quick => (8192usize, 7usize),
         Scale::Full => (32768, 9),
     };
-    let pullers = pullers.max(1);
+    // One engine per child plus the holder: more pullers than the default fleet would otherwise
+    // put two children on one engine and measure that engine's ingress, not the holder's link.
+    let engines = engines.max(pullers + 1);
     let context = key(&[60, seed]);
     let mut sessions = vec![Session {
         start: Start::At(Duration::ZERO),
@@ -64,10 +95,16 @@ pub fn fanout(scale: Scale, seed: u64, pullers: usize) -> Workload {
     }];
     for c in 0..pullers {
         sessions.push(Session {
-            // Same instant for every child: the pulls overlap on the holder's link.
+            // Same instant for every child (of a wave): the pulls overlap on the holder's link.
             start: Start::After {
                 session: 0,
-                delay: Duration::from_millis(500),
+                delay: Duration::from_millis(500)
+                    + waves.map_or(
+                        Duration::ZERO,
+                        |(first, gap)| {
+                            if c < first { Duration::ZERO } else { gap }
+                        },
+                    ),
             },
             steps: vec![Step {
                 gap: Duration::ZERO,
@@ -81,10 +118,21 @@ pub fn fanout(scale: Scale, seed: u64, pullers: usize) -> Workload {
             }],
         });
     }
+    let (name, arrive) = match waves {
+        None => (format!("fanout@{pullers}"), "at once".to_owned()),
+        Some((first, gap)) => (
+            format!("{FANOUT_WAVES}@{pullers}"),
+            format!(
+                "{} first, the rest together {} ms later",
+                first.min(pullers),
+                gap.as_millis()
+            ),
+        ),
+    };
     Workload {
-        name: format!("fanout@{pullers}"),
+        name,
         description: format!(
-            "one engine holds a {ctx}-token prefix; {pullers} requests sharing it arrive at once on a {engines}-engine fleet"
+            "one engine holds a {ctx}-token prefix; {pullers} requests sharing it arrive {arrive} on a {engines}-engine fleet"
         ),
         seed,
         token_space: TokenSpace::default(),
@@ -294,6 +342,26 @@ mod tests {
         assert_eq!(parent[..32768], c1[..32768]);
         assert_eq!(c1[..32768], c2[..32768]);
         assert_ne!(c1[32768..], c2[32768..]);
+    }
+
+    #[test]
+    fn fanout_waves_arrive_in_two_bursts_on_a_fleet_with_an_engine_per_child() {
+        let w = fanout_waves(Scale::Quick, 3, 12);
+        assert_eq!(w.name, "fanout-waves@12");
+        assert_eq!(w.fleet.engines, 13);
+        let starts: Vec<_> = w.sessions[1..]
+            .iter()
+            .map(|s| match s.start {
+                Start::After { session: 0, delay } => delay,
+                _ => panic!("children start after the parent"),
+            })
+            .collect();
+        let ms = |m: u64| Duration::from_millis(m);
+        assert_eq!(&starts[..4], &[ms(500); 4]);
+        assert_eq!(&starts[4..], &[ms(1100); 8]);
+        // The plain fan-out grows its fleet the same way and keeps the default otherwise.
+        assert_eq!(fanout(Scale::Quick, 3, 12).fleet.engines, 13);
+        assert_eq!(fanout(Scale::Quick, 3, 6).fleet.engines, 7);
     }
 
     #[test]

@@ -351,6 +351,12 @@ decisions_capacity: 2048
             plugins.push(("max-score-picker", "picker", String::new(), None));
         }
         Arm::Load | Arm::LoadP2p | Arm::CostP2p => {
+            if arm.base() == Arm::CostP2p {
+                // The price check uses rates the router learns in wall time: on a sped-up
+                // fleet the defaults (and the per-pull floor) must be sped up the same way,
+                // or learned and default rates disagree by the time scale. As ttft arms do.
+                write_cost_model(&mut y, ts);
+            }
             plugins.push(("queue-scorer", "queue", String::new(), Some(3)));
             plugins.push((
                 "kv-cache-utilization-scorer",
@@ -362,14 +368,7 @@ decisions_capacity: 2048
         }
         Arm::Ttft | Arm::TtftP2p => {
             let p2p = arm.base() == Arm::TtftP2p;
-            let cm = kvmesh_sched::cost_model::CostModelParams::default();
-            let _ = writeln!(
-                y,
-                "cost_model: {{prefill_tokens_per_second: {}, pull_tokens_per_second: {}, pull_floor_ms: {}}}",
-                cm.prefill_tokens_per_second * ts,
-                cm.pull_tokens_per_second * ts,
-                cm.pull_floor_ms / ts
-            );
+            write_cost_model(&mut y, ts);
             y.push_str("dispatch: {max_queued_prefill_tokens: 8192, aging: 2.0, max_hold: 10s}\n");
             plugins.push((
                 "predicted-ttft-scorer",
@@ -414,6 +413,19 @@ decisions_capacity: 2048
         }
     }
     y
+}
+
+/// The default cost-model rates, sped up by the fleet's time scale `ts` (wall time = model time
+/// / `ts`).
+fn write_cost_model(y: &mut String, ts: f64) {
+    let cm = kvmesh_sched::cost_model::CostModelParams::default();
+    let _ = writeln!(
+        y,
+        "cost_model: {{prefill_tokens_per_second: {}, pull_tokens_per_second: {}, pull_floor_ms: {}}}",
+        cm.prefill_tokens_per_second * ts,
+        cm.pull_tokens_per_second * ts,
+        cm.pull_floor_ms / ts
+    );
 }
 
 /// Name of the prefill / decode scheduling profiles of the P/D arms.

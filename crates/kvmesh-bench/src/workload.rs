@@ -722,6 +722,9 @@ mod tests {
         for bad in [
             "fanout@0",
             "fanout@x",
+            "fanout-waves@0",
+            "fanout-waves@65",
+            "fanout-waves12",
             "skew@-1",
             "skew@nan",
             "skew@9",

@@ -40,7 +40,8 @@ pub struct UpCmd {
 pub struct BenchCmd {
     /// Workload(s): ladder, fork, pool, pool@RATE, docqa, docqa-warm, agentic (with its no-gap
     /// control agentic-nogap), agentic-paced (agentic's sessions, each at its own pace),
-    /// agentic-pd, restart, restart-agg, fanout, fanout@N, skew, skew@S, skew-heavy,
+    /// agentic-pd, restart, restart-agg, fanout, fanout@N, fanout-waves@N (4 children, then
+    /// the other N − 4 together 600 ms later), skew, skew@S, skew-heavy,
     /// skew-heavy@S, scaleout, trace:<file.jsonl>.
     #[arg(long, value_delimiter = ',', required = true)]
     pub workload: Vec<String>,
