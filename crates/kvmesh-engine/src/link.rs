@@ -475,8 +475,10 @@ mod tests {
         }
     }
 
-    /// llm-d's published gpt-oss-120b pull ladder, fitted: the derived link reproduces each
-    /// point within 15 % (the validation `kvmesh engine --list-profiles` prints).
+    /// A synthetic ladder generated from a known link (100 Gb/s, 5 ms) is fitted back to that
+    /// link exactly, and ladders that cannot define a link are refused. (The fit of llm-d's
+    /// published gpt-oss-120b ladder, within 15 % of each point, is tested in
+    /// `compute::sim_link`.)
     #[test]
     fn the_fit_reproduces_a_linear_ladder_exactly() {
         let p = LinkParams::from_gbps_ms(100.0, 5.0);

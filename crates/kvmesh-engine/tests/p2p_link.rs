@@ -93,3 +93,58 @@ async fn two_consumers_pulling_from_one_holder_each_take_longer_than_one_alone()
     .await
     .expect("test timed out");
 }
+
+/// Acceptance (issue 17): a pull limited by its consumer's link is slower when that consumer is
+/// also serving. The holder serves only this one pull, so the consumer's end is the narrower
+/// one: alone it gets its whole link; while it serves an equally long pull to a third engine
+/// the two transfers split it (ideal ≈ 1.84× the time alone at 32K tokens, as above). If the
+/// node's ingress and egress did not share one link, both pulls would take the time alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_into_an_engine_that_is_also_serving_takes_longer() {
+    timeout(Duration::from_secs(60), async {
+        let holder = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        let holder_p2p = holder.p2p_addr.unwrap().port();
+        let prefix = tokens(81, PREFIX);
+        complete(holder.addr, &prefix, 1, None).await;
+        let mut prompt = prefix.clone();
+        prompt.extend(tokens(82, 32));
+
+        // The same pull into an engine that serves nothing.
+        let idle = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        pull_from(&idle, holder_p2p, &prompt).await;
+        let single = pull_seconds(&idle).await;
+
+        // The consumer holds another 32K-token prefix, which a third engine pulls from it while
+        // it pulls the holder's.
+        let consumer = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        let consumer_p2p = consumer.p2p_addr.unwrap().port();
+        let served = tokens(83, PREFIX);
+        complete(consumer.addr, &served, 1, None).await;
+        let mut served_prompt = served.clone();
+        served_prompt.extend(tokens(84, 32));
+        let third = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        tokio::join!(
+            pull_from(&consumer, holder_p2p, &prompt),
+            pull_from(&third, consumer_p2p, &served_prompt)
+        );
+        let busy = pull_seconds(&consumer).await;
+        let out = pull_seconds(&third).await;
+        eprintln!(
+            "pull into an idle engine {single:.3} s; into one also serving {busy:.3} s ({:.2}x); \
+             the pull it served {out:.3} s",
+            busy / single
+        );
+        assert!(busy > 1.5 * single, "{busy} s vs {single} s alone");
+        assert!(busy < 2.5 * single, "{busy} s vs {single} s alone");
+        // The consumer's link carried both directions.
+        let blocks = (PREFIX / 16) as u64;
+        let p2p = &consumer.engine.metrics().p2p;
+        assert_eq!(p2p.modelled_bytes(Direction::In), blocks * 16 * 73_728);
+        assert_eq!(p2p.modelled_bytes(Direction::Out), blocks * 16 * 73_728);
+        for s in [holder, idle, consumer, third] {
+            s.shutdown().await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
