@@ -116,6 +116,16 @@ impl Fingerprint {
         out
     }
 
+    /// A short stable name of the fingerprint: the first 16 hex digits of SHA-256 over
+    /// [`Fingerprint::encode`]. Engines and the vLLM connector export it
+    /// (`kvmesh_p2p_fingerprint_info{fingerprint}`), so a router can tell which endpoints can
+    /// use each other's blocks without asking anyone to configure it.
+    pub fn id(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(self.encode());
+        hex::encode(&digest[..8])
+    }
+
     /// Parses [`Fingerprint::encode`]'s output; trailing bytes and unknown versions are refused.
     pub fn decode(bytes: &[u8]) -> Result<Fingerprint, FingerprintDecodeError> {
         let err = |m: &str| FingerprintDecodeError(m.to_owned());
@@ -173,6 +183,35 @@ impl Fingerprint {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn id_is_stable_and_changes_with_any_field() {
+        let hasher = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0"), 32);
+        let base = Fingerprint::new("tiny", "bf16:vllm-cpu:auto:0.32.0", 2, 2, 64, &hasher);
+        assert_eq!(base.id(), base.clone().id());
+        assert_eq!(base.id().len(), 16);
+        let other_block = Fingerprint::new(
+            "tiny",
+            "bf16:vllm-cpu:auto:0.32.0",
+            2,
+            2,
+            64,
+            &BlockHasher::new(HashAlgo::Sha256Cbor, Some("0"), 16),
+        );
+        let other_seed = Fingerprint::new(
+            "tiny",
+            "bf16:vllm-cpu:auto:0.32.0",
+            2,
+            2,
+            64,
+            &BlockHasher::new(HashAlgo::Sha256Cbor, Some("1"), 32),
+        );
+        let other_layout = Fingerprint::new("tiny", "sim", 2, 2, 64, &hasher);
+        for other in [other_block, other_seed, other_layout] {
+            assert_ne!(base.id(), other.id(), "{other:?}");
+        }
+    }
+
     use super::*;
 
     fn fp() -> Fingerprint {

@@ -37,11 +37,19 @@ pub struct CacheConfigLabels {
     pub enable_prefix_caching: &'static str,
 }
 
+/// `kvmesh_p2p_fingerprint_info`'s label: [`kvmesh_core::Fingerprint::id`] of this engine's KV.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FingerprintLabel {
+    pub fingerprint: String,
+}
+
 /// The engine's metrics; shared (`Arc`) by the compute thread and the HTTP handlers.
 pub struct EngineMetrics {
     registry: Registry,
     /// `vllm:cache_config_info` (value 1, the facts are labels), set by [`Self::describe_cache`].
     cache_config_info: Family<CacheConfigLabels, FloatGauge>,
+    /// `kvmesh_p2p_fingerprint_info` (value 1), set by [`Self::describe_fingerprint`].
+    fingerprint_info: Family<FingerprintLabel, FloatGauge>,
     pub num_requests_running: FloatGauge,
     pub num_requests_waiting: FloatGauge,
     pub kv_cache_usage_perc: FloatGauge,
@@ -104,6 +112,7 @@ impl EngineMetrics {
         );
         let m = Self {
             cache_config_info: Family::default(),
+            fingerprint_info: Family::default(),
             num_requests_running: FloatGauge::default(),
             num_requests_waiting: FloatGauge::default(),
             kv_cache_usage_perc: FloatGauge::default(),
@@ -144,6 +153,12 @@ impl EngineMetrics {
             "vllm:cache_config_info",
             "Information of the LLMEngine's CacheConfig",
             m.cache_config_info.clone(),
+        );
+        r.register(
+            "kvmesh_p2p_fingerprint_info",
+            "Id of the fingerprint a peer's KV must match to be used here (SHA-256 prefix of the \
+             encoded fingerprint); endpoints with equal ids can exchange blocks",
+            m.fingerprint_info.clone(),
         );
         r.register(
             "vllm:num_requests_running",
@@ -339,6 +354,15 @@ impl EngineMetrics {
             .set(1.0);
     }
 
+    /// Exports the id of the engine's fingerprint (routers group endpoints by it).
+    pub fn describe_fingerprint(&self, fingerprint: &kvmesh_core::Fingerprint) {
+        self.fingerprint_info
+            .get_or_create(&FingerprintLabel {
+                fingerprint: fingerprint.id(),
+            })
+            .set(1.0);
+    }
+
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
@@ -473,6 +497,20 @@ mod tests {
             text.contains("vllm:cache_config_info{model_name=\"sim-model\",engine=\"0\",block_size=\"16\",num_gpu_blocks=\"15071\",enable_prefix_caching=\"True\"} 1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_fingerprint_id_is_exported_for_routers_to_group_by() {
+        let m = EngineMetrics::new("sim-model", "0");
+        let hasher = kvmesh_core::BlockHasher::new(kvmesh_core::HashAlgo::Sha256Cbor, None, 16);
+        let fp = kvmesh_core::Fingerprint::new("sim-model", "sim", 36, 8, 64, &hasher);
+        m.describe_fingerprint(&fp);
+        let text = m.encode();
+        let want = format!(
+            "kvmesh_p2p_fingerprint_info{{model_name=\"sim-model\",engine=\"0\",fingerprint=\"{}\"}} 1",
+            fp.id()
+        );
+        assert!(text.contains(&want), "{text}");
     }
 
     #[test]

@@ -5,12 +5,15 @@
 //! `BlockSource`), [`node`] (store + P2P producer + pull client on a private runtime) and
 //! [`pacer`] (the producer's optional serve-bandwidth cap). The
 //! Python bindings ([`python`], feature `python`, built by maturin as `kvmesh_vllm._native`) only
-//! convert arguments and release the GIL around everything that touches sockets or copies blocks.
+//! convert arguments and release the GIL around everything that touches sockets or copies blocks
+//! (`buffers` gives them GIL-free views of vLLM's tensors).
 
 pub mod node;
 pub mod pacer;
 pub mod store;
 
+#[cfg(feature = "python")]
+mod buffers;
 #[cfg(feature = "python")]
 pub mod python;
 

@@ -10,7 +10,9 @@ use kvmesh_core::{BlockDigest, BlockHash, Fingerprint, HashAlgo};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
+
+use crate::buffers;
 
 use crate::node::{Node, NodeConfig, PullDone};
 use crate::store::Inserted;
@@ -19,38 +21,34 @@ fn hashes(v: &[u64]) -> Vec<BlockHash> {
     v.iter().copied().map(BlockHash).collect()
 }
 
-/// `(blocks, outcome, reason, data)`: outcome `complete`/`partial`/`failed`, reason `None` when
-/// complete, data `None` for pulls into the store.
-type PullTuple<'py> = (
-    usize,
-    &'static str,
-    Option<String>,
-    Option<Bound<'py, PyBytes>>,
-);
+/// `(blocks, outcome, reason)`: outcome `complete`/`partial`/`failed`, reason `None` when
+/// complete.
+type PullTuple = (usize, &'static str, Option<String>);
 
-fn pull_tuple(py: Python<'_>, done: PullDone, into_store: bool) -> PyResult<PullTuple<'_>> {
-    let reason = done.report.outcome.reason().map(ToString::to_string);
-    // The one copy of a pulled prefix on this side: from the transport's buffers straight into
-    // the bytes object the connector scatters into vLLM's blocks.
-    let data = if into_store {
-        None
-    } else {
-        Some(PyBytes::new_with(py, done.data_len(), |buf| {
+/// Reports a finished pull; with `dest`, first copies its blocks there (GIL released): the one
+/// copy of a pulled prefix on this side, from the transport's buffers into the tensor the
+/// connector scatters into vLLM's blocks.
+fn finish_pull(py: Python<'_>, done: PullDone, dest: Option<PyBuffer<u8>>) -> PyResult<PullTuple> {
+    if let Some(mut dest) = dest {
+        let out = buffers::bytes_mut(&mut dest)?;
+        let need = done.data_len();
+        if out.len() < need {
+            return Err(PyValueError::new_err(format!(
+                "destination holds {} bytes, the pull brought {need}",
+                out.len()
+            )));
+        }
+        py.detach(|| {
             let mut off = 0;
             for block in &done.data {
                 let end = off + block.len();
-                buf[off..end].copy_from_slice(block);
+                out[off..end].copy_from_slice(block);
                 off = end;
             }
-            Ok(())
-        })?)
-    };
-    Ok((
-        done.report.blocks,
-        done.report.outcome.label(),
-        reason,
-        data,
-    ))
+        });
+    }
+    let reason = done.report.outcome.reason().map(ToString::to_string);
+    Ok((done.report.blocks, done.report.outcome.label(), reason))
 }
 
 /// NONE_HASH (hex) as vLLM derives it: `H(cbor(seed))`, seed `PYTHONHASHSEED` or vLLM's default.
@@ -65,6 +63,40 @@ fn none_hash(hash_algo: &str, seed: Option<&str>) -> PyResult<String> {
         seed.unwrap_or(kvmesh_core::hashing::DEFAULT_NONE_HASH_SEED),
     )
     .to_hex())
+}
+
+/// [`Fingerprint::id`] of a fingerprint given field by field (for processes without a node,
+/// e.g. vLLM's API server exporting `kvmesh_p2p_fingerprint_info`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (*, model_id, kv_dtype, block_size, num_layers, num_kv_heads, head_dim, hash_algo, none_hash))]
+fn fingerprint_id(
+    model_id: String,
+    kv_dtype: String,
+    block_size: u32,
+    num_layers: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    hash_algo: &str,
+    none_hash: &str,
+) -> PyResult<String> {
+    let hash_algo: HashAlgo = hash_algo
+        .parse()
+        .map_err(|e| PyValueError::new_err(format!("{e}")))?;
+    let none_hash = BlockDigest::from_hex(none_hash)
+        .map_err(|e| PyValueError::new_err(format!("none_hash: {e}")))?
+        .to_hex();
+    Ok(Fingerprint {
+        model_id,
+        kv_dtype,
+        block_size,
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        hash_algo,
+        none_hash,
+    }
+    .id())
 }
 
 /// A kvmesh mesh member: bounded CPU tier, P2P producer, pull client.
@@ -156,6 +188,11 @@ impl PyNode {
         Ok(d)
     }
 
+    /// [`Fingerprint::id`]: what `kvmesh_p2p_fingerprint_info` exports and routers group by.
+    fn fingerprint_id(&self) -> String {
+        kvmesh_transfer::BlockSource::fingerprint(self.inner.store()).id()
+    }
+
     /// Indexes of `hashes` the tier does not hold.
     fn missing(&self, hashes_in: Vec<u64>) -> Vec<usize> {
         let store = self.inner.store();
@@ -174,7 +211,8 @@ impl PyNode {
     }
 
     /// Store `len(hashes)` blocks given as one contiguous buffer of equal-sized blocks.
-    /// Returns `(stored hashes, no_room count)`; blocks already held are neither.
+    /// Returns `(stored hashes, no_room count)`; blocks already held are neither. Each stored
+    /// block gets its own allocation (evicting it frees it), copied with the GIL released.
     fn insert_blocks(
         &self,
         py: Python<'_>,
@@ -182,24 +220,24 @@ impl PyNode {
         data: PyBuffer<u8>,
     ) -> PyResult<(Vec<u64>, usize)> {
         let n = hashes_in.len();
-        let total = data.len_bytes();
+        let all = buffers::bytes(&data)?;
         if n == 0 {
             return Ok((Vec::new(), 0));
         }
-        if !total.is_multiple_of(n) {
+        if !all.len().is_multiple_of(n) {
             return Err(PyValueError::new_err(format!(
-                "{total} bytes do not split into {n} equal blocks"
+                "{} bytes do not split into {n} equal blocks",
+                all.len()
             )));
         }
-        let mut buf = vec![0u8; total];
-        data.copy_to_slice(py, &mut buf)?;
-        let store = self.inner.store().clone();
-        Ok(py.detach(move || {
-            let all = Bytes::from(buf);
-            let size = total / n;
+        let store = self.inner.store();
+        Ok(py.detach(|| {
             let (mut stored, mut no_room) = (Vec::new(), 0);
-            for (i, h) in hashes_in.iter().enumerate() {
-                match store.insert(BlockHash(*h), all.slice(i * size..(i + 1) * size)) {
+            for (h, block) in hashes_in.iter().zip(all.chunks_exact(all.len() / n)) {
+                if store.contains(BlockHash(*h)) {
+                    continue;
+                }
+                match store.insert(BlockHash(*h), Bytes::copy_from_slice(block)) {
                     Inserted::Stored { .. } => stored.push(*h),
                     Inserted::NoRoom => no_room += 1,
                     Inserted::Present => {}
@@ -209,33 +247,54 @@ impl PyNode {
         }))
     }
 
-    /// The leading held blocks of `hashes`, concatenated (for tests and local reads).
-    fn read_leading<'py>(&self, py: Python<'py>, hashes_in: Vec<u64>) -> Bound<'py, PyBytes> {
+    /// Copies the leading held blocks of `hashes` into `dest` (writable, GIL released): this
+    /// server's own tier serving one of its requests. Returns how many blocks were copied; a
+    /// block `dest` has no room for ends the run.
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        hashes_in: Vec<u64>,
+        mut dest: PyBuffer<u8>,
+    ) -> PyResult<usize> {
         let hs = hashes(&hashes_in);
-        let blocks = py.detach(|| self.inner.store().read_leading(&hs));
-        PyBytes::new(py, &blocks.concat())
+        let out = buffers::bytes_mut(&mut dest)?;
+        let store = self.inner.store();
+        Ok(py.detach(|| {
+            let mut off = 0;
+            let mut copied = 0;
+            for block in store.read_leading(&hs) {
+                let Some(slot) = out.get_mut(off..off + block.len()) else {
+                    break;
+                };
+                slot.copy_from_slice(&block);
+                off += block.len();
+                copied += 1;
+            }
+            copied
+        }))
     }
 
-    /// Pull `hashes` from `host:port`, blocking (GIL released). `into_store`: into this node's
-    /// tier, else returned as bytes (`blocks × block_bytes`).
+    /// Pull `hashes` from `host:port`, blocking (GIL released): into `dest` (a writable
+    /// buffer of at least `blocks × block_bytes`) when given, else into this node's tier.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (host, port, kv_request_id, hashes_in, block_bytes, into_store=false))]
-    fn pull<'py>(
+    #[pyo3(signature = (host, port, kv_request_id, hashes_in, block_bytes, dest=None))]
+    fn pull(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         host: &str,
         port: u16,
         kv_request_id: &str,
         hashes_in: Vec<u64>,
         block_bytes: usize,
-        into_store: bool,
-    ) -> PyResult<PullTuple<'py>> {
+        dest: Option<PyBuffer<u8>>,
+    ) -> PyResult<PullTuple> {
         let hs = hashes(&hashes_in);
+        let into_store = dest.is_none();
         let done = py.detach(|| {
             self.inner
                 .pull_blocking(host, port, kv_request_id, &hs, block_bytes, into_store)
         });
-        pull_tuple(py, done, into_store)
+        finish_pull(py, done, dest)
     }
 
     /// Start a background pull under `key`; poll it with `poll_pull`.
@@ -277,16 +336,17 @@ impl PyNode {
     }
 
     /// `None` while running or for an unknown key (see `is_pulling`); the pull's tuple once
-    /// finished (then forgotten).
-    #[pyo3(signature = (key, into_store=false))]
-    fn poll_pull<'py>(
+    /// finished (then forgotten). A pull started with `into_store=False` copies its blocks into
+    /// `dest` (writable, at least `blocks × block_bytes`).
+    #[pyo3(signature = (key, dest=None))]
+    fn poll_pull(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         key: &str,
-        into_store: bool,
-    ) -> PyResult<Option<PullTuple<'py>>> {
+        dest: Option<PyBuffer<u8>>,
+    ) -> PyResult<Option<PullTuple>> {
         match self.inner.poll_pull(key) {
-            Some(Some(done)) => pull_tuple(py, done, into_store).map(Some),
+            Some(Some(done)) => finish_pull(py, done, dest).map(Some),
             _ => Ok(None),
         }
     }
@@ -355,6 +415,7 @@ impl PyNode {
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyNode>()?;
     m.add_function(wrap_pyfunction!(none_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(fingerprint_id, m)?)?;
     m.add(
         "PROTOCOL_VERSION",
         kvmesh_transfer::message::PROTOCOL_VERSION,

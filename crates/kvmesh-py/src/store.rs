@@ -120,6 +120,8 @@ impl CpuStore {
     /// CRC32 once, here, so the producer never checksums on the send path.
     pub fn insert(&self, hash: BlockHash, payload: Bytes) -> Inserted {
         let size = payload.len() as u64;
+        // Outside the lock: the producer's serves wait on it.
+        let crc = crc32fast::hash(&payload);
         let mut g = self.inner.lock();
         if g.entries.contains_key(&hash) {
             g.touch(hash);
@@ -131,7 +133,6 @@ impl CpuStore {
         let Some(evicted) = g.make_room(size, self.budget, Instant::now()) else {
             return Inserted::NoRoom;
         };
-        let crc = crc32fast::hash(&payload);
         let tick = g.next_tick;
         g.next_tick += 1;
         g.lru.insert(tick, hash);

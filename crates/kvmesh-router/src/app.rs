@@ -277,6 +277,8 @@ async fn debug_endpoints(State(s): State<Arc<RouterState>>) -> Response {
                 // False for a Kubernetes pod that is not Ready (then `healthy` is false too).
                 "ready": e.is_discovered_ready(),
                 "p2p": e.spec.p2p,
+                // Configured, or `fingerprint:<id>` learned from the engine's metrics.
+                "kv_group": e.kv_group().as_deref(),
                 "kv_events": e.spec.kv_events.as_ref().map(|k| &k.endpoint),
                 "event_batches_received": s.feed.batches_received(e.id),
                 "placed": e.placed.load(std::sync::atomic::Ordering::Relaxed),

@@ -35,7 +35,13 @@ pub struct Endpoint {
     pub id: EndpointId,
     pub name: Arc<str>,
     /// `spec.kv_group()`, shared so every candidate built for a request clones a pointer.
-    pub kv_group: Option<Arc<str>>,
+    configured_kv_group: Option<Arc<str>>,
+    /// `fingerprint:<id>` from the engine's `kvmesh_p2p_fingerprint_info`, once scraped: the
+    /// KV group of an endpoint configured without one (see [`Endpoint::kv_group`]).
+    learned_kv_group: Mutex<Option<Arc<str>>>,
+    /// Shared by the endpoints of one [`EndpointSet`]: whether they export more than one
+    /// fingerprint id (see [`EndpointSet::note_fingerprints`]).
+    fingerprints_differ: Arc<AtomicBool>,
     pub spec: EndpointSpec,
     /// `spec.url` without a trailing slash; request paths are appended.
     pub base_url: String,
@@ -60,7 +66,9 @@ impl Endpoint {
         Endpoint {
             id,
             name: Arc::from(spec.name.as_str()),
-            kv_group: spec.kv_group().map(Arc::from),
+            configured_kv_group: spec.kv_group().map(Arc::from),
+            learned_kv_group: Mutex::new(None),
+            fingerprints_differ: Arc::new(AtomicBool::new(false)),
             base_url: spec.url.trim_end_matches('/').to_owned(),
             spec,
             load: Arc::new(EndpointLoad::default()),
@@ -135,6 +143,38 @@ impl Endpoint {
     pub fn set_metrics(&self, m: EngineMetrics) {
         *self.metrics.lock() = Some(m);
     }
+
+    /// The endpoint's KV group: blocks move only between endpoints of one group. The configured
+    /// `kv_group` if any. Else, once the fleet's engines export more than one fingerprint id,
+    /// the id this one exports (so a vLLM server and a kvmesh engine in one config never trade
+    /// blocks they cannot use). Else `None`, the implicit default group: a fleet whose engines
+    /// all agree (or export nothing) is one group, as if learning were not there, and an
+    /// engine not scraped yet never splits from the others on a timing accident.
+    pub fn kv_group(&self) -> Option<Arc<str>> {
+        self.configured_kv_group.clone().or_else(|| {
+            if self.fingerprints_differ.load(Ordering::Relaxed) {
+                self.learned_kv_group.lock().clone()
+            } else {
+                None
+            }
+        })
+    }
+
+    fn learned_fingerprint(&self) -> Option<Arc<str>> {
+        self.learned_kv_group.lock().clone()
+    }
+
+    /// Records the fingerprint id the engine exports (see [`Endpoint::kv_group`]).
+    pub fn learn_fingerprint(&self, id: &str) {
+        let mut learned = self.learned_kv_group.lock();
+        if learned
+            .as_deref()
+            .and_then(|g| g.strip_prefix("fingerprint:"))
+            != Some(id)
+        {
+            *learned = Some(Arc::from(format!("fingerprint:{id}")));
+        }
+    }
 }
 
 /// One endpoint as discovery reports it.
@@ -162,6 +202,8 @@ pub struct EndpointDiff {
 
 pub struct EndpointSet {
     current: ArcSwap<Vec<Arc<Endpoint>>>,
+    /// Whether the endpoints export more than one fingerprint id (shared with each endpoint).
+    fingerprints_differ: Arc<AtomicBool>,
     next_id: AtomicU32,
     /// Serialises reloads (the swap itself is lock-free for readers).
     reload: Mutex<()>,
@@ -171,6 +213,7 @@ impl Default for EndpointSet {
     fn default() -> Self {
         EndpointSet {
             current: ArcSwap::from_pointee(Vec::new()),
+            fingerprints_differ: Arc::new(AtomicBool::new(false)),
             next_id: AtomicU32::new(0),
             reload: Mutex::new(()),
         }
@@ -178,6 +221,15 @@ impl Default for EndpointSet {
 }
 
 impl EndpointSet {
+    /// After a scrape round: endpoints fall into fingerprint groups only when the fingerprint
+    /// ids they export differ (see [`Endpoint::kv_group`]).
+    pub fn note_fingerprints(&self) {
+        let list = self.list();
+        let mut ids = list.iter().filter_map(|e| e.learned_fingerprint());
+        let differ = ids.next().is_some_and(|first| ids.any(|id| id != first));
+        self.fingerprints_differ.store(differ, Ordering::Relaxed);
+    }
+
     pub fn list(&self) -> Arc<Vec<Arc<Endpoint>>> {
         self.current.load_full()
     }
@@ -213,7 +265,8 @@ impl EndpointSet {
                         diff.removed.push(Arc::clone(p));
                     }
                     let id = EndpointId(self.next_id.fetch_add(1, Ordering::Relaxed));
-                    let e = Endpoint::new(id, spec);
+                    let mut e = Endpoint::new(id, spec);
+                    e.fingerprints_differ = Arc::clone(&self.fingerprints_differ);
                     e.discovered_ready.store(ready, Ordering::Relaxed);
                     let e = Arc::new(e);
                     diff.added.push(Arc::clone(&e));
@@ -240,6 +293,38 @@ mod tests {
             role: Role::Both,
             kv_group: None,
         }
+    }
+
+    #[test]
+    fn fingerprint_groups_split_a_fleet_only_when_its_engines_disagree() {
+        let set = EndpointSet::default();
+        let configured = EndpointSpec {
+            kv_group: Some("vllm-llama".into()),
+            ..spec("c", 3)
+        };
+        set.apply(vec![spec("a", 1), spec("b", 2), configured]);
+        let [a, b, c] = [0, 1, 2].map(|i| Arc::clone(&set.list()[i]));
+        let groups = || [&a, &b, &c].map(|e| e.kv_group().map(|g| g.to_string()));
+        // Nothing scraped, or every engine agrees: one implicit group, as without learning.
+        set.note_fingerprints();
+        assert_eq!(groups(), [None, None, Some("vllm-llama".into())]);
+        a.learn_fingerprint("0123456789abcdef");
+        b.learn_fingerprint("0123456789abcdef");
+        c.learn_fingerprint("0123456789abcdef");
+        set.note_fingerprints();
+        assert_eq!(groups(), [None, None, Some("vllm-llama".into())]);
+        // b restarted as another kind of engine: the fleet splits by what each exports, and
+        // the configured group still wins.
+        b.learn_fingerprint("fedcba9876543210");
+        set.note_fingerprints();
+        assert_eq!(
+            groups(),
+            [
+                Some("fingerprint:0123456789abcdef".into()),
+                Some("fingerprint:fedcba9876543210".into()),
+                Some("vllm-llama".into())
+            ]
+        );
     }
 
     #[test]

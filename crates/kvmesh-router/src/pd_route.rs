@@ -188,7 +188,7 @@ impl Legs<'_> {
         // A hand-off only works between endpoints whose KV blocks are interchangeable: a
         // prefiller with no decoder of its KV group would compute blocks no decoder can read.
         let mut prefillers = with_role(self.list, Role::Prefill);
-        prefillers.retain(|p| decoders.iter().any(|d| d.kv_group == p.kv_group));
+        prefillers.retain(|p| decoders.iter().any(|d| d.kv_group() == p.kv_group()));
         let pcands = candidates_of(&prefillers, self.matches, self.keys, self.ctx.block_size);
         let bs = self.ctx.block_size;
         let best_prefill_hit = pcands.iter().map(|c| c.any_blocks * bs).max().unwrap_or(0);
@@ -211,8 +211,8 @@ impl Legs<'_> {
         // prefiller recomputes the history rather than be told to pull blocks it would refuse.
         let history = history.filter(|h| {
             let Some(c) = &chosen else { return true };
-            let prefiller_group = by_id(self.list, c.endpoint).map(|e| e.kv_group.clone());
-            let decoder_group = history_endpoint(h, self.list).map(|e| e.kv_group.clone());
+            let prefiller_group = by_id(self.list, c.endpoint).map(|e| e.kv_group());
+            let decoder_group = history_endpoint(h, self.list).map(|e| e.kv_group());
             match (prefiller_group, decoder_group) {
                 (Some(p), Some(d)) => p == d,
                 // An unknown decoder (left the list): keep today's behaviour and let it try.
@@ -281,7 +281,7 @@ impl Legs<'_> {
                 self.pd.leg("prefill", "ok");
                 out.decode_params = Some(params);
                 out.endpoint = Some(Arc::clone(&pep.name));
-                out.kv_group = pep.kv_group.clone();
+                out.kv_group = pep.kv_group();
             }
             Err(e) => {
                 self.pd.leg("prefill", "error");
@@ -307,7 +307,7 @@ impl Legs<'_> {
         // all went away since, the decoder computes everything instead of failing a pull.
         let in_group: Vec<Arc<Endpoint>> = decoders
             .iter()
-            .filter(|d| d.kv_group == prefill.kv_group)
+            .filter(|d| d.kv_group() == prefill.kv_group)
             .cloned()
             .collect();
         let decoders: &[Arc<Endpoint>] = if prefill.decode_params.is_none() {

@@ -444,7 +444,7 @@ fn prepare_next_turn(
     };
     let bs = s.config.block_size;
     let (eligible, mut candidates) = gather(s, keys, None);
-    candidates.retain(|c| c.endpoint == owner.id || (c.has_p2p && c.kv_group == owner.kv_group));
+    candidates.retain(|c| c.endpoint == owner.id || (c.has_p2p && c.kv_group == owner.kv_group()));
     let profile_name = sessions.config.profile.as_deref();
     let Some(profile) = s.scheduler.profile(profile_name) else {
         sessions.count("skipped_no_target");

@@ -58,6 +58,19 @@ pub fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
     })
 }
 
+/// The id in `kvmesh_p2p_fingerprint_info{fingerprint="…"}` (kvmesh engines and the vLLM
+/// connector export it): endpoints with equal ids can use each other's KV blocks. Ids longer
+/// than 64 bytes are ignored (an id is 16 hex digits).
+pub fn parse_fingerprint(text: &str) -> Option<String> {
+    samples(text)
+        .filter(|s| s.name == "kvmesh_p2p_fingerprint_info")
+        .find_map(|s| {
+            s.label("fingerprint")
+                .filter(|id| !id.is_empty() && id.len() <= 64)
+                .map(str::to_owned)
+        })
+}
+
 /// Counters an engine reports about its own prefill work (vLLM names), summed over series.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PrefillCounters {
@@ -225,6 +238,9 @@ pub async fn scrape_loop(
                     return;
                 };
                 e.set_metrics(m);
+                if let Some(id) = parse_fingerprint(&text) {
+                    e.learn_fingerprint(&id);
+                }
                 {
                     let now = (
                         parse_prefill_counters(&text),
@@ -250,6 +266,7 @@ pub async fn scrape_loop(
             }
         });
         futures::future::join_all(scrapes).await;
+        endpoints.note_fingerprints();
         let live: std::collections::HashSet<EndpointId> = list.iter().map(|e| e.id).collect();
         previous.lock().retain(|id, _| live.contains(id));
     }
@@ -309,6 +326,23 @@ pub async fn health_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_the_fingerprint_id_and_ignores_what_is_not_one() {
+        let kvmesh = "kvmesh_p2p_fingerprint_info{fingerprint=\"0123456789abcdef\",model_name=\"m\",engine=\"0\"} 1\n";
+        assert_eq!(
+            parse_fingerprint(kvmesh).as_deref(),
+            Some("0123456789abcdef")
+        );
+        assert_eq!(parse_fingerprint("vllm:num_requests_waiting 0\n"), None);
+        let empty = "kvmesh_p2p_fingerprint_info{fingerprint=\"\"} 1\n";
+        assert_eq!(parse_fingerprint(empty), None);
+        let huge = format!(
+            "kvmesh_p2p_fingerprint_info{{fingerprint=\"{}\"}} 1\n",
+            "a".repeat(65)
+        );
+        assert_eq!(parse_fingerprint(&huge), None);
+    }
 
     #[test]
     fn parses_the_vllm_fixture() {

@@ -4,6 +4,10 @@ Serve: after each step the worker copies every newly computed full block (keyed 
 block hash, as the kvmesh event-hash u64) into a bounded CPU tier held by Rust, which the kvmesh
 P2P producer serves to peers on ``p2p_port``.
 
+Reuse: a request with no source named whose next blocks this server's own CPU tier holds (its GPU
+prefix cache dropped them) loads them from the tier, as an asynchronous load the worker serves at
+once from memory (vLLM counts them as ``host`` hits).
+
 Pull: a request whose ``kv_transfer_params`` carries ``remote_kv_source {kv_request_id,
 remote_host, remote_port}`` makes the scheduler-side connector ask that peer which of the prefix
 blocks it lacks the peer holds (a lookup: nothing moves; in the background, answering ``None``,
@@ -21,14 +25,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import warnings
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -60,17 +70,59 @@ _DTYPES = {
 }
 
 
-def parse_bytes(v: Any) -> int:
-    """``4GiB``, ``512MiB``, ``1e9`` or an int."""
+_UNITS = {
+    "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1,
+}
+
+
+def parse_bytes(v: Any, key: str = "size") -> int:
+    """``4GiB``, ``4G`` (binary), ``512MB`` (decimal), ``1e9`` or an int; >= 0."""
+    if isinstance(v, bool):
+        raise ValueError(f"kvmesh connector: {key} must be a size like 4GiB, not {v!r}")
     if isinstance(v, int):
-        return v
-    s = str(v).strip()
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-    for u, m in units.items():
-        if s.upper().endswith(u):
-            return int(float(s[: -len(u)]) * m)
-    return int(float(s))
+        n = v
+    else:
+        s = str(v).strip().upper().replace(" ", "")
+        number, mult = s, 1
+        # Longest unit first: "GIB" before "B".
+        for u in sorted(_UNITS, key=len, reverse=True):
+            if s.endswith(u):
+                number, mult = s[: -len(u)], _UNITS[u]
+                break
+        try:
+            n = int(float(number) * mult)
+        except (ValueError, OverflowError):
+            raise ValueError(
+                f"kvmesh connector: {key} must be a size like 4GiB, 512MiB or 1e9, not {v!r}"
+            ) from None
+    if n < 0:
+        raise ValueError(f"kvmesh connector: {key} must be >= 0, not {v!r}")
+    return n
+
+
+def _peer_list(v: Any, key: str) -> list[str]:
+    """A list of ``host`` / ``host:port`` strings, or one comma-separated string of them."""
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [p.strip() for p in v.split(",") if p.strip()]
+    if isinstance(v, (list, tuple)) and all(isinstance(p, str) for p in v):
+        return list(v)
+    raise ValueError(f"kvmesh connector: {key} must be a list of host[:port] strings, not {v!r}")
+
+
+_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+
+# Every key of ``kv_connector_extra_config`` the connector reads (a misspelt key is refused,
+# not ignored: a silently default ``cpu_bytes`` is a tier of the wrong size).
+_KNOWN_KEYS = {
+    "p2p_host", "p2p_port", "cpu_bytes", "allowed_peers", "allowed_consumers",
+    "p2p_secret_file", "timeout_ms", "max_pull_ms", "poll_wait_ms", "serve_bytes_per_sec",
+    "metrics_port", "model_id", "load_failure_policy", "events_endpoint", "events_topic",
+    "events_replay_endpoint", "local_reuse",
+}
 
 
 def event_hash(block_hash: bytes) -> int:
@@ -80,12 +132,15 @@ def event_hash(block_hash: bytes) -> int:
 
 @dataclass
 class _Load:
+    """Blocks to bring into ``block_ids``: from ``host:port`` (a pull), or from this server's
+    own CPU tier when ``host`` is empty."""
+
     req_id: str
     hashes: list[int]
     block_ids: list[int]
-    host: str
-    port: int
-    kv_request_id: str
+    host: str = ""
+    port: int = 0
+    kv_request_id: str = ""
 
 
 @dataclass
@@ -129,12 +184,21 @@ class _Settings:
     def __init__(self, vllm_config: "VllmConfig"):
         ktc = vllm_config.kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - _KNOWN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"kvmesh connector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"known: {sorted(_KNOWN_KEYS)}"
+            )
         self.extra = extra
-        self.p2p_host: str = extra.get("p2p_host", "127.0.0.1")
+        self.p2p_host: str = str(extra.get("p2p_host", "127.0.0.1"))
         self.p2p_port: int = int(extra.get("p2p_port", 7100))
-        self.cpu_bytes = parse_bytes(extra.get("cpu_bytes", "1GiB"))
-        self.allowed_peers: list[str] = list(extra.get("allowed_peers", []))
-        self.allowed_consumers: list[str] | None = extra.get("allowed_consumers")
+        self.cpu_bytes = parse_bytes(extra.get("cpu_bytes", "1GiB"), "cpu_bytes")
+        self.allowed_peers: list[str] = _peer_list(extra.get("allowed_peers"), "allowed_peers")
+        consumers = extra.get("allowed_consumers")
+        self.allowed_consumers: list[str] | None = (
+            None if consumers is None else _peer_list(consumers, "allowed_consumers")
+        )
         secret_file = extra.get("p2p_secret_file")
         self.secret: bytes | None = None
         if secret_file:
@@ -147,12 +211,25 @@ class _Settings:
         self.poll_wait_ms = int(extra.get("poll_wait_ms", 10))
         # Cap on what the producer serves to peers, all of them together (bytes/s, `64MiB`…);
         # 0 or absent: no cap. Enforced block by block in Rust (kvmesh-py's pacer).
-        self.serve_bytes_per_sec = parse_bytes(extra.get("serve_bytes_per_sec", 0))
-        if self.serve_bytes_per_sec < 0:
-            raise ValueError("serve_bytes_per_sec must be >= 0")
+        self.serve_bytes_per_sec = parse_bytes(extra.get("serve_bytes_per_sec", 0),
+                                               "serve_bytes_per_sec")
         self.metrics_port: int | None = (
             int(extra["metrics_port"]) if extra.get("metrics_port") else None
         )
+        # The CPU tier's events also go to a publisher of their own (vLLM's ZMQ format) when
+        # this is set; they always go into vLLM's own stream (--kv-events-config) as well.
+        self.events_endpoint: str | None = extra.get("events_endpoint") or None
+        self.events_topic: str = str(extra.get("events_topic", ""))
+        self.events_replay_endpoint: str | None = extra.get("events_replay_endpoint") or None
+        # Requests with no source named reuse this server's own CPU tier (default on).
+        self.local_reuse: bool = bool(extra.get("local_reuse", True))
+        remote = [p for p in self.allowed_peers if not p.startswith(_LOOPBACK)]
+        if self.p2p_host.startswith(_LOOPBACK) and remote:
+            logger.warning(
+                "kvmesh connector: allowed_peers names remote peers %s but the producer listens "
+                "on %s only, so they cannot pull from this server: set p2p_host (with "
+                "allowed_consumers or p2p_secret_file) to serve them", remote, self.p2p_host,
+            )
 
         cache = vllm_config.cache_config
         model = vllm_config.model_config
@@ -165,6 +242,12 @@ class _Settings:
                 f"with PYTHONHASHSEED set): block hashes must be reproducible across servers, "
                 f"and {algo!r} is not"
             )
+        if algo == "xxhash_cbor" and os.environ.get("PYTHONHASHSEED") is None:
+            raise ValueError(
+                "KvmeshConnector: with --prefix-caching-hash-algo xxhash_cbor vLLM seeds block "
+                "hashes randomly per process unless PYTHONHASHSEED is set; set it (the same on "
+                "every server) or use sha256_cbor"
+            )
         self.hash_algo: str = algo
         if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
             raise ValueError("KvmeshConnector supports tensor/pipeline parallel size 1 only")
@@ -172,9 +255,17 @@ class _Settings:
         dt = _DTYPES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else str(dtype)
         from vllm.platforms import current_platform
 
-        # The layout is vLLM's per-layer block layout for this device's attention backend;
-        # on the CPU build (num_blocks, kv_heads, block_size, 2*head_size).
-        self.kv_dtype = f"{dt}:vllm-{current_platform.device_type}"
+        # The layout is vLLM's per-layer block layout, which its attention backend chooses
+        # per device and version; on the CPU build (num_blocks, kv_heads, block_size,
+        # 2*head_size). Servers exchange blocks only when device, forced backend (if any) and
+        # vLLM version agree; the worker also logs the layer shape it registered.
+        import vllm
+
+        attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        backend = getattr(attn, "name", None) or (str(attn) if attn else "auto")
+        self.kv_dtype = (
+            f"{dt}:vllm-{current_platform.device_type}:{backend}:{vllm.__version__}"
+        )
         self.model_id: str = str(extra.get("model_id") or model.served_model_name or model.model)
         if isinstance(model.served_model_name, list):
             self.model_id = str(extra.get("model_id") or model.served_model_name[0])
@@ -183,18 +274,21 @@ class _Settings:
         self.head_dim: int = model.get_head_size()
         self.none_hash: str = _native.none_hash(algo, os.environ.get("PYTHONHASHSEED"))
 
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {
+            "model_id": self.model_id, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
+            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "hash_algo": self.hash_algo, "none_hash": self.none_hash,
+        }
+
+    def fingerprint_id(self) -> str:
+        return _native.fingerprint_id(**self.fingerprint_fields())
+
     def node(self, *, listen_host: str | None, listen_port: int, cpu_bytes: int,
              allowed_peers: list[str], allowed_consumers: list[str] | None,
              serve_bytes_per_sec: int = 0) -> Any:
         return _native.Node(
-            model_id=self.model_id,
-            kv_dtype=self.kv_dtype,
-            block_size=self.block_size,
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            hash_algo=self.hash_algo,
-            none_hash=self.none_hash,
+            **self.fingerprint_fields(),
             cpu_bytes=cpu_bytes,
             listen_host=listen_host,
             listen_port=listen_port,
@@ -305,6 +399,16 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._asked: dict[int, tuple[bytes, bytes | None, list[int]]] = {}
         self._held: dict[int, bytes] = {}
         self._events: list[KVCacheEvent] = []
+        self._publisher: ZmqEventPublisher | None = None
+        if s.events_endpoint:
+            dp_rank = getattr(self._vllm_config.parallel_config, "data_parallel_index", 0) or 0
+            self._publisher = ZmqEventPublisher(
+                data_parallel_rank=dp_rank, endpoint=s.events_endpoint,
+                replay_endpoint=s.events_replay_endpoint, topic=s.events_topic,
+            )
+            logger.info("kvmesh: CPU-tier KV events also published on %s", s.events_endpoint)
+        # Per request with external hits: where they come from (vLLM's prompt_tokens_by_source).
+        self._hit_source: dict[str, CacheHitSource] = {}
         if s.metrics_port:
             _serve_metrics(s.metrics_port, self._node.metrics_text)
         logger.info("kvmesh connector (scheduler): fingerprint %s", self._node.fingerprint())
@@ -323,7 +427,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         src = params.get("remote_kv_source")
         if not isinstance(src, dict):
-            return 0, False
+            return self._local_hits(request, num_computed_tokens)
         host, port = src.get("remote_host"), src.get("remote_port")
         try:
             port = int(port)  # type: ignore[arg-type]
@@ -340,14 +444,14 @@ class KvmeshConnector(KVConnectorBase_V1):
         if found is None:
             if self._node.is_pulling(rid) and not self._node.wait_pull(rid, self._s.poll_wait_ms):
                 return None, False
-            done = self._node.poll_pull(rid, True)
+            done = self._node.poll_pull(rid)
             if done is None:
                 kv_request_id = str(src.get("kv_request_id") or rid)
                 self._sources[rid] = (host, port, kv_request_id)
                 self._node.start_lookup(rid, host, port, kv_request_id, want)
                 self._lookup_start[rid] = start
                 return None, False
-            blocks, outcome, reason, _ = done
+            blocks, outcome, reason = done
             if reason is not None:
                 log = logger.warning if outcome == "failed" else logger.info
                 log("kvmesh: lookup of %d blocks on %s:%d for %s: %s, %d held (%s)",
@@ -361,7 +465,35 @@ class KvmeshConnector(KVConnectorBase_V1):
         k = first + blocks - start if start >= first else 0
         self._lookup_start[rid] = start
         n = max(0, k) * self._block_size
+        if n > 0:
+            self._hit_source[rid] = CacheHitSource.P2P
         return n, n > 0
+
+    def _local_hits(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """The run of the prompt's next blocks this server's CPU tier holds, as the worker last
+        reported it (a block evicted since is a load error, recomputed)."""
+        if not self._s.local_reuse:
+            return 0, False
+        start, want = self._want(request, num_computed_tokens)
+        k = 0
+        for h in want:
+            if h not in self._held:
+                break
+            k += 1
+        rid = request.request_id
+        self._lookup_start[rid] = start
+        if k == 0:
+            self._hit_source.pop(rid, None)
+            return 0, False
+        self._hit_source[rid] = CacheHitSource.HOST
+        return k * self._block_size, True
+
+    def get_external_cache_hit_sources(
+        self, request: "Request", num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        if num_external_tokens <= 0:
+            return {}
+        return {self._hit_source.get(request.request_id, CacheHitSource.P2P): num_external_tokens}
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -376,12 +508,13 @@ class KvmeshConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         start = self._lookup_start.get(rid, 0)
-        source = self._sources.get(rid)
-        if source is None:
-            return
         k = num_external_tokens // self._block_size
         hashes = [event_hash(h) for h in request.block_hashes[start:start + k]]
-        self._loads.append(_Load(rid, hashes, block_ids[start:start + k], *source))
+        source = self._sources.get(rid)
+        if source is not None:
+            self._loads.append(_Load(rid, hashes, block_ids[start:start + k], *source))
+        elif self._hit_source.get(rid) == CacheHitSource.HOST:
+            self._loads.append(_Load(rid, hashes, block_ids[start:start + k]))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvmeshConnectorMetadata(loads=self._loads)
@@ -428,6 +561,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(wm, KvmeshWorkerMetadata):
             return
+        before = len(self._events)
         for h in wm.stored:
             info = self._asked.pop(h, None)
             if info is None:
@@ -445,6 +579,8 @@ class KvmeshConnector(KVConnectorBase_V1):
             self._events.append(BlockRemoved(
                 block_hashes=[maybe_convert_block_hash(d) for d in removed], medium="CPU",
             ))
+        if self._publisher is not None and len(self._events) > before:
+            self._publisher.publish(KVEventBatch(ts=time.time(), events=self._events[before:]))
         if len(self._asked) > 65536:  # saves the worker never confirmed (e.g. no room)
             self._asked.clear()
 
@@ -462,6 +598,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._lookup_start.pop(rid, None)
         self._sources.pop(rid, None)
         self._found.pop(rid, None)
+        self._hit_source.pop(rid, None)
         self._node.forget(rid)
         return False, None
 
@@ -477,6 +614,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._layers: list[tuple[torch.Tensor, int]] = []
         self._block_bytes = 0
         self._loading: dict[str, list[int]] = {}
+        # Loads from this server's own tier, done in start_load_kv; reported at the next poll.
+        self._loaded_locally: set[str] = set()
         self._load_errors: set[int] = set()
         self._stored: list[int] = []
         if s.metrics_port:
@@ -513,12 +652,14 @@ class KvmeshConnector(KVConnectorBase_V1):
             parts.append(sel.view(torch.uint8).reshape(len(block_ids), -1))
         return torch.cat(parts, dim=1).cpu()
 
-    def _scatter(self, data: bytes, block_ids: list[int]) -> None:
+    def _blocks_buffer(self, k: int) -> torch.Tensor:
+        """``(k, block_bytes)`` uint8 on CPU, for Rust to fill with the GIL released."""
+        return torch.empty((k, self._block_bytes), dtype=torch.uint8)
+
+    def _scatter(self, buf: torch.Tensor, block_ids: list[int]) -> None:
+        """Copies ``buf``'s first ``len(block_ids)`` blocks into vLLM's blocks ``block_ids``."""
         k = len(block_ids)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only buffer: we only read from it
-            buf = torch.frombuffer(data, dtype=torch.uint8, count=k * self._block_bytes)
-        buf = buf.view(k, self._block_bytes)
+        buf = buf[:k]
         off = 0
         for kv, d in self._layers:
             per_block = kv.select(d, 0)
@@ -535,9 +676,23 @@ class KvmeshConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvmeshConnectorMetadata)
         for load in meta.loads:
+            if not load.host:
+                self._load_locally(load)
+                continue
             self._loading[load.req_id] = load.block_ids
             self._node.start_pull(load.req_id, load.host, load.port, load.kv_request_id,
                                   load.hashes, self._block_bytes, False)
+
+    def _load_locally(self, load: _Load) -> None:
+        buf = self._blocks_buffer(len(load.block_ids))
+        got = self._node.read_into(load.hashes, buf.numpy())
+        if got:
+            self._scatter(buf, load.block_ids[:got])
+        if got < len(load.block_ids):
+            logger.info("kvmesh: %s: %d of %d blocks still in the CPU tier: recomputing the rest",
+                        load.req_id, got, len(load.block_ids))
+            self._load_errors.update(load.block_ids[got:])
+        self._loaded_locally.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -564,19 +719,20 @@ class KvmeshConnector(KVConnectorBase_V1):
             logger.warning("kvmesh: cpu tier full of pinned blocks, %d blocks not kept", no_room)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done: set[str] = set()
+        done, self._loaded_locally = self._loaded_locally, set()
         for rid, block_ids in list(self._loading.items()):
             if self._node.is_pulling(rid) and not self._node.wait_pull(rid, self._s.poll_wait_ms):
                 continue
-            res = self._node.poll_pull(rid, False)
+            buf = self._blocks_buffer(len(block_ids))
+            res = self._node.poll_pull(rid, buf.numpy())
             del self._loading[rid]
             done.add(rid)
             if res is None:
                 self._load_errors.update(block_ids)
                 continue
-            blocks, outcome, reason, data = res
+            blocks, outcome, reason = res
             if blocks:
-                self._scatter(data, block_ids[:blocks])
+                self._scatter(buf, block_ids[:blocks])
             if blocks < len(block_ids):
                 logger.warning("kvmesh: load for %s got %d of %d blocks (%s): recomputing",
                                rid, blocks, len(block_ids), reason)
@@ -596,6 +752,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.shutdown()
         node = getattr(self, "_node", None)
         if node is not None:
             node.shutdown()

@@ -93,6 +93,20 @@ class KvmeshPromMetrics(KVConnectorPromMetrics):
             )
             for name, extra in COUNTERS.items()
         }
+        # Which servers can use each other's blocks, for routers to group endpoints by (as a
+        # kvmesh engine exports it). Computed from the same settings the connector starts with.
+        from kvmesh_vllm.connector import _Settings
+
+        fingerprint = self._gauge_cls(
+            name="kvmesh_p2p_fingerprint_info",
+            documentation="Id of the fingerprint a peer's KV must match to be used here; "
+                          "endpoints with equal ids can exchange blocks.",
+            multiprocess_mode="mostrecent",
+            labelnames=[*labelnames, "fingerprint"],
+        )
+        fingerprint_id = _Settings(vllm_config).fingerprint_id()
+        for values in per_engine_labelvalues.values():
+            fingerprint.labels(*values, fingerprint_id).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues.get(engine_idx, [])

@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tiny_model  # noqa: E402
 
 BLOCK = 32
+# The tiny model's block: 2 layers x (2 KV heads x 32 tokens x 2*64 values) x 2 bytes (bf16).
+TINY_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2
 STARTUP_S = float(os.environ.get("KVMESH_VLLM_STARTUP_S", "420"))
 REQUEST_S = 120
 # Greedy tokens must match exactly; the chosen tokens' logprobs within this (bf16 KV, and the
@@ -243,7 +245,12 @@ def servers(tmp_path_factory):
     work = tmp_path_factory.mktemp("kvmesh-vllm")
     model = tiny_model.build(str(work / "tiny-llama"))
     a = Server("A", model, str(work), allowed_peers=["127.0.0.1"])
-    b = Server("B", model, str(work), allowed_peers=["127.0.0.1"])
+    # B's tier holds 12 blocks, so the tests that make it compute evict from it; its CPU-tier
+    # events also go to a publisher of their own (events_endpoint).
+    b = Server("B", model, str(work), allowed_peers=["127.0.0.1"], extra_config={
+        "cpu_bytes": 12 * TINY_BLOCK_BYTES,
+        "events_endpoint": f"ipc://{work}/B-cpu-events.sock", "events_topic": "kv-cpu",
+    })
     try:
         deadline = time.time() + STARTUP_S
         a.wait_ready(deadline)
@@ -439,8 +446,10 @@ class Router(Child):
 
 
 def test_2b_router_names_the_holder_and_the_other_pulls(servers, tmp_path):
-    """`kvmesh router` with a load-p2p profile in front of both: it indexes A's CPU tier from
-    A's KV events and, for a request it places on B, names A in remote_kv_source; B pulls."""
+    """`kvmesh router` with the `load-p2p` profile of configs/router-load-p2p.yaml (queue and
+    KV-utilization scorers over vLLM's own /metrics, weighted random pick, P2P source
+    producer) in front of both: it indexes A's CPU tier from A's KV events and, for a request
+    it places on B, names A in remote_kv_source; B pulls."""
     binary = kvmesh_bin()
     if binary is None:
         pytest.skip("no kvmesh binary (set KVMESH_BIN or cargo build -p kvmesh)")
@@ -460,14 +469,18 @@ endpoints:
     kv_events: {{endpoint: "{b.events}", topic: kv}}
     p2p: "127.0.0.1:{b.p2p}"
 plugins:
-  - {{type: round-robin-picker, name: rr}}
+  - {{type: queue-scorer, name: queue}}
+  - {{type: kv-cache-utilization-scorer, name: kv-util}}
+  - {{type: weighted-random-picker, name: weighted-random}}
   - type: p2p-source-producer
     name: p2p
     parameters: {{minCachedTokenDelta: {2 * BLOCK}}}
 schedulingProfiles:
   - name: load-p2p
     plugins:
-      - {{pluginRef: rr}}
+      - {{pluginRef: queue, weight: 3}}
+      - {{pluginRef: kv-util, weight: 2}}
+      - {{pluginRef: weighted-random}}
       - {{pluginRef: p2p}}
 """
     router = Router(binary, config_text, str(tmp_path), "router")
@@ -479,7 +492,7 @@ schedulingProfiles:
         pulls0 = b.kvmesh_worker_metric("kvmesh_p2p_pulls_total", outcome="complete")
         hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
         url = f"http://127.0.0.1:{router.port}/v1/completions"
-        for i in range(4):  # round robin: at least one of these lands on B
+        for i in range(12):  # weighted random over two idle servers: one of these lands on B
             body = {"model": "tiny", "prompt": prefix + tokens(60 + i, 10), "max_tokens": 4,
                     "temperature": 0}
             post(url, body)
@@ -491,6 +504,9 @@ schedulingProfiles:
         print(f"\nrouter: B pulled {pulls:.0f} time(s), {hits:.0f} external hit tokens")
         assert pulls == 1, f"B never pulled; router decisions: {decisions[-3000:]}"
         assert hits == 8 * BLOCK
+        named = [d for d in router.decisions(12) if d["endpoint"] == "B"
+                 and (d.get("p2p") or {}).get("source_endpoint") == "A"]
+        assert named, f"no decision placed on B named A: {decisions[-3000:]}"
     finally:
         router.kill()
 
@@ -510,10 +526,14 @@ def test_4a_peer_not_allowed_recomputes(servers):
 def test_4b_fingerprint_mismatch_recomputes(servers):
     from kvmesh_vllm import _native
 
+    import vllm
+
     a, b = servers
-    # A peer that speaks the protocol with another block size (16): refused at the handshake.
+    # A peer that speaks the protocol with another block size (16), all else as A's:
+    # refused at the handshake, and the refusal names the field.
     odd = _native.Node(
-        model_id="tiny", kv_dtype="bf16:vllm-cpu", block_size=16, num_layers=2,
+        model_id="tiny", kv_dtype=f"bf16:vllm-cpu:auto:{vllm.__version__}", block_size=16,
+        num_layers=2,
         num_kv_heads=2, head_dim=64, hash_algo="sha256_cbor",
         none_hash=_native.none_hash("sha256_cbor", "0"), cpu_bytes=1 << 20,
         listen_host="127.0.0.1", listen_port=0,
@@ -521,17 +541,18 @@ def test_4b_fingerprint_mismatch_recomputes(servers):
     prompt = tokens(20, 4 * BLOCK) + tokens(21, 10)
     cold = a.complete(prompt)
     n0 = b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", reason="fingerprint_mismatch")
+    hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
     got = b.complete(prompt, remote(a, port=odd.port))
     assert (
         b.kvmesh_scheduler_metric("kvmesh_p2p_pulls_total", reason="fingerprint_mismatch")
         == n0 + 1
     )
+    assert b.vllm_metric("vllm:external_prefix_cache_hits_total") == hits0
+    with open(b.log_path) as f:
+        log = f.read()
+    assert "fingerprint_mismatch(block_size)" in log, "B's log does not name the field"
     assert_same_answer(got, cold)
     odd.shutdown()
-
-
-# The tiny model's block: 2 layers x (2 KV heads x 32 tokens x 2*64 values) x 2 bytes (bf16).
-TINY_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2
 
 
 def test_3_holder_killed_during_the_pull_recomputes(servers):
@@ -605,11 +626,13 @@ def test_3_holder_killed_during_the_pull_recomputes(servers):
 
 
 def test_5_vllm_and_kvmesh_engines_in_one_router_never_exchange_blocks(servers, tmp_path):
-    """vLLM servers A, B and a kvmesh sim engine S behind one `kvmesh router`, A and B in one
-    `kv_group`, S in another. S holds prefix P, A holds prefix Q, and the router indexes both
-    (same block hashes: S hashes as vLLM does). Requests for P and Q placed round robin on all
-    three are never told to pull across the groups (the router says why), and nobody counts a
-    fingerprint refusal. Control: the same fleet without groups makes the router name S as the
+    """vLLM servers A, B and a kvmesh sim engine S behind one `kvmesh router`. S holds prefix P,
+    A holds prefix Q, and the router indexes both (same block hashes: S hashes as vLLM does).
+    Requests for P and Q placed round robin on all three are never told to pull across the
+    boundary (the router says why) and nobody counts a fingerprint refusal, both when the
+    config says nothing (the router groups endpoints by the fingerprint id each exports in
+    `kvmesh_p2p_fingerprint_info`) and with explicit `kv_group`s. Control: a config that puts
+    all three in one `kv_group` (overriding what they export) makes the router name S as the
     source for a vLLM server, which refuses it (`fingerprint_mismatch`) and recomputes (200)."""
     binary = kvmesh_bin()
     if binary is None:
@@ -619,18 +642,19 @@ def test_5_vllm_and_kvmesh_engines_in_one_router_never_exchange_blocks(servers, 
     s = SimEngine(binary, str(tmp_path))
     routers: list[Router] = []
     try:
-        def config(grouped: bool) -> str:
-            def group(g: str) -> str:
-                return f", kv_group: {g}" if grouped else ""
+        def config(groups: dict[str, str] | None) -> str:
+            def group(name: str) -> str:
+                return f", kv_group: {groups[name]}" if groups else ""
             return f"""
 block_size: {BLOCK}
 tokenizer: {model_dir}
+metrics_scrape_interval: 300ms
 endpoints:
-  - {{name: A, url: "http://127.0.0.1:{a.http}", p2p: "127.0.0.1:{a.p2p}"{group("vllm-tiny")},
+  - {{name: A, url: "http://127.0.0.1:{a.http}", p2p: "127.0.0.1:{a.p2p}"{group("A")},
      kv_events: {{endpoint: "{a.events}", topic: kv}}}}
-  - {{name: B, url: "http://127.0.0.1:{b.http}", p2p: "127.0.0.1:{b.p2p}"{group("vllm-tiny")},
+  - {{name: B, url: "http://127.0.0.1:{b.http}", p2p: "127.0.0.1:{b.p2p}"{group("B")},
      kv_events: {{endpoint: "{b.events}", topic: kv}}}}
-  - {{name: S, url: "http://127.0.0.1:{s.http}", p2p: "127.0.0.1:{s.p2p}"{group("kvmesh-sim")},
+  - {{name: S, url: "http://127.0.0.1:{s.http}", p2p: "127.0.0.1:{s.p2p}"{group("S")},
      kv_events: {{endpoint: "{s.events}", topic: kv}}}}
 plugins:
   - {{type: round-robin-picker, name: rr}}
@@ -638,28 +662,45 @@ plugins:
 schedulingProfiles:
   - {{name: load-p2p, plugins: [{{pluginRef: rr}}, {{pluginRef: p2p}}]}}
 """
-        # Both routers from the start: each indexes only what it hears announced.
-        grouped = Router(binary, config(True), str(tmp_path), "router-grouped")
+        # All routers from the start: each indexes only what it hears announced.
+        learned = Router(binary, config(None), str(tmp_path), "router-learned")
+        routers.append(learned)
+        grouped = Router(binary, config({"A": "vllm-tiny", "B": "vllm-tiny", "S": "kvmesh-sim"}),
+                         str(tmp_path), "router-grouped")
         routers.append(grouped)
-        flat = Router(binary, config(False), str(tmp_path), "router-flat")
-        routers.append(flat)
+        one_group = Router(binary, config({"A": "mesh", "B": "mesh", "S": "mesh"}),
+                           str(tmp_path), "router-one-group")
+        routers.append(one_group)
+        # The learned router has scraped every endpoint's fingerprint id.
+        deadline = time.time() + 20
+        while True:
+            eps = json.loads(get(f"http://127.0.0.1:{learned.port}/debug/endpoints"))
+            groups = {e["name"]: e.get("kv_group") for e in eps}
+            if all(g and g.startswith("fingerprint:") for g in groups.values()):
+                break
+            assert time.time() < deadline, f"learned groups: {groups}"
+            time.sleep(0.3)
+        print(f"\nlearned groups: {groups}")
+        assert groups["A"] == groups["B"] != groups["S"], groups
         time.sleep(2)  # event subscriptions settle
         # Token ids every endpoint accepts (the sim engine's vocabulary is bytes: 257 ids).
         def ids(seed: int, n: int) -> list[int]:
             return tokens(seed, n, vocab=256)
 
-        p, q = ids(70, 8 * BLOCK), ids(71, 8 * BLOCK)
-        s.complete(p + ids(72, 10))  # S computes P
-        a.complete(q + ids(73, 10))  # A computes Q (its CPU tier announces it)
-        deadline = time.time() + 20
-        while True:
-            held_p, held_q = grouped.holders(p), grouped.holders(q)
-            s_p = sum(v for v in held_p.get("S", {}).values() if isinstance(v, (int, float)))
-            a_q = held_q.get("A", {}).get("cpu_tokens", 0)
-            if s_p >= 8 * BLOCK and a_q >= 8 * BLOCK:
-                break
-            assert time.time() < deadline, f"router index: P {held_p}, Q {held_q}"
-            time.sleep(0.3)
+        def hold_apart(router: Router, seed: int) -> tuple[list[int], list[int]]:
+            """S computes a fresh prefix P, A a fresh Q; until ``router`` indexes both."""
+            p, q = ids(seed, 8 * BLOCK), ids(seed + 1, 8 * BLOCK)
+            s.complete(p + ids(seed + 2, 10))
+            a.complete(q + ids(seed + 3, 10))  # A's CPU tier announces it
+            deadline = time.time() + 20
+            while True:
+                held_p, held_q = router.holders(p), router.holders(q)
+                s_p = sum(v for v in held_p.get("S", {}).values() if isinstance(v, (int, float)))
+                a_q = held_q.get("A", {}).get("cpu_tokens", 0)
+                if s_p >= 8 * BLOCK and a_q >= 8 * BLOCK:
+                    return p, q
+                assert time.time() < deadline, f"router index: P {held_p}, Q {held_q}"
+                time.sleep(0.3)
 
         def counts() -> dict:
             return {
@@ -672,53 +713,58 @@ schedulingProfiles:
                 "S pull failures": s.metric("kvmesh_p2p_pulls_total", outcome="failed"),
             }
 
-        before = counts()
-        sent = 0
-        for i in range(3):  # round robin over 3 endpoints: each gets P and Q at least once
-            for prefix, seed in ((p, 80 + i), (q, 90 + i)):
-                r = grouped.complete(prefix + ids(seed, 10))
-                assert r["choices"][0]["text"] is not None
-                sent += 1
-        decisions = grouped.decisions(sent)
-        assert len(decisions) == sent
-        group_of = {"A": "vllm", "B": "vllm", "S": "sim"}
-        refused_across = 0
-        for d in decisions:
-            src = (d.get("p2p") or {}).get("source_endpoint")
-            skipped = (d.get("p2p") or {}).get("skipped")
-            if src and not skipped:
-                assert group_of[src] == group_of[d["endpoint"]], f"pull named across groups: {d}"
-            if "other groups" in ((d.get("p2p") or {}).get("why") or ""):
-                refused_across += 1
-        placed = {e: sum(d["endpoint"] == e for d in decisions) for e in group_of}
-        after = counts()
-        print(f"\ngrouped: placed {placed}, {refused_across} decisions skipped a holder in "
-              f"another group; counters {before} -> {after}")
-        # Non-vacuous: the router saw holders across the boundary and declined them.
-        assert refused_across >= 2, json.dumps(decisions)[-3000:]
-        assert after == before, f"blocks crossed or were refused: {before} -> {after}"
+        kind = {"A": "vllm", "B": "vllm", "S": "sim"}
+        for name, router, seeds in (("learned", learned, 80), ("grouped", grouped, 90)):
+            # Fresh prefixes per router: the first round leaves copies everywhere.
+            p, q = hold_apart(router, seeds + 120)
+            before = counts()
+            sent = 0
+            for i in range(3):  # round robin over 3 endpoints: each gets P and Q at least once
+                for prefix, seed in ((p, seeds + i), (q, seeds + 5 + i)):
+                    r = router.complete(prefix + ids(seed, 10))
+                    assert r["choices"][0]["text"] is not None
+                    sent += 1
+            decisions = router.decisions(sent)
+            assert len(decisions) == sent
+            refused_across = 0
+            for d in decisions:
+                src = (d.get("p2p") or {}).get("source_endpoint")
+                skipped = (d.get("p2p") or {}).get("skipped")
+                if src and not skipped:
+                    assert kind[src] == kind[d["endpoint"]], f"{name}: pull named across: {d}"
+                if "other groups" in ((d.get("p2p") or {}).get("why") or ""):
+                    refused_across += 1
+            placed = {e: sum(d["endpoint"] == e for d in decisions) for e in kind}
+            after = counts()
+            print(f"{name}: placed {placed}, {refused_across} decisions skipped a holder in "
+                  f"another group; counters {before} -> {after}")
+            # Non-vacuous: the router saw holders across the boundary and declined them.
+            assert refused_across >= 2, json.dumps(decisions)[-3000:]
+            assert after == before, f"{name}: blocks crossed or were refused: {before} -> {after}"
+        learned.kill()
         grouped.kill()
 
-        # Control: no groups. The router names S for a request it places on A or B; the vLLM
-        # server refuses S's blocks at the handshake and recomputes. A prefix only S holds.
+        # Control: one group for all. The router names S for a request it places on A or B;
+        # the vLLM server refuses S's blocks at the handshake and recomputes. A prefix only S
+        # holds.
         p = ids(74, 8 * BLOCK)
         s.complete(p + ids(75, 10))
         deadline = time.time() + 20
-        while sum(v for v in flat.holders(p).get("S", {}).values()
+        while sum(v for v in one_group.holders(p).get("S", {}).values()
                   if isinstance(v, (int, float))) < 8 * BLOCK:
-            assert time.time() < deadline, "flat router never indexed S"
+            assert time.time() < deadline, "the one-group router never indexed S"
             time.sleep(0.3)
         before = counts()
         for i in range(3):
-            r = flat.complete(p + ids(100 + i, 10))
+            r = one_group.complete(p + ids(100 + i, 10))
             assert r["choices"][0]["text"] is not None
         after = counts()
-        decisions = flat.decisions(3)
+        decisions = one_group.decisions(3)
         named_s = [d for d in decisions if d["endpoint"] in ("A", "B")
                    and (d.get("p2p") or {}).get("source_endpoint") == "S"]
         refusals = (after["A mismatch"] - before["A mismatch"]
                     + after["B mismatch"] - before["B mismatch"])
-        print(f"flat: {len(named_s)} vLLM placements told to pull from S, {refusals:.0f} "
+        print(f"one group: {len(named_s)} vLLM placements told to pull from S, {refusals:.0f} "
               f"fingerprint refusals counted, all answered 200")
         assert named_s, json.dumps(decisions)[-3000:]
         assert refusals == len(named_s)
@@ -727,3 +773,57 @@ schedulingProfiles:
         for r in routers:
             r.kill()
         s.kill()
+
+def test_6_own_cpu_tier_serves_what_the_gpu_cache_dropped(servers):
+    """A request with no source named, whose prefix A's GPU prefix cache dropped but A's kvmesh
+    tier still holds, loads it from that tier (external hits, no P2P), same answer."""
+    a, _ = servers
+    prompt = tokens(120, 8 * BLOCK) + tokens(121, 10)
+    cold = a.complete(prompt)
+    a.reset_prefix_cache()  # the GPU tier forgets; the connector's tier keeps the blocks
+    hits0 = a.vllm_metric("vllm:external_prefix_cache_hits_total")
+    pulls0 = a.kvmesh_worker_metric("kvmesh_p2p_pulls_total")
+    got = a.complete(prompt)
+    hits = a.vllm_metric("vllm:external_prefix_cache_hits_total") - hits0
+    print(f"\nown tier: {hits:.0f} external hit tokens")
+    assert hits == 8 * BLOCK, f"external hits {hits}, want {8 * BLOCK} from A's own tier"
+    assert a.kvmesh_worker_metric("kvmesh_p2p_pulls_total") == pulls0, "nothing goes over P2P"
+    assert_same_answer(got, cold)
+
+
+def test_7_evictions_from_a_full_tier_are_announced_on_events_endpoint(servers):
+    """B's tier holds 12 blocks: computing two 8-block prefixes evicts at least 4. The
+    connector's own publisher (`events_endpoint`) announces the stores and the evictions
+    (BlockRemoved, medium CPU), and the tier's bytes stay within its budget."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    _, b = servers
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-cpu")
+    sub.setsockopt(zmq.RCVTIMEO, 500)
+    sub.connect(f"ipc://{os.path.dirname(b.log_path)}/B-cpu-events.sock")
+    time.sleep(1.5)  # the subscription must reach the publisher before the events
+    first, second = tokens(130, 8 * BLOCK), tokens(131, 8 * BLOCK)
+    b.complete(first + tokens(132, 5))
+    b.complete(second + tokens(133, 5))
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    stored, removed = 0, 0
+    deadline = time.time() + 15
+    while time.time() < deadline and (stored < 16 or removed < 4):
+        try:
+            frames = sub.recv_multipart()
+        except zmq.Again:
+            continue
+        for e in decoder.decode(frames[-1]).events:
+            assert getattr(e, "medium", "CPU") == "CPU", f"a GPU event on the CPU stream: {e}"
+            if isinstance(e, BlockStored):
+                stored += len(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                removed += len(e.block_hashes)
+    sub.close(0)
+    print(f"\nB's events_endpoint: {stored} blocks stored, {removed} removed")
+    assert stored >= 16 and removed >= 4, (stored, removed)
+    assert b.kvmesh_worker_metric("kvmesh_cpu_tier_bytes") <= 12 * TINY_BLOCK_BYTES
+    assert b.kvmesh_worker_metric("kvmesh_cpu_tier_blocks") <= 12

@@ -423,8 +423,13 @@ pub fn build_engine(
         .map_err(|e| {
             crate::config::ConfigError::Invalid(format!("cannot start compute thread: {e}"))
         })?;
+    let handle = EngineHandle { tx, inner };
+    handle
+        .inner
+        .metrics
+        .describe_fingerprint(&handle.fingerprint());
     Ok(Engine {
-        handle: EngineHandle { tx, inner },
+        handle,
         thread: Some(thread),
     })
 }
