@@ -66,6 +66,7 @@ cd "$work"
 set +e
 timeout 1500 nice -n 10 "$VENV/bin/pytest" -p no:cacheprovider -v -s --rootdir="$work" \
     --basetemp="$work/pytest" "$ROOT/python/kvmesh-vllm/tests/test_stats.py" \
+    "$ROOT/python/kvmesh-vllm/tests/test_config.py" \
     "$ROOT/python/kvmesh-vllm/tests/test_e2e.py" "$@"
 rc=$?
 set -e

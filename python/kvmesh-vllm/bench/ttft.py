@@ -3,7 +3,8 @@
 Builds a random-weight Llama (size from the flags), starts two vLLM servers with KvmeshConnector
 (tests/test_e2e.py's Server), lets A compute a prefix of --prefix tokens, then on B measures the
 time to the first token (max_tokens=1) of prefix + a fresh suffix: cold (B computes everything)
-and with remote_kv_source naming A (B pulls the prefix). Loopback only; servers killed at the end.
+with the prefix in B's own CPU tier only (its GPU prefix cache reset, no source named), and with
+remote_kv_source naming A (B pulls the prefix). Loopback only; servers killed at the end.
 
   PYTHONPATH=$PWD/target/kvmesh-vllm-py ~/.cache/kvmesh/venv-vllm/bin/python \
       python/kvmesh-vllm/bench/ttft.py --prefix 1984,8128,16320 --layers 8 --hidden 1536 --kv-heads 2
@@ -26,12 +27,16 @@ import tiny_model  # noqa: E402
 
 
 def measure(a: "e2e.Server", b: "e2e.Server", n: int, args: argparse.Namespace) -> None:
-    cold_t, pull_t, hops = [], [], []
+    cold_t, reuse_t, pull_t, hops = [], [], [], []
     dur = "kvmesh_p2p_pull_duration_seconds_sum"
     for i in range(args.repeat):
         prefix = e2e.tokens(1000 + 100 * n + i, n)
         a.complete(prefix + e2e.tokens(2000 + i, 16))
-        for label, params, out in (("cold", None, cold_t), ("pull", e2e.remote(a), pull_t)):
+        # cold: B computes everything (and keeps the prefix in its own CPU tier); reuse: the
+        # same prefix again once B's GPU prefix cache forgot it, no source named (B's own tier);
+        # pull: named source A.
+        for label, params, out in (("cold", None, cold_t), ("reuse", None, reuse_t),
+                                   ("pull", e2e.remote(a), pull_t)):
             prompt = prefix + e2e.tokens(3000 + 10 * i + len(out), 16)
             h0 = b.kvmesh_worker_metric(dur)
             t0 = time.time()
@@ -46,9 +51,11 @@ def measure(a: "e2e.Server", b: "e2e.Server", n: int, args: argparse.Namespace) 
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     print(f"prefix {n} tokens, {args.layers} layers, hidden {args.hidden}, "
           f"{args.kv_heads or max(1, args.hidden // 128)} KV heads: "
-          f"TTFT cold {med(cold_t):.3f}s, pull {med(pull_t):.3f}s, "
-          f"ratio {med(pull_t) / med(cold_t):.3f} (median of {args.repeat}; "
-          f"cold {['%.3f' % x for x in cold_t]}, pull {['%.3f' % x for x in pull_t]}; "
+          f"TTFT cold {med(cold_t):.3f}s, own-tier reuse {med(reuse_t):.3f}s, "
+          f"pull {med(pull_t):.3f}s, ratio {med(pull_t) / med(cold_t):.3f} "
+          f"(reuse {med(reuse_t) / med(cold_t):.3f}; median of {args.repeat}; "
+          f"cold {['%.3f' % x for x in cold_t]}, reuse {['%.3f' % x for x in reuse_t]}, "
+          f"pull {['%.3f' % x for x in pull_t]}; "
           f"peer->worker transfer {['%.3f' % x for x in hops]})",
           flush=True)
 

@@ -1,0 +1,38 @@
+"""Unit tests of the connector's config parsing (no servers): what an operator types in
+``kv_connector_extra_config`` either means what it says or stops the server with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh_vllm.connector import _KNOWN_KEYS, _peer_list, parse_bytes
+
+
+@pytest.mark.parametrize("text, want", [
+    ("4GiB", 4 << 30), ("4G", 4 << 30), ("4g", 4 << 30), ("512MiB", 512 << 20),
+    ("512MB", 512 * 10**6), ("1e9", 10**9), (" 2 KiB ", 2048), ("64B", 64), (0, 0),
+    (4096, 4096),
+])
+def test_sizes_parse_binary_and_decimal_units(text, want):
+    assert parse_bytes(text, "cpu_bytes") == want
+
+
+@pytest.mark.parametrize("text", ["lots", "4XB", "-1GiB", -5, "inf", "nan", True, ""])
+def test_bad_sizes_are_refused_naming_the_key(text):
+    with pytest.raises(ValueError, match="cpu_bytes"):
+        parse_bytes(text, "cpu_bytes")
+
+
+def test_peers_are_a_list_or_one_comma_separated_string():
+    assert _peer_list(["10.0.0.5:7100", "10.0.0.6"], "allowed_peers") == [
+        "10.0.0.5:7100", "10.0.0.6"]
+    assert _peer_list("10.0.0.5:7100, 10.0.0.6", "allowed_peers") == [
+        "10.0.0.5:7100", "10.0.0.6"]
+    assert _peer_list(None, "allowed_peers") == []
+    with pytest.raises(ValueError, match="allowed_peers"):
+        _peer_list(["10.0.0.5", 7100], "allowed_peers")
+
+
+def test_the_issue_s_keys_are_known():
+    for key in ("p2p_port", "cpu_bytes", "allowed_peers", "events_endpoint"):
+        assert key in _KNOWN_KEYS
