@@ -224,7 +224,7 @@ impl PyNode {
         if n == 0 {
             return Ok((Vec::new(), 0));
         }
-        if !all.len().is_multiple_of(n) {
+        if all.is_empty() || !all.len().is_multiple_of(n) {
             return Err(PyValueError::new_err(format!(
                 "{} bytes do not split into {n} equal blocks",
                 all.len()
