@@ -65,6 +65,18 @@ fn none_hash(hash_algo: &str, seed: Option<&str>) -> PyResult<String> {
     .to_hex())
 }
 
+/// The fingerprint's hashing fields from Python's strings: the algorithm, and NONE_HASH as
+/// canonical hex (a malformed value is a `ValueError` naming it).
+fn hashing_fields(hash_algo: &str, none_hash: &str) -> PyResult<(HashAlgo, String)> {
+    let algo = hash_algo
+        .parse()
+        .map_err(|e| PyValueError::new_err(format!("{e}")))?;
+    let none_hash = BlockDigest::from_hex(none_hash)
+        .map_err(|e| PyValueError::new_err(format!("none_hash: {e}")))?
+        .to_hex();
+    Ok((algo, none_hash))
+}
+
 /// [`Fingerprint::id`] of a fingerprint given field by field (for processes without a node,
 /// e.g. vLLM's API server exporting `kvmesh_p2p_fingerprint_info`).
 #[pyfunction]
@@ -80,12 +92,7 @@ fn fingerprint_id(
     hash_algo: &str,
     none_hash: &str,
 ) -> PyResult<String> {
-    let hash_algo: HashAlgo = hash_algo
-        .parse()
-        .map_err(|e| PyValueError::new_err(format!("{e}")))?;
-    let none_hash = BlockDigest::from_hex(none_hash)
-        .map_err(|e| PyValueError::new_err(format!("none_hash: {e}")))?
-        .to_hex();
+    let (hash_algo, none_hash) = hashing_fields(hash_algo, none_hash)?;
     Ok(Fingerprint {
         model_id,
         kv_dtype,
@@ -135,12 +142,7 @@ impl PyNode {
         max_pull_ms: u64,
         serve_bytes_per_sec: u64,
     ) -> PyResult<Self> {
-        let hash_algo: HashAlgo = hash_algo
-            .parse()
-            .map_err(|e| PyValueError::new_err(format!("{e}")))?;
-        let none_hash = BlockDigest::from_hex(none_hash)
-            .map_err(|e| PyValueError::new_err(format!("none_hash: {e}")))?
-            .to_hex();
+        let (hash_algo, none_hash) = hashing_fields(hash_algo, none_hash)?;
         let config = NodeConfig {
             fingerprint: Fingerprint {
                 model_id,
