@@ -13,8 +13,9 @@
 //! engine's CPU tier. Its blocks are copied up into the GPU tier now (the compute loop's
 //! `restore_ahead`: nothing while requests wait, only free or unreferenced cached blocks, a
 //! reserve of one step's blocks kept), so the next turn finds GPU hits. The host-to-device copy is
-//! charged as an on-demand restore is (to the next step, or spent at once on an idle engine): the
-//! cost moves off the request's critical path, it does not disappear. Outcomes `restored`,
+//! charged as an on-demand restore is (to the next step, or on the copy engine), except that on
+//! the copy engine it runs only while no request waits for a copy of its own: the cost moves off
+//! the request's critical path, it does not disappear, and it does not land on another's. Outcomes `restored`,
 //! `nothing_missing` (all in the GPU tier already), `not_cached` (not in the CPU tier either),
 //! `gpu_short` (the bound stopped it before any block moved).
 //!

@@ -20,7 +20,7 @@ use crate::metrics::{EngineMetrics, SourceLabel};
 use crate::outbox::KvEventSink;
 use crate::pool::BlockPool;
 
-use super::copy_engine::CopyEngine;
+use super::copy_engine::{CopyClass, CopyEngine};
 use super::types::{
     Command, EngineRequest, FinishInfo, FinishReason, NewSeq, RestoreAhead, RestoreReport,
     SeqOutput, SharedCounters,
@@ -393,7 +393,7 @@ impl Core {
         // Pulled (external) blocks are not charged again: the profile's pull time covers
         // landing them.
         if !copied.is_empty() {
-            self.charge_host_restore(copied);
+            self.charge_host_restore(copied, CopyClass::Demand);
         }
         // Blocks copied for this request, or still landing from an earlier copy (a restore
         // ahead, another request's restore), hold it until they land.
@@ -573,7 +573,7 @@ impl Core {
                 .prefetch
                 .restored_blocks
                 .inc_by(restored as u64);
-            let cost = self.charge_host_restore(copied);
+            let cost = self.charge_host_restore(copied, CopyClass::Ahead);
             report.modelled_ms = cost.modelled().as_secs_f64() * 1000.0;
             self.metrics
                 .prefetch
@@ -591,8 +591,8 @@ impl Core {
     }
 
     /// Prices the host-to-device copy of the `copied` blocks and, when the backend overlaps it
-    /// with compute, queues it on the copy engine.
-    fn charge_host_restore(&mut self, copied: Vec<BlockHash>) -> HostRestoreCost {
+    /// with compute, queues it on the copy engine in its `class`.
+    fn charge_host_restore(&mut self, copied: Vec<BlockHash>, class: CopyClass) -> HostRestoreCost {
         let cost = self
             .backend
             .on_host_restore(copied.len() * self.block_size());
@@ -600,7 +600,7 @@ impl Core {
             .cpu_restore_modelled_seconds
             .inc_by(cost.modelled().as_secs_f64());
         if let HostRestoreCost::CopyEngine { wall, .. } = cost {
-            self.copies.enqueue(Instant::now(), wall, copied);
+            self.copies.enqueue(Instant::now(), wall, copied, class);
         }
         cost
     }
