@@ -2,8 +2,8 @@
 //! (`docs/architecture.md#reference-experiments`): the library behind `kvmesh up`, `kvmesh bench`, `kvmesh calibrate` and
 //! `kvmesh demo`.
 //!
-//! Layers: [`tokens`] and [`workload`]/[`trace`] are pure (seeded data), named in [`catalog`]; [`stats`], [`metrics`],
-//! [`router_config`] and [`report`] are pure transformations; [`client`], [`driver`], [`fleet`],
+//! Layers: [`tokens`] and [`workload`]/[`trace`] are pure (seeded data), named in [`catalog`]; [`stats`], [`paired`], [`metrics`],
+//! [`router_config`], [`repeat`] and [`report`] are pure transformations; [`client`], [`driver`], [`fleet`],
 //! [`peers`] (external routers as arms), [`runner`] and [`calibrate`] do the I/O, sharing
 //! [`launch`]'s vocabulary.
 
@@ -17,7 +17,9 @@ pub mod fleet;
 pub mod hot_prefix;
 pub mod launch;
 pub mod metrics;
+pub mod paired;
 pub mod peers;
+pub mod repeat;
 pub mod report;
 pub mod restart;
 pub mod router_config;

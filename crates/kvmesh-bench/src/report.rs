@@ -20,6 +20,9 @@ pub struct ArmResult {
     pub workload: String,
     pub workload_description: String,
     pub arm: String,
+    /// Which of `kvmesh bench --repeat N`'s runs this is (0-based; each run on a fresh fleet).
+    #[serde(default)]
+    pub run: u32,
     /// Whether the arm was meant to pull.
     pub pulls: bool,
     pub time_scale: f64,
@@ -61,6 +64,9 @@ pub struct BenchReport {
     #[serde(default)]
     pub prompt_format: PromptFormat,
     pub results: Vec<ArmResult>,
+    /// Every arm against the control (the first arm), kept current by [`BenchReport::add_result`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paired: Vec<crate::repeat::PairedComparison>,
 }
 
 /// The flags an arm earns from its evidence and outcomes.
@@ -219,6 +225,34 @@ fn pct(base: f64, new: f64) -> String {
 }
 
 impl BenchReport {
+    /// Adds one arm's result and brings the paired comparisons up to date (the runner writes
+    /// the report after every arm).
+    pub fn add_result(&mut self, r: ArmResult) {
+        self.results.push(r);
+        self.paired = crate::repeat::paired_comparisons(&self.results, self.seed);
+    }
+
+    /// ` (run k)` when some arm ran more than once (`--repeat`), so that tables with one row
+    /// per result tell the runs apart; empty otherwise, which keeps single runs' tables as
+    /// they were.
+    fn run_suffix(&self, r: &ArmResult) -> String {
+        if self.results.iter().any(|x| x.run > 0) {
+            format!(" (run {})", r.run + 1)
+        } else {
+            String::new()
+        }
+    }
+
+    /// An arm's name in the tables, with its run when there are several.
+    fn label(&self, r: &ArmResult) -> String {
+        format!("{}{}", r.arm, self.run_suffix(r))
+    }
+
+    /// [`Self::label`] of every result, in order.
+    fn labels(&self) -> Vec<String> {
+        self.results.iter().map(|r| self.label(r)).collect()
+    }
+
     /// The main table plus, per workload, the comparison of every arm with the first.
     pub fn markdown(&self) -> String {
         let mut s = String::new();
@@ -243,7 +277,7 @@ impl BenchReport {
                 s,
                 "| {} | {} | {} / {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.0} | {} | {} |",
                 r.workload,
-                r.arm,
+                self.label(r),
                 st.succeeded,
                 st.requests,
                 st.timeouts,
@@ -271,7 +305,7 @@ impl BenchReport {
                 let _ = writeln!(
                     s,
                     "\n**{}** on {}: hot-prefix copies (router): {}",
-                    r.arm,
+                    self.label(r),
                     r.workload,
                     if list.is_empty() {
                         "none".into()
@@ -283,19 +317,22 @@ impl BenchReport {
         }
         s.push_str(&self.routers_table());
         s.push_str(&self.audit_table());
+        let labels = self.labels();
         let scale_outs: Vec<(&str, &crate::scale_out::ScaleOutResult)> = self
             .results
             .iter()
-            .filter_map(|r| r.scale_out.as_ref().map(|x| (r.arm.as_str(), x)))
+            .zip(&labels)
+            .filter_map(|(r, l)| r.scale_out.as_ref().map(|x| (l.as_str(), x)))
             .collect();
         s.push_str(&crate::scale_out::markdown(&scale_outs));
         let agentic: Vec<crate::agentic::Row<'_>> = self
             .results
             .iter()
-            .filter(|r| crate::agentic::is_agentic(&r.workload))
-            .map(|r| crate::agentic::Row {
+            .zip(&labels)
+            .filter(|(r, _)| crate::agentic::is_agentic(&r.workload))
+            .map(|(r, label)| crate::agentic::Row {
                 workload: &r.workload,
-                arm: &r.arm,
+                arm: label,
                 returning: crate::agentic::returning_turns(&r.records, r.time_scale),
                 pulled_tokens: r.evidence.external_hit_tokens,
                 prefetch: r.prefetch.as_ref(),
@@ -306,7 +343,8 @@ impl BenchReport {
         let restarts: Vec<(&str, &crate::restart::RestartResult)> = self
             .results
             .iter()
-            .filter_map(|r| r.restart.as_ref().map(|x| (r.arm.as_str(), x)))
+            .zip(&labels)
+            .filter_map(|(r, l)| r.restart.as_ref().map(|x| (l.as_str(), x)))
             .collect();
         s.push_str(&crate::restart::markdown(&restarts));
         for (workload, arms) in self.by_workload() {
@@ -316,7 +354,7 @@ impl BenchReport {
                 let st = &r.stats;
                 let mut line = format!(
                     "- `{}`: TTFT p50 {} / p90 {}",
-                    r.arm,
+                    self.label(r),
                     secs(st.ttft.p50),
                     secs(st.ttft.p90)
                 );
@@ -363,7 +401,7 @@ impl BenchReport {
                     let _ = write!(
                         line,
                         " — vs `{}`: TTFT p90 {}, p50 {}, throughput {}",
-                        base.arm,
+                        self.label(base),
                         pct(b, n),
                         pct(base.stats.ttft.p50, st.ttft.p50),
                         pct(base.stats.achieved_rate, st.achieved_rate)
@@ -373,6 +411,8 @@ impl BenchReport {
                 s.push('\n');
             }
         }
+        s.push_str(&crate::repeat::repeated_markdown(&self.results));
+        s.push_str(&crate::repeat::paired_markdown(&self.paired));
         s
     }
 
@@ -388,8 +428,9 @@ impl BenchReport {
                 let st = &r.stats;
                 let _ = writeln!(
                     s,
-                    "| {} | {} / {} | {} | {} | {} | {} | {:.0} | {} | {} |",
+                    "| {}{} | {} / {} | {} | {} | {} | {} | {:.0} | {} | {} |",
                     router_label(r),
+                    self.run_suffix(r),
                     st.succeeded,
                     st.failed + st.timeouts,
                     secs(st.ttft.p50),
@@ -431,7 +472,7 @@ impl BenchReport {
                 let _ = writeln!(
                     s,
                     "| {} | {} | {} / {} / {} ({}) | {} ({:.0} ms, {:.0} ms) | {}: {} / {} | {} | {} / {} ({}) | {} |",
-                    r.arm,
+                    self.label(r),
                     a.joined,
                     a.index_exact,
                     a.index_over,
@@ -464,7 +505,7 @@ impl BenchReport {
             let _ = writeln!(s, "\n### {workload} — {}\n", base.workload_description);
             s.push_str("| metric |");
             for r in &arms {
-                let _ = write!(s, " {} |", r.arm);
+                let _ = write!(s, " {} |", self.label(r));
             }
             if arms.len() > 1 {
                 s.push_str(" change |");
@@ -592,14 +633,16 @@ impl BenchReport {
             s.push('\n');
             for r in &arms {
                 if !r.flags.is_empty() {
-                    let _ = writeln!(s, "\n**{}**: {}", r.arm, r.flags.join("; "));
+                    let _ = writeln!(s, "\n**{}**: {}", self.label(r), r.flags.join("; "));
                 }
             }
         }
+        let labels = self.labels();
         let scale_outs: Vec<(&str, &crate::scale_out::ScaleOutResult)> = self
             .results
             .iter()
-            .filter_map(|r| r.scale_out.as_ref().map(|x| (r.arm.as_str(), x)))
+            .zip(&labels)
+            .filter_map(|(r, l)| r.scale_out.as_ref().map(|x| (l.as_str(), x)))
             .collect();
         s.push_str(&crate::scale_out::markdown(&scale_outs));
         s
@@ -644,18 +687,24 @@ impl BenchReport {
                     }
                 })
                 .collect();
+            let labelled: Vec<(String, &ArmResult)> =
+                arms.iter().map(|r| (self.label(r), *r)).collect();
             let cdf = dir.join(format!("{safe}-ttft-cdf.svg"));
             keep_plot(
                 &mut files,
                 cdf.clone(),
-                plot_ttft_cdf(&cdf, &workload, &arms),
+                plot_ttft_cdf(&cdf, &workload, &labelled),
             );
             if arms
                 .iter()
                 .any(|r| r.records.iter().any(|x| x.kind == StepKind::Child))
             {
                 let p = dir.join(format!("{safe}-branch-starts.svg"));
-                keep_plot(&mut files, p.clone(), plot_branches(&p, &workload, &arms));
+                keep_plot(
+                    &mut files,
+                    p.clone(),
+                    plot_branches(&p, &workload, &labelled),
+                );
             }
             if arms
                 .iter()
@@ -665,7 +714,7 @@ impl BenchReport {
                 keep_plot(
                     &mut files,
                     p.clone(),
-                    plot_ttft_vs_prompt(&p, &workload, &arms),
+                    plot_ttft_vs_prompt(&p, &workload, &labelled),
                 );
             }
         }
@@ -687,13 +736,13 @@ fn ttfts(r: &ArmResult, kind: Option<StepKind>) -> Vec<(usize, f64)> {
         .collect()
 }
 
-fn plot_ttft_cdf(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult {
+fn plot_ttft_cdf(path: &Path, workload: &str, arms: &[(String, &ArmResult)]) -> PlotResult {
     let series: Vec<(String, Vec<f64>)> = arms
         .iter()
-        .map(|r| {
+        .map(|(label, r)| {
             let mut v: Vec<f64> = ttfts(r, None).into_iter().map(|x| x.1).collect();
             v.sort_by(f64::total_cmp);
-            (r.arm.clone(), v)
+            (label.clone(), v)
         })
         .collect();
     let xmax = series
@@ -737,10 +786,10 @@ fn plot_ttft_cdf(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult
     Ok(())
 }
 
-fn plot_branches(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult {
+fn plot_branches(path: &Path, workload: &str, arms: &[(String, &ArmResult)]) -> PlotResult {
     let series: Vec<(String, Vec<(f64, f64)>)> = arms
         .iter()
-        .map(|r| {
+        .map(|(label, r)| {
             let mut kids: Vec<&RequestRecord> = r
                 .records
                 .iter()
@@ -752,7 +801,7 @@ fn plot_branches(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult
                 .enumerate()
                 .filter_map(|(i, x)| x.ttft_s.map(|t| (i as f64, t * r.time_scale)))
                 .collect();
-            (r.arm.clone(), pts)
+            (label.clone(), pts)
         })
         .collect();
     let n = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(1) as f64;
@@ -769,12 +818,12 @@ fn plot_branches(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult
     )
 }
 
-fn plot_ttft_vs_prompt(path: &Path, workload: &str, arms: &[&ArmResult]) -> PlotResult {
+fn plot_ttft_vs_prompt(path: &Path, workload: &str, arms: &[(String, &ArmResult)]) -> PlotResult {
     let series: Vec<(String, Vec<(f64, f64)>)> = arms
         .iter()
-        .map(|r| {
+        .map(|(label, r)| {
             (
-                r.arm.clone(),
+                label.clone(),
                 ttfts(r, None)
                     .into_iter()
                     .map(|(p, t)| (p as f64, t))
@@ -911,6 +960,7 @@ mod tests {
             workload: "fork".into(),
             workload_description: "test fork".into(),
             arm: arm.into(),
+            run: 0,
             pulls,
             time_scale: 1.0,
             fleet: FleetSpec::from_yaml("engines:\n  - count: 4\n").unwrap(),
@@ -984,6 +1034,7 @@ mod tests {
             seed: 1,
             prompt_format: PromptFormat::Text,
             results: vec![peer, mine],
+            paired: Vec::new(),
         };
         let t = rep.routers_table();
         assert!(
@@ -1005,6 +1056,54 @@ mod tests {
         assert!(rep.markdown().contains("Prompts sent as text"));
     }
 
+    /// One run: no "Repeated runs" section and no run labels; the paired section only with
+    /// two arms. Two runs: both sections, and each result's row says which run it is.
+    #[test]
+    fn repeat_sections_appear_only_when_they_say_something() {
+        let empty = || BenchReport {
+            command: "c".into(),
+            scale: "quick".into(),
+            seed: 1,
+            prompt_format: PromptFormat::Text,
+            results: Vec::new(),
+            paired: Vec::new(),
+        };
+        let mut one = empty();
+        one.add_result(result("load", false, 1.0, false));
+        let md = one.markdown();
+        assert!(one.paired.is_empty());
+        assert!(
+            !md.contains("### Repeated runs") && !md.contains("### Paired against"),
+            "{md}"
+        );
+        assert!(md.contains("| fork | load | 9 / 9 |"), "{md}");
+        one.add_result(result("load-p2p", true, 0.2, true));
+        let md = one.markdown();
+        assert_eq!(one.paired.len(), 1);
+        assert!(
+            !md.contains("### Repeated runs") && !md.contains("(run "),
+            "{md}"
+        );
+        // Children 0.2–0.34 s against 1.0–1.7 s: every child faster; the parent is the same.
+        assert!(
+            md.contains("| `load-p2p` | all | 9 (9) | 8 / 1 / 0 |"),
+            "{md}"
+        );
+        let mut two = one.clone();
+        for arm in [("load", false, 1.0), ("load-p2p", true, 0.25)] {
+            let mut r = result(arm.0, arm.1, arm.2, arm.1);
+            r.run = 1;
+            two.add_result(r);
+        }
+        let md = two.markdown();
+        assert!(md.contains("### Repeated runs"), "{md}");
+        assert!(md.contains("| fork | load-p2p (run 2) |"), "{md}");
+        assert!(
+            md.contains("| `load-p2p` | all | 18 (18) | 16 / 2 / 0 |"),
+            "{md}"
+        );
+    }
+
     #[test]
     fn markdown_and_files() {
         let rep = BenchReport {
@@ -1016,6 +1115,7 @@ mod tests {
                 result("load", false, 1.0, false),
                 result("load-p2p", true, 0.2, true),
             ],
+            paired: Vec::new(),
         };
         let sbs = rep.side_by_side();
         assert!(

@@ -139,9 +139,16 @@ pub struct Plan {
     /// Seconds between fleet readiness and the first request, so the router's KV-event
     /// subscriptions are live (PUB/SUB drops messages sent before a subscriber joins).
     pub settle: Duration,
+    /// Runs of every (workload, arm), each on a fresh fleet (`--repeat`; 0 counts as 1).
+    pub repeat: u32,
 }
 
-/// Runs every workload under every arm on a fresh fleet; writes the report after each arm.
+/// Runs every workload under every arm on a fresh fleet, `plan.repeat` times; writes the report
+/// after each arm.
+///
+/// Repeats are interleaved — round 1 runs every arm, then round 2 every arm, and so on — so a
+/// drift of the machine over time (other load, thermal state) falls on all arms alike rather
+/// than on whichever arm happened to run last.
 pub async fn run(plan: &Plan) -> Result<BenchReport, RunError> {
     let mut report = BenchReport {
         command: plan.command.clone(),
@@ -149,27 +156,31 @@ pub async fn run(plan: &Plan) -> Result<BenchReport, RunError> {
         seed: plan.seed,
         prompt_format: plan.prompt_format,
         results: Vec::new(),
+        paired: Vec::new(),
     };
     std::fs::create_dir_all(&plan.out_dir)?;
     for w in &plan.workloads {
-        for &arm in &plan.arms {
-            // A fleet that cannot start fails its arm, not the whole run: the report says why.
-            let result = match run_arm(plan, w, arm).await {
-                Ok(r) => r,
-                Err(e) => failed_arm(plan, w, arm, &e),
-            };
-            report.results.push(result);
-            report.write(&plan.out_dir)?;
+        for run in 0..plan.repeat.max(1) {
+            for &arm in &plan.arms {
+                // A fleet that cannot start fails its arm, not the whole run: the report says why.
+                let result = match run_arm(plan, w, arm, run).await {
+                    Ok(r) => r,
+                    Err(e) => failed_arm(plan, w, arm, run, &e),
+                };
+                report.add_result(result);
+                report.write(&plan.out_dir)?;
+            }
         }
     }
     Ok(report)
 }
 
-fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, e: &RunError) -> ArmResult {
+fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, run: u32, e: &RunError) -> ArmResult {
     ArmResult {
         workload: w.name.clone(),
         workload_description: w.description.clone(),
         arm: arm.name().into(),
+        run,
         pulls: arm.pulls(),
         time_scale: plan.fleet.time_scale,
         fleet: fleet_for(w, arm, &plan.fleet),
@@ -187,11 +198,16 @@ fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, e: &RunError) -> ArmResult {
     }
 }
 
-/// One arm on a fresh fleet.
-pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, RunError> {
-    let spec = fleet_for(w, arm, &plan.fleet);
-    // Workload and arm names as a folder name (`trace:…`, `vllm-router:kv_aware`).
-    let safe: String = format!("{}-{}", w.name, arm.name())
+/// The folder under `logs/` of one (workload, arm, run): workload and arm names made safe for
+/// a path (`trace:…`, `vllm-router:kv_aware`), and from the second run on `-run2`, `-run3`, …
+/// so repeats keep their own logs (the first run keeps the name a single run always had).
+pub fn log_dir_name(workload: &str, arm: &str, run: u32) -> String {
+    let suffix = if run > 0 {
+        format!("-run{}", run + 1)
+    } else {
+        String::new()
+    };
+    format!("{workload}-{arm}{suffix}")
         .chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' {
@@ -200,13 +216,26 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
                 '_'
             }
         })
-        .collect();
-    let log_dir = plan.out_dir.join("logs").join(safe);
+        .collect()
+}
+
+/// One arm on a fresh fleet; `run` is the repeat index (0-based).
+pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm, run: u32) -> Result<ArmResult, RunError> {
+    let spec = fleet_for(w, arm, &plan.fleet);
+    let log_dir = plan
+        .out_dir
+        .join("logs")
+        .join(log_dir_name(&w.name, arm.name(), run));
     let mut fleet = Fleet::launch(&spec, &plan.exe, &log_dir).await?;
     tokio::time::sleep(plan.settle).await;
-    let pb = plan
-        .progress
-        .then(|| bar(w, &format!("{} / {}", w.name, arm.name())));
+    let pb = plan.progress.then(|| {
+        let prefix = if plan.repeat > 1 {
+            format!("{} / {} #{}", w.name, arm.name(), run + 1)
+        } else {
+            format!("{} / {}", w.name, arm.name())
+        };
+        bar(w, &prefix)
+    });
     let cfg = DriveConfig {
         base_url: fleet.entry_url().to_owned(),
         model: fleet.served_model_name.clone(),
@@ -336,6 +365,7 @@ pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm) -> Result<ArmResult, R
         workload: w.name.clone(),
         workload_description: w.description.clone(),
         arm: arm.name().into(),
+        run,
         pulls: arm.pulls(),
         time_scale: plan.fleet.time_scale,
         fleet: spec,
@@ -652,6 +682,7 @@ mod tests {
             prompt_format: PromptFormat::Text,
             progress: false,
             settle: Duration::ZERO,
+            repeat: 1,
         };
         let report = run(&plan).await.unwrap();
         assert_eq!(report.results.len(), 2);
@@ -662,5 +693,63 @@ mod tests {
                 .all(|r| r.flags[0].starts_with("FAILED TO RUN"))
         );
         assert!(out.path().join("report.md").exists());
+    }
+
+    /// Repeats run round by round (every arm of round 1, then of round 2), each result
+    /// carrying its run, and the report's paired comparison is kept up to date.
+    #[tokio::test]
+    async fn repeats_are_interleaved_round_by_round() {
+        let out = tempfile::tempdir().unwrap();
+        let plan = Plan {
+            workloads: vec![workload::fork(Scale::Quick, 1)],
+            arms: vec![Arm::Load, Arm::LoadP2p],
+            exe: out.path().join("no-such-kvmesh"),
+            out_dir: out.path().to_owned(),
+            fleet: FleetOptions::default(),
+            command: "test".into(),
+            scale: "quick".into(),
+            seed: 1,
+            prompt_format: PromptFormat::Text,
+            progress: false,
+            settle: Duration::ZERO,
+            repeat: 3,
+        };
+        let report = run(&plan).await.unwrap();
+        let order: Vec<(u32, &str)> = report
+            .results
+            .iter()
+            .map(|r| (r.run, r.arm.as_str()))
+            .collect();
+        assert_eq!(
+            order,
+            vec![
+                (0, "load"),
+                (0, "load-p2p"),
+                (1, "load"),
+                (1, "load-p2p"),
+                (2, "load"),
+                (2, "load-p2p"),
+            ]
+        );
+        assert_eq!(report.paired.len(), 1);
+        assert_eq!(report.paired[0].control, "load");
+        let back: BenchReport =
+            serde_json::from_slice(&std::fs::read(out.path().join("report.json")).unwrap())
+                .unwrap();
+        assert_eq!(back.results[5].run, 2);
+        assert_eq!(back.paired, report.paired);
+        let md = std::fs::read_to_string(out.path().join("report.md")).unwrap();
+        assert!(md.contains("| fork | load-p2p (run 3) |"), "{md}");
+        assert!(md.contains("### Repeated runs"), "{md}");
+    }
+
+    #[test]
+    fn repeats_keep_their_own_log_folders() {
+        assert_eq!(log_dir_name("fork", "load-p2p", 0), "fork-load-p2p");
+        assert_eq!(log_dir_name("fork", "load-p2p", 1), "fork-load-p2p-run2");
+        assert_eq!(
+            log_dir_name("trace:a.jsonl", "vllm-router:kv_aware", 2),
+            "trace_a_jsonl-vllm-router_kv_aware-run3"
+        );
     }
 }

@@ -110,6 +110,12 @@ pub struct BenchCmd {
     /// Hide progress bars.
     #[arg(long)]
     pub no_progress: bool,
+    /// Runs of every (workload, arm), each on a fresh fleet, interleaved round by round (round
+    /// 1 runs every arm, then round 2, …). With more than one run the report pools each arm's
+    /// requests and shows the spread between runs; every arm is also paired request by request
+    /// with the first arm (the control).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub repeat: u32,
 }
 
 #[derive(clap::Args)]
@@ -335,6 +341,7 @@ pub async fn run_bench(args: BenchCmd) -> anyhow::Result<()> {
         prompt_format: args.prompt_format,
         progress: !args.no_progress,
         settle: Duration::from_millis(1500),
+        repeat: args.repeat,
     };
     // Say up front which peer arms cannot run (each still fails in the report, never skipped).
     let exe_path = plan.exe.clone();
@@ -591,6 +598,7 @@ pub async fn run_demo(args: DemoCmd) -> anyhow::Result<()> {
         prompt_format: PromptFormat::Text,
         progress: !args.no_progress,
         settle: Duration::from_millis(1500),
+        repeat: 1,
     };
     let report = run_interruptible(&plan).await?;
     print_outcome(&report, &args.out);

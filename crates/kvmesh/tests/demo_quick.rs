@@ -94,6 +94,7 @@ async fn quick_fork_ab_moves_kv_only_with_p2p() {
         prompt_format: PromptFormat::Text,
         progress: false,
         settle: Duration::from_millis(1500),
+        repeat: 1,
     };
     let report = tokio::time::timeout(Duration::from_secs(240), runner::run(&plan))
         .await
