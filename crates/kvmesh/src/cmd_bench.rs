@@ -311,6 +311,13 @@ pub async fn run_bench(args: BenchCmd) -> anyhow::Result<()> {
     for w in &args.workload {
         workloads.extend(catalog::build(w, scale, args.seed, &opts)?);
     }
+    if let Some(n) = args.engines {
+        // The description names the workload's own engine count; say what actually ran.
+        for w in workloads.iter_mut().filter(|w| w.fleet.prefill == 0) {
+            w.description
+                .push_str(&format!(" (run on {n} engines: --engines)"));
+        }
+    }
     // A P/D workload under an aggregated arm (or the reverse) would not measure what it says:
     // refuse before starting any fleet.
     for w in &workloads {
