@@ -667,14 +667,13 @@ mod tests {
         assert!(err.to_string().contains("prefill"), "{err}");
     }
 
-    #[tokio::test]
-    async fn an_arm_whose_fleet_cannot_start_is_reported_not_fatal() {
-        let out = tempfile::tempdir().unwrap();
-        let plan = Plan {
+    /// Two arms of `fork` whose fleets cannot start (no such executable), `repeat` times.
+    fn unstartable_plan(out: &std::path::Path, repeat: u32) -> Plan {
+        Plan {
             workloads: vec![workload::fork(Scale::Quick, 1)],
             arms: vec![Arm::Load, Arm::LoadP2p],
-            exe: out.path().join("no-such-kvmesh"),
-            out_dir: out.path().to_owned(),
+            exe: out.join("no-such-kvmesh"),
+            out_dir: out.to_owned(),
             fleet: FleetOptions::default(),
             command: "test".into(),
             scale: "quick".into(),
@@ -682,8 +681,14 @@ mod tests {
             prompt_format: PromptFormat::Text,
             progress: false,
             settle: Duration::ZERO,
-            repeat: 1,
-        };
+            repeat,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_arm_whose_fleet_cannot_start_is_reported_not_fatal() {
+        let out = tempfile::tempdir().unwrap();
+        let plan = unstartable_plan(out.path(), 1);
         let report = run(&plan).await.unwrap();
         assert_eq!(report.results.len(), 2);
         assert!(
@@ -700,20 +705,7 @@ mod tests {
     #[tokio::test]
     async fn repeats_are_interleaved_round_by_round() {
         let out = tempfile::tempdir().unwrap();
-        let plan = Plan {
-            workloads: vec![workload::fork(Scale::Quick, 1)],
-            arms: vec![Arm::Load, Arm::LoadP2p],
-            exe: out.path().join("no-such-kvmesh"),
-            out_dir: out.path().to_owned(),
-            fleet: FleetOptions::default(),
-            command: "test".into(),
-            scale: "quick".into(),
-            seed: 1,
-            prompt_format: PromptFormat::Text,
-            progress: false,
-            settle: Duration::ZERO,
-            repeat: 3,
-        };
+        let plan = unstartable_plan(out.path(), 3);
         let report = run(&plan).await.unwrap();
         let order: Vec<(u32, &str)> = report
             .results
