@@ -3,11 +3,12 @@
 //! `kvmesh demo`.
 //!
 //! Layers: [`tokens`] and [`workload`]/[`trace`] are pure (seeded data), named in [`catalog`]; [`stats`], [`paired`], [`metrics`],
-//! [`router_config`], [`repeat`] and [`report`] are pure transformations; [`client`], [`driver`], [`fleet`],
+//! [`router_config`], [`repeat`] and [`report`] (of [`arm_result`]s) are pure transformations; [`client`], [`driver`], [`fleet`],
 //! [`peers`] (external routers as arms), [`runner`] and [`calibrate`] do the I/O, sharing
 //! [`launch`]'s vocabulary.
 
 pub mod agentic;
+pub mod arm_result;
 pub mod audit;
 pub mod calibrate;
 pub mod catalog;

@@ -13,8 +13,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::arm_result::ArmResult;
 use crate::paired::{PairedStats, QUANTILES, RunRecords, pair, percentile};
-use crate::report::ArmResult;
 use crate::stats::{fmt_ms, usable_time_scale};
 
 /// One arm of `--arms` on one workload, with its runs in run order.
