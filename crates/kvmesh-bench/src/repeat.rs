@@ -14,8 +14,8 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::arm_result::ArmResult;
-use crate::paired::{PairedStats, QUANTILES, RunRecords, pair, percentile};
-use crate::stats::{fmt_ms, usable_time_scale};
+use crate::paired::{PairedStats, QUANTILES, RunRecords, ok_ttfts, pair, percentile};
+use crate::stats::fmt_ms;
 
 /// One arm of `--arms` on one workload, with its runs in run order.
 pub struct Slot<'a> {
@@ -190,11 +190,14 @@ fn pooled(per_run: &[Vec<f64>]) -> Pooled {
 
 /// Successful requests' TTFTs of one run in model seconds, all or only returning ones.
 fn ttfts(r: &ArmResult, returning_only: bool) -> Vec<f64> {
-    let ts = usable_time_scale(r.time_scale);
-    r.records
-        .iter()
-        .filter(|x| x.outcome == crate::client::Outcome::Ok && (!returning_only || x.step > 0))
-        .filter_map(|x| x.ttft_s.map(|t| t * ts))
+    let run = [RunRecords {
+        run: r.run,
+        time_scale: r.time_scale,
+        records: &r.records,
+    }];
+    ok_ttfts(&run)
+        .filter(|(key, _)| !returning_only || key.returning())
+        .map(|(_, t)| t)
         .collect()
 }
 
