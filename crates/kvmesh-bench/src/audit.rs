@@ -102,6 +102,12 @@ fn candidate_of(i: usize, c: &Value, block_size: u64) -> Candidate {
         has_p2p: true,
         pulls_in: num(c, "pulls_in") as u64,
         pulls_out: num(c, "pulls_out") as u64,
+        // Decisions recorded before the router told landing pulls apart charged every pull
+        // in flight.
+        pulls_landing_in: c
+            .get("pulls_landing_in")
+            .and_then(Value::as_u64)
+            .unwrap_or(num(c, "pulls_in") as u64),
         // Recorded decisions name the group when the endpoint had one; pricing a replayed
         // placement must keep pulls inside it as the router did.
         kv_group: c.get("kv_group").and_then(Value::as_str).map(Arc::from),

@@ -270,8 +270,9 @@ pub fn render_scaled(
         "block_size: 16
 tokenizer: byte
 metrics_scrape_interval: 200ms
-# Kept for logs/router-decisions.json (every request of a full docqa arm).
-decisions_capacity: 2048
+# Kept for logs/router-decisions.json: every request of a full docqa or skew arm, so a
+# warm-up can be audited.
+decisions_capacity: 8192
 ",
     );
     // A saturated engine on an oversubscribed benchmark host answers /health slowly; ejecting it

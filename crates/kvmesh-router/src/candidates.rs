@@ -77,6 +77,7 @@ pub(crate) fn candidate(
         has_p2p: e.spec.p2p_host_port().is_some(),
         pulls_in: load.pulls_in,
         pulls_out: load.pulls_out,
+        pulls_landing_in: load.pulls_landing_in,
         kv_group: e.kv_group(),
     }
 }

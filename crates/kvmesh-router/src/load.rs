@@ -8,6 +8,13 @@
 //! source until its first byte (the pull is over by then): the cost of the next pull over the
 //! same links depends on it.
 //!
+//! Separately, a pull is *landing* until the time the router expects its transfer to end (its
+//! predicted duration with some slack, [`LoadGuard::expect_landing_by`]). Only a request still
+//! landing joins its engine's queue behind work placed there now; once its blocks have landed it
+//! is queued ahead of any newcomer, even though its first byte may be far off. Charging newcomers
+//! for delaying it until the first byte sent a burst's first-seen prompts away from the engines
+//! that had just received a pull, onto queues 2–4× longer (`docs/benchmarks.md`, skew-heavy).
+//!
 //! A request also holds its prompt's blocks in the endpoint's in-flight working set until it ends
 //! (shared prefixes counted once, as the engine's prefix cache shares them): what the engine's GPU
 //! tier must hold for everything this router sent it. Past the tier's capacity a request waits for
@@ -41,6 +48,9 @@ pub struct EndpointLoad {
     /// contended one ([`kvmesh_sched::cost_model::uncontended_time`]).
     pulls_named_in: AtomicU64,
     pull_share_sum: AtomicU64,
+    /// Pulls into the endpoint and when each is expected to have landed, by landing id.
+    landing: Mutex<Vec<(u64, Instant)>>,
+    next_landing_id: AtomicU64,
     /// Distinct prompt blocks of in-flight requests, by chain key, with how many requests hold each.
     context: Mutex<HashMap<ChainKey, u32>>,
     /// `context.len()`, readable without the lock.
@@ -58,18 +68,31 @@ pub struct LoadSnapshot {
     pub decode_tokens: u64,
     pub pulls_in: u64,
     pub pulls_out: u64,
+    /// Pulls into the endpoint expected to be still in transfer (see [`LoadGuard::expect_landing_by`]).
+    pub pulls_landing_in: u64,
     /// Distinct prompt blocks in-flight requests hold (see [`LoadGuard::hold_context`]).
     pub context_blocks: u64,
 }
 
 impl EndpointLoad {
     pub fn snapshot(&self) -> LoadSnapshot {
+        self.snapshot_at(Instant::now())
+    }
+
+    /// [`Self::snapshot`] as of `now` (which pulls are still landing depends on the time).
+    pub fn snapshot_at(&self, now: Instant) -> LoadSnapshot {
         LoadSnapshot {
             requests: self.requests.load(Ordering::Relaxed),
             uncached_tokens: self.uncached_tokens.load(Ordering::Relaxed),
             decode_tokens: self.decode_tokens.load(Ordering::Relaxed),
             pulls_in: self.pulls_in.load(Ordering::Relaxed),
             pulls_out: self.pulls_out.load(Ordering::Relaxed),
+            pulls_landing_in: self
+                .landing
+                .lock()
+                .iter()
+                .filter(|(_, by)| *by > now)
+                .count() as u64,
             context_blocks: self.context_blocks.load(Ordering::Relaxed),
         }
     }
@@ -135,6 +158,7 @@ impl EndpointLoad {
             uncached,
             decode,
             pull_source: None,
+            landing_id: None,
             context: Vec::new(),
             first_byte_at: None,
             streamed: false,
@@ -150,6 +174,8 @@ pub struct LoadGuard {
     decode: u64,
     /// The source of a pull this request's engine makes, until the pull is over.
     pull_source: Option<Arc<EndpointLoad>>,
+    /// This request's entry in the endpoint's landing pulls, until the pull is over.
+    landing_id: Option<u64>,
     /// The prompt blocks this request holds in the endpoint's working set.
     context: Vec<ChainKey>,
     first_byte_at: Option<Instant>,
@@ -176,10 +202,30 @@ impl LoadGuard {
         sharing
     }
 
+    /// The tracked pull is expected to have landed by `deadline`: until then work placed on the
+    /// endpoint goes ahead of this request (see the module header). Called once, after
+    /// [`Self::track_pull`]; later calls and calls without a tracked pull are ignored.
+    pub fn expect_landing_by(&mut self, deadline: Instant) {
+        if self.pull_source.is_none() || self.landing_id.is_some() {
+            return;
+        }
+        let id = self.load.next_landing_id.fetch_add(1, Ordering::Relaxed);
+        let mut landing = self.load.landing.lock();
+        // Entries of pulls whose requests are still waiting for their first byte outlive their
+        // deadline; drop those here so the list stays as long as the pulls actually landing.
+        let now = Instant::now();
+        landing.retain(|(_, by)| *by > now);
+        landing.push((id, deadline));
+        self.landing_id = Some(id);
+    }
+
     fn pull_done(&mut self) {
         if let Some(source) = self.pull_source.take() {
             self.load.pulls_in.fetch_sub(1, Ordering::Relaxed);
             source.pulls_out.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(id) = self.landing_id.take() {
+            self.load.landing.lock().retain(|(i, _)| *i != id);
         }
     }
 
@@ -358,6 +404,38 @@ mod tests {
         let (_a, _b) = (load.acquire(0, 100), load.acquire(0, 300));
         let d = load.in_flight_decode_ms(&load.snapshot()).expect("known");
         assert!((d - avg * 200.0).abs() < 1e-6, "{d}");
+    }
+
+    #[test]
+    fn a_pull_is_landing_until_its_expected_end_or_its_first_byte() {
+        let (dest, src) = (
+            Arc::new(EndpointLoad::default()),
+            Arc::new(EndpointLoad::default()),
+        );
+        let t0 = Instant::now();
+        let ms = |n: u64| std::time::Duration::from_millis(n);
+        // Without a tracked pull there is nothing to land.
+        let mut plain = dest.acquire(10, 1);
+        plain.expect_landing_by(t0 + ms(500));
+        assert_eq!(dest.snapshot_at(t0).pulls_landing_in, 0);
+        let mut a = dest.acquire(10, 1);
+        a.track_pull(&src);
+        a.expect_landing_by(t0 + ms(100));
+        a.expect_landing_by(t0 + ms(900)); // ignored: one landing per pull
+        let mut b = dest.acquire(10, 1);
+        b.track_pull(&src);
+        b.expect_landing_by(t0 + ms(300));
+        assert_eq!(dest.snapshot_at(t0).pulls_landing_in, 2);
+        // Past A's expected end only B is still landing; both still count as pulls in flight.
+        let later = dest.snapshot_at(t0 + ms(150));
+        assert_eq!((later.pulls_landing_in, later.pulls_in), (1, 2));
+        // B's first byte ends its pull early.
+        b.prefill_done();
+        assert_eq!(dest.snapshot_at(t0).pulls_landing_in, 1);
+        drop(a);
+        drop(b);
+        drop(plain);
+        assert_eq!(dest.snapshot_at(t0), LoadSnapshot::default());
     }
 
     #[test]

@@ -273,8 +273,14 @@ impl Legs<'_> {
         let mut guard = pep.load.acquire(uncached, 1);
         guard.hold_context(self.keys);
         if let Some(src) = &source {
-            // The prefill leg teaches the cost model nothing, so its sharing is not needed.
-            let _ = guard.track_pull(&src.endpoint.load);
+            // The prefill leg teaches the cost model nothing; its sharing only times the landing.
+            let sharing = guard.track_pull(&src.endpoint.load);
+            guard.expect_landing_by(src.landing_deadline(
+                &s.cost_model,
+                pep.id,
+                sharing,
+                Instant::now(),
+            ));
         }
         match self.run_prefill(&pep, body, source_hp.as_deref()).await {
             Ok(params) => {

@@ -6,9 +6,13 @@
 //! vLLM's P2P tier and llm-d).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvmesh_core::RemoteKvSource;
+use kvmesh_index::EndpointId;
+use kvmesh_sched::cost_model::CostModel;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
+use kvmesh_sched::predict::contended_pull_ms;
 
 use crate::candidates::by_id;
 use crate::endpoints::Endpoint;
@@ -22,10 +26,37 @@ pub(crate) struct NamedSource {
     pub delta_tokens: u64,
 }
 
+/// How much longer than predicted a pull may take before the router stops counting it as
+/// landing. Measured pulls run up to about 1.3× the cost model's prediction once its rates are
+/// learned; a pull counted too long only makes the router a little more careful about what it
+/// puts ahead of it.
+const LANDING_SLACK: f64 = 1.5;
+
 impl NamedSource {
     /// `host:port`, as llm-d's `x-kv-cache-source-host-port` header carries it.
     pub fn host_port(&self) -> String {
         format!("{}:{}", self.params.remote_host, self.params.remote_port)
+    }
+
+    /// When the pull into `dest`, named at `now`, should have landed: the cost model's time for
+    /// its tokens stretched by the `sharing` transfers already on its links, with slack.
+    pub fn landing_deadline(
+        &self,
+        cost_model: &CostModel,
+        dest: EndpointId,
+        sharing: u64,
+        now: Instant,
+    ) -> Instant {
+        let alone = cost_model.predict_pull_ms(self.endpoint.id, dest, self.delta_tokens);
+        let ms =
+            contended_pull_ms(alone, cost_model.params().pull_floor_ms, sharing) * LANDING_SLACK;
+        // A non-finite or absurd prediction must not pin the pull as landing forever.
+        let ms = if ms.is_finite() {
+            ms.clamp(0.0, 60_000.0)
+        } else {
+            0.0
+        };
+        now + Duration::from_secs_f64(ms / 1000.0)
     }
 }
 

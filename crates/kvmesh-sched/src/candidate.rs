@@ -48,6 +48,10 @@ pub struct Candidate {
     pub pulls_in: u64,
     /// Pulls this router named with the endpoint as source that have not finished yet.
     pub pulls_out: u64,
+    /// Of `pulls_in`, those whose transfer is expected to be still under way: their requests
+    /// join the engine's queue when it ends, behind work placed there meanwhile (a pull that
+    /// has landed is queued ahead of any newcomer).
+    pub pulls_landing_in: u64,
     /// KV compatibility group (`kv_group` in the router's endpoint config); `None` is the
     /// implicit group of every endpoint without one. Blocks only move within a group: another
     /// group's blocks differ in model, layout, dtype or block size and a pull would be refused.
@@ -76,6 +80,7 @@ impl Candidate {
             has_p2p: true,
             pulls_in: 0,
             pulls_out: 0,
+            pulls_landing_in: 0,
             kv_group: None,
         }
     }

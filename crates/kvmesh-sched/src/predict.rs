@@ -284,7 +284,7 @@ pub fn predict(
     };
     let total_ms = queue_ms + kv_wait_ms + own_ms + load_ms;
     let compute_ms = ms(computed, rate);
-    let delays_pulling_ms = p.pulling_delay_weight * c.pulls_in as f64 * compute_ms;
+    let delays_pulling_ms = p.pulling_delay_weight * c.pulls_landing_in as f64 * compute_ms;
     Prediction {
         queue_ms,
         kv_wait_ms,
@@ -466,7 +466,8 @@ mod tests {
             a.in_flight_requests,
             a.in_flight_uncached_tokens,
             a.pulls_in,
-        ) = (1, 2_000, 1);
+            a.pulls_landing_in,
+        ) = (1, 2_000, 1, 1);
         let mut b = cand(1);
         (b.in_flight_requests, b.in_flight_uncached_tokens) = (1, 2_500);
         let cold = ctx(30_000, 16);
@@ -495,6 +496,29 @@ mod tests {
         // A short prompt is charged only its own short prefill.
         let short = predict(&ctx(512, 16), &all, 0, &cm(), &p);
         assert!(short.delays_pulling_ms < 25.0, "{short:?}");
+    }
+
+    #[test]
+    fn a_pull_that_has_landed_is_not_delayed_by_what_comes_after_it() {
+        // As above, but A's pull is over: the pulled turn already waits in A's queue, ahead of
+        // anything placed now, until its first byte. The cold prompt goes where it starts first.
+        let mut a = cand(0);
+        (
+            a.in_flight_requests,
+            a.in_flight_uncached_tokens,
+            a.pulls_in,
+        ) = (1, 2_000, 1);
+        let mut b = cand(1);
+        (b.in_flight_requests, b.in_flight_uncached_tokens) = (1, 2_500);
+        let cold = ctx(30_000, 16);
+        let all = [&a, &b];
+        let p = TtftParams::default();
+        let (pa, pb) = (
+            predict(&cold, &all, 0, &cm(), &p),
+            predict(&cold, &all, 1, &cm(), &p),
+        );
+        assert_eq!(pa.delays_pulling_ms, 0.0);
+        assert!(pa.cost_ms < pb.cost_ms, "{pa:?} {pb:?}");
     }
 
     #[test]

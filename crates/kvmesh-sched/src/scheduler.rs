@@ -61,6 +61,8 @@ pub struct CandidateReport {
     /// Pulls in flight into / out of the endpoint (named by this router).
     pub pulls_in: u64,
     pub pulls_out: u64,
+    /// Of `pulls_in`, those expected to be still in transfer (what `delays_pulling_ms` counts).
+    pub pulls_landing_in: u64,
     /// The endpoint's KV group, when it has one (pull sources are chosen within it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_group: Option<String>,
@@ -214,6 +216,7 @@ impl Profile {
                 total: None,
                 pulls_in: c.pulls_in,
                 pulls_out: c.pulls_out,
+                pulls_landing_in: c.pulls_landing_in,
                 kv_group: c.kv_group.as_deref().map(str::to_owned),
                 predicted: None,
             })
