@@ -275,6 +275,12 @@ pub struct PrefixPull {
     pub started: tokio::time::Instant,
 }
 
+/// When a pull must end, and how it ranks on the modelled links (a prefetch: background).
+pub(crate) struct PullTerms {
+    pub deadline: tokio::time::Instant,
+    pub class: PullClass,
+}
+
 /// Checks each arriving block and lands it in the CPU tier as an ordinary cached block.
 struct TierSink<'a> {
     tier: &'a CpuTier,
@@ -564,9 +570,9 @@ impl P2pConsumer {
         prompt: &[TokenId],
         hashes: &[BlockHash],
         first: usize,
-        deadline: tokio::time::Instant,
-        class: PullClass,
+        terms: PullTerms,
     ) -> PrefixPull {
+        let PullTerms { deadline, class } = terms;
         let started = tokio::time::Instant::now();
         let want = hashes.get(first..).unwrap_or_default();
         let mut sink = TierSink {

@@ -25,7 +25,7 @@ use crate::admission::AdmissionHook;
 use crate::cpu_tier::PinKind;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
 use crate::p2p::{
-    Inflight, InflightClaim, LANDED_LEASE, P2pConsumer, PrefixPull, local_prefix_blocks,
+    Inflight, InflightClaim, LANDED_LEASE, P2pConsumer, PrefixPull, PullTerms, local_prefix_blocks,
     release_pulled,
 };
 
@@ -230,8 +230,7 @@ impl P2pConsumer {
                 &req.prompt,
                 &hashes,
                 local,
-                deadline,
-                class,
+                PullTerms { deadline, class },
             )
             .await;
         tracing::debug!(
