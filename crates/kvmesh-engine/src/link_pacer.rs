@@ -3,6 +3,11 @@
 //! transfer crate's [`LinkPacer`] seam, so the P2P producer paces what it serves (egress) and the
 //! pull client what it receives (ingress) by the same link (`docs/architecture.md#sim-link-model`).
 //!
+//! Every transfer carries a [`TrafficClass`]: demand (a request waits for it) or background (a
+//! prefetch), which the model serves only while no demand transfer moves bytes. A prefetch a
+//! request starts waiting for is promoted ([`LinkTransfer::promote`]), which wakes every waiter
+//! on the link to predict again.
+//!
 //! Modelled time runs `time_scale` times faster than the wall clock from the handle's creation:
 //! a transfer sleeps until its predicted finish (converted to wall time), and wakes early to
 //! predict again whenever a transfer starts or ends on the link. The lock is never held across
@@ -13,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use kvmesh_transfer::{LinkPacer, PacedTransfer};
+use kvmesh_transfer::{LinkPacer, PacedTransfer, TrafficClass};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -31,7 +36,7 @@ struct Shared {
     /// Modelled time 0.
     epoch: Instant,
     time_scale: f64,
-    /// Bumped at every start, removal or truncation: waiters predict again.
+    /// Bumped at every start, removal, truncation or promotion: waiters predict again.
     changed: watch::Sender<u64>,
 }
 
@@ -80,9 +85,13 @@ impl LinkHandle {
         self.shared.changed.send_modify(|g| *g = g.wrapping_add(1));
     }
 
-    /// Registers a transfer of `bytes` modelled bytes, starting now.
-    pub fn start(&self, bytes: f64) -> LinkTransfer {
-        let id = self.shared.model.lock().start(self.model_now(), bytes);
+    /// Registers a transfer of `bytes` modelled bytes of `class`, starting now.
+    pub fn start(&self, bytes: f64, class: TrafficClass) -> LinkTransfer {
+        let id = self
+            .shared
+            .model
+            .lock()
+            .start(self.model_now(), bytes, class);
         // Subscribed after our own start: only later changes wake us.
         let changed = self.shared.changed.subscribe();
         self.bump();
@@ -93,9 +102,10 @@ impl LinkHandle {
         }
     }
 
-    /// Moves `bytes` modelled bytes over the link: registers, waits until done, deregisters.
-    pub async fn transfer(&self, bytes: f64) {
-        self.start(bytes).finish().await;
+    /// Moves `bytes` modelled bytes of `class` over the link: registers, waits until done,
+    /// deregisters.
+    pub async fn transfer(&self, bytes: f64, class: TrafficClass) {
+        self.start(bytes, class).finish().await;
     }
 
     /// Transfers registered right now (tests, debugging).
@@ -154,6 +164,28 @@ impl LinkTransfer {
     }
 }
 
+impl LinkTransfer {
+    /// Makes this transfer a demand one from now on (a request now waits for what is left of
+    /// it); the other transfers on the link predict again. No-op if it already is.
+    pub fn promote(&mut self) {
+        let now = self.link.model_now();
+        {
+            let mut m = self.link.shared.model.lock();
+            if m.class(self.id) != Some(TrafficClass::Background) {
+                return;
+            }
+            m.promote(now, self.id);
+        }
+        self.changed.borrow_and_update();
+        self.link.bump();
+    }
+
+    /// This transfer's class right now.
+    pub fn class(&self) -> Option<TrafficClass> {
+        self.link.shared.model.lock().class(self.id)
+    }
+}
+
 impl Drop for LinkTransfer {
     fn drop(&mut self) {
         let now = self.link.model_now();
@@ -176,10 +208,10 @@ struct PacedBlocks {
 }
 
 impl LinkPacer for BlockPacer {
-    fn begin(&self, blocks: usize) -> Box<dyn PacedTransfer> {
+    fn begin(&self, blocks: usize, class: TrafficClass) -> Box<dyn PacedTransfer> {
         let bytes_per_block = self.bytes_per_block as f64;
         Box::new(PacedBlocks {
-            transfer: self.link.start(blocks as f64 * bytes_per_block),
+            transfer: self.link.start(blocks as f64 * bytes_per_block, class),
             bytes_per_block,
         })
     }
@@ -198,12 +230,19 @@ impl PacedTransfer for PacedBlocks {
     fn truncate(&mut self, blocks: usize) {
         self.transfer.truncate(blocks as f64 * self.bytes_per_block);
     }
+
+    fn promote(&mut self) {
+        self.transfer.promote();
+    }
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    const D: TrafficClass = TrafficClass::Demand;
+    const B: TrafficClass = TrafficClass::Background;
 
     /// 1 GB/s, 10 ms setup; 100 MB alone = 110 ms of modelled time.
     fn link(time_scale: f64) -> LinkHandle {
@@ -218,7 +257,7 @@ mod tests {
 
     async fn timed(link: &LinkHandle, bytes: f64) -> Duration {
         let t0 = Instant::now();
-        link.transfer(bytes).await;
+        link.transfer(bytes, D).await;
         t0.elapsed()
     }
 
@@ -262,8 +301,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn dropping_a_transfer_deregisters_it() {
         let l = link(1.0);
-        let mut a = l.start(1e8);
-        let b = l.start(1e8);
+        let mut a = l.start(1e8, D);
+        let b = l.start(1e8, D);
         assert_eq!(l.registered(), 2);
         let t0 = Instant::now();
         let cancel = async {
@@ -276,7 +315,7 @@ mod tests {
         drop(a);
         assert_eq!(l.registered(), 0);
         // A future dropped mid-wait deregisters too.
-        let fut = l.transfer(1e9);
+        let fut = l.transfer(1e9, D);
         let _ = tokio::time::timeout(Duration::from_millis(5), fut).await;
         assert_eq!(l.registered(), 0);
     }
@@ -287,7 +326,7 @@ mod tests {
             link: link(1.0),
             bytes_per_block: 1_000_000,
         };
-        let mut t = p.begin(100);
+        let mut t = p.begin(100, D);
         let t0 = Instant::now();
         t.reached(50).await;
         assert!(near(t0.elapsed(), 60.0), "{:?}", t0.elapsed());
@@ -295,5 +334,73 @@ mod tests {
         t.reached(100).await;
         assert!(near(t0.elapsed(), 70.0), "{:?}", t0.elapsed());
         assert_eq!(p.modelled_bytes_per_block(), 1_000_000);
+    }
+
+    /// A background transfer (a prefetch) does not slow a demand one started meanwhile: the
+    /// demand transfer takes its uncontended time, and the background one finishes after.
+    #[tokio::test(start_paused = true)]
+    async fn a_background_transfer_yields_to_a_demand_one() {
+        let l = link(1.0);
+        let bg = {
+            let l = l.clone();
+            tokio::spawn(async move {
+                let t0 = Instant::now();
+                l.transfer(4e8, B).await;
+                t0.elapsed()
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let demand = timed(&l, 1e8).await;
+        assert!(near(demand, 110.0), "{demand:?}");
+        // 100 MB by 110 ms, stalled for 100 ms, then its last 300 MB alone.
+        let bg = bg.await.unwrap();
+        assert!(near(bg, 510.0), "{bg:?}");
+    }
+
+    /// Promoting a stalled background transfer wakes it (and the others) to predict again: from
+    /// then on it shares the link like a demand transfer.
+    #[tokio::test(start_paused = true)]
+    async fn a_promoted_transfer_wakes_and_shares() {
+        let l = link(1.0);
+        let demand = {
+            let l = l.clone();
+            tokio::spawn(async move { timed(&l, 4e8).await })
+        };
+        tokio::task::yield_now().await;
+        let mut bg = l.start(1e8, B);
+        assert_eq!(bg.class(), Some(B));
+        let t0 = Instant::now();
+        let promote_at_110ms = tokio::time::sleep(Duration::from_millis(110));
+        tokio::pin!(promote_at_110ms);
+        tokio::select! {
+            () = bg.finish() => panic!("a stalled background transfer finished"),
+            () = &mut promote_at_110ms => {}
+        }
+        bg.promote();
+        assert_eq!(bg.class(), Some(D));
+        bg.finish().await;
+        // From 110 ms both at half rate: its 100 MB end at 310 ms; the demand one at 510.
+        assert!(near(t0.elapsed(), 310.0), "{:?}", t0.elapsed());
+        let demand = demand.await.unwrap();
+        assert!(near(demand, 510.0), "{demand:?}");
+        drop(bg);
+        assert_eq!(l.registered(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_block_pacer_passes_the_class_and_promotes() {
+        let p = BlockPacer {
+            link: link(1.0),
+            bytes_per_block: 1_000_000,
+        };
+        let _demand = p.begin(1000, D); // 1 s of demand work
+        let mut bg = p.begin(100, B);
+        let t0 = Instant::now();
+        let early = tokio::time::timeout(Duration::from_millis(500), bg.reached(1)).await;
+        assert!(early.is_err(), "moved behind demand work");
+        bg.promote();
+        bg.reached(100).await;
+        // From 500 ms at half rate: 100 MB in 200 ms.
+        assert!(near(t0.elapsed(), 700.0), "{:?}", t0.elapsed());
     }
 }

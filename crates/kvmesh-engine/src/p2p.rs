@@ -14,6 +14,10 @@
 //!   pinned, published as `BlockStored` CPU).
 //! - Which blocks a request reads, and when, is decided once for every caller in
 //!   [`crate::remote_read`] (llm-d `remote_kv_source` and P/D reads alike).
+//! - A prefetch's pull ([`crate::prefetch`]) is background traffic on both ends' modelled links
+//!   (it moves only while no demand pull does); a request that starts waiting for one of its
+//!   blocks (joining it, or held until it lands) promotes it to demand for what is left, on this
+//!   engine's link and, through the same connection, on the producer's.
 //!
 //! A pull never fails a request: whatever did not arrive is computed. Every outcome is counted
 //! by reason in `kvmesh_p2p_pulls_total` (the engine's [`crate::metrics::EngineMetrics::p2p`]).
@@ -29,8 +33,8 @@ use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint, RemoteKvSource, TokenId};
 use kvmesh_transfer::{
     AllowList, AllowListError, BindError, BlockSink, BlockSource, BlockStatus as WireStatus,
-    ClientConfig, IpNetError, ModelledDuration, PeerAddr, ProducerServer, PullClient, PullReport,
-    ServerConfig, SinkError,
+    ClientConfig, IpNetError, ModelledDuration, PeerAddr, ProducerServer, PullClass, PullClient,
+    PullReport, ServerConfig, SinkError, TrafficClass,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -271,6 +275,12 @@ pub struct PrefixPull {
     pub started: tokio::time::Instant,
 }
 
+/// When a pull must end, and how it ranks on the modelled links (a prefetch: background).
+pub(crate) struct PullTerms {
+    pub deadline: tokio::time::Instant,
+    pub class: PullClass,
+}
+
 /// Checks each arriving block and lands it in the CPU tier as an ordinary cached block.
 struct TierSink<'a> {
     tier: &'a CpuTier,
@@ -361,16 +371,49 @@ pub struct P2pConsumer {
     /// first's blocks instead (they become local) and pulls only what is still missing. Every
     /// block is a key, not just the first, because a request arriving mid-pull already sees the
     /// landed blocks as local: its first missing block is one the pull has not landed yet.
-    inflight: parking_lot::Mutex<HashMap<BlockHash, watch::Receiver<()>>>,
+    inflight: parking_lot::Mutex<HashMap<BlockHash, InflightPull>>,
     /// Blocks this engine retains for P/D readers, by request (shared with the producer).
     handoffs: Arc<Handoffs>,
 }
 
+/// One pull in flight, as seen by a request that needs its blocks.
+#[derive(Debug, Clone)]
+struct InflightPull {
+    /// Changes (the sender drops) when the pull ends.
+    done: watch::Receiver<()>,
+    /// True once a request waits for the pull's blocks: a prefetch's pull then moves the rest
+    /// as demand traffic. Demand pulls start true.
+    urgent: Arc<watch::Sender<bool>>,
+}
+
+impl InflightPull {
+    /// A request waits for this pull: make it demand (no-op if it already is).
+    fn promote(&self) {
+        self.urgent
+            .send_if_modified(|urgent| !std::mem::replace(urgent, true));
+    }
+}
+
 /// Holds a claim on an in-flight pull; dropping it wakes the requests waiting for it.
 pub(crate) struct InflightClaim<'a> {
-    map: &'a parking_lot::Mutex<HashMap<BlockHash, watch::Receiver<()>>>,
+    map: &'a parking_lot::Mutex<HashMap<BlockHash, InflightPull>>,
     keys: Vec<BlockHash>,
+    urgent: Arc<watch::Sender<bool>>,
     _done: watch::Sender<()>,
+}
+
+impl InflightClaim<'_> {
+    /// The class the claimed pull runs in: a background claim (a prefetch) stays background
+    /// until a request waiting for its blocks promotes it.
+    pub(crate) fn pull_class(&self) -> PullClass {
+        if *self.urgent.borrow() {
+            PullClass::Demand
+        } else {
+            PullClass::Background {
+                promote: self.urgent.subscribe(),
+            }
+        }
+    }
 }
 
 impl Drop for InflightClaim<'_> {
@@ -428,29 +471,46 @@ impl P2pConsumer {
         &self.handoffs
     }
 
-    /// Claims the blocks `want` (non-empty) for one pull, unless its first block is already part
-    /// of another pull. Blocks further on that another pull holds are left to it (not re-keyed).
-    pub(crate) fn claim(&self, want: &[BlockHash]) -> Inflight<'_> {
+    /// Claims the blocks `want` (non-empty) for one pull of `class`, unless its first block is
+    /// already part of another pull. Blocks further on that another pull holds are left to it
+    /// (not re-keyed). A demand caller that finds another pull will wait for it, so that pull is
+    /// promoted to demand (a prefetch must not delay the request now waiting for it).
+    pub(crate) fn claim(&self, want: &[BlockHash], class: TrafficClass) -> Inflight<'_> {
         let mut map = self.inflight.lock();
-        if let Some(rx) = want.first().and_then(|first| map.get(first)) {
-            return Inflight::Busy(rx.clone());
+        if let Some(pull) = want.first().and_then(|first| map.get(first)) {
+            if class == TrafficClass::Demand {
+                pull.promote();
+            }
+            return Inflight::Busy(pull.done.clone());
         }
         let (tx, rx) = watch::channel(());
+        let urgent = Arc::new(watch::Sender::new(class == TrafficClass::Demand));
+        let entry = InflightPull {
+            done: rx,
+            urgent: Arc::clone(&urgent),
+        };
         let mut keys = Vec::with_capacity(want.len());
         for &hash in want {
             if let std::collections::hash_map::Entry::Vacant(slot) = map.entry(hash) {
-                slot.insert(rx.clone());
+                slot.insert(entry.clone());
                 keys.push(hash);
             }
         }
         Inflight::Claimed(InflightClaim {
             map: &self.inflight,
             keys,
+            urgent,
             _done: tx,
         })
     }
 
-    /// Waits (until `deadline` at most) while any of `hashes` belongs to a pull in flight.
+    /// Whether the pull in flight holding `hash` (if any) still runs as background traffic.
+    pub fn inflight_is_background(&self, hash: BlockHash) -> Option<bool> {
+        self.inflight.lock().get(&hash).map(|p| !*p.urgent.borrow())
+    }
+
+    /// Waits (until `deadline` at most) while any of `hashes` belongs to a pull in flight, which
+    /// a request waiting for it makes demand traffic (a prefetch's pull is promoted).
     ///
     /// For the sim backend: a pull's blocks land in the CPU tier at loopback speed, but the
     /// pull holds its claim until the modelled transfer is done (the modelled link, or the
@@ -467,9 +527,11 @@ impl P2pConsumer {
                 let map = self.inflight.lock();
                 hashes.iter().find_map(|h| map.get(h).cloned())
             };
-            let Some(mut rx) = busy else {
+            let Some(pull) = busy else {
                 return;
             };
+            pull.promote();
+            let mut rx = pull.done;
             // Err from `changed` is the claim's drop (the pull ended): look again.
             if tokio::time::timeout_at(deadline, rx.changed())
                 .await
@@ -508,8 +570,9 @@ impl P2pConsumer {
         prompt: &[TokenId],
         hashes: &[BlockHash],
         first: usize,
-        deadline: tokio::time::Instant,
+        terms: PullTerms,
     ) -> PrefixPull {
+        let PullTerms { deadline, class } = terms;
         let started = tokio::time::Instant::now();
         let want = hashes.get(first..).unwrap_or_default();
         let mut sink = TierSink {
@@ -528,12 +591,13 @@ impl P2pConsumer {
         // The whole pull is bounded too (per-step timeouts alone could add up on a long prefix).
         let report = self
             .client
-            .pull_with_deadline(
+            .pull_with_class(
                 PeerAddr::from(source),
                 &source.kv_request_id,
                 want,
                 &mut sink,
                 Some(deadline),
+                class,
             )
             .await;
         if let Some(reason) = sink.rejected {
@@ -642,14 +706,14 @@ mod tests {
     fn a_request_arriving_mid_pull_waits_for_the_blocks_still_on_the_wire() {
         let c = consumer();
         let prefix: Vec<BlockHash> = (1..=256).map(BlockHash).collect();
-        let Inflight::Claimed(first) = c.claim(&prefix) else {
+        let Inflight::Claimed(first) = c.claim(&prefix, D) else {
             panic!("nothing was in flight");
         };
         // 7 blocks have landed: a second request's first missing block is the 8th.
-        assert!(matches!(c.claim(&prefix[7..]), Inflight::Busy(_)));
+        assert!(matches!(c.claim(&prefix[7..], D), Inflight::Busy(_)));
         // A prefix the pull does not cover is pulled independently.
         assert!(matches!(
-            c.claim(&[BlockHash(1000), BlockHash(1001)]),
+            c.claim(&[BlockHash(1000), BlockHash(1001)], D),
             Inflight::Claimed(_)
         ));
         drop(first);
@@ -658,7 +722,49 @@ mod tests {
             0,
             "a finished pull releases all its blocks"
         );
-        assert!(matches!(c.claim(&prefix[7..]), Inflight::Claimed(_)));
+        assert!(matches!(c.claim(&prefix[7..], D), Inflight::Claimed(_)));
+    }
+
+    const D: TrafficClass = TrafficClass::Demand;
+    const B: TrafficClass = TrafficClass::Background;
+
+    /// A prefetch's pull stays background while only other prefetches meet it, and becomes
+    /// demand the moment a request joins it; its pull class follows.
+    #[tokio::test]
+    async fn a_request_joining_a_prefetch_promotes_its_pull() {
+        let c = consumer();
+        let prefix: Vec<BlockHash> = (1..=64).map(BlockHash).collect();
+        let Inflight::Claimed(prefetch) = c.claim(&prefix, B) else {
+            panic!("nothing was in flight");
+        };
+        let PullClass::Background { mut promote } = prefetch.pull_class() else {
+            panic!("a prefetch's pull is background");
+        };
+        assert_eq!(c.inflight_is_background(prefix[10]), Some(true));
+        // Another prefetch of the same history waits for it without promoting it.
+        assert!(matches!(c.claim(&prefix[3..], B), Inflight::Busy(_)));
+        assert!(!*promote.borrow_and_update());
+        // A request whose first missing block is in it joins, and promotes it.
+        assert!(matches!(c.claim(&prefix[5..], D), Inflight::Busy(_)));
+        assert!(*promote.borrow_and_update(), "joined but not promoted");
+        assert_eq!(c.inflight_is_background(prefix[10]), Some(false));
+        assert!(matches!(prefetch.pull_class(), PullClass::Demand));
+        drop(prefetch);
+        assert_eq!(c.inflight_is_background(prefix[10]), None);
+
+        // A request held until a prefetch's blocks land (the sim's local-hit wait) promotes it.
+        let Inflight::Claimed(prefetch) = c.claim(&prefix, B) else {
+            panic!("nothing was in flight");
+        };
+        let soon = tokio::time::Instant::now() + Duration::from_millis(10);
+        c.wait_for_pulls_in_flight(&prefix[40..41], soon).await;
+        assert!(matches!(prefetch.pull_class(), PullClass::Demand));
+        // A demand claim is demand from the start.
+        drop(prefetch);
+        let Inflight::Claimed(demand) = c.claim(&prefix, D) else {
+            panic!("nothing was in flight");
+        };
+        assert!(matches!(demand.pull_class(), PullClass::Demand));
     }
 
     #[tokio::test]
@@ -673,7 +779,7 @@ mod tests {
         )
         .await
         .expect("waited on blocks no pull holds");
-        let Inflight::Claimed(pull) = c.claim(&prefix) else {
+        let Inflight::Claimed(pull) = c.claim(&prefix, D) else {
             panic!("nothing was in flight");
         };
         let wait = c.wait_for_pulls_in_flight(&prefix[3..5], far);
@@ -689,7 +795,7 @@ mod tests {
             .await
             .expect("the pull ended, the wait did not");
         // A pull that never ends holds a request no longer than its deadline.
-        let Inflight::Claimed(_stuck) = c.claim(&prefix) else {
+        let Inflight::Claimed(_stuck) = c.claim(&prefix, D) else {
             panic!("nothing was in flight");
         };
         let soon = tokio::time::Instant::now() + Duration::from_millis(20);

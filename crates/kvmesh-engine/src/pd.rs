@@ -119,6 +119,7 @@ impl PdAdmission {
             threshold_tokens: threshold,
             // A P/D read names this request's blocks on one peer: no sharing with other pulls.
             share_inflight: false,
+            background: false,
         };
         match self.p2p.consumer.read(engine, req, read, opts).await {
             ReadOutcome::Expired => {

@@ -19,6 +19,11 @@
 //! `nothing_missing` (all in the GPU tier already), `not_cached` (not in the CPU tier either),
 //! `gpu_short` (the bound stopped it before any block moved).
 //!
+//! A pull prefetch is background traffic on the modelled links (`docs/architecture.md#sim-link-model`):
+//! it moves only while no on-demand pull moves bytes on this engine's link (ingress) or the
+//! holder's (egress), so it never delays a request's pull. A request that arrives while it runs
+//! and needs its blocks promotes it to demand for what is left ([`crate::p2p`]).
+//!
 //! Bounds: at most [`MAX_RUNNING`] prefetches at once per engine (more are refused as `busy`, a
 //! prefetch never queues behind another), each cancellable by id; the router budgets in-flight
 //! bytes per engine on top.
@@ -230,6 +235,9 @@ impl Prefetcher {
         let opts = ReadOptions {
             threshold_tokens: 0,
             share_inflight: true,
+            // Nobody waits for it yet: it yields both links to demand pulls until a request
+            // joins it (which promotes it for what is left).
+            background: true,
         };
         let read = RemoteRead::from_source(&source);
         let outcome = self.consumer.read(engine, &mut carrier, &read, opts).await;

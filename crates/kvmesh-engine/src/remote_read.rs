@@ -19,13 +19,13 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, KvTransferParams, RemoteKvSource};
-use kvmesh_transfer::PeerAddr;
+use kvmesh_transfer::{PeerAddr, PullClass, TrafficClass};
 
 use crate::admission::AdmissionHook;
 use crate::cpu_tier::PinKind;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
 use crate::p2p::{
-    Inflight, InflightClaim, LANDED_LEASE, P2pConsumer, PrefixPull, local_prefix_blocks,
+    Inflight, InflightClaim, LANDED_LEASE, P2pConsumer, PrefixPull, PullTerms, local_prefix_blocks,
     release_pulled,
 };
 
@@ -116,6 +116,20 @@ pub struct ReadOptions {
     /// Join a pull already in flight for the same blocks instead of moving them again (the llm-d
     /// path, where a burst of requests names one popular prefix).
     pub share_inflight: bool,
+    /// No request waits for these blocks (a prefetch): the pull is background traffic on both
+    /// ends' modelled links until a request joins it, and joining a pull in flight does not
+    /// promote it.
+    pub background: bool,
+}
+
+impl ReadOptions {
+    fn class(&self) -> TrafficClass {
+        if self.background {
+            TrafficClass::Background
+        } else {
+            TrafficClass::Demand
+        }
+    }
 }
 
 /// What [`P2pConsumer::read`] did.
@@ -185,9 +199,9 @@ impl P2pConsumer {
         // One budget (timeout + pending deadline) for waiting on another pull and pulling, so
         // waits never compound.
         let deadline = self.read_deadline();
-        let _claim = if opts.share_inflight {
+        let claim = if opts.share_inflight {
             match self
-                .join_inflight(engine, req, &hashes, &mut local, deadline)
+                .join_inflight(engine, req, &hashes, &mut local, deadline, opts.class())
                 .await
             {
                 Some(claim) => claim,
@@ -198,8 +212,26 @@ impl P2pConsumer {
             None
         };
         let wanted = hashes.len() - local;
+        // A claimed prefetch can be promoted by a request joining it; an unshared one cannot.
+        // The claim itself lives to the end of the read: a ladder-mode hold below counts as part
+        // of the pull for the requests waiting on it.
+        let class = match (&claim, opts.background) {
+            (_, false) => PullClass::Demand,
+            (Some(claim), true) => claim.pull_class(),
+            // Nobody can join it: its signal's sender is gone at once, so it stays background.
+            (None, true) => PullClass::Background {
+                promote: tokio::sync::watch::channel(false).1,
+            },
+        };
         let pull = self
-            .pull_prefix_until(engine, &read.source, &req.prompt, &hashes, local, deadline)
+            .pull_prefix_until(
+                engine,
+                &read.source,
+                &req.prompt,
+                &hashes,
+                local,
+                PullTerms { deadline, class },
+            )
             .await;
         tracing::debug!(
             request_id = %req.request_id,
@@ -242,9 +274,10 @@ impl P2pConsumer {
         hashes: &[BlockHash],
         local: &mut usize,
         deadline: tokio::time::Instant,
+        class: TrafficClass,
     ) -> Option<Option<InflightClaim<'s>>> {
         loop {
-            let mut rx = match self.claim(&hashes[*local..]) {
+            let mut rx = match self.claim(&hashes[*local..], class) {
                 Inflight::Claimed(c) => return Some(Some(c)),
                 Inflight::Busy(rx) => rx,
             };
@@ -287,6 +320,7 @@ impl P2pConsumer {
         let opts = ReadOptions {
             threshold_tokens: 0,
             share_inflight: true,
+            background: false,
         };
         match self
             .read(engine, req, &RemoteRead::from_source(source), opts)

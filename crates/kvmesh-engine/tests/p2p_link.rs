@@ -1,7 +1,7 @@
 //! The sim engine's modelled link with real engines on loopback (issue 17): a holder's link is
 //! shared by everything it serves, so two consumers pulling the same prefix from it at once each
 //! take longer than one alone; both sides count the modelled (real-model) bytes next to the wire
-//! bytes.
+//! bytes; a prefetch is background traffic that does not slow an on-demand pull.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -13,6 +13,7 @@ use common::{
 };
 use kvmesh_engine::server::RunningServer;
 use kvmesh_transfer::Direction;
+use serde_json::{Value, json};
 use tokio::time::timeout;
 
 /// 32K tokens: alone ≈ 25.5 ms setup + 133 ms of bytes on the default link (≈ 159 ms); two at
@@ -142,6 +143,85 @@ async fn a_pull_into_an_engine_that_is_also_serving_takes_longer() {
         assert_eq!(p2p.modelled_bytes(Direction::In), blocks * 16 * 73_728);
         assert_eq!(p2p.modelled_bytes(Direction::Out), blocks * 16 * 73_728);
         for s in [holder, idle, consumer, third] {
+            s.shutdown().await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Runs `POST /kvmesh/prefetch` of `history` from `holder_p2p` on `addr` to its end.
+async fn prefetch(addr: std::net::SocketAddr, id: &str, history: &[u32], holder_p2p: u16) -> Value {
+    let body = json!({"prefetch_id": id, "prompt_token_ids": history,
+        "remote_kv_source": {"kv_request_id": id, "remote_host": "127.0.0.1", "remote_port": holder_p2p}});
+    reqwest::Client::new()
+        .post(format!("http://{addr}/kvmesh/prefetch"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// "A prefetch never delays other work": a prefetch pulling a 32K-token history into an engine
+/// and an on-demand pull of another 32K-token prefix into the same engine from the same holder
+/// at once. The prefetch is background traffic on both links (the consumer's ingress, the
+/// holder's egress), so the request takes about the time it takes on an idle engine (sharing
+/// would make its pull ≈ 1.84× longer), and the prefetch, which yields, ends after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetch_does_not_slow_an_on_demand_pull_into_the_same_engine() {
+    timeout(Duration::from_secs(60), async {
+        let holder = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        let holder_p2p = holder.p2p_addr.unwrap().port();
+        let history = tokens(91, PREFIX + 16);
+        let prefix = tokens(92, PREFIX);
+        complete(holder.addr, &history, 1, None).await;
+        complete(holder.addr, &prefix, 1, None).await;
+        let mut prompt = prefix.clone();
+        prompt.extend(tokens(93, 32));
+
+        // The request alone, on an idle engine.
+        let idle = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        let alone = pull_from(&idle, holder_p2p, &prompt).await;
+        let single = pull_seconds(&idle).await;
+
+        // The same request while a prefetch pulls into the engine.
+        let consumer = start_engine(p2p_config(), PROFILE, 1.0, 32).await;
+        let prefetching = {
+            let addr = consumer.addr;
+            let history = history.clone();
+            tokio::spawn(async move {
+                let t0 = Instant::now();
+                let report = prefetch(addr, "pf-bg", &history, holder_p2p).await;
+                (report, t0.elapsed())
+            })
+        };
+        // Past the prefetch's setup: its bytes are moving when the request's pull starts.
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let with_prefetch = pull_from(&consumer, holder_p2p, &prompt).await;
+        let (report, prefetch_wall) = prefetching.await.unwrap();
+        eprintln!(
+            "request alone {alone:?} (pull {single:.3} s); with a prefetch pulling into the same \
+             engine {with_prefetch:?} ({:.2}x); the prefetch took {prefetch_wall:?}",
+            with_prefetch.as_secs_f64() / alone.as_secs_f64()
+        );
+        assert_eq!(report["outcome"], "pulled", "{report}");
+        assert_eq!(report["blocks"], PREFIX / 16, "{report}");
+        assert!(
+            with_prefetch.as_secs_f64() < 1.3 * alone.as_secs_f64(),
+            "the prefetch delayed the request: {with_prefetch:?} vs {alone:?} alone"
+        );
+        // The prefetch yielded: it lost (about) the request's pull time.
+        assert!(
+            prefetch_wall.as_secs_f64() > 1.4 * single,
+            "{prefetch_wall:?} vs {single} s alone"
+        );
+        for link in [&holder, &idle, &consumer].map(|s| s.engine.link().unwrap()) {
+            assert_eq!(link.registered(), 0, "every transfer deregistered");
+        }
+        for s in [holder, idle, consumer] {
             s.shutdown().await;
         }
     })

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use kvmesh_transfer::{LinkPacer, PacedTransfer};
+use kvmesh_transfer::{LinkPacer, PacedTransfer, TrafficClass};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
@@ -44,7 +44,8 @@ impl ServeCap {
 }
 
 impl LinkPacer for ServeCap {
-    fn begin(&self, _blocks: usize) -> Box<dyn PacedTransfer> {
+    /// A cap, not a priority scheduler: a prefetch's fetch is capped like any other.
+    fn begin(&self, _blocks: usize, _class: TrafficClass) -> Box<dyn PacedTransfer> {
         Box::new(CappedFetch {
             slot: self.slot(self.store.block_bytes()),
             next_free: Arc::clone(&self.next_free),
@@ -121,8 +122,8 @@ mod tests {
         let cap = ServeCap::new(10_000, store_with_blocks(1000)).expect("capped");
         assert_eq!(cap.chunk_blocks(), 1);
         let t0 = Instant::now();
-        let mut a = cap.begin(3);
-        let mut b = cap.begin(2);
+        let mut a = cap.begin(3, TrafficClass::Demand);
+        let mut b = cap.begin(2, TrafficClass::Demand);
         a.reached(1).await;
         assert_eq!(t0.elapsed(), Duration::from_millis(100));
         b.reached(1).await;

@@ -8,6 +8,12 @@
 //! reported `Pending` may take `pending_deadline` longer. Handshaken connections are kept in a
 //! small per-peer pool; a pooled connection that turns out dead before its first reply is replaced
 //! once by a fresh one.
+//!
+//! A pull has a [`PullClass`]: demand (a request waits) or background (a prefetch). A background
+//! pull is registered as background traffic on the consumer's modelled link and asks the producer
+//! to pace it likewise (`Fetch::background`); when its promotion signal turns true (a request now
+//! waits for its blocks) the rest of it becomes demand on the consumer's link and, if the
+//! producer announced support, on the producer's (`Promote`, sent on the same connection).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -18,6 +24,7 @@ use std::time::Duration;
 use kvmesh_core::{BlockHash, Fingerprint, RemoteKvSource};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
+use tokio::sync::watch;
 use tokio::time::{Instant, timeout};
 
 use crate::auth::{self, Secret};
@@ -26,10 +33,11 @@ use crate::frame::{DEFAULT_MAX_FRAME, HEADER_LEN, PREAUTH_MAX_FRAME};
 use crate::limits::IpNet;
 use crate::mac::{self, Role, SessionKeys};
 use crate::message::{
-    Auth, BlockStatus, Fetch, FetchEnd, Hello, Lookup, Message, PROTOCOL_VERSION, RefuseReason,
+    Auth, BlockStatus, Fetch, FetchEnd, Hello, Lookup, Message, PROTOCOL_VERSION, Promote,
+    RefuseReason,
 };
 use crate::metrics::{Direction, TransferMetrics};
-use crate::pacing::LinkPacer;
+use crate::pacing::{LinkPacer, PacedTransfer, TrafficClass};
 use crate::report::{PullOutcome, PullReason, PullReport};
 use crate::source::BlockSink;
 
@@ -246,6 +254,33 @@ pub struct ClientConfig {
     pub ingress: Option<std::sync::Arc<dyn LinkPacer>>,
 }
 
+/// Who waits for a pull: decides its [`TrafficClass`] on both ends' modelled links.
+#[derive(Debug, Clone, Default)]
+pub enum PullClass {
+    /// A request waits for the blocks.
+    #[default]
+    Demand,
+    /// A prefetch: background traffic until `promote` reads true (a request now waits for the
+    /// blocks), then demand for what is left. Already true at the start: a demand pull. A dropped
+    /// sender leaves the class as it is.
+    Background { promote: watch::Receiver<bool> },
+}
+
+impl PullClass {
+    /// The promotion signal of a background pull not promoted yet (`None`: a demand pull).
+    fn pending_promotion(&self) -> Option<watch::Receiver<bool>> {
+        match self {
+            PullClass::Demand => None,
+            PullClass::Background { promote } => (!*promote.borrow()).then(|| promote.clone()),
+        }
+    }
+}
+
+/// Waits until `promote` reads true; `false` if its sender is gone first (never promoted).
+async fn promoted(promote: &mut watch::Receiver<bool>) -> bool {
+    promote.wait_for(|p| *p).await.is_ok()
+}
+
 /// Modelled transfer time of a number of blocks (see [`ClientConfig::modelled_duration`]).
 #[derive(Clone)]
 pub struct ModelledDuration(pub std::sync::Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync>);
@@ -394,9 +429,37 @@ impl PullClient {
         sink: &mut dyn BlockSink,
         deadline: Option<Instant>,
     ) -> PullReport {
+        self.pull_with_class(
+            peer,
+            kv_request_id,
+            hashes,
+            sink,
+            deadline,
+            PullClass::Demand,
+        )
+        .await
+    }
+
+    /// As [`PullClient::pull_with_deadline`], for a pull of `class`: a background pull (a
+    /// prefetch) yields both ends' modelled links to demand pulls until it is promoted.
+    pub async fn pull_with_class(
+        &self,
+        peer: impl Into<PeerAddr>,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        sink: &mut dyn BlockSink,
+        deadline: Option<Instant>,
+        class: PullClass,
+    ) -> PullReport {
         let peer = peer.into();
         let start = Instant::now();
         let mut progress = Progress::default();
+        let mut promote = class.pending_promotion();
+        let traffic = if promote.is_some() {
+            TrafficClass::Background
+        } else {
+            TrafficClass::Demand
+        };
         // Registered for what we ask for, before the first byte: the modelled link starts its
         // setup while the real pull runs.
         let mut paced = self
@@ -404,20 +467,48 @@ impl PullClient {
             .ingress
             .as_ref()
             .filter(|_| !hashes.is_empty())
-            .map(|p| p.begin(hashes.len()));
-        let inner = self.pull_inner(&peer, kv_request_id, hashes, sink, &mut progress);
-        let result = match deadline {
-            None => inner.await,
-            // Dropping the attempt drops its connection (it is mid-stream), never pools it.
-            Some(d) => tokio::time::timeout_at(d, inner)
-                .await
-                .unwrap_or(Err(PullReason::Timeout)),
+            .map(|p| p.begin(hashes.len(), traffic));
+        // The real pull, promoting our ingress transfer if a request starts waiting meanwhile
+        // (the session tells the producer itself). Scoped: `work` borrows the progress.
+        let result = {
+            let inner = self.pull_inner(
+                &peer,
+                kv_request_id,
+                hashes,
+                sink,
+                &mut progress,
+                promote.clone(),
+            );
+            let work = async {
+                match deadline {
+                    None => inner.await,
+                    // Dropping the attempt drops its connection (it is mid-stream), never pools it.
+                    Some(d) => tokio::time::timeout_at(d, inner)
+                        .await
+                        .unwrap_or(Err(PullReason::Timeout)),
+                }
+            };
+            tokio::pin!(work);
+            loop {
+                let Some(rx) = promote.as_mut() else {
+                    break (&mut work).await;
+                };
+                let now_demand = tokio::select! {
+                    biased;
+                    p = promoted(rx) => p,
+                    r = &mut work => break r,
+                };
+                promote = None;
+                if now_demand && let Some(p) = paced.as_mut() {
+                    p.promote();
+                }
+            }
         };
         if let Some(p) = paced.as_mut() {
             // Only what arrived crosses the modelled link; nothing arrived, nothing to wait for.
             p.truncate(progress.blocks);
             if progress.blocks > 0 {
-                p.reached(progress.blocks).await;
+                Self::await_paced(p.as_mut(), progress.blocks, promote.take()).await;
             }
         }
         drop(paced);
@@ -444,6 +535,30 @@ impl PullClient {
             blocks: progress.blocks,
             bytes: progress.bytes,
             duration,
+        }
+    }
+
+    /// Waits until `blocks` have crossed the modelled ingress link, promoting the transfer if
+    /// `promote` turns true first (a request started waiting for a prefetch that has all its
+    /// bytes from the wire but not yet from the model).
+    async fn await_paced(
+        p: &mut dyn PacedTransfer,
+        blocks: usize,
+        mut promote: Option<watch::Receiver<bool>>,
+    ) {
+        loop {
+            let Some(rx) = promote.as_mut() else {
+                return p.reached(blocks).await;
+            };
+            let now_demand = tokio::select! {
+                biased;
+                d = promoted(rx) => d,
+                () = p.reached(blocks) => return,
+            };
+            promote = None;
+            if now_demand {
+                p.promote();
+            }
         }
     }
 
@@ -542,6 +657,7 @@ impl PullClient {
         hashes: &[BlockHash],
         sink: &mut dyn BlockSink,
         progress: &mut Progress,
+        promote: Option<watch::Receiver<bool>>,
     ) -> Result<(), PullReason> {
         if !self.config.allowed_peers.permits(peer) {
             return Err(PullReason::NotAllowed);
@@ -561,7 +677,14 @@ impl PullClient {
             self.config.metrics.record_connection(reused);
             progress.replied = false;
             match self
-                .session(&mut conn, kv_request_id, hashes, sink, progress)
+                .session(
+                    &mut conn,
+                    kv_request_id,
+                    hashes,
+                    sink,
+                    progress,
+                    promote.clone(),
+                )
                 .await
             {
                 Ok(()) => {
@@ -617,11 +740,12 @@ impl PullClient {
         };
         // Whatever the producer sends before accepting us is bounded small.
         let mut conn = Connection::new(stream, PREAUTH_MAX_FRAME);
-        let keys = match timeout(self.config.timeout, self.handshake(&mut conn)).await {
+        let (keys, promotes) = match timeout(self.config.timeout, self.handshake(&mut conn)).await {
             Err(_) => return Err(PullReason::Timeout),
             Ok(r) => r?,
         };
         conn.set_max_frame(self.config.max_frame);
+        conn.set_peer_promotes(promotes);
         if let Some(keys) = keys {
             conn.enable_mac(&keys);
         }
@@ -629,8 +753,11 @@ impl PullClient {
     }
 
     /// Returns the session keys when authenticated with a secret (then every later frame is
-    /// MACed), `None` for an open producer.
-    async fn handshake(&self, conn: &mut Connection) -> Result<Option<SessionKeys>, PullReason> {
+    /// MACed), `None` for an open producer; and whether the producer reads `Promote`.
+    async fn handshake(
+        &self,
+        conn: &mut Connection,
+    ) -> Result<(Option<SessionKeys>, bool), PullReason> {
         let ours = auth::nonce();
         let hello = Message::Hello(Hello {
             version: PROTOCOL_VERSION,
@@ -661,21 +788,23 @@ impl PullClient {
                     challenged = Some(c.nonce);
                 }
                 Some(Message::HelloOk(ok)) => {
+                    let promotes = ok.promote;
                     return match (&self.config.secret, challenged, ok.proof) {
-                        (None, None, _) => Ok(None),
+                        (None, None, _) => Ok((None, promotes)),
                         (Some(secret), Some(theirs), Some(proof))
                             if auth::constant_time_eq(
                                 &proof,
                                 &secret.producer_proof(&theirs, &ours),
                             ) =>
                         {
-                            Ok(Some(SessionKeys::derive(
+                            let keys = SessionKeys::derive(
                                 secret,
                                 Role::Consumer,
                                 &ours,
                                 &theirs,
                                 &transcript,
-                            )))
+                            );
+                            Ok((Some(keys), promotes))
                         }
                         // We hold a secret but the producer did not prove it holds it too.
                         _ => Err(PullReason::AuthFailed),
@@ -747,6 +876,7 @@ impl PullClient {
         hashes: &[BlockHash],
         sink: &mut dyn BlockSink,
         progress: &mut Progress,
+        promote: Option<watch::Receiver<bool>>,
     ) -> Result<(), Stop> {
         let step = self.config.timeout;
         let lookup = Lookup {
@@ -773,11 +903,17 @@ impl PullClient {
             .unwrap_or(usable);
         let pending_wait_ms =
             u32::try_from(self.config.pending_deadline.as_millis()).unwrap_or(u32::MAX);
+        // Still a prefetch nobody waits for (a promotion before this point makes it demand).
+        let background = promote.as_ref().is_some_and(|rx| !*rx.borrow());
         let fetch = Fetch {
             hashes: hashes[..usable].to_vec(),
             pending_wait_ms,
+            background,
         };
         Self::write(conn, step, &Message::Fetch(fetch), false).await?;
+        // Listen for a promotion during the stream only where a `Promote` can be sent: an
+        // older producer would close the connection on the unknown frame.
+        let mut promote = promote.filter(|_| background && conn.peer_promotes());
         // Blocks from the first pending one on may take until the producer's wait deadline.
         let pending_limit = step + self.config.pending_deadline;
         loop {
@@ -787,7 +923,30 @@ impl PullClient {
             } else {
                 step
             };
-            match Self::read(conn, limit, false).await? {
+            let msg = if let Some(rx) = promote.as_mut() {
+                // Reading is cancel safe: a frame cut short resumes on the next read.
+                let event = tokio::select! {
+                    biased;
+                    d = promoted(rx) => Err(d),
+                    m = Self::read(conn, limit, false) => Ok(m),
+                };
+                match event {
+                    Ok(m) => m?,
+                    Err(now_demand) => {
+                        promote = None;
+                        if now_demand {
+                            // A request waits for the rest of this fetch: the producer paces
+                            // it as demand from now on.
+                            let promote = Message::Promote(Promote {});
+                            Self::write(conn, step, &promote, false).await?;
+                        }
+                        continue;
+                    }
+                }
+            } else {
+                Self::read(conn, limit, false).await?
+            };
+            match msg {
                 Message::Block(b) => {
                     let Some(&want) = hashes[..usable].get(next) else {
                         return Err(Stop::broken(PullReason::Protocol));

@@ -93,6 +93,9 @@ pub struct Connection {
     /// MAC of the frame at the front of `buf` over the bytes received so far, and the offset up
     /// to which they are fed.
     frame_mac: Option<(Hmac<Sha256>, usize)>,
+    /// The peer (a producer) said in its `HelloOk` that it reads `Promote` during a background
+    /// fetch; kept here so a pooled connection remembers it.
+    peer_promotes: bool,
 }
 
 impl Connection {
@@ -107,7 +110,18 @@ impl Connection {
             send_mac: None,
             recv_mac: None,
             frame_mac: None,
+            peer_promotes: false,
         }
+    }
+
+    /// Records whether the peer announced `Promote` support (its `HelloOk`).
+    pub fn set_peer_promotes(&mut self, promotes: bool) {
+        self.peer_promotes = promotes;
+    }
+
+    /// Whether the peer reads `Promote` during a background fetch.
+    pub fn peer_promotes(&self) -> bool {
+        self.peer_promotes
     }
 
     /// Raise (or lower) the frame bound, e.g. from the pre-handshake bound once the peer is

@@ -37,11 +37,13 @@ pub enum Tag {
     Block = 9,
     Done = 10,
     Error = 11,
+    /// A background fetch became demand (consumer → producer, during the fetch).
+    Promote = 12,
 }
 
 impl Tag {
     /// All tags, for exhaustive tests.
-    pub const ALL: [Tag; 11] = [
+    pub const ALL: [Tag; 12] = [
         Tag::Hello,
         Tag::Challenge,
         Tag::Auth,
@@ -53,6 +55,7 @@ impl Tag {
         Tag::Block,
         Tag::Done,
         Tag::Error,
+        Tag::Promote,
     ];
 }
 

@@ -29,10 +29,12 @@ pub mod server;
 pub mod source;
 
 pub use auth::Secret;
-pub use client::{AllowList, AllowListError, ClientConfig, ModelledDuration, PeerAddr, PullClient};
+pub use client::{
+    AllowList, AllowListError, ClientConfig, ModelledDuration, PeerAddr, PullClass, PullClient,
+};
 pub use limits::{IpNet, IpNetError};
 pub use metrics::{Direction, TransferMetrics};
-pub use pacing::{LinkPacer, PacedTransfer};
+pub use pacing::{LinkPacer, PacedTransfer, TrafficClass};
 pub use report::{PullOutcome, PullReason, PullReport};
 pub use server::{BindError, ProducerServer, ServerConfig};
 pub use source::{BlockSink, BlockSource, BlockStatus, MemorySource, SinkError, VecSink};

@@ -47,6 +47,18 @@ pub struct HelloOk {
     pub version: u16,
     /// The producer's proof that it knows the secret too (mutual authentication), if challenged.
     pub proof: Option<Vec<u8>>,
+    /// The producer honours [`Fetch::background`] and reads [`Promote`] during a background
+    /// fetch. Absent (an older producer, which would close the connection on an unknown frame)
+    /// means false: the consumer then never sends `Promote`. Only written when true, so the
+    /// frame of a producer without it is unchanged.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub promote: bool,
+}
+
+/// Serde helper: optional flags are left out of the map when false (older peers see the exact
+/// frames they always did, and a missing key decodes as false).
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Why a producer refused a connection. The connection closes after it.
@@ -129,7 +141,19 @@ struct LookupReplyWire {
 pub struct Fetch {
     pub hashes: Vec<BlockHash>,
     pub pending_wait_ms: u32,
+    /// A prefetch nobody waits for yet: a time-modelled producer paces it as background traffic
+    /// on its link (it moves only while no demand fetch does) until a [`Promote`] arrives.
+    /// Absent (older consumers, other encoders) means false, i.e. demand; written only when
+    /// true, so a demand `Fetch` is byte-for-byte the frame it always was.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub background: bool,
 }
+
+/// Consumer → producer, only during a background fetch and only to a producer that announced
+/// [`HelloOk::promote`]: a request now waits for this fetch's blocks, so the rest of it is demand
+/// traffic. No reply. A `Promote` that arrives after the fetch ended is ignored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Promote {}
 
 /// One block of a fetch. `index` is the position in the `Fetch` list.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -216,6 +240,7 @@ pub enum Message {
     Block(BlockFrame),
     Done(Done),
     Error(ErrorMsg),
+    Promote(Promote),
 }
 
 /// A frame whose body does not decode as its tag says.
@@ -282,6 +307,7 @@ impl Message {
             Message::Block(_) => Tag::Block,
             Message::Done(_) => Tag::Done,
             Message::Error(_) => Tag::Error,
+            Message::Promote(_) => Tag::Promote,
         }
     }
 
@@ -315,6 +341,7 @@ impl Message {
             Tag::Block => Message::Block(decode_block(body)?),
             Tag::Done => Message::Done(decode_mp(tag, &body)?),
             Tag::Error => Message::Error(decode_mp(tag, &body)?),
+            Tag::Promote => Message::Promote(decode_mp(tag, &body)?),
         })
     }
 
@@ -351,6 +378,7 @@ impl Message {
             Message::Fetch(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
             Message::Done(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
             Message::Error(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
+            Message::Promote(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
         };
         let mut head = BytesMut::with_capacity(HEADER_LEN + body.len());
         head.put_slice(&frame::header(tag, body.len() + trailer, max_frame)?);
@@ -451,8 +479,15 @@ mod tests {
             any::<[u8; 16]>().prop_map(|nonce| Message::Challenge(Challenge { nonce })),
             proptest::collection::vec(any::<u8>(), 0..40)
                 .prop_map(|proof| Message::Auth(Auth { proof })),
-            proptest::option::of(proptest::collection::vec(any::<u8>(), 32))
-                .prop_map(|proof| Message::HelloOk(HelloOk { version: 1, proof })),
+            (
+                proptest::option::of(proptest::collection::vec(any::<u8>(), 32)),
+                any::<bool>()
+            )
+                .prop_map(|(proof, promote)| Message::HelloOk(HelloOk {
+                    version: 1,
+                    proof,
+                    promote
+                })),
             Just(Message::Refused(Refused {
                 reason: RefuseReason::Fingerprint {
                     field: "block_size".into(),
@@ -480,10 +515,14 @@ mod tests {
                     })
                 }
             ),
-            (hashes, any::<u32>()).prop_map(|(hashes, pending_wait_ms)| Message::Fetch(Fetch {
-                hashes,
-                pending_wait_ms
-            })),
+            (hashes, any::<u32>(), any::<bool>()).prop_map(
+                |(hashes, pending_wait_ms, background)| Message::Fetch(Fetch {
+                    hashes,
+                    pending_wait_ms,
+                    background
+                })
+            ),
+            Just(Message::Promote(Promote {})),
             (
                 any::<u32>(),
                 any::<u64>(),
@@ -544,6 +583,91 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    /// Golden bytes of a `Fetch` frame as every encoder before the `background` flag wrote it
+    /// (and as the Rust consumer still writes a demand fetch): a two-key msgpack map.
+    const FETCH_V2_GOLDEN: &[u8] = &[
+        0, 0, 0, 31, 8,    // len 31 (tag + 30-byte body), tag 8 = Fetch
+        0x82, // map of 2
+        0xa6, b'h', b'a', b's', b'h', b'e', b's', 0x92, 0x01, 0xcd, 0x01, 0x00, // [1, 256]
+        0xaf, b'p', b'e', b'n', b'd', b'i', b'n', b'g', b'_', b'w', b'a', b'i', b't', b'_', b'm',
+        b's', 0x07, // pending_wait_ms: 7
+    ];
+
+    fn parse_one(wire: &[u8]) -> Message {
+        let mut buf = BytesMut::from(wire);
+        let f = frame::parse(&mut buf, 1 << 20).unwrap().unwrap();
+        assert!(buf.is_empty());
+        Message::from_frame(f).unwrap()
+    }
+
+    /// Wire compatibility of the `background` flag: a demand fetch is the same bytes as before
+    /// the flag existed, an old frame (no key) decodes as demand, and a background fetch adds
+    /// exactly one key that an older decoder skips like any unknown key.
+    #[test]
+    fn fetch_background_flag_is_wire_compatible() {
+        let demand = Fetch {
+            hashes: vec![BlockHash(1), BlockHash(256)],
+            pending_wait_ms: 7,
+            background: false,
+        };
+        let wire = Message::Fetch(demand.clone())
+            .encode(1024)
+            .unwrap()
+            .to_vec();
+        assert_eq!(wire, FETCH_V2_GOLDEN, "a demand Fetch changed on the wire");
+        assert_eq!(parse_one(FETCH_V2_GOLDEN), Message::Fetch(demand.clone()));
+
+        let bg = Fetch {
+            background: true,
+            ..demand.clone()
+        };
+        let wire = Message::Fetch(bg.clone()).encode(1024).unwrap().to_vec();
+        let mut expected = FETCH_V2_GOLDEN.to_vec();
+        expected[3] += 12; // "background": true = 1 + 10 + 1 bytes
+        expected[5] = 0x83;
+        expected.extend_from_slice(b"\xaabackground\xc3");
+        assert_eq!(wire, expected);
+        assert_eq!(parse_one(&wire), Message::Fetch(bg));
+
+        // An older decoder: the map without the flag's field, which ignores unknown keys.
+        #[derive(Debug, Deserialize, PartialEq)]
+        struct FetchV2 {
+            hashes: Vec<BlockHash>,
+            pending_wait_ms: u32,
+        }
+        let old: FetchV2 = rmp_serde::from_slice(&wire[HEADER_LEN..]).unwrap();
+        assert_eq!(old.hashes, demand.hashes);
+        assert_eq!(old.pending_wait_ms, 7);
+    }
+
+    /// `HelloOk` without `promote` (an older producer) decodes as a producer that does not
+    /// promote, and a producer that does not promote writes the frame it always did.
+    #[test]
+    fn hello_ok_promote_capability_is_wire_compatible() {
+        let old = HelloOk {
+            version: PROTOCOL_VERSION,
+            proof: None,
+            promote: false,
+        };
+        let wire = Message::HelloOk(old.clone()).encode(1024).unwrap().to_vec();
+        // {version: 2, proof: nil}
+        let mut golden = vec![0, 0, 0, 18, Tag::HelloOk as u8, 0x82, 0xa7];
+        golden.extend_from_slice(b"version\x02\xa5proof\xc0");
+        assert_eq!(wire, golden);
+        assert_eq!(parse_one(&golden), Message::HelloOk(old.clone()));
+        let new = HelloOk {
+            promote: true,
+            ..old
+        };
+        assert_eq!(
+            parse_one(&Message::HelloOk(new.clone()).encode(1024).unwrap().to_vec()),
+            Message::HelloOk(new)
+        );
+        // `Promote` is an empty map under its own tag.
+        let wire = Message::Promote(Promote {}).encode(1024).unwrap().to_vec();
+        assert_eq!(wire, [0, 0, 0, 2, Tag::Promote as u8, 0x80]);
     }
 
     proptest! {

@@ -40,7 +40,7 @@ use crate::message::{
     Message, MessageError, PROTOCOL_VERSION, RefuseReason, Refused,
 };
 use crate::metrics::{Direction, TransferMetrics};
-use crate::pacing::LinkPacer;
+use crate::pacing::{LinkPacer, TrafficClass};
 use crate::source::BlockSource;
 
 /// Producer settings.
@@ -411,6 +411,9 @@ impl Handler {
             match msg {
                 Message::Lookup(l) => self.lookup(l).await?,
                 Message::Fetch(f) => self.fetch(f).await?,
+                // The consumer promoted a background fetch that had already ended (it crossed
+                // our `Done`): nothing left to promote.
+                Message::Promote(_) => {}
                 other => {
                     return Err(HandlerError::Protocol(format!(
                         "unexpected {:?} frame",
@@ -519,6 +522,8 @@ impl Handler {
             .write_message(&Message::HelloOk(HelloOk {
                 version: PROTOCOL_VERSION,
                 proof,
+                // We read `Promote` during a background fetch (see `fetch`).
+                promote: true,
             }))
             .await?;
         // Accepted: the configured frame bound applies, and with a secret every frame from now
@@ -620,18 +625,53 @@ impl Handler {
         let mut end = FetchEnd::Complete;
         let n = f.hashes.len();
         // Registered for every block asked for; dropped (deregistered) when the fetch ends,
-        // early or not.
+        // early or not. A prefetch (`background`) yields our link to demand fetches until the
+        // consumer promotes it.
+        let class = if f.background {
+            TrafficClass::Background
+        } else {
+            TrafficClass::Demand
+        };
         let egress = cfg.egress.clone();
         let mut paced = egress
             .as_ref()
             .filter(|_| n > 0)
-            .map(|p| (p.begin(n), p.chunk_blocks().max(1)));
+            .map(|p| (p.begin(n, class), p.chunk_blocks().max(1)));
+        // Whether to watch for `Promote` while pacing: only a background fetch can be promoted,
+        // and only a consumer that sent `background` (and saw our `HelloOk::promote`) sends one.
+        let mut promotable = f.background;
         for (i, &hash) in f.hashes.iter().enumerate() {
             let index = u32::try_from(i).unwrap_or(u32::MAX);
             if let Some((p, chunk)) = paced.as_mut()
                 && i % *chunk == 0
             {
-                p.reached((i + *chunk).min(n)).await;
+                let upto = (i + *chunk).min(n);
+                while promotable {
+                    // Pacing is where a stalled prefetch waits, so that is where we listen.
+                    // Reading is cancel safe: a frame cut short here resumes on the next read.
+                    let read = tokio::select! {
+                        biased;
+                        () = p.reached(upto) => None,
+                        m = self.conn.read_message() => Some(m),
+                    };
+                    let Some(read) = read else { break };
+                    promotable = false;
+                    match read? {
+                        Some(Message::Promote(_)) => p.promote(),
+                        None => {
+                            return Err(HandlerError::Connection(ConnectionError::Io(
+                                io::ErrorKind::UnexpectedEof.into(),
+                            )));
+                        }
+                        Some(other) => {
+                            return Err(HandlerError::Protocol(format!(
+                                "unexpected {:?} frame during a fetch",
+                                other.tag()
+                            )));
+                        }
+                    }
+                }
+                p.reached(upto).await;
             }
             if looked_up.get(i) != Some(&hash) {
                 // Not pinned by the lookup (pending then, or a different list): pin it now.

@@ -203,6 +203,7 @@ async fn tampering_producer() -> SocketAddr {
         conn.write_message(&Message::HelloOk(HelloOk {
             version: PROTOCOL_VERSION,
             proof,
+            promote: false,
         }))
         .await
         .unwrap();
@@ -353,6 +354,7 @@ async fn a_peer_over_its_pin_quota_gets_misses_not_pins() {
     a.write_message(&Message::Fetch(Fetch {
         hashes: hs.clone(),
         pending_wait_ms: 0,
+        background: false,
     }))
     .await
     .unwrap();

@@ -110,6 +110,7 @@ async fn evicted_between_lookup_and_fetch_cannot_happen_while_pinned() {
     conn.write_message(&Message::Fetch(kvmesh_transfer::message::Fetch {
         hashes: hs.clone(),
         pending_wait_ms: 0,
+        background: false,
     }))
     .await
     .unwrap();
@@ -303,6 +304,7 @@ async fn fake_producer(script: Script) -> (SocketAddr, JoinHandle<()>) {
         conn.write_message(&Message::HelloOk(HelloOk {
             version: PROTOCOL_VERSION,
             proof: None,
+            promote: false,
         }))
         .await
         .unwrap();
@@ -997,4 +999,218 @@ async fn lookup_counts_the_leading_run_and_moves_nothing() {
     let (report, sink) = pull(&client, p.addr, &hs[..5]).await;
     assert_eq!(report.outcome, PullOutcome::Complete);
     assert_eq!(sink.got, hs[..5]);
+}
+
+/// A modelled link for the class tests: records what each end registers and promotes, and holds
+/// a background transfer (it "stalls behind demand traffic") until it is promoted.
+#[derive(Debug, Default)]
+struct ClassPacer {
+    log: Arc<parking_lot::Mutex<Vec<String>>>,
+}
+
+struct ClassTransfer {
+    log: Arc<parking_lot::Mutex<Vec<String>>>,
+    promoted: Arc<tokio::sync::Notify>,
+    background: bool,
+}
+
+impl kvmesh_transfer::LinkPacer for ClassPacer {
+    fn begin(
+        &self,
+        blocks: usize,
+        class: kvmesh_transfer::TrafficClass,
+    ) -> Box<dyn kvmesh_transfer::PacedTransfer> {
+        self.log.lock().push(format!("begin {blocks} {class:?}"));
+        Box::new(ClassTransfer {
+            log: Arc::clone(&self.log),
+            promoted: Arc::default(),
+            background: class == kvmesh_transfer::TrafficClass::Background,
+        })
+    }
+
+    fn modelled_bytes_per_block(&self) -> u64 {
+        0
+    }
+}
+
+impl kvmesh_transfer::PacedTransfer for ClassTransfer {
+    fn reached(&mut self, _blocks: usize) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if self.background {
+                self.promoted.notified().await;
+            }
+        })
+    }
+
+    fn truncate(&mut self, _blocks: usize) {}
+
+    fn promote(&mut self) {
+        self.log.lock().push("promote".into());
+        self.background = false;
+        self.promoted.notify_one();
+    }
+}
+
+/// A prefetch's pull is background at both ends (the producer learns it from `Fetch`), and a
+/// promotion mid-pull reaches both: the consumer's ingress transfer and, through `Promote` on the
+/// same connection, the producer's egress transfer, which then releases its blocks. A demand pull
+/// on the same pooled connection afterwards is demand at both ends (the late `Promote` is gone).
+#[tokio::test]
+async fn a_background_pull_is_background_at_both_ends_until_promoted() {
+    let hs = hashes(24);
+    let egress = Arc::new(ClassPacer::default());
+    let served = egress.log.clone();
+    let config = ServerConfig {
+        egress: Some(egress),
+        ..ServerConfig::default()
+    };
+    let p = start_producer(&hs, config).await;
+    let ingress = Arc::new(ClassPacer::default());
+    let received = ingress.log.clone();
+    let client = Arc::new(client_for(p.addr, |c| c.ingress = Some(ingress)));
+    let (promote, rx) = tokio::sync::watch::channel(false);
+    let task = {
+        let (client, hs, addr) = (Arc::clone(&client), hs.clone(), p.addr);
+        tokio::spawn(async move {
+            let mut sink = VerifySink::default();
+            let class = kvmesh_transfer::PullClass::Background { promote: rx };
+            let report = client
+                .pull_with_class(addr, "prefetch-1", &hs, &mut sink, None, class)
+                .await;
+            (report, sink)
+        })
+    };
+    eventually("the producer registers a background fetch", || {
+        served.lock().as_slice() == ["begin 24 Background"]
+    })
+    .await;
+    assert_eq!(received.lock().as_slice(), ["begin 24 Background"]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !task.is_finished(),
+        "a background fetch moved while stalled"
+    );
+    assert_eq!(p.metrics.blocks(kvmesh_transfer::Direction::Out), 0);
+
+    // A request now waits for these blocks.
+    promote.send_replace(true);
+    let (report, sink) = bounded(task).await.unwrap();
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!(sink.got, hs);
+    assert_eq!(served.lock().as_slice(), ["begin 24 Background", "promote"]);
+    assert_eq!(
+        received.lock().as_slice(),
+        ["begin 24 Background", "promote"]
+    );
+
+    // A demand pull on the pooled connection: demand at both ends, nothing to promote.
+    let (report, _) = pull(&client, p.addr, &hs[..8]).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!(client.metrics().connections_reused(), 1);
+    assert_eq!(
+        served.lock().last().map(String::as_str),
+        Some("begin 8 Demand")
+    );
+    assert_eq!(
+        received.lock().last().map(String::as_str),
+        Some("begin 8 Demand")
+    );
+    // A pull promoted before it started is demand from the start.
+    let (_promote, rx) = tokio::sync::watch::channel(true);
+    let mut sink = VerifySink::default();
+    let class = kvmesh_transfer::PullClass::Background { promote: rx };
+    let report =
+        bounded(client.pull_with_class(p.addr, "r", &hs[..4], &mut sink, None, class)).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    assert_eq!(
+        served.lock().last().map(String::as_str),
+        Some("begin 4 Demand")
+    );
+}
+
+/// A producer that does not announce `Promote` support (an older one) is never sent `Promote`,
+/// which it would take for a protocol violation: the consumer promotes its own end only.
+#[tokio::test]
+async fn a_producer_without_promote_support_is_never_sent_promote() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let hs = hashes(4);
+    let (frames_tx, mut frames_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let producer = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut conn = Connection::new(stream, 1 << 20);
+        let Ok(Some(Message::Hello(_))) = conn.read_message().await else {
+            return;
+        };
+        // An older producer's HelloOk: no `promote` key.
+        conn.write_message(&Message::HelloOk(HelloOk {
+            version: PROTOCOL_VERSION,
+            proof: None,
+            promote: false,
+        }))
+        .await
+        .unwrap();
+        let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
+            return;
+        };
+        let statuses = vec![BlockStatus::Hit; l.hashes.len()];
+        conn.write_message(&Message::LookupReply(LookupReply {
+            statuses,
+            lease_ms: 1000,
+        }))
+        .await
+        .unwrap();
+        let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
+            return;
+        };
+        frames_tx
+            .send(format!("fetch background={}", f.background))
+            .unwrap();
+        // Hold the stream until the consumer has been promoted, then serve it.
+        let _ = go_rx.await;
+        for (i, h) in f.hashes.iter().enumerate() {
+            let b = BlockFrame::new(i as u32, *h, payload_for(*h));
+            conn.write_message(&Message::Block(b)).await.unwrap();
+        }
+        let done = Done {
+            blocks: f.hashes.len() as u32,
+            bytes: (f.hashes.len() * BLOCK_BYTES) as u64,
+            end: FetchEnd::Complete,
+        };
+        conn.write_message(&Message::Done(done)).await.unwrap();
+        // Anything the consumer sends next on this connection (it goes back to its pool).
+        if let Ok(Ok(Some(m))) =
+            tokio::time::timeout(Duration::from_millis(200), conn.read_message()).await
+        {
+            frames_tx.send(format!("then {:?}", m.tag())).unwrap();
+        }
+    });
+    let ingress = Arc::new(ClassPacer::default());
+    let received = ingress.log.clone();
+    let client = client_for(addr, |c| c.ingress = Some(ingress));
+    let (promote, rx) = tokio::sync::watch::channel(false);
+    let mut sink = VerifySink::default();
+    let class = kvmesh_transfer::PullClass::Background { promote: rx };
+    let pull = client.pull_with_class(addr, "prefetch-2", &hs, &mut sink, None, class);
+    let drive = async {
+        assert_eq!(
+            frames_rx.recv().await.as_deref(),
+            Some("fetch background=true")
+        );
+        promote.send_replace(true);
+        eventually("the consumer promotes its own end", || {
+            received.lock().iter().any(|e| e == "promote")
+        })
+        .await;
+        go_tx.send(()).unwrap();
+    };
+    let (report, ()) = bounded(async { tokio::join!(pull, drive) }).await;
+    assert_eq!(report.outcome, PullOutcome::Complete);
+    bounded(producer).await.unwrap();
+    assert_eq!(
+        frames_rx.recv().await,
+        None,
+        "the producer was sent a frame after Done"
+    );
 }

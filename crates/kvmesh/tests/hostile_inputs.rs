@@ -687,6 +687,7 @@ async fn hostile_p2p(fleet: &mut Fleet) {
             let msg = Message::Fetch(kvmesh_transfer::message::Fetch {
                 hashes: (0..60_000u64).map(kvmesh_core::BlockHash).collect(),
                 pending_wait_ms: u32::MAX,
+                background: false,
             });
             msg.encode(64 << 20).unwrap().to_vec()
         }),
