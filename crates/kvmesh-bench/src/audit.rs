@@ -108,6 +108,7 @@ fn candidate_of(i: usize, c: &Value, block_size: u64) -> Candidate {
             .get("pulls_landing_in")
             .and_then(Value::as_u64)
             .unwrap_or(num(c, "pulls_in") as u64),
+        pulls_landing_uncached_tokens: num(c, "pulls_landing_uncached_tokens") as u64,
         // Recorded decisions name the group when the endpoint had one; pricing a replayed
         // placement must keep pulls inside it as the router did.
         kv_group: c.get("kv_group").and_then(Value::as_str).map(Arc::from),

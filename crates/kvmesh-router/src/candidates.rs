@@ -78,6 +78,7 @@ pub(crate) fn candidate(
         pulls_in: load.pulls_in,
         pulls_out: load.pulls_out,
         pulls_landing_in: load.pulls_landing_in,
+        pulls_landing_uncached_tokens: load.pulls_landing_uncached_tokens,
         kv_group: e.kv_group(),
     }
 }

@@ -48,8 +48,9 @@ pub struct EndpointLoad {
     /// contended one ([`kvmesh_sched::cost_model::uncontended_time`]).
     pulls_named_in: AtomicU64,
     pull_share_sum: AtomicU64,
-    /// Pulls into the endpoint and when each is expected to have landed, by landing id.
-    landing: Mutex<Vec<(u64, Instant)>>,
+    /// Pulls into the endpoint: landing id, when each is expected to have landed, and the
+    /// prompt tokens its request computes once it has.
+    landing: Mutex<Vec<(u64, Instant, u64)>>,
     next_landing_id: AtomicU64,
     /// Distinct prompt blocks of in-flight requests, by chain key, with how many requests hold each.
     context: Mutex<HashMap<ChainKey, u32>>,
@@ -70,6 +71,8 @@ pub struct LoadSnapshot {
     pub pulls_out: u64,
     /// Pulls into the endpoint expected to be still in transfer (see [`LoadGuard::expect_landing_by`]).
     pub pulls_landing_in: u64,
+    /// The prompt tokens those pulls' requests compute once landed.
+    pub pulls_landing_uncached_tokens: u64,
     /// Distinct prompt blocks in-flight requests hold (see [`LoadGuard::hold_context`]).
     pub context_blocks: u64,
 }
@@ -81,18 +84,20 @@ impl EndpointLoad {
 
     /// [`Self::snapshot`] as of `now` (which pulls are still landing depends on the time).
     pub fn snapshot_at(&self, now: Instant) -> LoadSnapshot {
+        let (pulls_landing_in, pulls_landing_uncached_tokens) = self
+            .landing
+            .lock()
+            .iter()
+            .filter(|(_, by, _)| *by > now)
+            .fold((0, 0), |(n, t), (_, _, u)| (n + 1, t + u));
         LoadSnapshot {
             requests: self.requests.load(Ordering::Relaxed),
             uncached_tokens: self.uncached_tokens.load(Ordering::Relaxed),
             decode_tokens: self.decode_tokens.load(Ordering::Relaxed),
             pulls_in: self.pulls_in.load(Ordering::Relaxed),
             pulls_out: self.pulls_out.load(Ordering::Relaxed),
-            pulls_landing_in: self
-                .landing
-                .lock()
-                .iter()
-                .filter(|(_, by)| *by > now)
-                .count() as u64,
+            pulls_landing_in,
+            pulls_landing_uncached_tokens,
             context_blocks: self.context_blocks.load(Ordering::Relaxed),
         }
     }
@@ -214,8 +219,8 @@ impl LoadGuard {
         // Entries of pulls whose requests are still waiting for their first byte outlive their
         // deadline; drop those here so the list stays as long as the pulls actually landing.
         let now = Instant::now();
-        landing.retain(|(_, by)| *by > now);
-        landing.push((id, deadline));
+        landing.retain(|(_, by, _)| *by > now);
+        landing.push((id, deadline, self.uncached));
         self.landing_id = Some(id);
     }
 
@@ -225,7 +230,7 @@ impl LoadGuard {
             source.pulls_out.fetch_sub(1, Ordering::Relaxed);
         }
         if let Some(id) = self.landing_id.take() {
-            self.load.landing.lock().retain(|(i, _)| *i != id);
+            self.load.landing.lock().retain(|(i, _, _)| *i != id);
         }
     }
 
@@ -426,6 +431,7 @@ mod tests {
         b.track_pull(&src);
         b.expect_landing_by(t0 + ms(300));
         assert_eq!(dest.snapshot_at(t0).pulls_landing_in, 2);
+        assert_eq!(dest.snapshot_at(t0).pulls_landing_uncached_tokens, 20);
         // Past A's expected end only B is still landing; both still count as pulls in flight.
         let later = dest.snapshot_at(t0 + ms(150));
         assert_eq!((later.pulls_landing_in, later.pulls_in), (1, 2));

@@ -52,6 +52,8 @@ pub struct Candidate {
     /// join the engine's queue when it ends, behind work placed there meanwhile (a pull that
     /// has landed is queued ahead of any newcomer).
     pub pulls_landing_in: u64,
+    /// The prompt tokens those requests compute once their pulls have landed.
+    pub pulls_landing_uncached_tokens: u64,
     /// KV compatibility group (`kv_group` in the router's endpoint config); `None` is the
     /// implicit group of every endpoint without one. Blocks only move within a group: another
     /// group's blocks differ in model, layout, dtype or block size and a pull would be refused.
@@ -81,6 +83,7 @@ impl Candidate {
             pulls_in: 0,
             pulls_out: 0,
             pulls_landing_in: 0,
+            pulls_landing_uncached_tokens: 0,
             kv_group: None,
         }
     }

@@ -77,7 +77,10 @@ pub struct TtftParams {
     /// into the candidate counts, per such request, relative to its own TTFT. Such a request
     /// joins the engine's queue only when its pull lands, behind whatever was placed there
     /// meanwhile: a cold 50K-token prefill placed during a 200 ms pull delays the pulled turn by
-    /// its whole second of compute. 0 = ignore them.
+    /// its whole second of compute. 0 = ignore them; 1 = minimise the sum of first-token times.
+    /// The default 0.5 leans toward the tail: with 1, a burst's first-seen prompts avoided every
+    /// engine receiving a pull and doubled up on queues a whole prefill longer, slower than the
+    /// pulled requests they spared (skew-heavy, `docs/benchmarks.md`).
     #[serde(alias = "pulling_delay_weight", rename = "pullingDelayWeight")]
     pub pulling_delay_weight: f64,
     /// Where prefill and pull rates come from: `configured` (the cost model's configured rates,
@@ -108,7 +111,7 @@ impl Default for TtftParams {
             min_pull_tokens: 512,
             margin_ms: 5.0,
             work_weight: 2.0,
-            pulling_delay_weight: 1.0,
+            pulling_delay_weight: 0.5,
             rates: RateSource::Configured,
         }
     }
@@ -170,7 +173,9 @@ pub struct Prediction {
     /// Predicted TTFT (ms).
     pub total_ms: f64,
     /// The prefill time this request would put ahead of requests still pulling into the
-    /// endpoint, times their number and `pullingDelayWeight` (ms; part of `cost_ms`).
+    /// endpoint, times their number and `pullingDelayWeight` (ms; part of `cost_ms`). Their own
+    /// prefill is then not in `queue_ms`: they will be behind this request. 0 when this request
+    /// pulls too (it lands after them).
     pub delays_pulling_ms: f64,
     /// What placement minimises: the TTFT plus `workWeight − 1` times the prefill work this
     /// request adds to the endpoint, plus `delays_pulling_ms` (ms).
@@ -223,7 +228,6 @@ pub fn predict(
     let gpu = clamp_tokens(c.gpu_blocks, bs, prompt).min(any);
     let cpu_only = any - gpu;
     let uncached = prompt as u64 - any;
-    let queue_ms = ms(c.in_flight_uncached_tokens, rate);
     let kv_wait_ms = kv_wait_ms(ctx, c);
     let load_ms = p.decode_penalty_ms * c.in_flight_requests as f64 + p.step_overhead_ms;
     let local_ms = ms(uncached, rate) + ms(cpu_only, restore);
@@ -282,9 +286,24 @@ pub fn predict(
         Some(b) if pulls => prompt as u64 - b.source_tokens,
         _ => uncached,
     };
+    // Requests still pulling into `c` join its queue when their pulls land. Computed here, this
+    // request joins now: ahead of them, so they are not in its queue and it delays each of them
+    // by its prefill. Pulled, it lands after them (FCFS by landing) and delays none of them.
+    let (queue_ms, landing_ahead) = if pulls {
+        (ms(c.in_flight_uncached_tokens, rate), 0)
+    } else {
+        (
+            ms(
+                c.in_flight_uncached_tokens
+                    .saturating_sub(c.pulls_landing_uncached_tokens),
+                rate,
+            ),
+            c.pulls_landing_in,
+        )
+    };
     let total_ms = queue_ms + kv_wait_ms + own_ms + load_ms;
     let compute_ms = ms(computed, rate);
-    let delays_pulling_ms = p.pulling_delay_weight * c.pulls_landing_in as f64 * compute_ms;
+    let delays_pulling_ms = p.pulling_delay_weight * landing_ahead as f64 * compute_ms;
     Prediction {
         queue_ms,
         kv_wait_ms,
@@ -458,16 +477,17 @@ mod tests {
     #[test]
     fn a_long_prefill_avoids_an_endpoint_whose_requests_are_still_pulling() {
         // A pulled turn (2K tokens left to compute) is on its way into A: its pull lands in
-        // ~200 ms and it then queues behind whatever A got meanwhile. B has a little more
-        // queued work and nobody pulling. A cold 30K-token prompt must go to B: on A it would
-        // start ~20 ms sooner and make the pulled turn wait its whole prefill.
+        // ~200 ms and it then queues behind whatever A got meanwhile. B has 2.5K tokens queued
+        // and nobody pulling. A cold 30K-token prompt must go to B: on A it would start 100 ms
+        // sooner and make the pulled turn wait its whole 1.2 s prefill.
         let mut a = cand(0);
         (
             a.in_flight_requests,
             a.in_flight_uncached_tokens,
             a.pulls_in,
             a.pulls_landing_in,
-        ) = (1, 2_000, 1, 1);
+            a.pulls_landing_uncached_tokens,
+        ) = (1, 2_000, 1, 1, 2_000);
         let mut b = cand(1);
         (b.in_flight_requests, b.in_flight_uncached_tokens) = (1, 2_500);
         let cold = ctx(30_000, 16);
@@ -481,6 +501,7 @@ mod tests {
             pa.total_ms < pb.total_ms,
             "A still starts it sooner: {pa:?} {pb:?}"
         );
+        assert_eq!(pa.queue_ms, 0.0, "the pulled turn will be behind it");
         assert!(pa.delays_pulling_ms > 500.0 && pb.delays_pulling_ms == 0.0);
         assert!(pb.cost_ms < pa.cost_ms, "{pa:?} {pb:?}");
         // Weight 0 restores the greedy choice.
@@ -496,6 +517,59 @@ mod tests {
         // A short prompt is charged only its own short prefill.
         let short = predict(&ctx(512, 16), &all, 0, &cm(), &p);
         assert!(short.delays_pulling_ms < 25.0, "{short:?}");
+    }
+
+    #[test]
+    fn a_first_seen_prompt_takes_the_engine_a_short_pulled_request_is_landing_on() {
+        // A burst's warm-up: every engine but A is prefilling a first-seen 10K-token prompt; A
+        // has only a pulled request (2K-token question) landing. The next first-seen prompt
+        // starts at once on A, delaying the pulled one by its prefill, or waits a whole prefill
+        // anywhere else: A (with pulls' delay counted at the default half weight).
+        let mut a = cand(0);
+        (
+            a.in_flight_requests,
+            a.in_flight_uncached_tokens,
+            a.pulls_in,
+            a.pulls_landing_in,
+            a.pulls_landing_uncached_tokens,
+        ) = (1, 2_048, 1, 1, 2_048);
+        let mut b = cand(1);
+        (b.in_flight_requests, b.in_flight_uncached_tokens) = (1, 10_240);
+        let cold = ctx(10_240, 16);
+        let all = [&a, &b];
+        let p = TtftParams::default();
+        let (pa, pb) = (
+            predict(&cold, &all, 0, &cm(), &p),
+            predict(&cold, &all, 1, &cm(), &p),
+        );
+        assert!(pa.delays_pulling_ms > 0.0);
+        assert!(pa.cost_ms < pb.cost_ms, "{pa:?} {pb:?}");
+    }
+
+    #[test]
+    fn a_pulled_request_queues_behind_pulls_landing_before_it_and_delays_none() {
+        // A holds nothing of the prompt; its three queued requests are all still pulling. The
+        // request pulls its 16K-token prefix from H into A as well: it lands after them and
+        // computes after them.
+        let mut holder = cand(0);
+        (holder.cpu_blocks, holder.any_blocks) = (1024, 1024);
+        let mut a = cand(1);
+        (
+            a.in_flight_requests,
+            a.in_flight_uncached_tokens,
+            a.pulls_in,
+            a.pulls_landing_in,
+            a.pulls_landing_uncached_tokens,
+        ) = (3, 6_000, 3, 3, 6_000);
+        let on = TtftParams {
+            p2p: true,
+            ..TtftParams::default()
+        };
+        let warm = ctx(16_384 + 2_048, 16);
+        let pa = predict(&warm, &[&holder, &a], 1, &cm(), &on);
+        assert!(pa.pulls, "{pa:?}");
+        assert!((pa.queue_ms - 240.0).abs() < 1e-9, "{pa:?}");
+        assert_eq!(pa.delays_pulling_ms, 0.0);
     }
 
     #[test]

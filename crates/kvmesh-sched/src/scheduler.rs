@@ -63,6 +63,8 @@ pub struct CandidateReport {
     pub pulls_out: u64,
     /// Of `pulls_in`, those expected to be still in transfer (what `delays_pulling_ms` counts).
     pub pulls_landing_in: u64,
+    /// The prompt tokens their requests compute once landed.
+    pub pulls_landing_uncached_tokens: u64,
     /// The endpoint's KV group, when it has one (pull sources are chosen within it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_group: Option<String>,
@@ -217,6 +219,7 @@ impl Profile {
                 pulls_in: c.pulls_in,
                 pulls_out: c.pulls_out,
                 pulls_landing_in: c.pulls_landing_in,
+                pulls_landing_uncached_tokens: c.pulls_landing_uncached_tokens,
                 kv_group: c.kv_group.as_deref().map(str::to_owned),
                 predicted: None,
             })
