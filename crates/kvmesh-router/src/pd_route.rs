@@ -273,14 +273,8 @@ impl Legs<'_> {
         let mut guard = pep.load.acquire(uncached, 1);
         guard.hold_context(self.keys);
         if let Some(src) = &source {
-            // The prefill leg teaches the cost model nothing; its sharing only times the landing.
-            let sharing = guard.track_pull(&src.endpoint.load);
-            guard.expect_landing_by(src.landing_deadline(
-                &s.cost_model,
-                pep.id,
-                sharing,
-                Instant::now(),
-            ));
+            // The prefill leg teaches the cost model nothing, so its sharing is not needed.
+            let _ = src.track(&mut guard, &s.cost_model, pep.id);
         }
         match self.run_prefill(&pep, body, source_hp.as_deref()).await {
             Ok(params) => {

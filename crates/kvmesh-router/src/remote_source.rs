@@ -16,6 +16,7 @@ use kvmesh_sched::predict::contended_pull_ms;
 
 use crate::candidates::by_id;
 use crate::endpoints::Endpoint;
+use crate::load::LoadGuard;
 
 /// A pull the router names: the source endpoint and what the computing engine receives.
 #[derive(Clone)]
@@ -38,9 +39,18 @@ impl NamedSource {
         format!("{}:{}", self.params.remote_host, self.params.remote_port)
     }
 
+    /// Counts this pull on `guard` (the request's load on `dest`): a transfer on both ends' links
+    /// until its first byte, and landing until it should have landed. Returns the transfers
+    /// already on the busier end ([`LoadGuard::track_pull`]).
+    pub fn track(&self, guard: &mut LoadGuard, cost_model: &CostModel, dest: EndpointId) -> u64 {
+        let sharing = guard.track_pull(&self.endpoint.load);
+        guard.expect_landing_by(self.landing_deadline(cost_model, dest, sharing, Instant::now()));
+        sharing
+    }
+
     /// When the pull into `dest`, named at `now`, should have landed: the cost model's time for
     /// its tokens stretched by the `sharing` transfers already on its links, with slack.
-    pub fn landing_deadline(
+    fn landing_deadline(
         &self,
         cost_model: &CostModel,
         dest: EndpointId,

@@ -159,16 +159,9 @@ impl Attempt<'_> {
         let idle_before = ep.load.snapshot().requests == 0;
         let mut guard = ep.load.acquire(uncached, decode);
         guard.hold_context(keys);
-        let pull_sharing = source.as_ref().map_or(0, |src| {
-            let sharing = guard.track_pull(&src.endpoint.load);
-            guard.expect_landing_by(src.landing_deadline(
-                &s.cost_model,
-                ep.id,
-                sharing,
-                Instant::now(),
-            ));
-            sharing
-        });
+        let pull_sharing = source
+            .as_ref()
+            .map_or(0, |src| src.track(&mut guard, &s.cost_model, ep.id));
         drop(admission_ticket);
         let scheduling = t0.elapsed();
         s.note_placement(&ep);
