@@ -303,7 +303,13 @@ async fn admit<'a>(
     }
     // Placed as the fleet is now, not as it was when the request arrived.
     let held = waited.elapsed();
-    let fleet = Fleet::now(s, keys, excluded)?;
+    let mut fleet = Fleet::now(s, keys, excluded)?;
+    if how != Admission::Overflow && !d.config().pulls_when_held {
+        // Every endpoint had a full prefill queue (see `DispatchConfig::pulls_when_held`).
+        for c in &mut fleet.candidates {
+            c.has_p2p = false;
+        }
+    }
     Some((fleet, held, Some(ticket)))
 }
 

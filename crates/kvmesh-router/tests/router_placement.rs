@@ -153,3 +153,69 @@ async fn the_admission_queue_lets_short_prompts_overtake_long_ones() {
     assert_eq!(held[0], 0.0);
     assert!(held[1] > 300.0 && held[2] > 300.0, "{held:?}");
 }
+
+/// A request that waited in the admission queue is placed without a P2P pull: it was held
+/// because every endpoint's prefill queue was full, and a pull would only move it to another
+/// full queue, behind the requests released with it. The same request placed on arrival pulls,
+/// and `pulls_when_held: true` lets a held one pull too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_released_from_the_admission_queue_is_placed_without_a_pull() {
+    for pulls_when_held in [false, true] {
+        let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
+        // e1 answers its first request long before e0: its first byte is what releases the
+        // held request, so it goes to e1, the emptier endpoint, and e0 is the only holder.
+        e0.set_mode(Mode::Slow(Duration::from_secs(3)));
+        e1.set_mode(Mode::Slow(Duration::from_millis(400)));
+        let prefix = std::sync::Arc::new(common::FakePrefix::default());
+        prefix.set(&[(0, 20, 20)]); // e0 holds 320 tokens of every prompt, in both tiers
+        let yaml = format!(
+            "seed: 7\nblock_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n\
+             dispatch: {{max_queued_prefill_tokens: 50, aging: 0, max_hold: 30s, pulls_when_held: {pulls_when_held}}}\n\
+             plugins:\n  - {{type: queue-scorer, name: queue}}\n  - {{type: max-score-picker, name: max}}\n  \
+             - {{type: p2p-source-producer, name: p2p, parameters: {{minCachedTokenDelta: 64}}}}\n\
+             schedulingProfiles:\n  - name: load-p2p\n    \
+             plugins: [{{pluginRef: queue, weight: 1}}, {{pluginRef: max}}, {{pluginRef: p2p}}]\n{}",
+            endpoints_yaml(&[&e0, &e1])
+        );
+        let router = start_router(&yaml, Some(prefix)).await;
+        let url = format!("http://{}", router.addr);
+        let spawn = |seed: u32| {
+            let url = url.clone();
+            tokio::spawn(async move { send(&url, common::doc(seed, 5000)).await })
+        };
+        // One 5,000-token prompt fills each endpoint's share (the second goes to the emptier
+        // e1, on arrival, and pulls what e0 holds).
+        let first = spawn(1);
+        common::eventually(5, "the first prompt to arrive", || {
+            e0.count() + e1.count() == 1
+        })
+        .await;
+        let second = spawn(2);
+        common::eventually(5, "the second prompt to arrive", || {
+            e0.count() + e1.count() == 2
+        })
+        .await;
+        let held = spawn(3);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(e0.count() + e1.count(), 2, "the third prompt is held");
+        for r in [first, second, held] {
+            assert!(r.await.unwrap().status().is_success());
+        }
+        let decisions = get_json(&format!("{url}/debug/decisions?last=3")).await;
+        let decisions = decisions.as_array().unwrap();
+        let (on_arrival, released) = (&decisions[1], &decisions[2]);
+        assert_eq!(on_arrival["held_ms"], 0.0);
+        assert_eq!(on_arrival["outcome"], "pull_named", "{on_arrival}");
+        assert!(released["held_ms"].as_f64().unwrap() > 200.0, "{released}");
+        assert_eq!(released["endpoint"], "e1", "{released}");
+        let want = if pulls_when_held {
+            "pull_named"
+        } else {
+            "cold"
+        };
+        assert_eq!(
+            released["outcome"], want,
+            "pulls_when_held: {pulls_when_held}"
+        );
+    }
+}
