@@ -365,6 +365,18 @@ mod tests {
         Candidate::idle(id, &format!("e{id}"))
     }
 
+    /// An endpoint whose only request is still pulling its prefix, with `tokens` left to compute.
+    fn landing_into(id: u32, tokens: u64) -> Candidate {
+        let mut c = cand(id);
+        (c.in_flight_requests, c.in_flight_uncached_tokens) = (1, tokens);
+        (
+            c.pulls_in,
+            c.pulls_landing_in,
+            c.pulls_landing_uncached_tokens,
+        ) = (1, 1, tokens);
+        c
+    }
+
     #[test]
     fn queued_prefill_work_not_request_count_decides_the_wait() {
         // The case: a tiny prompt; A has 34,891 queued prefill tokens in 1 request,
@@ -480,14 +492,7 @@ mod tests {
         // ~200 ms and it then queues behind whatever A got meanwhile. B has 2.5K tokens queued
         // and nobody pulling. A cold 30K-token prompt must go to B: on A it would start 100 ms
         // sooner and make the pulled turn wait its whole 1.2 s prefill.
-        let mut a = cand(0);
-        (
-            a.in_flight_requests,
-            a.in_flight_uncached_tokens,
-            a.pulls_in,
-            a.pulls_landing_in,
-            a.pulls_landing_uncached_tokens,
-        ) = (1, 2_000, 1, 1, 2_000);
+        let a = landing_into(0, 2_000);
         let mut b = cand(1);
         (b.in_flight_requests, b.in_flight_uncached_tokens) = (1, 2_500);
         let cold = ctx(30_000, 16);
@@ -525,14 +530,7 @@ mod tests {
         // has only a pulled request (2K-token question) landing. The next first-seen prompt
         // starts at once on A, delaying the pulled one by its prefill, or waits a whole prefill
         // anywhere else: A (with pulls' delay counted at the default half weight).
-        let mut a = cand(0);
-        (
-            a.in_flight_requests,
-            a.in_flight_uncached_tokens,
-            a.pulls_in,
-            a.pulls_landing_in,
-            a.pulls_landing_uncached_tokens,
-        ) = (1, 2_048, 1, 1, 2_048);
+        let a = landing_into(0, 2_048);
         let mut b = cand(1);
         (b.in_flight_requests, b.in_flight_uncached_tokens) = (1, 10_240);
         let cold = ctx(10_240, 16);
