@@ -154,12 +154,12 @@ async fn the_admission_queue_lets_short_prompts_overtake_long_ones() {
     assert!(held[1] > 300.0 && held[2] > 300.0, "{held:?}");
 }
 
-/// A request that waited in the admission queue is placed without a P2P pull: it was held
-/// because every endpoint's prefill queue was full, and a pull would only move it to another
-/// full queue, behind the requests released with it. The same request placed on arrival pulls,
-/// and `pulls_when_held: true` lets a held one pull too.
+/// With `pulls_when_held: false`, a request that waited in the admission queue is placed
+/// without a P2P pull: it was held because every endpoint's prefill queue was full, and a pull
+/// would only move it to another full queue. The same request placed on arrival pulls, and with
+/// `pulls_when_held: true` (the default) a held one pulls too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_released_from_the_admission_queue_is_placed_without_a_pull() {
+async fn with_pulls_when_held_off_a_request_released_from_the_admission_queue_does_not_pull() {
     for pulls_when_held in [false, true] {
         let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
         // e1 answers its first request long before e0: its first byte is what releases the
