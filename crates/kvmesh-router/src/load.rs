@@ -13,7 +13,8 @@
 //! landing joins its engine's queue behind work placed there now; once its blocks have landed it
 //! is queued ahead of any newcomer, even though its first byte may be far off. Charging newcomers
 //! for delaying it until the first byte sent a burst's first-seen prompts away from the engines
-//! that had just received a pull, onto queues 2–4× longer (`docs/benchmarks.md`, skew-heavy).
+//! that had just received a pull, onto engines predicted 160–450 ms slower (`docs/benchmarks.md`,
+//! hot prefixes).
 //!
 //! A request also holds its prompt's blocks in the endpoint's in-flight working set until it ends
 //! (shared prefixes counted once, as the engine's prefix cache shares them): what the engine's GPU

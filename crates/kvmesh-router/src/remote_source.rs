@@ -28,9 +28,10 @@ pub(crate) struct NamedSource {
 }
 
 /// How much longer than predicted a pull may take before the router stops counting it as
-/// landing. Measured pulls run up to about 1.3× the cost model's prediction once its rates are
-/// learned; a pull counted too long only makes the router a little more careful about what it
-/// puts ahead of it.
+/// landing. Pulls can be slower than the cost model says (default rates until it has learned the
+/// link's, transfers joining the link later). Counting one too long only makes the router a
+/// little more careful about what it puts ahead of it; too short lets a long prefill overtake a
+/// pull still on the wire.
 const LANDING_SLACK: f64 = 1.5;
 
 impl NamedSource {
