@@ -288,6 +288,25 @@ enum Script {
     Garbage,
 }
 
+/// A fake producer's side of a lookup: every block is a hit; then the consumer's `Fetch` (None
+/// if the consumer sends something else or goes away).
+async fn hits_then_fetch(conn: &mut Connection) -> Option<kvmesh_transfer::message::Fetch> {
+    let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
+        return None;
+    };
+    let statuses = vec![BlockStatus::Hit; l.hashes.len()];
+    conn.write_message(&Message::LookupReply(LookupReply {
+        statuses,
+        lease_ms: 1000,
+    }))
+    .await
+    .unwrap();
+    match conn.read_message().await {
+        Ok(Some(Message::Fetch(f))) => Some(f),
+        _ => None,
+    }
+}
+
 async fn fake_producer(script: Script) -> (SocketAddr, JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -319,17 +338,7 @@ async fn fake_producer(script: Script) -> (SocketAddr, JoinHandle<()>) {
             tokio::time::sleep(Duration::from_secs(5)).await;
             return;
         }
-        let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
-            return;
-        };
-        let statuses = vec![BlockStatus::Hit; l.hashes.len()];
-        conn.write_message(&Message::LookupReply(LookupReply {
-            statuses,
-            lease_ms: 1000,
-        }))
-        .await
-        .unwrap();
-        let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
+        let Some(f) = hits_then_fetch(&mut conn).await else {
             return;
         };
         if let Script::Trickle = script {
@@ -1151,17 +1160,7 @@ async fn a_producer_without_promote_support_is_never_sent_promote() {
         }))
         .await
         .unwrap();
-        let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
-            return;
-        };
-        let statuses = vec![BlockStatus::Hit; l.hashes.len()];
-        conn.write_message(&Message::LookupReply(LookupReply {
-            statuses,
-            lease_ms: 1000,
-        }))
-        .await
-        .unwrap();
-        let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
+        let Some(f) = hits_then_fetch(&mut conn).await else {
             return;
         };
         frames_tx
