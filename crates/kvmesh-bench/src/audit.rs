@@ -216,6 +216,7 @@ pub fn audit(
             total_blocks: (prompt / block_size.max(1)) as usize,
             block_size: block_size as usize,
             max_tokens: None,
+            backlog: Default::default(),
         };
         let costs: Vec<f64> = (0..refs.len())
             .map(|i| predict(&ctx, &refs, i, &cm, &params).total_ms)

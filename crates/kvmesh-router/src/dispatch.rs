@@ -112,16 +112,23 @@ impl Dispatcher {
         self.wake.notify_waiters();
     }
 
+    /// Prefill tokens of the requests held now.
+    pub fn held_tokens(&self) -> u64 {
+        self.queue.lock().held_tokens()
+    }
+
     /// Waits until the request may be placed. `work_ms` is its predicted prefill work (its
-    /// priority); `has_capacity` says whether some endpoint is below its prefill share right now.
+    /// priority), `work_tokens` the same in tokens; `has_capacity` says whether some endpoint is
+    /// below its prefill share right now.
     /// Keep the returned [`Ticket`] until the request's load is counted on its endpoint: until
     /// then nobody else is let through, since `has_capacity` cannot see that request yet.
     pub async fn admit(
         &self,
         work_ms: f64,
+        work_tokens: u64,
         has_capacity: impl Fn() -> bool,
     ) -> (Admission, Ticket<'_>) {
-        let how = self.wait_turn(work_ms, has_capacity).await;
+        let how = self.wait_turn(work_ms, work_tokens, has_capacity).await;
         self.in_transit.fetch_add(1, Ordering::SeqCst);
         (how, Ticket { dispatcher: self })
     }
@@ -130,7 +137,12 @@ impl Dispatcher {
         self.in_transit.load(Ordering::SeqCst) == 0 && has_capacity()
     }
 
-    async fn wait_turn(&self, work_ms: f64, has_capacity: impl Fn() -> bool) -> Admission {
+    async fn wait_turn(
+        &self,
+        work_ms: f64,
+        work_tokens: u64,
+        has_capacity: impl Fn() -> bool,
+    ) -> Admission {
         {
             let q = self.queue.lock();
             if q.is_empty() && self.free(&has_capacity) {
@@ -141,7 +153,9 @@ impl Dispatcher {
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.queue.lock().push(id, work_ms, Instant::now());
+        self.queue
+            .lock()
+            .push(id, work_ms, work_tokens, Instant::now());
         self.held_total.inc();
         self.held_now.inc();
         let _leave = Leave {
@@ -184,9 +198,10 @@ mod tests {
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for (name, work) in [("long", 2000.0), ("short", 10.0), ("mid", 300.0)] {
+            let tokens = (work * 25.0) as u64;
             let (d, free, order) = (Arc::clone(&d), Arc::clone(&free), Arc::clone(&order));
             tasks.push(tokio::spawn(async move {
-                let (how, ticket) = d.admit(work, || free.load(Ordering::SeqCst)).await;
+                let (how, ticket) = d.admit(work, tokens, || free.load(Ordering::SeqCst)).await;
                 order.lock().push(name);
                 // Taking the capacity again: the next one waits for the next wake.
                 free.store(false, Ordering::SeqCst);
@@ -196,6 +211,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(d.queue.lock().len(), 3);
+        assert_eq!(d.held_tokens(), 57_750);
         for _ in 0..3 {
             free.store(true, Ordering::SeqCst);
             d.wake();
@@ -219,17 +235,19 @@ mod tests {
             },
             &mut reg,
         );
-        let (how, ticket) = d.admit(5.0, || true).await;
+        let (how, ticket) = d.admit(5.0, 200, || true).await;
         assert_eq!(how, Admission::Direct);
         // Until the first request's load is counted, capacity is not handed out again.
-        let blocked = tokio::time::timeout(Duration::from_millis(30), d.admit(5.0, || true)).await;
+        let blocked =
+            tokio::time::timeout(Duration::from_millis(30), d.admit(5.0, 200, || true)).await;
         assert!(blocked.is_err());
         drop(ticket);
-        assert_eq!(d.admit(5.0, || true).await.0, Admission::Direct);
-        let gone = tokio::time::timeout(Duration::from_millis(10), d.admit(5.0, || false)).await;
+        assert_eq!(d.admit(5.0, 200, || true).await.0, Admission::Direct);
+        let gone =
+            tokio::time::timeout(Duration::from_millis(10), d.admit(5.0, 200, || false)).await;
         assert!(gone.is_err());
         assert_eq!(d.queue.lock().len(), 0);
-        assert_eq!(d.admit(5.0, || false).await.0, Admission::Expired);
+        assert_eq!(d.admit(5.0, 200, || false).await.0, Admission::Expired);
         assert!(
             DispatchConfig {
                 aging: f64::NAN,

@@ -135,6 +135,7 @@ pub(crate) async fn route_pd(
         total_blocks: keys.len(),
         block_size: bs,
         max_tokens: parsed.max_tokens,
+        backlog: Default::default(),
     };
     let legs = Legs {
         s: &s,

@@ -458,6 +458,7 @@ fn prepare_next_turn(
         total_blocks: keys.len(),
         block_size: bs,
         max_tokens: None,
+        backlog: Default::default(),
     };
     let decision = s.scheduler.schedule(&profile, &ctx, &candidates);
     let chosen = decision.chosen_candidate(&candidates).cloned();

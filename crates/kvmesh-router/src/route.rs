@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams};
 use kvmesh_index::EndpointId;
-use kvmesh_sched::{Candidate, Profile, SchedulingContext};
+use kvmesh_sched::{Backlog, Candidate, Profile, SchedulingContext};
 use serde_json::json;
 
 use crate::candidates::{by_id, eligible, gather};
@@ -125,7 +125,13 @@ impl Attempt<'_> {
         let (profile, request_id, keys) = (self.profile, self.request_id, self.keys);
         let bs = s.config.block_size;
         let admitted = admit(s, keys, parsed.tokens.len(), excluded).await;
-        let Some((fleet, held, admission_ticket)) = admitted else {
+        let Some(Admitted {
+            fleet,
+            held,
+            backlog,
+            ticket: admission_ticket,
+        }) = admitted
+        else {
             s.metrics.error("no_endpoint");
             return Err(refused(ApiError::service_unavailable(
                 "no healthy endpoint",
@@ -137,6 +143,7 @@ impl Attempt<'_> {
             total_blocks: keys.len(),
             block_size: bs,
             max_tokens: parsed.max_tokens,
+            backlog,
         };
         let mut decision = s.scheduler.schedule(profile, &ctx, &fleet.candidates);
         let chosen = decision.chosen_candidate(&fleet.candidates).cloned();
@@ -267,18 +274,34 @@ impl Attempt<'_> {
     }
 }
 
-/// The fleet to place on, after the admission queue (when configured) let the request through;
-/// with how long it was held and the ticket that holds its place until its load is counted.
-/// None when no endpoint is healthy.
+/// A request the admission queue (when configured) let through.
+struct Admitted<'a> {
+    /// The fleet to place on, as it is now.
+    fleet: Fleet,
+    /// How long the request waited in the queue.
+    held: Duration,
+    /// What was still waiting there when it left.
+    backlog: Backlog,
+    /// Holds its place until its load is counted.
+    ticket: Option<Ticket<'a>>,
+}
+
+/// Waits for the admission queue, if any. None when no endpoint is healthy.
 async fn admit<'a>(
     s: &'a RouterState,
     keys: &[ChainKey],
     prompt_tokens: usize,
     excluded: Option<EndpointId>,
-) -> Option<(Fleet, Duration, Option<Ticket<'a>>)> {
+) -> Option<Admitted<'a>> {
     let fleet = Fleet::now(s, keys, excluded)?;
+    let direct = |fleet, ticket| Admitted {
+        fleet,
+        held: Duration::ZERO,
+        backlog: Backlog::default(),
+        ticket,
+    };
     let Some(d) = s.dispatch.as_ref().filter(|_| excluded.is_none()) else {
-        return Some((fleet, Duration::ZERO, None));
+        return Some(direct(fleet, None));
     };
     let bs = s.config.block_size;
     let best_cached = fleet
@@ -297,10 +320,14 @@ async fn admit<'a>(
             .any(|e| e.load.snapshot().uncached_tokens <= limit)
     };
     let waited = Instant::now();
-    let (how, ticket) = d.admit(work_ms, has_capacity).await;
+    let (how, ticket) = d.admit(work_ms, work, has_capacity).await;
     if how == Admission::Direct {
-        return Some((fleet, Duration::ZERO, Some(ticket)));
+        return Some(direct(fleet, Some(ticket)));
     }
+    let backlog = Backlog {
+        held_tokens: d.held_tokens(),
+        share_tokens: limit,
+    };
     // Placed as the fleet is now, not as it was when the request arrived.
     let held = waited.elapsed();
     let mut fleet = Fleet::now(s, keys, excluded)?;
@@ -310,7 +337,12 @@ async fn admit<'a>(
             c.has_p2p = false;
         }
     }
-    Some((fleet, held, Some(ticket)))
+    Some(Admitted {
+        fleet,
+        held,
+        backlog,
+        ticket: Some(ticket),
+    })
 }
 
 /// Puts `remote_kv_source` into the request's `kv_transfer_params` (keeping any other keys).

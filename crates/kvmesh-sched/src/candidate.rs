@@ -111,6 +111,29 @@ pub struct SchedulingContext<'a> {
     pub block_size: usize,
     /// Requested decode length, if the request said.
     pub max_tokens: Option<u64>,
+    /// The admission queue behind this request when it was released from it (empty otherwise).
+    pub backlog: Backlog,
+}
+
+/// What was still waiting in the router's admission queue when a held request left it. Those
+/// requests are released as soon as some endpoint's prefill queue drops to `share_tokens`, so
+/// while this request's pull is in flight they can be placed on its endpoint and computed ahead
+/// of it (see [`crate::predict`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Prefill tokens the requests still held would compute (cached prefixes not counted).
+    pub held_tokens: u64,
+    /// `dispatch.max_queued_prefill_tokens`.
+    pub share_tokens: u64,
+}
+
+impl Backlog {
+    /// Prefill tokens the admission queue can still place on an endpoint with `queued` tokens
+    /// of prefill waiting before that endpoint's share is full.
+    pub fn can_place_on(&self, queued: u64) -> u64 {
+        self.held_tokens
+            .min(self.share_tokens.saturating_sub(queued))
+    }
 }
 
 impl SchedulingContext<'_> {

@@ -72,6 +72,7 @@ impl DispatchConfig {
 struct Entry {
     id: u64,
     work_ms: f64,
+    work_tokens: u64,
     since: Instant,
 }
 
@@ -90,13 +91,22 @@ impl HoldQueue {
         self.entries.is_empty()
     }
 
-    pub fn push(&mut self, id: u64, work_ms: f64, now: Instant) {
+    /// Holds request `id`, which would compute `work_tokens` of prefill in `work_ms`.
+    pub fn push(&mut self, id: u64, work_ms: f64, work_tokens: u64, now: Instant) {
         let work_ms = if work_ms.is_finite() { work_ms } else { 0.0 };
         self.entries.push(Entry {
             id,
             work_ms,
+            work_tokens,
             since: now,
         });
+    }
+
+    /// Prefill tokens the held requests would compute.
+    pub fn held_tokens(&self) -> u64 {
+        self.entries
+            .iter()
+            .fold(0u64, |sum, e| sum.saturating_add(e.work_tokens))
     }
 
     pub fn remove(&mut self, id: u64) -> bool {
@@ -137,11 +147,12 @@ mod tests {
     fn shortest_work_goes_first_until_aging_lets_a_long_one_through() {
         let t0 = Instant::now();
         let mut q = HoldQueue::default();
-        q.push(1, 3000.0, t0); // a 75K-token prompt
-        q.push(2, 40.0, t0 + Duration::from_millis(100));
+        q.push(1, 3000.0, 75_000, t0); // a 75K-token prompt
+        q.push(2, 40.0, 1000, t0 + Duration::from_millis(100));
+        assert_eq!(q.held_tokens(), 76_000);
         assert_eq!(q.next(t0 + Duration::from_millis(100), 2.0), Some(2));
         assert!(q.remove(2));
-        q.push(3, 40.0, t0 + Duration::from_millis(1500));
+        q.push(3, 40.0, 1000, t0 + Duration::from_millis(1500));
         // Entry 1 has waited 1.5 s: 3000 − 2×1500 = 0 < 40 → it goes before the newcomer.
         assert_eq!(q.next(t0 + Duration::from_millis(1500), 2.0), Some(1));
         assert!(q.expired(1, t0 + Duration::from_secs(10), Duration::from_secs(10)));

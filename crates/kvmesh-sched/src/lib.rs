@@ -21,5 +21,5 @@ pub mod plugins;
 pub mod predict;
 pub mod scheduler;
 
-pub use candidate::{Candidate, SchedulingContext};
+pub use candidate::{Backlog, Candidate, SchedulingContext};
 pub use scheduler::{Decision, Profile, Scheduler};

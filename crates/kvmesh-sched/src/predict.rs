@@ -36,6 +36,14 @@
 //! conservative sum, which is what makes "P2P never makes TTFT worse" hold by construction: a pull
 //! is chosen only when `pull_time(delta) + margin < recompute(delta)` on the same destination.
 //!
+//! A pulled request joins its engine's queue only when its blocks land. When the router's
+//! admission queue released it while others were still held, those others are released as fast
+//! as some endpoint's prefill queue is at most `share` tokens, and during the pull they can be
+//! placed on its endpoint and computed first. So for such a request the pull path also waits for
+//! `min(held tokens, share − queued(c))` tokens of prefill (`overtaken_ms`). Without it, pulls
+//! of held 10K-token prompts in skew-heavy's warm-up were predicted at 90 ms and took 200 ms:
+//! first-seen prompts released right after them were computed first.
+//!
 //! Plain functions over [`Candidate`]s and the [`CostModel`]: no I/O, no clock.
 
 use serde::{Deserialize, Serialize};
@@ -164,6 +172,9 @@ pub struct PullPlan {
 pub struct Prediction {
     /// Prefill work ahead of the request (ms).
     pub queue_ms: f64,
+    /// The part of `queue_ms` the admission queue may still place here ahead of this request
+    /// while its pull lands (ms; 0 unless it pulls and was released with others still held).
+    pub overtaken_ms: f64,
     /// Wait for room in the GPU tier: in-flight requests' context beyond its capacity (ms).
     pub kv_wait_ms: f64,
     /// Compute + restore (+ pull, when the pull path is chosen) of this request (ms).
@@ -203,6 +214,7 @@ pub fn predict(
     let Some(c) = candidates.get(at) else {
         return Prediction {
             queue_ms: f64::INFINITY,
+            overtaken_ms: 0.0,
             kv_wait_ms: 0.0,
             own_ms: f64::INFINITY,
             load_ms: 0.0,
@@ -269,15 +281,19 @@ pub fn predict(
             }
         }
     }
+    // Held requests the admission queue releases while this one's pull is in flight can be
+    // placed here and computed before it lands: the pull path waits for them too.
+    let overtaken_ms = ms(ctx.backlog.can_place_on(c.in_flight_uncached_tokens), rate);
     let pull_ms = best_pull
         .as_ref()
         .map(|b| pull_path_ms(b, prompt as u64, cpu_only, rate, restore));
     let pulls = match (&best_pull, pull_ms) {
         (Some(b), Some(path)) => {
-            b.pull_ms + p.margin_ms < b.recompute_ms && path + p.margin_ms < local_ms
+            b.pull_ms + p.margin_ms < b.recompute_ms && path + overtaken_ms + p.margin_ms < local_ms
         }
         _ => false,
     };
+    let overtaken_ms = if pulls { overtaken_ms } else { 0.0 };
     let own_ms = match pull_ms {
         Some(path) if pulls => path,
         _ => local_ms,
@@ -290,7 +306,7 @@ pub fn predict(
     // request joins now: ahead of them, so they are not in its queue and it delays each of them
     // by its prefill. Pulled, it lands after them (FCFS by landing) and delays none of them.
     let (queue_ms, landing_ahead) = if pulls {
-        (ms(c.in_flight_uncached_tokens, rate), 0)
+        (ms(c.in_flight_uncached_tokens, rate) + overtaken_ms, 0)
     } else {
         (
             ms(
@@ -306,6 +322,7 @@ pub fn predict(
     let delays_pulling_ms = p.pulling_delay_weight * landing_ahead as f64 * compute_ms;
     Prediction {
         queue_ms,
+        overtaken_ms,
         kv_wait_ms,
         own_ms,
         load_ms,
@@ -354,6 +371,7 @@ fn pull_path_ms(plan: &PullPlan, prompt: u64, cpu_only: u64, rate: f64, restore:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::candidate::Backlog;
     use crate::cost_model::CostModelParams;
     use crate::plugins::test_util::ctx;
 
@@ -484,6 +502,66 @@ mod tests {
         ) = (230_000, 40_000);
         let all = [&sharing, &b];
         assert_eq!(predict(&turn, &all, 0, &cm(), &p).kv_wait_ms, 0.0);
+    }
+
+    #[test]
+    fn a_request_released_with_others_held_pulls_only_if_it_wins_after_they_overtake_it() {
+        // skew-heavy's warm-up: an 8K-token prefix in O's CPU tier plus a 2K-token question.
+        // O has a full prefill queue; E is idle. Placed directly, the request pulls into E.
+        let mut owner = cand(0);
+        (owner.cpu_blocks, owner.any_blocks) = (512, 512);
+        (owner.in_flight_requests, owner.in_flight_uncached_tokens) = (2, 9_000);
+        let idle = cand(1);
+        let all = [&owner, &idle];
+        let p = TtftParams {
+            p2p: true,
+            ..TtftParams::default()
+        };
+        let direct = ctx(10_240, 16);
+        let placed = |ctx: &SchedulingContext<'_>| {
+            (
+                predict(ctx, &all, 0, &cm(), &p),
+                predict(ctx, &all, 1, &cm(), &p),
+            )
+        };
+        let (at_owner, at_idle) = placed(&direct);
+        assert!(at_idle.pulls && at_idle.overtaken_ms == 0.0, "{at_idle:?}");
+        assert!(
+            at_idle.cost_ms < at_owner.cost_ms,
+            "{at_owner:?} {at_idle:?}"
+        );
+        // Released from the admission queue with 20K tokens of prompts still held: up to the
+        // 8K-token share of them can be computed on E while the pull is in flight. Pulling no
+        // longer beats recomputing on E, and the owner's queue is the better place.
+        let released = SchedulingContext {
+            backlog: Backlog {
+                held_tokens: 20_000,
+                share_tokens: 8_192,
+            },
+            ..direct
+        };
+        let (held_owner, held_idle) = placed(&released);
+        assert_eq!(held_owner, at_owner);
+        assert!(
+            !held_idle.pulls && held_idle.overtaken_ms == 0.0,
+            "{held_idle:?}"
+        );
+        assert!(
+            held_owner.cost_ms < held_idle.cost_ms,
+            "{held_owner:?} {held_idle:?}"
+        );
+        // With only 1K tokens held behind it, the pull still wins and waits for them.
+        let few = SchedulingContext {
+            backlog: Backlog {
+                held_tokens: 1_000,
+                share_tokens: 8_192,
+            },
+            ..direct
+        };
+        let (_, pulls_anyway) = placed(&few);
+        assert!(pulls_anyway.pulls, "{pulls_anyway:?}");
+        assert!((pulls_anyway.overtaken_ms - at_idle.queue_ms - 40.0).abs() < 1.0);
+        assert!(pulls_anyway.cost_ms < at_owner.cost_ms);
     }
 
     #[test]

@@ -184,6 +184,7 @@ pub(crate) mod test_util {
             total_blocks: prompt_tokens / block_size,
             block_size,
             max_tokens: Some(16),
+            backlog: Default::default(),
         }
     }
 }

@@ -411,6 +411,7 @@ mod tests {
             total_blocks: 256,
             block_size: 16,
             max_tokens: None,
+            backlog: Default::default(),
         }
     }
 
