@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvmesh_sched::hold_queue::{DispatchConfig, HoldQueue};
+use kvmesh_sched::hold_queue::{DispatchConfig, HoldQueue, Work};
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -112,23 +112,22 @@ impl Dispatcher {
         self.wake.notify_waiters();
     }
 
-    /// Prefill tokens of the requests held now.
-    pub fn held_tokens(&self) -> u64 {
-        self.queue.lock().held_tokens()
+    /// The prefill tokens of each request held now that nothing is cached for, ascending.
+    pub fn cold_tokens(&self) -> Vec<u64> {
+        self.queue.lock().cold_tokens()
     }
 
-    /// Waits until the request may be placed. `work_ms` is its predicted prefill work (its
-    /// priority), `work_tokens` the same in tokens; `has_capacity` says whether some endpoint is
-    /// below its prefill share right now.
+    /// Waits until the request may be placed. `work` is its predicted prefill work (`work.ms`
+    /// is its priority); `has_capacity` says whether some endpoint is below its prefill share
+    /// right now.
     /// Keep the returned [`Ticket`] until the request's load is counted on its endpoint: until
     /// then nobody else is let through, since `has_capacity` cannot see that request yet.
     pub async fn admit(
         &self,
-        work_ms: f64,
-        work_tokens: u64,
+        work: Work,
         has_capacity: impl Fn() -> bool,
     ) -> (Admission, Ticket<'_>) {
-        let how = self.wait_turn(work_ms, work_tokens, has_capacity).await;
+        let how = self.wait_turn(work, has_capacity).await;
         self.in_transit.fetch_add(1, Ordering::SeqCst);
         (how, Ticket { dispatcher: self })
     }
@@ -137,12 +136,7 @@ impl Dispatcher {
         self.in_transit.load(Ordering::SeqCst) == 0 && has_capacity()
     }
 
-    async fn wait_turn(
-        &self,
-        work_ms: f64,
-        work_tokens: u64,
-        has_capacity: impl Fn() -> bool,
-    ) -> Admission {
+    async fn wait_turn(&self, work: Work, has_capacity: impl Fn() -> bool) -> Admission {
         {
             let q = self.queue.lock();
             if q.is_empty() && self.free(&has_capacity) {
@@ -153,9 +147,7 @@ impl Dispatcher {
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.queue
-            .lock()
-            .push(id, work_ms, work_tokens, Instant::now());
+        self.queue.lock().push(id, work, Instant::now());
         self.held_total.inc();
         self.held_now.inc();
         let _leave = Leave {
@@ -198,10 +190,14 @@ mod tests {
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for (name, work) in [("long", 2000.0), ("short", 10.0), ("mid", 300.0)] {
-            let tokens = (work * 25.0) as u64;
+            let work = Work {
+                ms: work,
+                tokens: (work * 25.0) as u64,
+                cold: name != "mid",
+            };
             let (d, free, order) = (Arc::clone(&d), Arc::clone(&free), Arc::clone(&order));
             tasks.push(tokio::spawn(async move {
-                let (how, ticket) = d.admit(work, tokens, || free.load(Ordering::SeqCst)).await;
+                let (how, ticket) = d.admit(work, || free.load(Ordering::SeqCst)).await;
                 order.lock().push(name);
                 // Taking the capacity again: the next one waits for the next wake.
                 free.store(false, Ordering::SeqCst);
@@ -211,7 +207,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(d.queue.lock().len(), 3);
-        assert_eq!(d.held_tokens(), 57_750);
+        assert_eq!(d.cold_tokens(), vec![250, 50_000]);
         for _ in 0..3 {
             free.store(true, Ordering::SeqCst);
             d.wake();
@@ -225,6 +221,12 @@ mod tests {
         assert_eq!(d.held_now.get(), 0);
     }
 
+    const SHORT: Work = Work {
+        ms: 5.0,
+        tokens: 125,
+        cold: true,
+    };
+
     #[tokio::test]
     async fn free_capacity_passes_straight_through_and_a_cancelled_wait_leaves_the_queue() {
         let mut reg = Registry::default();
@@ -235,19 +237,18 @@ mod tests {
             },
             &mut reg,
         );
-        let (how, ticket) = d.admit(5.0, 200, || true).await;
+        let (how, ticket) = d.admit(SHORT, || true).await;
         assert_eq!(how, Admission::Direct);
         // Until the first request's load is counted, capacity is not handed out again.
         let blocked =
-            tokio::time::timeout(Duration::from_millis(30), d.admit(5.0, 200, || true)).await;
+            tokio::time::timeout(Duration::from_millis(30), d.admit(SHORT, || true)).await;
         assert!(blocked.is_err());
         drop(ticket);
-        assert_eq!(d.admit(5.0, 200, || true).await.0, Admission::Direct);
-        let gone =
-            tokio::time::timeout(Duration::from_millis(10), d.admit(5.0, 200, || false)).await;
+        assert_eq!(d.admit(SHORT, || true).await.0, Admission::Direct);
+        let gone = tokio::time::timeout(Duration::from_millis(10), d.admit(SHORT, || false)).await;
         assert!(gone.is_err());
         assert_eq!(d.queue.lock().len(), 0);
-        assert_eq!(d.admit(5.0, 200, || false).await.0, Admission::Expired);
+        assert_eq!(d.admit(SHORT, || false).await.0, Admission::Expired);
         assert!(
             DispatchConfig {
                 aging: f64::NAN,

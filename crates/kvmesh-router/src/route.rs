@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams};
 use kvmesh_index::EndpointId;
+use kvmesh_sched::hold_queue::Work;
 use kvmesh_sched::{Backlog, Candidate, Profile, SchedulingContext};
 use serde_json::json;
 
@@ -128,7 +129,8 @@ impl Attempt<'_> {
         let Some(Admitted {
             fleet,
             held,
-            backlog,
+            held_cold,
+            share_tokens,
             ticket: admission_ticket,
         }) = admitted
         else {
@@ -143,7 +145,10 @@ impl Attempt<'_> {
             total_blocks: keys.len(),
             block_size: bs,
             max_tokens: parsed.max_tokens,
-            backlog,
+            backlog: Backlog {
+                cold_tokens: &held_cold,
+                share_tokens,
+            },
         };
         let mut decision = s.scheduler.schedule(profile, &ctx, &fleet.candidates);
         let chosen = decision.chosen_candidate(&fleet.candidates).cloned();
@@ -280,8 +285,10 @@ struct Admitted<'a> {
     fleet: Fleet,
     /// How long the request waited in the queue.
     held: Duration,
-    /// What was still waiting there when it left.
-    backlog: Backlog,
+    /// The prefill tokens of the cold requests still waiting there when it left (ascending).
+    held_cold: Vec<u64>,
+    /// `dispatch.max_queued_prefill_tokens` (0 without an admission queue).
+    share_tokens: u64,
     /// Holds its place until its load is counted.
     ticket: Option<Ticket<'a>>,
 }
@@ -297,7 +304,8 @@ async fn admit<'a>(
     let direct = |fleet, ticket| Admitted {
         fleet,
         held: Duration::ZERO,
-        backlog: Backlog::default(),
+        held_cold: Vec::new(),
+        share_tokens: 0,
         ticket,
     };
     let Some(d) = s.dispatch.as_ref().filter(|_| excluded.is_none()) else {
@@ -320,14 +328,16 @@ async fn admit<'a>(
             .any(|e| e.load.snapshot().uncached_tokens <= limit)
     };
     let waited = Instant::now();
-    let (how, ticket) = d.admit(work_ms, work, has_capacity).await;
+    let work = Work {
+        ms: work_ms,
+        tokens: work,
+        cold: best_cached == 0,
+    };
+    let (how, ticket) = d.admit(work, has_capacity).await;
     if how == Admission::Direct {
         return Some(direct(fleet, Some(ticket)));
     }
-    let backlog = Backlog {
-        held_tokens: d.held_tokens(),
-        share_tokens: limit,
-    };
+    let held_cold = d.cold_tokens();
     // Placed as the fleet is now, not as it was when the request arrived.
     let held = waited.elapsed();
     let mut fleet = Fleet::now(s, keys, excluded)?;
@@ -340,7 +350,8 @@ async fn admit<'a>(
     Some(Admitted {
         fleet,
         held,
-        backlog,
+        held_cold,
+        share_tokens: limit,
         ticket: Some(ticket),
     })
 }

@@ -220,20 +220,24 @@ async fn with_pulls_when_held_off_a_request_released_from_the_admission_queue_do
     }
 }
 
-/// A request the admission queue releases while others still wait there is priced as landing
-/// after them: they are released as fast as its pull's destination has room, and computed
-/// before its blocks arrive. Alone in the queue, the same request pulls to the emptier endpoint;
-/// with two more prompts held behind it, it stays on the endpoint that holds its prefix.
+/// A request the admission queue releases while first-seen prompts still wait there is priced
+/// as landing after them: they are released as fast as its pull's destination has room, and
+/// computed before its blocks arrive. Alone in the queue, the same request pulls to the emptier
+/// endpoint; with two first-seen prompts held behind it, it stays on the endpoint that holds its
+/// prefix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_released_with_others_still_held_stays_with_its_prefix_rather_than_pull() {
+async fn a_request_released_ahead_of_first_seen_prompts_stays_with_its_prefix_rather_than_pull() {
     for held_behind in [0, 2] {
         let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
         // e1's first byte releases the held request; e0 stays busy for the whole test.
         e0.set_mode(Mode::Slow(Duration::from_secs(3)));
         e1.set_mode(Mode::Slow(Duration::from_millis(400)));
         let prefix = std::sync::Arc::new(common::FakePrefix::default());
-        prefix.set(&[(0, 500, 500)]); // e0 holds 8,000 tokens of every prompt, in both tiers
-        // The default pipeline (predicted TTFT, priced pulls). Each 12,000-token prompt leaves
+        // e0 holds 8,000 tokens of every 12,000-token prompt, in both tiers; 6,000-token
+        // prompts are first-seen.
+        prefix.set(&[(0, 500, 500)]);
+        *prefix.cold_below_blocks.lock() = 700;
+        // The default pipeline (predicted TTFT, priced pulls). A 12,000-token prompt leaves
         // 4,000 tokens to compute: more than an endpoint's 3,900-token share.
         let yaml = format!(
             "seed: 7\nblock_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n\
@@ -242,18 +246,20 @@ async fn a_request_released_with_others_still_held_stays_with_its_prefix_rather_
         );
         let router = start_router(&yaml, Some(prefix)).await;
         let url = format!("http://{}", router.addr);
-        let spawn = |seed: u32| {
+        let spawn = |seed: u32, len: usize| {
             let url = url.clone();
-            tokio::spawn(async move { send(&url, common::doc(seed, 12_000)).await })
+            tokio::spawn(async move { send(&url, common::doc(seed, len)).await })
         };
-        let mut sent = vec![spawn(1)];
+        let mut sent = vec![spawn(1, 12_000)];
         common::eventually(5, "the first prompt to arrive", || e0.count() == 1).await;
-        sent.push(spawn(2)); // pulls into e1 on arrival
+        sent.push(spawn(2, 12_000)); // pulls into e1 on arrival
         common::eventually(5, "the second prompt to arrive", || e1.count() == 1).await;
-        for seed in 3..4 + held_behind {
-            sent.push(spawn(seed));
+        sent.push(spawn(3, 12_000));
+        for seed in 4..4 + held_behind {
             tokio::time::sleep(Duration::from_millis(50)).await;
+            sent.push(spawn(seed, 6_000));
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(e0.count() + e1.count(), 2, "the later prompts are held");
         for r in sent {
             assert!(r.await.unwrap().status().is_success());
@@ -263,6 +269,7 @@ async fn a_request_released_with_others_still_held_stays_with_its_prefix_rather_
         let (on_arrival, released) = (&decisions[1], &decisions[2]);
         assert_eq!(on_arrival["outcome"], "pull_named", "{on_arrival}");
         assert!(released["held_ms"].as_f64().unwrap() > 200.0, "{released}");
+        assert_eq!(released["prompt_tokens"], 12_000, "{released}");
         let at_e1 = released["candidates"]
             .as_array()
             .unwrap()
@@ -275,7 +282,7 @@ async fn a_request_released_with_others_still_held_stays_with_its_prefix_rather_
             assert_eq!(released["endpoint"], "e1", "{released}");
             assert_eq!(released["outcome"], "pull_named", "{released}");
         } else {
-            // min(8,000 held, 3,900 share − 0 queued) tokens at 25K tokens/s.
+            // 2 × 6,000 first-seen tokens held, capped at the 3,900-token share, at 25K tokens/s.
             assert!((overtaken - 156.0).abs() < 1.0, "{at_e1}");
             assert_eq!(released["endpoint"], "e0", "{released}");
             assert_eq!(released["outcome"], "local_hit", "{released}");

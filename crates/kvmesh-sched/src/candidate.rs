@@ -112,27 +112,39 @@ pub struct SchedulingContext<'a> {
     /// Requested decode length, if the request said.
     pub max_tokens: Option<u64>,
     /// The admission queue behind this request when it was released from it (empty otherwise).
-    pub backlog: Backlog,
+    pub backlog: Backlog<'a>,
 }
 
 /// What was still waiting in the router's admission queue when a held request left it. Those
 /// requests are released as soon as some endpoint's prefill queue drops to `share_tokens`, so
-/// while this request's pull is in flight they can be placed on its endpoint and computed ahead
-/// of it (see [`crate::predict`]).
+/// while this request's pull is in flight some of them can be placed on its endpoint and
+/// computed ahead of it (see [`crate::predict`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Backlog {
-    /// Prefill tokens the requests still held would compute (cached prefixes not counted).
-    pub held_tokens: u64,
+pub struct Backlog<'a> {
+    /// Prefill tokens of each held request that nothing is cached for anywhere, ascending.
+    /// Only those go wherever the queue is shortest: a held request whose prefix some endpoint
+    /// holds goes there, or pulls it and lands after this one.
+    pub cold_tokens: &'a [u64],
     /// `dispatch.max_queued_prefill_tokens`.
     pub share_tokens: u64,
 }
 
-impl Backlog {
-    /// Prefill tokens the admission queue can still place on an endpoint with `queued` tokens
-    /// of prefill waiting before that endpoint's share is full.
-    pub fn can_place_on(&self, queued: u64) -> u64 {
-        self.held_tokens
-            .min(self.share_tokens.saturating_sub(queued))
+impl Backlog<'_> {
+    /// Prefill tokens the admission queue would place ahead of a pull landing on an endpoint
+    /// with `queued` tokens of prefill waiting, before that endpoint's share is full. A cold
+    /// request goes ahead of a landing pull only if that costs it less than the next-best
+    /// endpoint, whose queue is full: its prefill times `pulling_delay_weight` (what placement
+    /// charges for delaying a landing request) must be below the room left in the share.
+    pub fn overtaking(&self, queued: u64, pulling_delay_weight: f64) -> u64 {
+        let room = self.share_tokens.saturating_sub(queued);
+        let mut sum = 0u64;
+        for &tokens in self.cold_tokens {
+            if sum >= room || tokens as f64 * pulling_delay_weight >= room as f64 {
+                break;
+            }
+            sum = sum.saturating_add(tokens);
+        }
+        sum.min(room)
     }
 }
 

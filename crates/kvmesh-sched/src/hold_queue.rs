@@ -34,13 +34,12 @@ pub struct DispatchConfig {
     /// At most this many requests are held; later ones are placed on arrival.
     pub max_held: usize,
     /// Whether a request that waited here may be placed with a P2P pull (default true).
-    /// Requests are held only while every endpoint has a full prefill queue, so a pull moves a
-    /// request from its holder's queue to another full one, where it lands after the requests
-    /// released with it. `false` suits bursts of first-seen prompts: it made skew-heavy@0's
-    /// pulls match no pulls at p99 (676 vs 678 ms, where `true` is 12 % worse). `true` suits
-    /// saturated multi-turn fleets: with `false`, returning agent turns held at a busy holder
-    /// could no longer move, and their p90 rose 55-74 % on agentic-paced with 8 engines
-    /// (`docs/benchmarks.md`, hot prefixes).
+    /// Requests are held only while every endpoint has a full prefill queue; the pull of one
+    /// released while others still wait is priced as landing after the ones released during
+    /// it (`predict`'s `overtaken_ms`), which is what keeps such pulls from slowing a burst of
+    /// first-seen prompts. `false` turns them off outright: with it, returning agent turns held
+    /// at a busy holder could no longer move, and their p90 rose 55-74 % on agentic-paced with
+    /// 8 engines (`docs/benchmarks.md`, hot prefixes).
     pub pulls_when_held: bool,
 }
 
@@ -71,9 +70,19 @@ impl DispatchConfig {
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     id: u64,
-    work_ms: f64,
-    work_tokens: u64,
+    work: Work,
     since: Instant,
+}
+
+/// A held request's prefill work.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Work {
+    /// Predicted time (its priority).
+    pub ms: f64,
+    /// Tokens it would compute where the most of it is cached.
+    pub tokens: u64,
+    /// Nothing of it is cached anywhere: it can go to any endpoint.
+    pub cold: bool,
 }
 
 /// The held requests (pure: the clock is an argument).
@@ -91,22 +100,25 @@ impl HoldQueue {
         self.entries.is_empty()
     }
 
-    /// Holds request `id`, which would compute `work_tokens` of prefill in `work_ms`.
-    pub fn push(&mut self, id: u64, work_ms: f64, work_tokens: u64, now: Instant) {
-        let work_ms = if work_ms.is_finite() { work_ms } else { 0.0 };
+    pub fn push(&mut self, id: u64, work: Work, now: Instant) {
+        let ms = if work.ms.is_finite() { work.ms } else { 0.0 };
         self.entries.push(Entry {
             id,
-            work_ms,
-            work_tokens,
+            work: Work { ms, ..work },
             since: now,
         });
     }
 
-    /// Prefill tokens the held requests would compute.
-    pub fn held_tokens(&self) -> u64 {
-        self.entries
+    /// The prefill tokens of each held request nothing is cached for, ascending.
+    pub fn cold_tokens(&self) -> Vec<u64> {
+        let mut cold: Vec<u64> = self
+            .entries
             .iter()
-            .fold(0u64, |sum, e| sum.saturating_add(e.work_tokens))
+            .filter(|e| e.work.cold)
+            .map(|e| e.work.tokens)
+            .collect();
+        cold.sort_unstable();
+        cold
     }
 
     pub fn remove(&mut self, id: u64) -> bool {
@@ -118,7 +130,7 @@ impl HoldQueue {
     /// The entry that goes next: lowest `work_ms − aging × waited_ms`, the oldest on ties.
     pub fn next(&self, now: Instant, aging: f64) -> Option<u64> {
         let priority = |e: &Entry| {
-            e.work_ms - aging * now.saturating_duration_since(e.since).as_secs_f64() * 1000.0
+            e.work.ms - aging * now.saturating_duration_since(e.since).as_secs_f64() * 1000.0
         };
         self.entries
             .iter()
@@ -147,12 +159,15 @@ mod tests {
     fn shortest_work_goes_first_until_aging_lets_a_long_one_through() {
         let t0 = Instant::now();
         let mut q = HoldQueue::default();
-        q.push(1, 3000.0, 75_000, t0); // a 75K-token prompt
-        q.push(2, 40.0, 1000, t0 + Duration::from_millis(100));
-        assert_eq!(q.held_tokens(), 76_000);
+        let work = |ms: f64, tokens: u64, cold: bool| Work { ms, tokens, cold };
+        q.push(1, work(3000.0, 75_000, true), t0); // a 75K-token prompt
+        q.push(2, work(40.0, 1000, true), t0 + Duration::from_millis(100));
+        q.push(4, work(30.0, 800, false), t0 + Duration::from_millis(100));
+        assert_eq!(q.cold_tokens(), vec![1000, 75_000]);
+        assert!(q.remove(4));
         assert_eq!(q.next(t0 + Duration::from_millis(100), 2.0), Some(2));
         assert!(q.remove(2));
-        q.push(3, 40.0, 1000, t0 + Duration::from_millis(1500));
+        q.push(3, work(40.0, 1000, true), t0 + Duration::from_millis(1500));
         // Entry 1 has waited 1.5 s: 3000 − 2×1500 = 0 < 40 → it goes before the newcomer.
         assert_eq!(q.next(t0 + Duration::from_millis(1500), 2.0), Some(1));
         assert!(q.expired(1, t0 + Duration::from_secs(10), Duration::from_secs(10)));

@@ -38,11 +38,14 @@
 //!
 //! A pulled request joins its engine's queue only when its blocks land. When the router's
 //! admission queue released it while others were still held, those others are released as fast
-//! as some endpoint's prefill queue is at most `share` tokens, and during the pull they can be
-//! placed on its endpoint and computed first. So for such a request the pull path also waits for
-//! `min(held tokens, share − queued(c))` tokens of prefill (`overtaken_ms`). Without it, pulls
-//! of held 10K-token prompts in skew-heavy's warm-up were predicted at 90 ms and took 200 ms:
-//! first-seen prompts released right after them were computed first.
+//! as some endpoint's prefill queue is at most `share` tokens, and during the pull the cold ones
+//! (nothing cached anywhere) can be placed on its endpoint and computed first: each does if its
+//! prefill × `pullingDelayWeight` is below the room `share − queued(c)`, since every other
+//! endpoint's queue is full. So for such a request the pull path also waits for those cold
+//! prompts, up to the room (`overtaken_ms`). Without it, pulls of held 10K-token prompts in
+//! skew-heavy's warm-up were predicted at 90 ms and took 200 ms: first-seen prompts released
+//! right after them were computed first. Held requests whose prefix an endpoint holds are not
+//! counted: they go to it, or pull and land after this one.
 //!
 //! Plain functions over [`Candidate`]s and the [`CostModel`]: no I/O, no clock.
 
@@ -283,7 +286,11 @@ pub fn predict(
     }
     // Held requests the admission queue releases while this one's pull is in flight can be
     // placed here and computed before it lands: the pull path waits for them too.
-    let overtaken_ms = ms(ctx.backlog.can_place_on(c.in_flight_uncached_tokens), rate);
+    let overtaken_ms = ms(
+        ctx.backlog
+            .overtaking(c.in_flight_uncached_tokens, p.pulling_delay_weight),
+        rate,
+    );
     let pull_ms = best_pull
         .as_ref()
         .map(|b| pull_path_ms(b, prompt as u64, cpu_only, rate, restore));
@@ -530,12 +537,12 @@ mod tests {
             at_idle.cost_ms < at_owner.cost_ms,
             "{at_owner:?} {at_idle:?}"
         );
-        // Released from the admission queue with 20K tokens of prompts still held: up to the
-        // 8K-token share of them can be computed on E while the pull is in flight. Pulling no
-        // longer beats recomputing on E, and the owner's queue is the better place.
+        // Released from the admission queue with two first-seen 10K-token prompts still held:
+        // up to the 8K-token share of them can be computed on E while the pull is in flight.
+        // Pulling no longer beats recomputing on E, and the owner's queue is the better place.
         let released = SchedulingContext {
             backlog: Backlog {
-                held_tokens: 20_000,
+                cold_tokens: &[10_240, 10_240],
                 share_tokens: 8_192,
             },
             ..direct
@@ -550,10 +557,10 @@ mod tests {
             held_owner.cost_ms < held_idle.cost_ms,
             "{held_owner:?} {held_idle:?}"
         );
-        // With only 1K tokens held behind it, the pull still wins and waits for them.
+        // With only a 1K-token prompt held behind it, the pull still wins and waits for it.
         let few = SchedulingContext {
             backlog: Backlog {
-                held_tokens: 1_000,
+                cold_tokens: &[1_000],
                 share_tokens: 8_192,
             },
             ..direct
@@ -562,6 +569,33 @@ mod tests {
         assert!(pulls_anyway.pulls, "{pulls_anyway:?}");
         assert!((pulls_anyway.overtaken_ms - at_idle.queue_ms - 40.0).abs() < 1.0);
         assert!(pulls_anyway.cost_ms < at_owner.cost_ms);
+        // A 30K-token prompt would rather queue behind a full share elsewhere than pay for
+        // delaying the pull (0.5 × its prefill), so it does not overtake it.
+        let long = SchedulingContext {
+            backlog: Backlog {
+                cold_tokens: &[30_000],
+                share_tokens: 8_192,
+            },
+            ..direct
+        };
+        assert_eq!(placed(&long), (at_owner, at_idle));
+    }
+
+    #[test]
+    fn only_cold_prompts_cheap_enough_to_go_ahead_of_a_landing_pull_overtake_it() {
+        let backlog = Backlog {
+            cold_tokens: &[1_000, 9_000],
+            share_tokens: 8_192,
+        };
+        // Room 8,192: both go ahead (9,000 × 0.5 < 8,192), and the sum stops at the room.
+        assert_eq!(backlog.overtaking(0, 0.5), 8_192);
+        // Room 4,000: the 9,000-token prompt (4,500 weighted) would rather wait elsewhere.
+        assert_eq!(backlog.overtaking(4_192, 0.5), 1_000);
+        // Room 500: not even the 1,000-token prompt goes ahead.
+        assert_eq!(backlog.overtaking(7_692, 0.5), 0);
+        // Weight 0: nothing is charged for delaying the pull, every cold prompt goes ahead.
+        assert_eq!(backlog.overtaking(4_192, 0.0), 4_000);
+        assert_eq!(Backlog::default().overtaking(0, 0.5), 0);
     }
 
     #[test]

@@ -197,6 +197,8 @@ async fn models(State(s): State<Arc<FakeState>>) -> axum::Json<Value> {
 #[derive(Default)]
 pub struct FakePrefix {
     pub matches: Mutex<Vec<EndpointMatch>>,
+    /// Prompts with fewer blocks than this have nothing cached anywhere (0: no such prompts).
+    pub cold_below_blocks: Mutex<usize>,
 }
 
 impl FakePrefix {
@@ -219,6 +221,9 @@ impl FakePrefix {
 impl PrefixLookup for FakePrefix {
     fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch> {
         let n = keys.len();
+        if n < *self.cold_below_blocks.lock() {
+            return Vec::new();
+        }
         self.matches
             .lock()
             .iter()
