@@ -116,9 +116,9 @@ pub struct SchedulingContext<'a> {
 }
 
 /// What was still waiting in the router's admission queue when a held request left it. Those
-/// requests are released as soon as some endpoint's prefill queue drops to `share_tokens`, so
-/// while this request's pull is in flight some of them can be placed on its endpoint and
-/// computed ahead of it (see [`crate::predict`]).
+/// requests are released while some endpoint's prefill queue is within `share_tokens`, so while
+/// this request's pull is in flight some of them can be placed on its endpoint and computed
+/// ahead of it (see [`crate::predict`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Backlog<'a> {
     /// Prefill tokens of each held request that nothing is cached for anywhere, ascending.
@@ -130,21 +130,25 @@ pub struct Backlog<'a> {
 }
 
 impl Backlog<'_> {
-    /// Prefill tokens the admission queue would place ahead of a pull landing on an endpoint
-    /// with `queued` tokens of prefill waiting, before that endpoint's share is full. A cold
-    /// request goes ahead of a landing pull only if that costs it less than the next-best
-    /// endpoint, whose queue is full: its prefill times `pulling_delay_weight` (what placement
-    /// charges for delaying a landing request) must be below the room left in the share.
-    pub fn overtaking(&self, queued: u64, pulling_delay_weight: f64) -> u64 {
-        let room = self.share_tokens.saturating_sub(queued);
+    /// Prefill tokens the admission queue would place on an endpoint, and compute there, while
+    /// a pull is landing on it. The endpoint has `queued` prefill tokens (the admission queue's
+    /// measure) of which a request computed now waits for `ahead` (the rest is landing);
+    /// `elsewhere` is the shortest such wait on any other endpoint, and `charge` what placement
+    /// charges per token for going ahead of the landing pulls (`pullingDelayWeight` × how many
+    /// are landing there, this one included). Cold requests leave the queue smallest first
+    /// while the endpoint is within its share, and each comes here only if waiting here plus
+    /// its charge beats waiting elsewhere.
+    pub fn overtaking(&self, queued: u64, ahead: u64, elsewhere: u64, charge: f64) -> u64 {
         let mut sum = 0u64;
         for &tokens in self.cold_tokens {
-            if sum >= room || tokens as f64 * pulling_delay_weight >= room as f64 {
+            let within_share = queued.saturating_add(sum) <= self.share_tokens;
+            let here = ahead.saturating_add(sum) as f64 + tokens as f64 * charge;
+            if !within_share || here >= elsewhere as f64 {
                 break;
             }
             sum = sum.saturating_add(tokens);
         }
-        sum.min(room)
+        sum
     }
 }
 

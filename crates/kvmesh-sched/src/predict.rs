@@ -37,15 +37,16 @@
 //! is chosen only when `pull_time(delta) + margin < recompute(delta)` on the same destination.
 //!
 //! A pulled request joins its engine's queue only when its blocks land. When the router's
-//! admission queue released it while others were still held, those others are released as fast
-//! as some endpoint's prefill queue is at most `share` tokens, and during the pull the cold ones
-//! (nothing cached anywhere) can be placed on its endpoint and computed first: each does if its
-//! prefill × `pullingDelayWeight` is below the room `share − queued(c)`, since every other
-//! endpoint's queue is full. So for such a request the pull path also waits for those cold
-//! prompts, up to the room (`overtaken_ms`). Without it, pulls of held 10K-token prompts in
-//! skew-heavy's warm-up were predicted at 90 ms and took 200 ms: first-seen prompts released
-//! right after them were computed first. Held requests whose prefix an endpoint holds are not
-//! counted: they go to it, or pull and land after this one.
+//! admission queue released it while others were still held, those others are released while
+//! some endpoint's prefill queue is within `share` tokens, and during the pull the cold ones
+//! (nothing cached anywhere) can be placed on its endpoint and computed first. The router
+//! predicts its own placement of them: smallest first, while `c` is within its share, each comes
+//! to `c` if the prefill ahead of it there plus the charge for delaying the landing pulls
+//! (`pullingDelayWeight` × its prefill × pulls landing) is below the shortest queue elsewhere.
+//! The pull path waits for those too (`overtaken_ms`). Without it, pulls of held 10K-token
+//! prompts in skew-heavy's warm-up were predicted at 90 ms and took 200 ms: first-seen prompts
+//! released right after them were computed first. Held requests whose prefix an endpoint holds
+//! are not counted: they go to it, or pull and land after this one.
 //!
 //! Plain functions over [`Candidate`]s and the [`CostModel`]: no I/O, no clock.
 
@@ -286,9 +287,24 @@ pub fn predict(
     }
     // Held requests the admission queue releases while this one's pull is in flight can be
     // placed here and computed before it lands: the pull path waits for them too.
+    let computed_ahead = |o: &Candidate| {
+        o.in_flight_uncached_tokens
+            .saturating_sub(o.pulls_landing_uncached_tokens)
+    };
+    let elsewhere = candidates
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != at)
+        .map(|(_, o)| computed_ahead(o))
+        .min()
+        .unwrap_or(u64::MAX);
     let overtaken_ms = ms(
-        ctx.backlog
-            .overtaking(c.in_flight_uncached_tokens, p.pulling_delay_weight),
+        ctx.backlog.overtaking(
+            c.in_flight_uncached_tokens,
+            computed_ahead(c),
+            elsewhere,
+            p.pulling_delay_weight * (c.pulls_landing_in + 1) as f64,
+        ),
         rate,
     );
     let pull_ms = best_pull
@@ -582,20 +598,24 @@ mod tests {
     }
 
     #[test]
-    fn only_cold_prompts_cheap_enough_to_go_ahead_of_a_landing_pull_overtake_it() {
+    fn released_cold_prompts_overtake_a_landing_pull_while_that_beats_waiting_elsewhere() {
         let backlog = Backlog {
             cold_tokens: &[1_000, 9_000],
             share_tokens: 8_192,
         };
-        // Room 8,192: both go ahead (9,000 × 0.5 < 8,192), and the sum stops at the room.
-        assert_eq!(backlog.overtaking(0, 0.5), 8_192);
-        // Room 4,000: the 9,000-token prompt (4,500 weighted) would rather wait elsewhere.
-        assert_eq!(backlog.overtaking(4_192, 0.5), 1_000);
-        // Room 500: not even the 1,000-token prompt goes ahead.
-        assert_eq!(backlog.overtaking(7_692, 0.5), 0);
-        // Weight 0: nothing is charged for delaying the pull, every cold prompt goes ahead.
-        assert_eq!(backlog.overtaking(4_192, 0.0), 4_000);
-        assert_eq!(Backlog::default().overtaking(0, 0.5), 0);
+        // An idle endpoint, 20K tokens queued elsewhere: both come here (9,000 × 0.5 + 1,000
+        // ahead of it < 20,000), the second released while 1,000 ≤ the share.
+        assert_eq!(backlog.overtaking(0, 0, 20_000, 0.5), 10_000);
+        // 5,000 elsewhere: the 9,000-token prompt would wait 1,000 + 4,500 charged here.
+        assert_eq!(backlog.overtaking(0, 0, 5_000, 0.5), 1_000);
+        // Two pulls landing here double the charge.
+        assert_eq!(backlog.overtaking(0, 0, 9_500, 0.5), 10_000);
+        assert_eq!(backlog.overtaking(0, 0, 9_500, 1.0), 1_000);
+        // 8,000 queued: the queue releases one more request onto it, then its share is full.
+        assert_eq!(backlog.overtaking(8_000, 8_000, 20_000, 0.5), 1_000);
+        // Over its share: the queue releases nothing while this endpoint is the one with room.
+        assert_eq!(backlog.overtaking(9_000, 2_000, 20_000, 0.5), 0);
+        assert_eq!(Backlog::default().overtaking(0, 0, 20_000, 0.5), 0);
     }
 
     #[test]
