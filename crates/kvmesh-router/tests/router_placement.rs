@@ -229,9 +229,10 @@ async fn with_pulls_when_held_off_a_request_released_from_the_admission_queue_do
 async fn a_request_released_ahead_of_first_seen_prompts_stays_with_its_prefix_rather_than_pull() {
     for held_behind in [0, 2] {
         let (e0, e1) = (FakeEngine::start("e0").await, FakeEngine::start("e1").await);
-        // e1's first byte releases the held request; e0 stays busy for the whole test.
+        // e1's first byte releases the held request (1 s leaves the later prompts ample time
+        // to reach the queue on a busy machine); e0 stays busy for the whole test.
         e0.set_mode(Mode::Slow(Duration::from_secs(3)));
-        e1.set_mode(Mode::Slow(Duration::from_millis(400)));
+        e1.set_mode(Mode::Slow(Duration::from_secs(1)));
         let prefix = std::sync::Arc::new(common::FakePrefix::default());
         // e0 holds 8,000 tokens of every 12,000-token prompt, in both tiers; 5,000-token
         // prompts are first-seen.
