@@ -61,6 +61,13 @@ pub struct Candidate {
 }
 
 impl Candidate {
+    /// Prefill tokens a request computed here now would wait for: the router's queued work
+    /// minus the requests still pulling their prefix in, which will land behind it.
+    pub fn queued_ahead_of_new_work(&self) -> u64 {
+        self.in_flight_uncached_tokens
+            .saturating_sub(self.pulls_landing_uncached_tokens)
+    }
+
     /// A candidate with no prefix, no load and no scraped metrics (tests and cold starts).
     pub fn idle(endpoint: u32, name: &str) -> Candidate {
         Candidate {

@@ -285,28 +285,11 @@ pub fn predict(
             }
         }
     }
-    // Held requests the admission queue releases while this one's pull is in flight can be
-    // placed here and computed before it lands: the pull path waits for them too.
-    let computed_ahead = |o: &Candidate| {
-        o.in_flight_uncached_tokens
-            .saturating_sub(o.pulls_landing_uncached_tokens)
+    let overtaken_ms = if best_pull.is_some() {
+        ms(overtaking_tokens(ctx, candidates, at, p), rate)
+    } else {
+        0.0
     };
-    let elsewhere = candidates
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != at)
-        .map(|(_, o)| computed_ahead(o))
-        .min()
-        .unwrap_or(u64::MAX);
-    let overtaken_ms = ms(
-        ctx.backlog.overtaking(
-            c.in_flight_uncached_tokens,
-            computed_ahead(c),
-            elsewhere,
-            p.pulling_delay_weight * (c.pulls_landing_in + 1) as f64,
-        ),
-        rate,
-    );
     let pull_ms = best_pull
         .as_ref()
         .map(|b| pull_path_ms(b, prompt as u64, cpu_only, rate, restore));
@@ -331,14 +314,7 @@ pub fn predict(
     let (queue_ms, landing_ahead) = if pulls {
         (ms(c.in_flight_uncached_tokens, rate) + overtaken_ms, 0)
     } else {
-        (
-            ms(
-                c.in_flight_uncached_tokens
-                    .saturating_sub(c.pulls_landing_uncached_tokens),
-                rate,
-            ),
-            c.pulls_landing_in,
-        )
+        (ms(c.queued_ahead_of_new_work(), rate), c.pulls_landing_in)
     };
     let total_ms = queue_ms + kv_wait_ms + own_ms + load_ms;
     let compute_ms = ms(computed, rate);
@@ -355,6 +331,36 @@ pub fn predict(
         best_pull,
         pulls,
     }
+}
+
+/// Prefill tokens the admission queue will place on `candidates[at]` and compute there while
+/// this request's pull lands (see the module header). 0, without scanning the fleet, when no
+/// cold request was held behind this one: the common case.
+fn overtaking_tokens(
+    ctx: &SchedulingContext<'_>,
+    candidates: &[&Candidate],
+    at: usize,
+    p: &TtftParams,
+) -> u64 {
+    let Some(c) = candidates.get(at) else {
+        return 0;
+    };
+    if ctx.backlog.cold_tokens.is_empty() {
+        return 0;
+    }
+    let elsewhere = candidates
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != at)
+        .map(|(_, o)| o.queued_ahead_of_new_work())
+        .min()
+        .unwrap_or(u64::MAX);
+    ctx.backlog.overtaking(
+        c.in_flight_uncached_tokens,
+        c.queued_ahead_of_new_work(),
+        elsewhere,
+        p.pulling_delay_weight * (c.pulls_landing_in + 1) as f64,
+    )
 }
 
 /// How long a request waits on `c` for its GPU tier to have room for its context (see the module
