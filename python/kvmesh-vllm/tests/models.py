@@ -265,6 +265,47 @@ def heavy_llama(out_dir: str, seed: int = 0, layers: int = 32, kv_heads: int = 8
                  {"kv_bytes_per_token": layers * kv_heads * head_dim * 2 * 2})
 
 
+def lora_adapter(base_dir: str, out_dir: str, seed: int = 1, rank: int = 8,
+                 targets: tuple[str, ...] = ("q_proj", "v_proj"), scale: float = 0.5) -> str:
+    """A random LoRA adapter (PEFT's file layout, written without PEFT) for the Llama-shaped
+    model in ``base_dir`` (``tiny_model.build`` or ``heavy_llama``): rank ``rank`` on
+    ``targets`` of every layer, ``lora_B`` non-zero so that the adapter changes the output.
+    Serve with ``--enable-lora --max-lora-rank >= rank --lora-modules NAME=out_dir``."""
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(base_dir, "config.json")) as f:
+        cfg = json.load(f)
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    out_features = {
+        "q_proj": cfg["num_attention_heads"] * head_dim,
+        "k_proj": cfg["num_key_value_heads"] * head_dim,
+        "v_proj": cfg["num_key_value_heads"] * head_dim,
+        "o_proj": hidden,
+    }
+    in_features = {"o_proj": cfg["num_attention_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for t in targets:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{t}"
+            a = torch.randn(rank, in_features.get(t, hidden), generator=gen) * scale
+            b = torch.randn(out_features[t], rank, generator=gen) * scale
+            tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16).contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16).contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+            "lora_dropout": 0.0, "target_modules": list(targets), "bias": "none",
+            "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
+            "use_dora": False, "base_model_name_or_path": base_dir,
+        }, f, indent=1)
+    return out_dir
+
+
 BUILDERS: dict[str, Callable[..., str]] = {
     "gemma3": gemma3,
     "gpt_oss": gpt_oss,
