@@ -3,18 +3,24 @@
 Each builder writes a Hugging Face checkpoint (safetensors, bf16) and a word-level tokenizer
 into ``out_dir`` and returns it: every prompt word ``w<i>`` is exactly one token, as in
 ``tiny_model.py``, so tests control token counts and block boundaries exactly. Weights come from
-a config and a seed: two builds are identical. All of them start on vLLM 0.32's CPU build on two
-shared cores in well under a minute (``docs/notes-vllm-models.md`` has the measured startup,
-what vLLM's KV cache manager makes of each, and which ones do not serve).
+a config and a seed: two builds are identical. Each checkpoint is a few MB (``heavy_llama``:
+451 MB) and loads in under a second; a vLLM server's start is vLLM's own (50-170 s on two
+shared cores). ``docs/notes-vllm-models.md`` has what vLLM 0.32's CPU build makes of each.
 
+Serve on the CPU build (with ``--enable-prefix-caching``):
 - ``gemma3``: sliding-window + full-attention layers (Gemma 3 text, ``Gemma3ForCausalLM``).
 - ``gpt_oss``: gpt-oss's shape (MoE, alternating sliding/full attention, attention sinks),
   unquantized bf16.
-- ``granite_hybrid`` / ``bamba`` / ``nemotron_h`` / ``falcon_h1`` / ``jamba`` / ``qwen3_next``:
-  hybrid Mamba (or gated delta net) + attention models.
-- ``deepseek_v2``: MLA (``kv_lora_rank``, ``qk_rope_head_dim``) with a tiny MoE.
+- ``qwen3_next``: gated delta net (linear attention) + full attention, MoE; vLLM raises its
+  block size to 544 tokens.
+- ``deepseek_v2``: MLA (latent 512 + 64) with a tiny MoE.
 - ``heavy_llama``: Llama-3.1-8B's KV bytes per token (32 layers x 8 KV heads x 128, bf16:
   128 KiB/token) with little compute, for transfer benchmarks.
+- ``lora_adapter``: a random LoRA for a Llama-shaped base (``tiny_model`` or ``heavy_llama``).
+
+Do not serve there (kept to retry on a later vLLM; the notes say why): ``granite_hybrid``,
+``nemotron_h``, ``falcon_h1``, ``jamba`` (crash in vLLM's CPU Mamba kernels with prefix caching),
+``bamba`` (not in vLLM 0.32's model registry).
 
 Command line: ``python models.py NAME OUT_DIR`` (names: ``BUILDERS``).
 """
@@ -183,7 +189,8 @@ def falcon_h1(out_dir: str, seed: int = 0, layers: int = 2, hidden: int = 256, h
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
         mamba_n_heads=mamba_heads, mamba_d_head=2 * hidden // mamba_heads, mamba_n_groups=1,
-        mamba_d_state=d_state, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
+        mamba_d_ssm=2 * hidden, mamba_d_state=d_state, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=64,
     ))
     return _save(out_dir, FalconH1ForCausalLM, config, seed, "falcon_h1")
 
