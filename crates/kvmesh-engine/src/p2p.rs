@@ -41,7 +41,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::compute::sim::verify_sim_block_payload;
-use crate::cpu_tier::{BlockStatus, CpuTier, Landed, OffloadBlock, PinKind};
+use crate::cpu_tier::{CpuTier, Landed, OffloadBlock, PinKind};
 use crate::engine::{EngineHandle, EngineRequest};
 
 /// How long blocks a pull landed stay pinned in our CPU tier if the request never finishes
@@ -159,25 +159,13 @@ impl CpuTierSource {
     }
 }
 
-fn wire(s: BlockStatus) -> WireStatus {
-    match s {
-        BlockStatus::Hit => WireStatus::Hit,
-        BlockStatus::Pending => WireStatus::Pending,
-        BlockStatus::Miss => WireStatus::Miss,
-    }
-}
-
 impl BlockSource for CpuTierSource {
     fn fingerprint(&self) -> Fingerprint {
         self.fingerprint.clone()
     }
 
     fn lookup_and_pin(&self, hashes: &[BlockHash], lease: Duration) -> Vec<WireStatus> {
-        self.tier
-            .lookup_and_pin(hashes, Instant::now() + lease)
-            .into_iter()
-            .map(wire)
-            .collect()
+        self.tier.lookup_and_pin(hashes, Instant::now() + lease)
     }
 
     fn read(&self, hash: BlockHash) -> Option<Bytes> {
@@ -192,12 +180,12 @@ impl BlockSource for CpuTierSource {
     fn served(&self, kv_request_id: &str, hash: BlockHash) {
         // The reader a P/D retention was kept for has its block: release that one retention.
         if self.handoffs.take(kv_request_id, hash) {
-            self.tier.unpin_as(PinKind::Retain, &[hash]);
+            self.tier.unpin(PinKind::Retain, &[hash]);
         }
     }
 
     fn unpin(&self, hashes: &[BlockHash]) {
-        self.tier.unpin(hashes);
+        self.tier.unpin(PinKind::Use, hashes);
     }
 
     fn wait_ready(
@@ -328,7 +316,7 @@ impl BlockSink for TierSink<'_> {
             tokens: tokens.to_vec(),
             payload,
         };
-        match self.tier.insert_external_pinned(block, self.lease_until) {
+        match self.tier.land(block, self.lease_until) {
             Landed::Pinned => {
                 self.external.push(hash);
                 self.pinned.push(hash);
@@ -650,7 +638,7 @@ pub fn release_pulled(engine: &EngineHandle, req: &EngineRequest) {
     if !req.pull_pinned_hashes.is_empty() {
         engine
             .cpu_tier()
-            .unpin_as(PinKind::Pull, &req.pull_pinned_hashes);
+            .unpin(PinKind::Pull, &req.pull_pinned_hashes);
     }
 }
 

@@ -168,7 +168,7 @@ impl PdAdmission {
         let addr = self.advertised.as_ref()?;
         let ttl = engine.config().p2p.decoder_kv_blocks_ttl;
         let until = Instant::now() + ttl;
-        let n = engine.cpu_tier().pin_as(PinKind::Retain, hashes, until);
+        let n = engine.cpu_tier().pin(PinKind::Retain, hashes, until);
         // Only this request's reader may release these retentions (a peer's read of the same
         // blocks under another request id leaves them held): see `p2p::Handoffs`.
         self.p2p

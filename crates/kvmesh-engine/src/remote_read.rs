@@ -292,7 +292,7 @@ impl P2pConsumer {
             if *local > before {
                 // Landed by the other pull: keep them until we are scheduled, and count them as
                 // what they are (KV moved from a peer, once).
-                let n = engine.cpu_tier().pin_as(
+                let n = engine.cpu_tier().pin(
                     PinKind::Pull,
                     &hashes[before..*local],
                     Instant::now() + LANDED_LEASE,

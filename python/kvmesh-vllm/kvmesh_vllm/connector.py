@@ -681,7 +681,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 continue
             self._loading[load.req_id] = load.block_ids
             self._node.start_pull(load.req_id, load.host, load.port, load.kv_request_id,
-                                  load.hashes, self._block_bytes, False)
+                                  load.hashes, self._block_bytes)
 
     def _load_locally(self, load: _Load) -> None:
         buf = self._blocks_buffer(len(load.block_ids))
@@ -718,10 +718,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         if not missing:
             return
         data = self._gather([ids[i] for i in missing])
-        stored, no_room = self._node.insert_blocks([hashes[i] for i in missing], data.numpy())
+        stored, rejected = self._node.insert_blocks([hashes[i] for i in missing], data.numpy())
         self._stored.extend(stored)
-        if no_room:
-            logger.warning("kvmesh: cpu tier full of pinned blocks, %d blocks not kept", no_room)
+        if rejected:
+            logger.warning("kvmesh: cpu tier full of pinned blocks, %d blocks not kept", rejected)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._loaded_locally = self._loaded_locally, set()
