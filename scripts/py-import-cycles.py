@@ -19,6 +19,8 @@ import ast
 import os
 import sys
 
+from import_cycles import cycles
+
 root = sys.argv[1] if len(sys.argv) > 1 else "python"
 
 
@@ -132,36 +134,7 @@ for m, p in mods.items():
 for k in sorted(edges):
     print(f"{k:34} -> {', '.join(sorted(edges[k]))}")
 
-idx, low, st, on, sccs, c = {}, {}, [], set(), [], [0]
-sys.setrecursionlimit(10000)
-
-
-def sc(v):
-    idx[v] = low[v] = c[0]
-    c[0] += 1
-    st.append(v)
-    on.add(v)
-    for w in edges.get(v, ()):
-        if w not in idx:
-            sc(w)
-            low[v] = min(low[v], low[w])
-        elif w in on:
-            low[v] = min(low[v], idx[w])
-    if low[v] == idx[v]:
-        comp = []
-        while True:
-            w = st.pop()
-            on.discard(w)
-            comp.append(w)
-            if w == v:
-                break
-        sccs.append(comp)
-
-
-for v in list(edges):
-    if v not in idx:
-        sc(v)
-cyc = [sorted(s) for s in sccs if len(s) > 1]
+cyc = cycles(edges)
 for comp in cyc:
     for a in comp:
         for b, line in sorted(edges[a].items()):
