@@ -197,7 +197,8 @@ impl Node {
         self.listen_addr
     }
 
-    pub fn metrics(&self) -> &TransferMetrics {
+    #[cfg(test)]
+    fn metrics(&self) -> &TransferMetrics {
         &self.metrics
     }
 
