@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Structure checks CI runs before the tests: no source file of any crate imports a file that
-# imports it back (issue 16). scripts/module-cycles.py prints the strongly connected components.
+# Structure checks CI runs before the tests: no source file imports a file that imports it back
+# (issues 16, 34), in Rust (every crate's src/ tree: scripts/module-cycles.py) and in Python
+# (everything under python/, function-local imports included: scripts/py-import-cycles.py).
+# Both print the graph and the strongly connected components.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
@@ -10,7 +12,12 @@ for src in crates/*/src; do
         status=1
     fi
 done
+if ! out=$(python3 scripts/py-import-cycles.py python); then
+    echo "import circle in python/:"
+    grep -E '^  |^cycles:' <<<"$out"
+    status=1
+fi
 if [ "$status" -eq 0 ]; then
-    echo "module structure: no import circles in $(ls -d crates/*/src | wc -l) crates"
+    echo "module structure: no import circles in $(ls -d crates/*/src | wc -l) crates and python/"
 fi
 exit "$status"

@@ -10,6 +10,9 @@ Node = module file (`engine::handle`, `p2p`, ...). Edge A -> B when A's code (co
 resolves to the deepest module it names (`crate::engine::EngineHandle` -> `engine`). Prints the
 edges and the strongly connected components with more than one node (exit 1 if any)."""
 import os, re, sys
+
+from import_cycles import cycles
+
 root = sys.argv[1]
 include_tests = "--tests" in sys.argv
 mods = {}
@@ -82,25 +85,6 @@ for m, p in mods.items():
 
 for k in sorted(edges):
     print(f"{k or '(crate root)':26} -> {', '.join(sorted(edges[k]))}")
-idx, low, st, on, sccs, c = {}, {}, [], set(), [], [0]
-sys.setrecursionlimit(10000)
-def sc(v):
-    idx[v] = low[v] = c[0]; c[0] += 1; st.append(v); on.add(v)
-    for w in edges.get(v, ()):
-        if w not in idx:
-            sc(w); low[v] = min(low[v], low[w])
-        elif w in on:
-            low[v] = min(low[v], idx[w])
-    if low[v] == idx[v]:
-        comp = []
-        while True:
-            w = st.pop(); on.discard(w); comp.append(w)
-            if w == v:
-                break
-        sccs.append(comp)
-for v in list(edges):
-    if v not in idx:
-        sc(v)
-cyc = [sorted(s) for s in sccs if len(s) > 1]
+cyc = cycles(edges)
 print("cycles:", cyc if cyc else "none")
 sys.exit(1 if cyc else 0)

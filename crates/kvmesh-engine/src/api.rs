@@ -27,16 +27,16 @@ use serde_json::{Value, json};
 
 use kvmesh_core::lax;
 
-pub use crate::admission::AdmissionHook;
 use crate::compute::SamplingParams;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo, SeqOutput, SeqStream, SubmitError};
 use crate::prefetch::{PrefetchRequest, Prefetcher};
+use crate::request_hook::RequestHook;
 
 /// Shared state of the HTTP layer.
 #[derive(Clone)]
 pub struct ApiState {
     pub engine: EngineHandle,
-    pub admission_hook: Option<Arc<dyn AdmissionHook>>,
+    pub request_hook: Option<Arc<dyn RequestHook>>,
     /// Runs `POST /kvmesh/prefetch` (None: the route answers 404, e.g. no P2P consumer).
     pub prefetcher: Option<Arc<Prefetcher>>,
     pub created: u64,
@@ -49,7 +49,7 @@ impl ApiState {
         let max_token_bytes = max_token_bytes(engine.tokenizer().as_ref());
         Self {
             engine,
-            admission_hook: None,
+            request_hook: None,
             prefetcher: None,
             created: unix_now(),
             max_token_bytes,
@@ -1029,7 +1029,7 @@ async fn submit(s: &ApiState, mut job: Job) -> Result<(Job, SeqStream), ApiError
     if let Some(waiting) = s.engine.waiting_at_capacity() {
         return Err(ApiError::overloaded(waiting));
     }
-    if let Some(hook) = &s.admission_hook {
+    if let Some(hook) = &s.request_hook {
         hook.before_submit(&s.engine, &mut job.req).await;
     }
     let refused = match s.engine.submit(job.req.clone()) {
@@ -1037,7 +1037,7 @@ async fn submit(s: &ApiState, mut job: Job) -> Result<(Job, SeqStream), ApiError
         Err(SubmitError::Overloaded(n)) => ApiError::overloaded(n),
         Err(SubmitError::Stopped) => ApiError::unavailable(stopped_reason(&s.engine)),
     };
-    if let Some(hook) = &s.admission_hook {
+    if let Some(hook) = &s.request_hook {
         hook.on_not_submitted(&s.engine, &job.req);
     }
     Err(refused)
@@ -1119,7 +1119,7 @@ async fn full_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response
             Err(e) => return fail(&s, ApiError::unavailable(e)),
         };
     fix_stop_info(&mut info, &job, &stream);
-    if let Some(hook) = &s.admission_hook {
+    if let Some(hook) = &s.request_hook {
         hook.on_finish(&s.engine, &job.req, &mut info);
     }
     let usage = usage_json(&info, completion_tokens, false);
@@ -1165,7 +1165,7 @@ fn fix_stop_info(info: &mut FinishInfo, job: &Job, stream: &SeqStream) {
 
 fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
     let engine = s.engine.clone();
-    let hook = s.admission_hook.clone();
+    let hook = s.request_hook.clone();
     let events = async_stream::stream! {
         let created = unix_now();
         let mut detok = Detok::new(job.stop.clone());

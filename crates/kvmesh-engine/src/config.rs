@@ -325,7 +325,7 @@ impl EngineConfig {
     /// Who must reach this engine at an address it hands out. Only the P2P producer is ever
     /// named to peers (P2P sources, P/D prefill and bi-directional params all point at it);
     /// without it P/D roles return no params and so tell nobody an address.
-    pub fn peer_reach(&self) -> PeerReach {
+    fn peer_reach(&self) -> PeerReach {
         if self.p2p.port.is_none() {
             return PeerReach::Nobody;
         }
@@ -488,7 +488,7 @@ fn is_loopback_net(entry: &str) -> bool {
 }
 
 /// Whether `host` names only this machine (`localhost`, `127.0.0.0/8`, `::1`).
-pub fn is_loopback_host(host: &str) -> bool {
+fn is_loopback_host(host: &str) -> bool {
     let bare = host.trim().trim_start_matches('[').trim_end_matches(']');
     bare.eq_ignore_ascii_case("localhost")
         || bare

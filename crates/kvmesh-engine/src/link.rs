@@ -176,7 +176,7 @@ impl LinkModel {
     /// Changes transfer `id` to `class` from `now` on (progress so far is kept; a setup still
     /// running keeps running). Background → demand is a promotion: a request now waits for the
     /// rest of a prefetch, which from then on shares the link like any demand transfer.
-    pub fn set_class(&mut self, now: f64, id: FlowId, class: TrafficClass) {
+    fn set_class(&mut self, now: f64, id: FlowId, class: TrafficClass) {
         self.advance(now);
         if let Some(f) = self.flows.get_mut(&id) {
             f.class = class;
@@ -355,7 +355,8 @@ impl LinkModel {
     }
 
     /// When transfer `id` will be done (see [`LinkModel::time_of`]).
-    pub fn finish_time(&self, id: FlowId) -> Option<f64> {
+    #[cfg(test)]
+    fn finish_time(&self, id: FlowId) -> Option<f64> {
         let total = self.flows.get(&id)?.total;
         self.time_of(id, total)
     }

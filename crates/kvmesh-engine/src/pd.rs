@@ -1,11 +1,11 @@
-//! P/D disaggregation and bi-directional KV transfer, on top of the P2P pull of [`crate::p2p`]
+//! P/D disaggregation and bi-directional KV transfer, layered on the P2P request hook
 //! (`docs/architecture.md#pd-disaggregation`; the exact keys are in
 //! `docs/protocols.md#pd-and-bi-directional-transfer`).
 //!
-//! [`PdAdmission`] is the engine's default [`AdmissionHook`]. It reads `kv_transfer_params`:
+//! [`PdHook`] wraps [`P2pHook`]: every call runs the P2P hook first (a `remote_kv_source` pull,
+//! the sim's wait for pulls in flight, releasing pull pins), then adds P/D's own behaviour from
+//! `kv_transfer_params` (classified by [`classify`]):
 //!
-//! - `remote_kv_source` (llm-d P2P) → delegated to [`P2pAdmission`] first (it may come with P/D
-//!   keys: a prefill leg whose router named a decoder's CPU tier as source).
 //! - **Decode leg** (`do_remote_prefill: true` + `remote_host`/`remote_port`): pull the prompt KV
 //!   from the prefiller's P2P producer (allow-list applies) so only the last partial block / last
 //!   token is computed here. Any failure → recompute, never an error.
@@ -17,6 +17,8 @@
 //!   prompt's block hashes are compared with the `remote_block_ids` the decoder returned, and only
 //!   the leading run that matches is read (a template that dropped earlier generated text
 //!   mismatches at the first differing block; the rest is computed).
+//! - A `remote_kv_source` that accompanies P/D keys (a prefill leg whose router named a decoder's
+//!   CPU tier as source) is the P2P hook's pull; the P/D read then finds those blocks local.
 //!
 //! On finish:
 //! - a **prefill leg** (`do_remote_decode: true`, not itself a decode leg) pins its full prompt
@@ -32,10 +34,11 @@
 //! the CPU tier (write-through) and published as `BlockStored` CPU when computed; the pin keeps
 //! them there. The pins are *retentions* ([`crate::cpu_tier::PinKind::Retain`]): a read of a
 //! retained block by the request it was kept for (its `remote_request_id` as the `Lookup`'s
-//! `kv_request_id`) releases one (the reader came, as vLLM frees a request's blocks once its
-//! decoder read them), reads by anyone else release nothing, the rest expire; under pressure
-//! retained blocks are evicted after unprotected ones, so a prefiller pinning every prompt never makes its own pulls (history reads)
-//! fail for want of room — a reader that comes too late recomputes.
+//! `kv_request_id`, recorded in [`Handoffs`]) releases one (the reader came, as vLLM frees a
+//! request's blocks once its decoder read them), reads by anyone else release nothing, the rest
+//! expire; under pressure retained blocks are evicted after unprotected ones, so a prefiller
+//! pinning every prompt never makes its own pulls (history reads) fail for want of room — a
+//! reader that comes too late recomputes.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -43,18 +46,16 @@ use std::time::Instant;
 use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, KvTransferParams};
 
-use crate::admission::AdmissionHook;
 use crate::config::{AdvertisedAddr, Role};
 use crate::cpu_tier::PinKind;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
-pub use crate::metrics::{PdMetrics, PdReadLabel, PdRetainLabel};
-use crate::p2p::{P2pConsumer, release_pulled};
-pub use crate::remote_read::RemoteRead;
-use crate::remote_read::{P2pAdmission, ReadOptions, ReadOutcome, unix_now};
+use crate::metrics::{PdReadLabel, PdRetainLabel};
+use crate::p2p::{Handoffs, P2pHook, ReadOptions, ReadOutcome, RemoteRead, unix_now};
+use crate::request_hook::RequestHook;
 
 /// What kind of P/D request the params describe.
 #[derive(Debug, Clone, PartialEq)]
-pub enum PdLeg {
+enum PdLeg {
     /// Not a P/D request (or nothing we act on).
     None,
     /// Prefill leg: compute, keep the prompt blocks for the decoder, return its params.
@@ -65,7 +66,7 @@ pub enum PdLeg {
 }
 
 /// Classifies a request's params (pure; unit-tested).
-pub fn classify(p: &KvTransferParams) -> PdLeg {
+fn classify(p: &KvTransferParams) -> PdLeg {
     if p.do_remote_prefill == Some(true) {
         PdLeg::Decode {
             read: RemoteRead::from_pd_params(p),
@@ -79,25 +80,29 @@ pub fn classify(p: &KvTransferParams) -> PdLeg {
     }
 }
 
-/// The P/D admission hook (the engine's default): see the module docs.
+/// The P/D request hook, around the P2P one: see the module docs.
 #[derive(Debug, Clone)]
-pub struct PdAdmission {
-    p2p: P2pAdmission,
+pub struct PdHook {
+    p2p: P2pHook,
+    /// Which reader each retention is for (shared with the producer, which releases them).
+    handoffs: Arc<Handoffs>,
     /// This engine's P2P producer address as advertised in returned params (None: no producer,
     /// nothing can be served, so no params are returned).
     advertised: Option<AdvertisedAddr>,
     engine_id: String,
 }
 
-impl PdAdmission {
-    /// `advertised` is the producer's address as peers reach it (`--advertise-host` and the
-    /// bound port; see [`crate::config::resolve_advertise_host`]), never a wildcard bind address.
-    pub fn new(consumer: Arc<P2pConsumer>, advertised: Option<AdvertisedAddr>) -> Self {
+impl PdHook {
+    /// P/D around `p2p`. `handoffs` is the ledger the producer reads; `advertised` is the
+    /// producer's address as peers reach it (`--advertise-host` and the bound port; see
+    /// [`crate::config::resolve_advertise_host`]), never a wildcard bind address.
+    pub fn new(p2p: P2pHook, handoffs: Arc<Handoffs>, advertised: Option<AdvertisedAddr>) -> Self {
         let engine_id = advertised
             .as_ref()
             .map_or_else(|| "kvmesh".to_owned(), |a| format!("kvmesh-{a}"));
         Self {
-            p2p: P2pAdmission { consumer },
+            p2p,
+            handoffs,
             advertised,
             engine_id,
         }
@@ -168,13 +173,10 @@ impl PdAdmission {
         let addr = self.advertised.as_ref()?;
         let ttl = engine.config().p2p.decoder_kv_blocks_ttl;
         let until = Instant::now() + ttl;
-        let n = engine.cpu_tier().pin_as(PinKind::Retain, hashes, until);
+        let n = engine.cpu_tier().pin(PinKind::Retain, hashes, until);
         // Only this request's reader may release these retentions (a peer's read of the same
         // blocks under another request id leaves them held): see `p2p::Handoffs`.
-        self.p2p
-            .consumer
-            .handoffs()
-            .record(&req.request_id, &hashes[..n], until);
+        self.handoffs.record(&req.request_id, &hashes[..n], until);
         let m = &engine.metrics().pd;
         m.retained.get_or_create(&PdRetainLabel { role }).inc();
         m.retained_blocks
@@ -196,21 +198,19 @@ impl PdAdmission {
     }
 }
 
-impl AdmissionHook for PdAdmission {
+impl RequestHook for PdHook {
     fn before_submit<'a>(
         &'a self,
         engine: &'a EngineHandle,
         req: &'a mut EngineRequest,
     ) -> BoxFuture<'a, ()> {
         Box::pin(async move {
+            // P2P first (e.g. a router naming a decoder's CPU tier as source for a prefill leg):
+            // the P/D read below then finds those blocks local.
+            self.p2p.before_submit(engine, req).await;
             let Some(params) = req.kv_transfer_params.clone() else {
                 return;
             };
-            if params.remote_kv_source.is_some() {
-                // llm-d P2P (e.g. a router naming a decoder's CPU tier as source for a prefill
-                // leg): pull first; the P/D handling below then finds those blocks local.
-                self.p2p.before_submit(engine, req).await;
-            }
             let cfg = &engine.config().p2p;
             let (leg, read, threshold) = match classify(&params) {
                 PdLeg::None => return,
@@ -232,11 +232,11 @@ impl AdmissionHook for PdAdmission {
     }
 
     fn on_not_submitted(&self, engine: &EngineHandle, req: &EngineRequest) {
-        release_pulled(engine, req);
+        self.p2p.on_not_submitted(engine, req);
     }
 
     fn on_finish(&self, engine: &EngineHandle, req: &EngineRequest, info: &mut FinishInfo) {
-        release_pulled(engine, req);
+        self.p2p.on_finish(engine, req, info);
         let cfg = &engine.config().p2p;
         let bs = engine.kv_layout().block_size.max(1);
         // No params: a decode-only request (a `--role decode` engine still retains it).

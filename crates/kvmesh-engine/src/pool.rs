@@ -81,10 +81,6 @@ impl BlockPool {
         self.evictions
     }
 
-    pub fn num_cached_hashes(&self) -> usize {
-        self.by_hash.len()
-    }
-
     pub fn state(&self, id: BlockId) -> BlockState {
         let m = &self.blocks[id as usize];
         if m.ref_cnt > 0 {

@@ -39,8 +39,7 @@ use tokio::task::AbortHandle;
 
 use crate::compute::SamplingParams;
 use crate::engine::{EngineHandle, EngineRequest};
-use crate::p2p::{P2pConsumer, release_pulled};
-use crate::remote_read::{ReadOptions, ReadOutcome, RemoteRead};
+use crate::p2p::{P2pConsumer, ReadOptions, ReadOutcome, RemoteRead, release_pulled};
 
 /// Prefetches one engine runs at once; the router's byte budget is the finer bound.
 pub const MAX_RUNNING: usize = 8;

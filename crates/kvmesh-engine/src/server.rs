@@ -13,7 +13,6 @@ use kvmesh_text::Tokenizer;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::AdmissionHook;
 use crate::api::{ApiState, router};
 use crate::compute::ComputeBackend;
 use crate::compute::profiles;
@@ -21,10 +20,11 @@ use crate::compute::sim::{SimBackend, SimConfig, SimH2d};
 use crate::compute::sim_link::SimLink;
 use crate::config::{AdvertisedAddr, ConfigError, EngineConfig, host_port};
 use crate::engine::{Engine, EngineHandle, build_engine};
-use crate::p2p::{P2pConsumer, start_producer};
-use crate::pd::PdAdmission;
+use crate::p2p::{Handoffs, P2pConsumer, P2pHook, start_producer};
+use crate::pd::PdHook;
 use crate::prefetch::Prefetcher;
 use crate::publish::{advertised_endpoint, start_event_publisher};
+use crate::request_hook::RequestHook;
 
 /// Why a server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -44,13 +44,12 @@ pub enum ServerError {
     P2p(#[from] crate::p2p::P2pConfigError),
 }
 
-/// Extra wiring for a server. Without an `admission_hook` the server installs
-/// [`PdAdmission`] (P/D params; requests naming a `remote_kv_source` pull their missing prefix
-/// through `P2pAdmission`); a custom
-/// hook can wrap [`RunningServer::p2p`] itself.
+/// Extra wiring for a server. Without a `request_hook` the server installs P2P ([`P2pHook`]:
+/// requests naming a `remote_kv_source` pull their missing prefix) with P/D around it
+/// ([`PdHook`]); a custom hook replaces both and can wrap [`RunningServer::p2p`] itself.
 #[derive(Default, Clone)]
 pub struct ServerOptions {
-    pub admission_hook: Option<Arc<dyn AdmissionHook>>,
+    pub request_hook: Option<Arc<dyn RequestHook>>,
     /// Connection timeouts and the shutdown drain bound.
     pub http: HttpLimits,
 }
@@ -195,6 +194,9 @@ pub async fn start_server(
     let host = config.host.clone();
     let core = build_engine(config, backend, tokenizer, publishing.sink)?;
     let engine = core.handle.clone();
+    // Which P/D reader each retained block is kept for: the P/D hook records, the producer
+    // releases.
+    let handoffs = Arc::new(Handoffs::default());
     let p2p = async {
         let consumer = Arc::new(P2pConsumer::new(&engine)?);
         let producer = match p2p_port {
@@ -203,7 +205,7 @@ pub async fn start_server(
                     &engine,
                     &host,
                     port,
-                    Arc::clone(consumer.handoffs()),
+                    Arc::clone(&handoffs),
                     background.child_token(),
                 )
                 .await?,
@@ -237,11 +239,14 @@ pub async fn start_server(
     };
     let mut state = ApiState::new(engine.clone());
     state.prefetcher = Some(Arc::new(Prefetcher::new(Arc::clone(&consumer))));
-    // P/D hook: handles NIXL-style P/D params and delegates `remote_kv_source` to P2pAdmission.
-    state.admission_hook =
-        Some(options.admission_hook.unwrap_or_else(|| {
-            Arc::new(PdAdmission::new(consumer.clone(), p2p_advertised.clone()))
-        }));
+    // P2P is the default hook; P/D adds its NIXL-style params around it.
+    let default_hook = || {
+        let p2p = P2pHook {
+            consumer: Arc::clone(&consumer),
+        };
+        Arc::new(PdHook::new(p2p, handoffs, p2p_advertised.clone())) as Arc<dyn RequestHook>
+    };
+    state.request_hook = Some(options.request_hook.unwrap_or_else(default_hook));
     let app = router(state);
     let (stop, after) = (cancel.clone(), background.clone());
     let http = tokio::spawn(async move {

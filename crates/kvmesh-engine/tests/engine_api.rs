@@ -690,7 +690,7 @@ async fn openai_python_client_streams_chat_when_installed() {
 /// (the shape a P2P/PD integration plugs in).
 struct EchoHook;
 
-impl kvmesh_engine::api::AdmissionHook for EchoHook {
+impl kvmesh_engine::request_hook::RequestHook for EchoHook {
     fn before_submit<'a>(
         &'a self,
         engine: &'a kvmesh_engine::EngineHandle,
@@ -724,11 +724,11 @@ impl kvmesh_engine::api::AdmissionHook for EchoHook {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn admission_hook_lands_external_blocks_and_sets_response_kv_transfer_params() {
+async fn a_request_hook_lands_external_blocks_and_sets_response_kv_transfer_params() {
     within(30, async {
         let mut cfg = base_config();
         cfg.kv_events = None;
-        let options = kvmesh_engine::server::ServerOptions { admission_hook: Some(std::sync::Arc::new(EchoHook)), ..Default::default() };
+        let options = kvmesh_engine::server::ServerOptions { request_hook: Some(std::sync::Arc::new(EchoHook)), ..Default::default() };
         let s = TestServer::start_with(cfg, FAST, options).await;
         let params = json!({"remote_kv_source": {"kv_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 7777}});
         let (st, body) = s

@@ -12,7 +12,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 // P/D turns generate exactly the tokens asked for (EOS ignored).
 use common::complete_ignore_eos as complete;
 use common::{
-    PROFILE, cached_tokens, merge, p2p_config, prefill_leg, scrape_metric, start_engine, tokens,
+    PROFILE, cached_tokens, merge, p2p_config, prefill_leg, scrape_metric, source, start_engine,
+    tokens,
 };
 use kvmesh_core::BlockHash;
 use kvmesh_engine::server::RunningServer;
@@ -113,6 +114,42 @@ async fn decode_leg_pulls_the_prompt_from_the_prefiller() {
             got["kv_transfer_params"]
         );
         for s in [p, d, agg] {
+            s.shutdown().await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// P/D is layered on the P2P hook: a prefill leg whose router also named another engine's CPU
+/// tier as `remote_kv_source` pulls the prefix from it first (P2P), computes only the rest, and
+/// still keeps its prompt blocks for the decoder and returns the decoder's params (P/D).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_leg_naming_a_source_pulls_it_then_hands_off_to_the_decoder() {
+    timeout(Duration::from_secs(30), async {
+        let holder = start(cfg(Role::Both, false)).await;
+        let p = start(cfg(Role::Prefill, false)).await;
+        let d = start(cfg(Role::Decode, false)).await;
+        let prefix = tokens(21, 640);
+        complete(holder.addr, &prefix, 1, None).await;
+        let mut prompt = prefix.clone();
+        prompt.extend(tokens(22, 40));
+
+        let mut leg = prefill_leg();
+        leg["remote_kv_source"] =
+            source(holder.p2p_addr.unwrap().port())["remote_kv_source"].clone();
+        let pre = complete(p.addr, &prompt, 1, Some(leg)).await;
+        assert_eq!(cached_tokens(&pre), 640, "the prefix came from the holder");
+        assert_eq!(
+            scrape_metric(p.addr, "vllm:external_prefix_cache_hits_total", "").await,
+            640.0
+        );
+        let kvp = pre["kv_transfer_params"].clone();
+        assert_eq!(kvp["do_remote_prefill"], json!(true), "{kvp}");
+        assert_eq!(kvp["remote_num_tokens"], json!(680));
+        let got = complete(d.addr, &prompt, 8, Some(kvp)).await;
+        assert_eq!(cached_tokens(&got), (679 / BS * BS) as u64);
+        for s in [holder, p, d] {
             s.shutdown().await;
         }
     })

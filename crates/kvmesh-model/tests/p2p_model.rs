@@ -56,7 +56,8 @@ fn request(prompt: &[TokenId]) -> EngineRequest {
     }
 }
 
-/// Runs `req` on `s` (through the P2P admission step when `source` is set): tokens and cached.
+/// Runs `req` on `s` (after the P2P hook's read, `prepare_request`, when `source` is set): tokens
+/// and cached.
 async fn generate(
     s: &RunningServer,
     mut req: EngineRequest,

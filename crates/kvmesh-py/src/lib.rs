@@ -1,16 +1,16 @@
 //! kvmesh-py: the native half of `kvmesh_vllm`, the package that makes a vLLM server a member of
 //! the kvmesh mesh through vLLM's KV connector interface (issue 14, `docs/vllm.md`).
 //!
-//! Pure Rust, testable without Python: [`store`] (the bounded CPU tier, a kvmesh-transfer
-//! `BlockSource`), [`node`] (store + P2P producer + pull client on a private runtime) and
-//! [`pacer`] (the producer's optional serve-bandwidth cap). The
+//! Pure Rust, testable without Python: [`tier`] (the bounded CPU tier: `kvmesh-tier`'s store,
+//! shared, as a kvmesh-transfer `BlockSource`), [`node`] (tier + P2P producer + pull client on a
+//! private runtime) and [`pacer`] (the producer's optional serve-bandwidth cap). The
 //! Python bindings ([`python`], feature `python`, built by maturin as `kvmesh_vllm._native`) only
 //! convert arguments and release the GIL around everything that touches sockets or copies blocks
 //! (`buffers` gives them GIL-free views of vLLM's tensors).
 
 pub mod node;
 pub mod pacer;
-pub mod store;
+pub mod tier;
 
 #[cfg(feature = "python")]
 mod buffers;
@@ -18,4 +18,4 @@ mod buffers;
 pub mod python;
 
 pub use node::{Node, NodeConfig, NodeError, PullDone};
-pub use store::{CpuStore, Inserted, StoreStats};
+pub use tier::NodeTier;

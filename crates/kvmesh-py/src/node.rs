@@ -1,10 +1,11 @@
-//! One mesh member inside a vLLM process: a [`CpuStore`], the kvmesh P2P producer serving it, and
-//! a [`PullClient`], all on a private tokio runtime so Python callers never need an event loop.
+//! One mesh member inside a vLLM process: a CPU tier ([`NodeTier`]), the kvmesh P2P producer
+//! serving it, and a [`PullClient`], all on a private tokio runtime so Python callers never need
+//! an event loop.
 //!
-//! Pulls land either in the store or in a buffer sized for exactly the requested blocks (vLLM's
-//! worker, which copies them into vLLM's blocks); a lookup only asks a peer what it holds (vLLM's
-//! scheduler, deciding). Background pulls and lookups are keyed by the caller (vLLM's request
-//! id) and polled; nothing here blocks on Python.
+//! A pull lands in a buffer sized for exactly the requested blocks (vLLM's worker copies them
+//! into vLLM's blocks); a lookup only asks a peer what it holds (vLLM's scheduler, deciding).
+//! Pulls and lookups run in the background, keyed by the caller (vLLM's request id), and are
+//! polled; nothing here blocks on Python.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -23,7 +24,7 @@ use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
 use crate::pacer::ServeCap;
-use crate::store::{CpuStore, Inserted};
+use crate::tier::NodeTier;
 
 /// How a [`Node`] is set up.
 #[derive(Debug, Clone)]
@@ -64,9 +65,9 @@ pub enum NodeError {
 #[derive(Debug, Clone)]
 pub struct PullDone {
     pub report: PullReport,
-    /// The blocks that arrived, in order, each `block_bytes` long, for buffer pulls (the
-    /// transport's own buffers, not copied here: the bindings copy them once, straight into the
-    /// Python object); empty for pulls into the store.
+    /// The blocks that arrived, in order, each `block_bytes` long (the transport's own buffers,
+    /// not copied here: the bindings copy them once, straight into the Python object); empty
+    /// for lookups.
     pub data: Vec<Bytes>,
 }
 
@@ -100,38 +101,10 @@ impl BlockSink for BufSink {
     }
 }
 
-/// Sink into the store (staging); a block that finds no room stops the pull.
-struct StoreSink {
-    store: CpuStore,
-    block_bytes: usize,
-}
-
-impl BlockSink for StoreSink {
-    fn accept(&mut self, index: usize, hash: BlockHash, payload: Bytes) -> Result<(), SinkError> {
-        if self.block_bytes != 0 && payload.len() != self.block_bytes {
-            return Err(SinkError {
-                index,
-                reason: format!(
-                    "block of {} bytes, expected {}",
-                    payload.len(),
-                    self.block_bytes
-                ),
-            });
-        }
-        match self.store.insert(hash, payload) {
-            Inserted::NoRoom => Err(SinkError {
-                index,
-                reason: "cpu tier full of pinned blocks".into(),
-            }),
-            Inserted::Stored { .. } | Inserted::Present => Ok(()),
-        }
-    }
-}
-
-/// A store, producer and pull client on a private runtime.
+/// A CPU tier, producer and pull client on a private runtime.
 pub struct Node {
     rt: Runtime,
-    store: CpuStore,
+    tier: NodeTier,
     client: Arc<PullClient>,
     metrics: TransferMetrics,
     listen_addr: Option<SocketAddr>,
@@ -143,7 +116,7 @@ impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
             .field("listen_addr", &self.listen_addr)
-            .field("store", &self.store.stats())
+            .field("tier", &self.tier.stats())
             .finish()
     }
 }
@@ -157,7 +130,7 @@ impl Node {
             .build()
             .map_err(NodeError::Runtime)?;
         let metrics = TransferMetrics::default();
-        let store = CpuStore::new(config.fingerprint.clone(), config.cpu_bytes);
+        let tier = NodeTier::new(config.fingerprint.clone(), config.cpu_bytes);
         let allowed_peers = AllowList::parse(config.allowed_peers.iter().map(String::as_str))
             .map_err(|e| NodeError::AllowedPeers(e.0))?;
         let secret = config.secret.clone().map(Secret::new);
@@ -186,7 +159,7 @@ impl Node {
                     })
                     .transpose()
                     .map_err(|e| NodeError::AllowedConsumers(e.0))?;
-                let egress = ServeCap::new(config.serve_bytes_per_sec, store.clone())
+                let egress = ServeCap::new(config.serve_bytes_per_sec, tier.clone())
                     .map(|cap| Arc::new(cap) as Arc<dyn kvmesh_transfer::LinkPacer>);
                 let server_config = ServerConfig {
                     secret,
@@ -195,7 +168,7 @@ impl Node {
                     egress,
                     ..ServerConfig::default()
                 };
-                let source: Arc<dyn kvmesh_transfer::BlockSource> = Arc::new(store.clone());
+                let source: Arc<dyn kvmesh_transfer::BlockSource> = Arc::new(tier.clone());
                 let (addr, _handle) = rt.block_on(ProducerServer::bind(
                     (host.as_str(), *port),
                     source,
@@ -207,7 +180,7 @@ impl Node {
         };
         Ok(Self {
             rt,
-            store,
+            tier,
             client: Arc::new(client),
             metrics,
             listen_addr,
@@ -216,43 +189,21 @@ impl Node {
         })
     }
 
-    pub fn store(&self) -> &CpuStore {
-        &self.store
+    pub fn tier(&self) -> &NodeTier {
+        &self.tier
     }
 
     pub fn listen_addr(&self) -> Option<SocketAddr> {
         self.listen_addr
     }
 
-    pub fn metrics(&self) -> &TransferMetrics {
+    #[cfg(test)]
+    fn metrics(&self) -> &TransferMetrics {
         &self.metrics
     }
 
-    /// Pull `hashes` from `host:port`, blocking the calling thread (never a Python thread holding
-    /// the GIL: the bindings release it). `block_bytes` 0 with `into_store` accepts any size.
-    pub fn pull_blocking(
-        &self,
-        host: &str,
-        port: u16,
-        kv_request_id: &str,
-        hashes: &[BlockHash],
-        block_bytes: usize,
-        into_store: bool,
-    ) -> PullDone {
-        let fut = pull_task(
-            Arc::clone(&self.client),
-            self.store.clone(),
-            PeerAddr::new(host, port),
-            kv_request_id.to_owned(),
-            hashes.to_vec(),
-            block_bytes,
-            into_store,
-        );
-        self.rt.block_on(fut)
-    }
-
-    /// Start a pull in the background under `key` (replacing a finished one of that key).
-    #[allow(clippy::too_many_arguments)]
+    /// Start a pull of `hashes` (each `block_bytes` long) from `host:port` in the background
+    /// under `key` (replacing a finished one of that key).
     pub fn start_pull(
         &self,
         key: &str,
@@ -261,18 +212,21 @@ impl Node {
         kv_request_id: &str,
         hashes: Vec<BlockHash>,
         block_bytes: usize,
-        into_store: bool,
     ) {
-        let fut = pull_task(
-            Arc::clone(&self.client),
-            self.store.clone(),
-            PeerAddr::new(host, port),
-            kv_request_id.to_owned(),
-            hashes,
-            block_bytes,
-            into_store,
-        );
-        self.spawn_job(key, fut);
+        let client = Arc::clone(&self.client);
+        let peer = PeerAddr::new(host, port);
+        let kv_request_id = kv_request_id.to_owned();
+        self.spawn_job(key, async move {
+            let mut sink = BufSink {
+                block_bytes,
+                data: Vec::with_capacity(hashes.len()),
+            };
+            let report = client.pull(peer, &kv_request_id, &hashes, &mut sink).await;
+            PullDone {
+                report,
+                data: sink.data,
+            }
+        });
     }
 
     /// Start a lookup in the background under `key`, polled like a pull: `blocks` is the leading
@@ -373,19 +327,24 @@ impl Node {
         self.metrics.register(&mut registry);
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
-        let st = self.store.stats();
+        let st = self.tier.stats();
         // `encode` ends with "# EOF"; the tier's gauges go before it.
         if let Some(stripped) = out.strip_suffix("# EOF\n") {
             out.truncate(stripped.len());
         }
+        // The tier's nouns, as a kvmesh engine exports them (`kvmesh_engine_cpu_*`).
         for (name, help, v) in [
-            ("kvmesh_cpu_tier_blocks", "Blocks held", st.blocks as u64),
-            ("kvmesh_cpu_tier_bytes", "Bytes held", st.bytes),
-            ("kvmesh_cpu_tier_budget_bytes", "Byte budget", st.budget),
+            ("kvmesh_cpu_tier_blocks", "Blocks held", st.blocks),
+            ("kvmesh_cpu_tier_used_bytes", "Bytes held", st.used_bytes),
             (
-                "kvmesh_cpu_tier_evictions_total",
-                "LRU evictions",
-                st.evictions,
+                "kvmesh_cpu_tier_capacity_bytes",
+                "Byte budget (cpu_bytes)",
+                st.capacity_bytes,
+            ),
+            (
+                "kvmesh_cpu_tier_evicted_blocks_total",
+                "Blocks evicted to make room",
+                st.evicted_blocks,
             ),
         ] {
             let kind = if name.ends_with("_total") {
@@ -409,35 +368,6 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.cancel.cancel();
-    }
-}
-
-async fn pull_task(
-    client: Arc<PullClient>,
-    store: CpuStore,
-    peer: PeerAddr,
-    kv_request_id: String,
-    hashes: Vec<BlockHash>,
-    block_bytes: usize,
-    into_store: bool,
-) -> PullDone {
-    if into_store {
-        let mut sink = StoreSink { store, block_bytes };
-        let report = client.pull(peer, &kv_request_id, &hashes, &mut sink).await;
-        PullDone {
-            report,
-            data: Vec::new(),
-        }
-    } else {
-        let mut sink = BufSink {
-            block_bytes,
-            data: Vec::with_capacity(hashes.len()),
-        };
-        let report = client.pull(peer, &kv_request_id, &hashes, &mut sink).await;
-        PullDone {
-            report,
-            data: sink.data,
-        }
     }
 }
 
@@ -468,6 +398,18 @@ mod tests {
         .expect("node starts")
     }
 
+    /// Pulls `hashes` from `127.0.0.1:port` and waits for the pull to end.
+    fn pulled(
+        node: &Node,
+        port: u16,
+        id: &str,
+        hashes: &[BlockHash],
+        block_bytes: usize,
+    ) -> PullDone {
+        node.start_pull("pull", "127.0.0.1", port, id, hashes.to_vec(), block_bytes);
+        finished(node, "pull")
+    }
+
     /// Polls the background job under `key` until it ends.
     fn finished(node: &Node, key: &str) -> PullDone {
         loop {
@@ -486,8 +428,7 @@ mod tests {
         let a = node(fp(32), true, &[]);
         let port = a.listen_addr().expect("listening").port();
         for h in 1..=3u64 {
-            a.store()
-                .insert(BlockHash(h), Bytes::from(vec![h as u8; 8]));
+            a.tier().insert(BlockHash(h), Bytes::from(vec![h as u8; 8]));
         }
         let scheduler = node(fp(32), false, &["127.0.0.1"]);
         let hashes: Vec<_> = (1..=4).map(BlockHash).collect();
@@ -508,7 +449,7 @@ mod tests {
         );
 
         let worker = node(fp(32), true, &["127.0.0.1"]);
-        let done = worker.pull_blocking("127.0.0.1", port, "r1", &hashes[..3], 8, false);
+        let done = pulled(&worker, port, "r1", &hashes[..3], 8);
         assert_eq!(done.report.outcome, PullOutcome::Complete);
         assert_eq!(done.data.concat(), [[1u8; 8], [2u8; 8], [3u8; 8]].concat());
 
@@ -529,16 +470,15 @@ mod tests {
     }
 
     #[test]
-    fn pulls_a_prefix_into_a_buffer_and_into_the_store() {
+    fn pulls_a_prefix_into_a_buffer() {
         let a = node(fp(32), true, &[]);
         let port = a.listen_addr().expect("listening").port();
         for h in 1..=3u64 {
-            a.store()
-                .insert(BlockHash(h), Bytes::from(vec![h as u8; 8]));
+            a.tier().insert(BlockHash(h), Bytes::from(vec![h as u8; 8]));
         }
         let b = node(fp(32), false, &["127.0.0.1"]);
         let hashes: Vec<_> = (1..=4).map(BlockHash).collect();
-        let done = b.pull_blocking("127.0.0.1", port, "r1", &hashes, 8, false);
+        let done = pulled(&b, port, "r1", &hashes, 8);
         assert_eq!(done.report.blocks, 3);
         assert_eq!(
             done.report.outcome,
@@ -548,13 +488,14 @@ mod tests {
         );
         assert_eq!(done.data_len(), 24);
         assert_eq!(&done.data.concat()[8..16], &[2u8; 8]);
-
-        b.start_pull("k", "127.0.0.1", port, "r2", hashes[..2].to_vec(), 8, true);
-        let done = finished(&b, "k");
-        assert_eq!(done.report.outcome, PullOutcome::Complete);
-        assert_eq!(b.store().leading_hits(&hashes), 2);
         assert!(b.metrics_text().contains("kvmesh_p2p_pulls_total"));
-        assert!(b.metrics_text().contains("kvmesh_cpu_tier_blocks 2"));
+        let served = a.metrics_text();
+        assert!(served.contains("kvmesh_cpu_tier_blocks 3"), "{served}");
+        assert!(served.contains("kvmesh_cpu_tier_used_bytes 24"), "{served}");
+        assert!(
+            served.contains("kvmesh_cpu_tier_capacity_bytes 1048576"),
+            "{served}"
+        );
     }
 
     #[test]
@@ -574,7 +515,7 @@ mod tests {
         .expect("node starts");
         let port = a.listen_addr().expect("listening").port();
         for h in 1..=4u64 {
-            a.store()
+            a.tier()
                 .insert(BlockHash(h), Bytes::from(vec![h as u8; 1000]));
         }
         let b = Node::start(NodeConfig {
@@ -591,7 +532,7 @@ mod tests {
         .expect("node starts");
         let hashes: Vec<_> = (1..=4).map(BlockHash).collect();
         let t0 = std::time::Instant::now();
-        let done = b.pull_blocking("127.0.0.1", port, "r", &hashes, 1000, false);
+        let done = pulled(&b, port, "r", &hashes, 1000);
         let took = t0.elapsed();
         assert_eq!(done.report.outcome, PullOutcome::Complete);
         assert_eq!(done.data_len(), 4000);
@@ -603,9 +544,9 @@ mod tests {
     fn refuses_peers_not_allowed_and_other_fingerprints() {
         let a = node(fp(32), true, &[]);
         let port = a.listen_addr().expect("listening").port();
-        a.store().insert(BlockHash(1), Bytes::from(vec![1u8; 8]));
+        a.tier().insert(BlockHash(1), Bytes::from(vec![1u8; 8]));
         let stranger = node(fp(32), false, &["10.1.2.3"]);
-        let done = stranger.pull_blocking("127.0.0.1", port, "r", &[BlockHash(1)], 8, false);
+        let done = pulled(&stranger, port, "r", &[BlockHash(1)], 8);
         assert_eq!(
             done.report.outcome,
             PullOutcome::Failed {
@@ -613,7 +554,7 @@ mod tests {
             }
         );
         let other = node(fp(16), false, &["127.0.0.1"]);
-        let done = other.pull_blocking("127.0.0.1", port, "r", &[BlockHash(1)], 8, false);
+        let done = pulled(&other, port, "r", &[BlockHash(1)], 8);
         assert_eq!(
             done.report.outcome.reason().map(PullReason::label),
             Some("fingerprint_mismatch")

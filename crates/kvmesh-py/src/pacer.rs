@@ -16,23 +16,23 @@ use kvmesh_transfer::{LinkPacer, PacedTransfer, TrafficClass};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::store::CpuStore;
+use crate::tier::NodeTier;
 
 /// The node-wide serve-bandwidth cap.
 #[derive(Debug)]
 pub struct ServeCap {
     bytes_per_sec: u64,
-    store: CpuStore,
+    tier: NodeTier,
     /// When the last reserved slot ends.
     next_free: Arc<Mutex<Instant>>,
 }
 
 impl ServeCap {
     /// `None` for a rate of 0 (no cap).
-    pub fn new(bytes_per_sec: u64, store: CpuStore) -> Option<Self> {
+    pub fn new(bytes_per_sec: u64, tier: NodeTier) -> Option<Self> {
         (bytes_per_sec > 0).then(|| Self {
             bytes_per_sec,
-            store,
+            tier,
             next_free: Arc::new(Mutex::new(Instant::now())),
         })
     }
@@ -47,7 +47,7 @@ impl LinkPacer for ServeCap {
     /// A cap, not a priority scheduler: a prefetch's fetch is capped like any other.
     fn begin(&self, _blocks: usize, _class: TrafficClass) -> Box<dyn PacedTransfer> {
         Box::new(CappedFetch {
-            slot: self.slot(self.store.block_bytes()),
+            slot: self.slot(self.tier.block_bytes()),
             next_free: Arc::clone(&self.next_free),
             granted: 0,
         })
@@ -101,25 +101,25 @@ mod tests {
 
     use super::*;
 
-    fn store_with_blocks(block_bytes: usize) -> CpuStore {
+    fn tier_with_blocks(block_bytes: usize) -> NodeTier {
         let hasher = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0"), 32);
         let fp = Fingerprint::new("tiny", "bf16:vllm-cpu", 2, 2, 64, &hasher);
-        let store = CpuStore::new(fp, 1 << 20);
+        let tier = NodeTier::new(fp, 1 << 20);
         for h in 1..=4u64 {
-            store.insert(BlockHash(h), Bytes::from(vec![0u8; block_bytes]));
+            tier.insert(BlockHash(h), Bytes::from(vec![0u8; block_bytes]));
         }
-        store
+        tier
     }
 
     #[test]
     fn zero_is_no_cap() {
-        assert!(ServeCap::new(0, store_with_blocks(8)).is_none());
+        assert!(ServeCap::new(0, tier_with_blocks(8)).is_none());
     }
 
     #[tokio::test(start_paused = true)]
     async fn blocks_leave_at_the_capped_rate_across_fetches() {
         // 1000-byte blocks at 10 kB/s: 100 ms per block, shared by every fetch.
-        let cap = ServeCap::new(10_000, store_with_blocks(1000)).expect("capped");
+        let cap = ServeCap::new(10_000, tier_with_blocks(1000)).expect("capped");
         assert_eq!(cap.chunk_blocks(), 1);
         let t0 = Instant::now();
         let mut a = cap.begin(3, TrafficClass::Demand);

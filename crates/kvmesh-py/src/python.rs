@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 use crate::buffers;
 
 use crate::node::{Node, NodeConfig, PullDone};
-use crate::store::Inserted;
+use crate::tier::Inserted;
 
 fn hashes(v: &[u64]) -> Vec<BlockHash> {
     v.iter().copied().map(BlockHash).collect()
@@ -177,7 +177,7 @@ impl PyNode {
 
     /// The fingerprint as a dict (what a peer must match).
     fn fingerprint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let f = kvmesh_transfer::BlockSource::fingerprint(self.inner.store());
+        let f = kvmesh_transfer::BlockSource::fingerprint(self.inner.tier());
         let d = PyDict::new(py);
         d.set_item("model_id", f.model_id)?;
         d.set_item("kv_dtype", f.kv_dtype)?;
@@ -190,30 +190,19 @@ impl PyNode {
         Ok(d)
     }
 
-    /// [`Fingerprint::id`]: what `kvmesh_p2p_fingerprint_info` exports and routers group by.
-    fn fingerprint_id(&self) -> String {
-        kvmesh_transfer::BlockSource::fingerprint(self.inner.store()).id()
-    }
-
     /// Indexes of `hashes` the tier does not hold.
     fn missing(&self, hashes_in: Vec<u64>) -> Vec<usize> {
-        let store = self.inner.store();
+        let tier = self.inner.tier();
         hashes_in
             .iter()
             .enumerate()
-            .filter(|(_, h)| !store.contains(BlockHash(**h)))
+            .filter(|(_, h)| !tier.contains(BlockHash(**h)))
             .map(|(i, _)| i)
             .collect()
     }
 
-    /// How many leading `hashes` the tier holds.
-    fn leading_hits(&self, py: Python<'_>, hashes_in: Vec<u64>) -> usize {
-        let hs = hashes(&hashes_in);
-        py.detach(|| self.inner.store().leading_hits(&hs))
-    }
-
     /// Store `len(hashes)` blocks given as one contiguous buffer of equal-sized blocks.
-    /// Returns `(stored hashes, no_room count)`; blocks already held are neither. Each stored
+    /// Returns `(stored hashes, rejected count)`; blocks already held are neither. Each stored
     /// block gets its own allocation (evicting it frees it), copied with the GIL released.
     fn insert_blocks(
         &self,
@@ -232,20 +221,21 @@ impl PyNode {
                 all.len()
             )));
         }
-        let store = self.inner.store();
+        let tier = self.inner.tier();
         Ok(py.detach(|| {
-            let (mut stored, mut no_room) = (Vec::new(), 0);
+            let (mut stored, mut rejected) = (Vec::new(), 0);
             for (h, block) in hashes_in.iter().zip(all.chunks_exact(all.len() / n)) {
-                if store.contains(BlockHash(*h)) {
+                // Held already: skip the copy.
+                if tier.contains(BlockHash(*h)) {
                     continue;
                 }
-                match store.insert(BlockHash(*h), Bytes::copy_from_slice(block)) {
-                    Inserted::Stored { .. } => stored.push(*h),
-                    Inserted::NoRoom => no_room += 1,
+                match tier.insert(BlockHash(*h), Bytes::copy_from_slice(block)) {
+                    Inserted::Stored => stored.push(*h),
+                    Inserted::Rejected => rejected += 1,
                     Inserted::Present => {}
                 }
             }
-            (stored, no_room)
+            (stored, rejected)
         }))
     }
 
@@ -260,11 +250,11 @@ impl PyNode {
     ) -> PyResult<usize> {
         let hs = hashes(&hashes_in);
         let out = buffers::bytes_mut(&mut dest)?;
-        let store = self.inner.store();
+        let tier = self.inner.tier();
         Ok(py.detach(|| {
             let mut off = 0;
             let mut copied = 0;
-            for block in store.read_leading(&hs) {
+            for block in tier.get_prefix(&hs) {
                 let Some(slot) = out.get_mut(off..off + block.len()) else {
                     break;
                 };
@@ -276,32 +266,9 @@ impl PyNode {
         }))
     }
 
-    /// Pull `hashes` from `host:port`, blocking (GIL released): into `dest` (a writable
-    /// buffer of at least `blocks × block_bytes`) when given, else into this node's tier.
+    /// Start a background pull under `key` of `hashes` (each `block_bytes` long) from
+    /// `host:port`; `poll_pull(key, dest)` copies what arrived into `dest`.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (host, port, kv_request_id, hashes_in, block_bytes, dest=None))]
-    fn pull(
-        &self,
-        py: Python<'_>,
-        host: &str,
-        port: u16,
-        kv_request_id: &str,
-        hashes_in: Vec<u64>,
-        block_bytes: usize,
-        dest: Option<PyBuffer<u8>>,
-    ) -> PyResult<PullTuple> {
-        let hs = hashes(&hashes_in);
-        let into_store = dest.is_none();
-        let done = py.detach(|| {
-            self.inner
-                .pull_blocking(host, port, kv_request_id, &hs, block_bytes, into_store)
-        });
-        finish_pull(py, done, dest)
-    }
-
-    /// Start a background pull under `key`; poll it with `poll_pull`.
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (key, host, port, kv_request_id, hashes_in, block_bytes, into_store=false))]
     fn start_pull(
         &self,
         py: Python<'_>,
@@ -311,12 +278,11 @@ impl PyNode {
         kv_request_id: &str,
         hashes_in: Vec<u64>,
         block_bytes: usize,
-        into_store: bool,
     ) {
         let hs = hashes(&hashes_in);
         py.detach(|| {
             self.inner
-                .start_pull(key, host, port, kv_request_id, hs, block_bytes, into_store);
+                .start_pull(key, host, port, kv_request_id, hs, block_bytes);
         });
     }
 
@@ -338,8 +304,8 @@ impl PyNode {
     }
 
     /// `None` while running or for an unknown key (see `is_pulling`); the pull's tuple once
-    /// finished (then forgotten). A pull started with `into_store=False` copies its blocks into
-    /// `dest` (writable, at least `blocks × block_bytes`).
+    /// finished (then forgotten). A pull copies its blocks into `dest` (writable, at least
+    /// `blocks × block_bytes`); a lookup has none.
     #[pyo3(signature = (key, dest=None))]
     fn poll_pull(
         &self,
@@ -369,42 +335,16 @@ impl PyNode {
     /// Hashes evicted since the last call (for `BlockRemoved` events).
     fn take_removed(&self) -> Vec<u64> {
         self.inner
-            .store()
+            .tier()
             .take_removed()
             .into_iter()
             .map(|h| h.0)
             .collect()
     }
 
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.store().stats();
-        let d = PyDict::new(py);
-        d.set_item("blocks", s.blocks)?;
-        d.set_item("bytes", s.bytes)?;
-        d.set_item("budget", s.budget)?;
-        d.set_item("evictions", s.evictions)?;
-        d.set_item("pinned_blocks", s.pinned_blocks)?;
-        Ok(d)
-    }
-
     /// Prometheus text of `kvmesh_p2p_*` and the tier's gauges.
     fn metrics_text(&self) -> String {
         self.inner.metrics_text()
-    }
-
-    /// Pulls by outcome and reason so far (`pulls_total{outcome,reason}`).
-    fn pulls(&self, outcome: &str, reason: &str) -> u64 {
-        let outcome = match outcome {
-            "complete" => "complete",
-            "partial" => "partial",
-            _ => "failed",
-        };
-        let reason = kvmesh_transfer::PullReason::ALL
-            .iter()
-            .map(kvmesh_transfer::PullReason::label)
-            .find(|l| *l == reason)
-            .unwrap_or("none");
-        self.inner.metrics().pulls(outcome, reason)
     }
 
     fn shutdown(&self) {
@@ -418,9 +358,5 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyNode>()?;
     m.add_function(wrap_pyfunction!(none_hash, m)?)?;
     m.add_function(wrap_pyfunction!(fingerprint_id, m)?)?;
-    m.add(
-        "PROTOCOL_VERSION",
-        kvmesh_transfer::message::PROTOCOL_VERSION,
-    )?;
     Ok(())
 }

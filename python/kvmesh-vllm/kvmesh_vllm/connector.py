@@ -23,7 +23,6 @@ secret are the Rust crate ``kvmesh-py`` (``kvmesh_vllm._native``) over ``kvmesh-
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvmesh_vllm import _native
+from kvmesh_vllm.settings import Settings
 from kvmesh_vllm.stats import CounterDeltas, KvmeshPromMetrics, KvmeshStats
 
 if TYPE_CHECKING:
@@ -62,67 +61,6 @@ if TYPE_CHECKING:
 
 # Under "vllm." so vLLM's logging configuration (handlers, level) applies.
 logger = logging.getLogger("vllm.kvmesh")
-
-_DTYPES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "f16",
-    torch.float32: "f32",
-}
-
-
-_UNITS = {
-    "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "B": 1,
-}
-
-
-def parse_bytes(v: Any, key: str = "size") -> int:
-    """``4GiB``, ``4G`` (binary), ``512MB`` (decimal), ``1e9`` or an int; >= 0."""
-    if isinstance(v, bool):
-        raise ValueError(f"kvmesh connector: {key} must be a size like 4GiB, not {v!r}")
-    if isinstance(v, int):
-        n = v
-    else:
-        s = str(v).strip().upper().replace(" ", "")
-        number, mult = s, 1
-        # Longest unit first: "GIB" before "B".
-        for u in sorted(_UNITS, key=len, reverse=True):
-            if s.endswith(u):
-                number, mult = s[: -len(u)], _UNITS[u]
-                break
-        try:
-            n = int(float(number) * mult)
-        except (ValueError, OverflowError):
-            raise ValueError(
-                f"kvmesh connector: {key} must be a size like 4GiB, 512MiB or 1e9, not {v!r}"
-            ) from None
-    if n < 0:
-        raise ValueError(f"kvmesh connector: {key} must be >= 0, not {v!r}")
-    return n
-
-
-def _peer_list(v: Any, key: str) -> list[str]:
-    """A list of ``host`` / ``host:port`` strings, or one comma-separated string of them."""
-    if v is None:
-        return []
-    if isinstance(v, str):
-        return [p.strip() for p in v.split(",") if p.strip()]
-    if isinstance(v, (list, tuple)) and all(isinstance(p, str) for p in v):
-        return list(v)
-    raise ValueError(f"kvmesh connector: {key} must be a list of host[:port] strings, not {v!r}")
-
-
-_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
-
-# Every key of ``kv_connector_extra_config`` the connector reads (a misspelt key is refused,
-# not ignored: a silently default ``cpu_bytes`` is a tier of the wrong size).
-_KNOWN_KEYS = {
-    "p2p_host", "p2p_port", "cpu_bytes", "allowed_peers", "allowed_consumers",
-    "p2p_secret_file", "timeout_ms", "max_pull_ms", "poll_wait_ms", "serve_bytes_per_sec",
-    "metrics_port", "model_id", "load_failure_policy", "events_endpoint", "events_topic",
-    "events_replay_endpoint", "local_reuse",
-}
 
 
 def event_hash(block_hash: bytes) -> int:
@@ -178,129 +116,6 @@ class _Tracked:
     saved: int = 0
 
 
-class _Settings:
-    """``kv_connector_extra_config`` with defaults, plus the fingerprint fields."""
-
-    def __init__(self, vllm_config: "VllmConfig"):
-        ktc = vllm_config.kv_transfer_config
-        extra = dict(ktc.kv_connector_extra_config or {})
-        unknown = sorted(set(extra) - _KNOWN_KEYS)
-        if unknown:
-            raise ValueError(
-                f"kvmesh connector: unknown kv_connector_extra_config key(s) {unknown}; "
-                f"known: {sorted(_KNOWN_KEYS)}"
-            )
-        self.extra = extra
-        self.p2p_host: str = str(extra.get("p2p_host", "127.0.0.1"))
-        self.p2p_port: int = int(extra.get("p2p_port", 7100))
-        self.cpu_bytes = parse_bytes(extra.get("cpu_bytes", "1GiB"), "cpu_bytes")
-        self.allowed_peers: list[str] = _peer_list(extra.get("allowed_peers"), "allowed_peers")
-        consumers = extra.get("allowed_consumers")
-        self.allowed_consumers: list[str] | None = (
-            None if consumers is None else _peer_list(consumers, "allowed_consumers")
-        )
-        secret_file = extra.get("p2p_secret_file")
-        self.secret: bytes | None = None
-        if secret_file:
-            with open(secret_file, "rb") as f:
-                self.secret = f.read().rstrip(b"\r\n") or None
-        self.timeout_ms = int(extra.get("timeout_ms", 5000))
-        self.max_pull_ms = int(extra.get("max_pull_ms", 30000))
-        # While a pull runs, vLLM polls the connector once per engine step; each poll sleeps up
-        # to this long for it (GIL released) instead of letting an idle engine loop spin.
-        self.poll_wait_ms = int(extra.get("poll_wait_ms", 10))
-        # Cap on what the producer serves to peers, all of them together (bytes/s, `64MiB`…);
-        # 0 or absent: no cap. Enforced block by block in Rust (kvmesh-py's pacer).
-        self.serve_bytes_per_sec = parse_bytes(extra.get("serve_bytes_per_sec", 0),
-                                               "serve_bytes_per_sec")
-        self.metrics_port: int | None = (
-            int(extra["metrics_port"]) if extra.get("metrics_port") else None
-        )
-        # The CPU tier's events also go to a publisher of their own (vLLM's ZMQ format) when
-        # this is set; they always go into vLLM's own stream (--kv-events-config) as well.
-        self.events_endpoint: str | None = extra.get("events_endpoint") or None
-        self.events_topic: str = str(extra.get("events_topic", ""))
-        self.events_replay_endpoint: str | None = extra.get("events_replay_endpoint") or None
-        # Requests with no source named reuse this server's own CPU tier (default on).
-        self.local_reuse: bool = bool(extra.get("local_reuse", True))
-        remote = [p for p in self.allowed_peers if not p.startswith(_LOOPBACK)]
-        if self.p2p_host.startswith(_LOOPBACK) and remote:
-            logger.warning(
-                "kvmesh connector: allowed_peers names remote peers %s but the producer listens "
-                "on %s only, so they cannot pull from this server: set p2p_host (with "
-                "allowed_consumers or p2p_secret_file) to serve them", remote, self.p2p_host,
-            )
-
-        cache = vllm_config.cache_config
-        model = vllm_config.model_config
-        par = vllm_config.parallel_config
-        self.block_size: int = cache.block_size
-        algo = cache.prefix_caching_hash_algo
-        if algo not in ("sha256_cbor", "xxhash_cbor"):
-            raise ValueError(
-                f"KvmeshConnector needs --prefix-caching-hash-algo sha256_cbor (or xxhash_cbor "
-                f"with PYTHONHASHSEED set): block hashes must be reproducible across servers, "
-                f"and {algo!r} is not"
-            )
-        if algo == "xxhash_cbor" and os.environ.get("PYTHONHASHSEED") is None:
-            raise ValueError(
-                "KvmeshConnector: with --prefix-caching-hash-algo xxhash_cbor vLLM seeds block "
-                "hashes randomly per process unless PYTHONHASHSEED is set; set it (the same on "
-                "every server) or use sha256_cbor"
-            )
-        self.hash_algo: str = algo
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-            raise ValueError("KvmeshConnector supports tensor/pipeline parallel size 1 only")
-        dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
-        dt = _DTYPES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else str(dtype)
-        from vllm.platforms import current_platform
-
-        # The layout is vLLM's per-layer block layout, which its attention backend chooses
-        # per device and version; on the CPU build (num_blocks, kv_heads, block_size,
-        # 2*head_size). Servers exchange blocks only when device, forced backend (if any) and
-        # vLLM version agree; the worker also logs the layer shape it registered.
-        import vllm
-
-        attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-        backend = getattr(attn, "name", None) or (str(attn) if attn else "auto")
-        self.kv_dtype = (
-            f"{dt}:vllm-{current_platform.device_type}:{backend}:{vllm.__version__}"
-        )
-        self.model_id: str = str(extra.get("model_id") or model.served_model_name or model.model)
-        if isinstance(model.served_model_name, list):
-            self.model_id = str(extra.get("model_id") or model.served_model_name[0])
-        self.num_layers: int = model.get_num_layers(par)
-        self.num_kv_heads: int = model.get_num_kv_heads(par)
-        self.head_dim: int = model.get_head_size()
-        self.none_hash: str = _native.none_hash(algo, os.environ.get("PYTHONHASHSEED"))
-
-    def fingerprint_fields(self) -> dict[str, Any]:
-        return {
-            "model_id": self.model_id, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
-            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "hash_algo": self.hash_algo, "none_hash": self.none_hash,
-        }
-
-    def fingerprint_id(self) -> str:
-        return _native.fingerprint_id(**self.fingerprint_fields())
-
-    def node(self, *, listen_host: str | None, listen_port: int, cpu_bytes: int,
-             allowed_peers: list[str], allowed_consumers: list[str] | None,
-             serve_bytes_per_sec: int = 0) -> Any:
-        return _native.Node(
-            **self.fingerprint_fields(),
-            cpu_bytes=cpu_bytes,
-            listen_host=listen_host,
-            listen_port=listen_port,
-            allowed_peers=allowed_peers,
-            allowed_consumers=allowed_consumers,
-            secret=self.secret,
-            timeout_ms=self.timeout_ms,
-            max_pull_ms=self.max_pull_ms,
-            serve_bytes_per_sec=serve_bytes_per_sec,
-        )
-
-
 def _serve_metrics(port: int, texts: Any) -> None:
     """A Prometheus endpoint on ``port`` (loopback) serving ``texts()``."""
 
@@ -337,7 +152,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         kv_cache_config: "KVCacheConfig | None" = None,
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._s = _Settings(vllm_config)
+        self._s = Settings(vllm_config)
         self._block_size = self._s.block_size
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
@@ -681,7 +496,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 continue
             self._loading[load.req_id] = load.block_ids
             self._node.start_pull(load.req_id, load.host, load.port, load.kv_request_id,
-                                  load.hashes, self._block_bytes, False)
+                                  load.hashes, self._block_bytes)
 
     def _load_locally(self, load: _Load) -> None:
         buf = self._blocks_buffer(len(load.block_ids))
@@ -718,10 +533,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         if not missing:
             return
         data = self._gather([ids[i] for i in missing])
-        stored, no_room = self._node.insert_blocks([hashes[i] for i in missing], data.numpy())
+        stored, rejected = self._node.insert_blocks([hashes[i] for i in missing], data.numpy())
         self._stored.extend(stored)
-        if no_room:
-            logger.warning("kvmesh: cpu tier full of pinned blocks, %d blocks not kept", no_room)
+        if rejected:
+            logger.warning("kvmesh: cpu tier full of pinned blocks, %d blocks not kept", rejected)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._loaded_locally = self._loaded_locally, set()

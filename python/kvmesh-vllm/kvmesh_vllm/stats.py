@@ -18,6 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvmesh_vllm.settings import Settings
+
 # Counter (without `_total`) -> its labels, as kvmesh-transfer registers them.
 COUNTERS: dict[str, tuple[str, ...]] = {
     "kvmesh_p2p_pulls": ("outcome", "reason"),
@@ -95,8 +97,6 @@ class KvmeshPromMetrics(KVConnectorPromMetrics):
         }
         # Which servers can use each other's blocks, for routers to group endpoints by (as a
         # kvmesh engine exports it). Computed from the same settings the connector starts with.
-        from kvmesh_vllm.connector import _Settings
-
         fingerprint = self._gauge_cls(
             name="kvmesh_p2p_fingerprint_info",
             documentation="Id of the fingerprint a peer's KV must match to be used here; "
@@ -104,7 +104,7 @@ class KvmeshPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
             labelnames=[*labelnames, "fingerprint"],
         )
-        fingerprint_id = _Settings(vllm_config).fingerprint_id()
+        fingerprint_id = Settings(vllm_config).fingerprint_id()
         for values in per_engine_labelvalues.values():
             fingerprint.labels(*values, fingerprint_id).set(1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh_vllm.connector import _KNOWN_KEYS, _peer_list, parse_bytes
+from kvmesh_vllm.settings import KNOWN_KEYS, parse_bytes, peer_list
 
 
 @pytest.mark.parametrize("text, want", [
@@ -24,15 +24,15 @@ def test_bad_sizes_are_refused_naming_the_key(text):
 
 
 def test_peers_are_a_list_or_one_comma_separated_string():
-    assert _peer_list(["10.0.0.5:7100", "10.0.0.6"], "allowed_peers") == [
+    assert peer_list(["10.0.0.5:7100", "10.0.0.6"], "allowed_peers") == [
         "10.0.0.5:7100", "10.0.0.6"]
-    assert _peer_list("10.0.0.5:7100, 10.0.0.6", "allowed_peers") == [
+    assert peer_list("10.0.0.5:7100, 10.0.0.6", "allowed_peers") == [
         "10.0.0.5:7100", "10.0.0.6"]
-    assert _peer_list(None, "allowed_peers") == []
+    assert peer_list(None, "allowed_peers") == []
     with pytest.raises(ValueError, match="allowed_peers"):
-        _peer_list(["10.0.0.5", 7100], "allowed_peers")
+        peer_list(["10.0.0.5", 7100], "allowed_peers")
 
 
 def test_the_issue_s_keys_are_known():
     for key in ("p2p_port", "cpu_bytes", "allowed_peers", "events_endpoint"):
-        assert key in _KNOWN_KEYS
+        assert key in KNOWN_KEYS

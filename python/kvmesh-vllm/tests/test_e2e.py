@@ -571,7 +571,7 @@ def test_3_holder_killed_during_the_pull_recomputes(servers):
         cold = h.complete(prompt)  # H computes the prefix and keeps it in its CPU tier
         held = h.kvmesh_worker_metric("kvmesh_cpu_tier_blocks")
         assert held >= 8
-        assert h.kvmesh_worker_metric("kvmesh_cpu_tier_bytes") == held * TINY_BLOCK_BYTES
+        assert h.kvmesh_worker_metric("kvmesh_cpu_tier_used_bytes") == held * TINY_BLOCK_BYTES
 
         reasons = ("peer_closed", "connect")
         n0 = {r: b.kvmesh_worker_metric("kvmesh_p2p_pulls_total", reason=r) for r in reasons}
@@ -825,5 +825,5 @@ def test_7_evictions_from_a_full_tier_are_announced_on_events_endpoint(servers):
     sub.close(0)
     print(f"\nB's events_endpoint: {stored} blocks stored, {removed} removed")
     assert stored >= 16 and removed >= 4, (stored, removed)
-    assert b.kvmesh_worker_metric("kvmesh_cpu_tier_bytes") <= 12 * TINY_BLOCK_BYTES
+    assert b.kvmesh_worker_metric("kvmesh_cpu_tier_used_bytes") <= 12 * TINY_BLOCK_BYTES
     assert b.kvmesh_worker_metric("kvmesh_cpu_tier_blocks") <= 12

@@ -29,7 +29,7 @@ fn splitmix64(mut x: u64) -> u64 {
 }
 
 /// Fills `out` with the sim payload of block `hash` (a splitmix64 stream seeded by the hash).
-pub fn fill_sim_block_payload(hash: BlockHash, out: &mut [u8]) {
+fn fill_sim_block_payload(hash: BlockHash, out: &mut [u8]) {
     let mut state = hash.0;
     for chunk in out.chunks_mut(8) {
         state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -163,7 +163,7 @@ impl SimBackend {
     }
 
     /// Modelled (unscaled) milliseconds for one batch.
-    pub fn step_ms(&self, seqs: &[SeqStep<'_>]) -> f64 {
+    fn step_ms(&self, seqs: &[SeqStep<'_>]) -> f64 {
         let p = self.cfg.profile;
         let mut prefill = 0.0;
         let mut decodes = 0usize;

@@ -49,7 +49,7 @@ pub fn fitted(profile: &SimProfile) -> LinkParams {
 }
 
 /// The link derived from llm-d's published gpt-oss-120b H200 pull ladder.
-pub fn llmd_h200() -> LinkParams {
+fn llmd_h200() -> LinkParams {
     fit_ladder(
         GPT_OSS_120B_H200.pull_ms,
         GPT_OSS_120B_H200.real_kv_bytes_per_token as f64,

@@ -323,7 +323,7 @@ impl Core {
         let gpu_hit = self.pool.lookup_prefix(&hashes);
         // The prefix is in use: keep its CPU copies (what peers pull) from ageing out while the
         // GPU copy serves it, or a hot prefix vanishes from the tier peers can see.
-        self.cpu.touch(&hashes[..gpu_hit]);
+        self.cpu.touch_prefix(&hashes[..gpu_hit]);
         let cpu_hit = self.cpu.lookup_prefix(&hashes[gpu_hit..]);
         let hit_blocks = gpu_hit + cpu_hit;
         let hit_tokens = hit_blocks * bs;

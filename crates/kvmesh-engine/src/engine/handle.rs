@@ -39,7 +39,6 @@ struct HandleInner {
     metrics: Arc<EngineMetrics>,
     counters: Arc<SharedCounters>,
     layout: KvLayout,
-    backend_name: String,
     capabilities: BackendCapabilities,
     modelled_pull: Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync>,
     /// The modelled link P2P transfers are paced by (sim in link mode), shared by the producer
@@ -143,10 +142,6 @@ impl EngineHandle {
 
     pub fn kv_layout(&self) -> &KvLayout {
         &self.inner.layout
-    }
-
-    pub fn backend_name(&self) -> &str {
-        &self.inner.backend_name
     }
 
     /// What the backend's timings and payloads mean (modelled or real).
@@ -362,7 +357,6 @@ pub fn build_engine(
     cpu.set_pull_pin_fraction(config.p2p.pull_pin_fraction);
     let counters = Arc::new(SharedCounters::default());
     let (tx, rx) = mpsc::unbounded_channel();
-    let backend_name = backend.name().to_owned();
     let capabilities = backend.capabilities();
     // The backend lives on the compute thread, but the P2P consumer asks for modelled pull
     // times from async tasks: sample the backend's curve once (every 256 tokens up to 128K,
@@ -387,7 +381,6 @@ pub fn build_engine(
         metrics: metrics.clone(),
         counters: counters.clone(),
         layout: layout.clone(),
-        backend_name,
         capabilities,
         modelled_pull,
         link,

@@ -174,7 +174,7 @@ async fn pulled_tokens_count_as_external_once_whatever_the_order() {
     let lease = Instant::now() + Duration::from_secs(60);
     for (i, h) in hashes.iter().enumerate().take(4) {
         let payload = crate::compute::sim::sim_block_payload(*h, 16 * 8);
-        let landed = e.handle.cpu_tier().insert_external_pinned(
+        let landed = e.handle.cpu_tier().land(
             OffloadBlock {
                 hash: *h,
                 parent: i.checked_sub(1).map(|p| hashes[p]),
@@ -229,7 +229,7 @@ async fn a_block_landed_unpinned_at_the_cap_leaves_other_requests_pull_pins_alon
     let tier = e.handle.cpu_tier();
     // Pull pins hold their whole share: the block lands unpinned.
     tier.set_pull_pin_fraction(0.0);
-    let landed = tier.insert_external_pinned(
+    let landed = tier.land(
         OffloadBlock {
             hash: hashes[0],
             parent: None,
@@ -241,7 +241,7 @@ async fn a_block_landed_unpinned_at_the_cap_leaves_other_requests_pull_pins_alon
     assert_eq!(landed, crate::cpu_tier::Landed::Unpinned);
     // A request that waited on that pull pins what landed until it is scheduled.
     let mut waiter = request(prompt.clone(), 1);
-    let n = tier.pin_as(
+    let n = tier.pin(
         PinKind::Pull,
         &hashes[..1],
         Instant::now() + Duration::from_secs(60),

@@ -42,7 +42,7 @@ pub struct EngineRequest {
     pub kv_transfer_params: Option<KvTransferParams>,
     /// When the request arrived (TTFT and queue time are measured from here).
     pub arrival: Instant,
-    /// Blocks a pre-admission hook pulled into the CPU tier for this request from a peer: their
+    /// Blocks a request hook pulled into the CPU tier for this request from a peer: their
     /// restores count as external hits (`vllm:external_prefix_cache_hits`), not local ones.
     pub external_hashes: Vec<BlockHash>,
     /// Those of `external_hashes` on which this request holds a `Pull` pin (blocks landed

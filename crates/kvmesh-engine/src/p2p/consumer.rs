@@ -1,0 +1,367 @@
+//! The consumer: [`P2pConsumer`] owns the engine's one shared [`PullClient`] (pooled connections;
+//! allow-list from `--p2p-allowed-peers`, since `remote_host` is untrusted input), the pulls in
+//! flight ([`super::inflight`]) and the one remote-read path, [`P2pConsumer::read`], that llm-d's
+//! `remote_kv_source`, P/D reads and prefetches all take: hash the prompt's cacheable blocks,
+//! keep the leading run the peer may serve, take the local prefix (GPU, then CPU tier) first,
+//! pull the rest into the CPU tier ([`super::landing`]), mark what landed as external hits and,
+//! on a backend that models transfer time, hold the request until the modelled pull has passed
+//! (the modelled link's pacers, or the profile's ladder in `--sim-link ladder` mode).
+//!
+//! A read never fails the request: whatever did not arrive is computed. Every pull is counted by
+//! outcome and reason in `kvmesh_p2p_pulls_total` (the engine's
+//! [`crate::metrics::EngineMetrics::p2p`]).
+
+use std::time::{Duration, Instant};
+
+use kvmesh_core::{BlockHash, RemoteKvSource, TokenId};
+use kvmesh_transfer::{
+    AllowList, ClientConfig, ModelledDuration, PeerAddr, PullClass, PullClient, TrafficClass,
+};
+
+use super::error::P2pConfigError;
+use super::inflight::{Inflight, InflightClaim, PullsInFlight};
+use super::landing::TierSink;
+use super::remote_read::{PrefixPull, ReadOptions, ReadOutcome, RemoteRead};
+use crate::cpu_tier::PinKind;
+use crate::engine::{EngineHandle, EngineRequest};
+
+/// How long blocks a pull landed stay pinned in our CPU tier if the request never finishes
+/// normally (client gone before scheduling); normally they are unpinned at finish.
+const LANDED_LEASE: Duration = Duration::from_secs(60);
+
+/// How long to wait for the compute loop to report the GPU-tier prefix before using the CPU
+/// tier's alone (a long step can hold the loop; a stale answer only costs a redundant pull).
+const GPU_LOOKUP_WAIT: Duration = Duration::from_millis(50);
+
+/// The engine's P2P consumer (see the module docs).
+#[derive(Debug)]
+pub struct P2pConsumer {
+    client: PullClient,
+    timeout: Duration,
+    pending_deadline: Duration,
+    inflight: PullsInFlight,
+}
+
+/// When a pull must end, and how it ranks on the modelled links (a prefetch: background).
+struct PullTerms {
+    deadline: tokio::time::Instant,
+    class: PullClass,
+}
+
+impl P2pConsumer {
+    /// From the engine's `p2p` config: allow-list, timeout, pending deadline, secret; counters
+    /// go to the engine's `kvmesh_p2p_*` metrics.
+    pub fn new(engine: &EngineHandle) -> Result<Self, P2pConfigError> {
+        let cfg = &engine.config().p2p;
+        let allowed = AllowList::parse(cfg.allowed_peers.iter().filter(|s| !s.trim().is_empty()))?;
+        let client = PullClient::new(
+            engine.fingerprint(),
+            ClientConfig {
+                allowed_peers: allowed,
+                timeout: cfg.timeout,
+                pending_deadline: cfg.pending_deadline,
+                secret: cfg.secret.clone(),
+                metrics: engine.metrics().p2p.clone(),
+                // A modelled link paces the pull itself (its wall time is then the modelled
+                // time, contention included); the ladder only gives a duration to report.
+                modelled_duration: engine
+                    .link_pacer()
+                    .is_none()
+                    .then(|| ModelledDuration(engine.modelled_block_pull_time())),
+                ingress: engine.link_pacer(),
+                ..ClientConfig::default()
+            },
+        );
+        Ok(Self {
+            client,
+            timeout: cfg.timeout,
+            pending_deadline: cfg.pending_deadline,
+            inflight: PullsInFlight::default(),
+        })
+    }
+
+    /// Blocks being pulled right now (for tests and debugging): 0 when no pull is in flight.
+    pub fn inflight_pulls(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// The budget of one read: a pull's timeout plus the pending deadline, from now.
+    pub(crate) fn read_deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.timeout + self.pending_deadline
+    }
+
+    /// Waits (until `deadline` at most) while any of `hashes` belongs to a pull in flight, which
+    /// a request waiting for it makes demand traffic (a prefetch's pull is promoted).
+    ///
+    /// For the sim backend: a pull's blocks land in the CPU tier at loopback speed, but the
+    /// pull holds its claim until the modelled transfer is done (the modelled link, or the
+    /// profile's ladder in `--sim-link ladder` mode). A request that would use those blocks
+    /// meanwhile (routed here as a local hit, say) must not get them sooner than the modelled
+    /// link delivers them, or P2P arms would win time no real link gives.
+    pub(crate) async fn wait_for_pulls_in_flight(
+        &self,
+        hashes: &[BlockHash],
+        deadline: tokio::time::Instant,
+    ) {
+        self.inflight.wait_for(hashes, deadline).await;
+    }
+
+    /// The llm-d read for one request whose prefix may be held by `source`:
+    /// [`P2pConsumer::read`], sharing pulls in flight. Returns the pull (None when nothing was
+    /// missing locally or the budget went on waiting for another pull).
+    pub async fn prepare_request(
+        &self,
+        engine: &EngineHandle,
+        req: &mut EngineRequest,
+        source: &RemoteKvSource,
+    ) -> Option<PrefixPull> {
+        let opts = ReadOptions {
+            threshold_tokens: 0,
+            share_inflight: true,
+            background: false,
+        };
+        match self
+            .read(engine, req, &RemoteRead::from_source(source), opts)
+            .await
+        {
+            ReadOutcome::Pulled { pull, .. } => Some(pull),
+            _ => None,
+        }
+    }
+
+    /// The one remote-read path (see the module docs). Sets `req.external_hashes`,
+    /// `req.pull_pinned_hashes` and `req.external_query_tokens` for what it read; never fails.
+    pub async fn read(
+        &self,
+        engine: &EngineHandle,
+        req: &mut EngineRequest,
+        read: &RemoteRead,
+        opts: ReadOptions,
+    ) -> ReadOutcome {
+        let peer = PeerAddr::from(&read.source);
+        if let Some(ago) = read.expired_ago() {
+            tracing::info!(
+                request_id = %req.request_id,
+                peer = %peer,
+                expired_s_ago = ago,
+                "Declining expired remote read"
+            );
+            return ReadOutcome::Expired;
+        }
+        let bs = engine.kv_layout().block_size.max(1);
+        let (hashes, mismatch) = read.readable_hashes(engine, req);
+        let mut local = local_prefix_blocks(engine, &hashes).await;
+        if local >= hashes.len() {
+            return ReadOutcome::NothingMissing { mismatch };
+        }
+        if (hashes.len() - local) * bs < opts.threshold_tokens {
+            return ReadOutcome::BelowThreshold;
+        }
+        req.external_query_tokens = req.prompt.len();
+        // One budget (timeout + pending deadline) for waiting on another pull and pulling, so
+        // waits never compound.
+        let deadline = self.read_deadline();
+        let claim = if opts.share_inflight {
+            match self
+                .join_inflight(engine, req, &hashes, &mut local, deadline, opts.class())
+                .await
+            {
+                Some(claim) => claim,
+                None if local >= hashes.len() => return ReadOutcome::NothingMissing { mismatch },
+                None => return ReadOutcome::WaitedOut,
+            }
+        } else {
+            None
+        };
+        let wanted = hashes.len() - local;
+        // A claimed prefetch can be promoted by a request joining it; an unshared one cannot.
+        // The claim itself lives to the end of the read: a ladder-mode hold below counts as part
+        // of the pull for the requests waiting on it.
+        let class = match (&claim, opts.background) {
+            (_, false) => PullClass::Demand,
+            (Some(claim), true) => claim.pull_class(),
+            // Nobody can join it: its signal's sender is gone at once, so it stays background.
+            (None, true) => PullClass::Background {
+                promote: tokio::sync::watch::channel(false).1,
+            },
+        };
+        let pull = self
+            .pull_prefix_until(
+                engine,
+                &read.source,
+                &req.prompt,
+                &hashes,
+                local,
+                PullTerms { deadline, class },
+            )
+            .await;
+        tracing::debug!(
+            request_id = %req.request_id,
+            peer = %peer,
+            local_blocks = local,
+            wanted,
+            pulled = pull.report.blocks,
+            outcome = %pull.report.outcome.label(),
+            reason = ?pull.report.outcome.reason(),
+            "remote read"
+        );
+        req.external_hashes.extend_from_slice(&pull.external);
+        req.pull_pinned_hashes.extend_from_slice(&pull.pinned);
+        // A modelled link (sim) already held the pull until both ends' modelled transfers were
+        // done (the pacers in the pull client and the peer's producer). `--sim-link ladder`:
+        // the transfer costs what the profile's ladder says, however fast loopback was.
+        if pull.report.blocks > 0
+            && engine.link_pacer().is_none()
+            && let Some(modelled) = engine.modelled_pull_time(pull.report.blocks * bs)
+        {
+            tokio::time::sleep_until(pull.started + modelled).await;
+        }
+        ReadOutcome::Pulled {
+            pull,
+            wanted,
+            mismatch,
+        }
+    }
+
+    /// One pull per prefix at a time: claims `hashes[*local..]` for this request's pull, or,
+    /// while another request's pull holds the first missing block, waits for it, takes what it
+    /// landed as local (pinned until we are scheduled, counted as external once) and tries again
+    /// for the rest. `Some(claim)` to pull; `None` when nothing is missing any more (`*local`
+    /// reached the end) or the budget went on waiting (compute the rest: a fresh pull now would
+    /// double the wait).
+    async fn join_inflight<'s>(
+        &'s self,
+        engine: &EngineHandle,
+        req: &mut EngineRequest,
+        hashes: &[BlockHash],
+        local: &mut usize,
+        deadline: tokio::time::Instant,
+        class: TrafficClass,
+    ) -> Option<Option<InflightClaim<'s>>> {
+        loop {
+            let mut rx = match self.inflight.claim(&hashes[*local..], class) {
+                Inflight::Claimed(c) => return Some(Some(c)),
+                Inflight::Busy(rx) => rx,
+            };
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return None;
+            }
+            let before = *local;
+            *local = local_prefix_blocks(engine, hashes).await;
+            if *local > before {
+                // Landed by the other pull: keep them until we are scheduled, and count them as
+                // what they are (KV moved from a peer, once).
+                let n = engine.cpu_tier().pin(
+                    PinKind::Pull,
+                    &hashes[before..*local],
+                    Instant::now() + LANDED_LEASE,
+                );
+                req.external_hashes
+                    .extend_from_slice(&hashes[before..before + n]);
+                req.pull_pinned_hashes
+                    .extend_from_slice(&hashes[before..before + n]);
+            }
+            if *local >= hashes.len() {
+                return None;
+            }
+        }
+    }
+
+    /// Pulls blocks `hashes[first..]` of `prompt` (whose full-block hashes are `hashes`) from
+    /// `source` into the CPU tier, within `terms.deadline` (a request that already spent part of
+    /// its budget waiting for another pull does not get a fresh one). Each block is verified and
+    /// landed as it arrives ([`TierSink`]), pinned for [`LANDED_LEASE`]. Never fails: see the
+    /// report; blocks `first..first + report.blocks` are in the tier afterwards.
+    async fn pull_prefix_until(
+        &self,
+        engine: &EngineHandle,
+        source: &RemoteKvSource,
+        prompt: &[TokenId],
+        hashes: &[BlockHash],
+        first: usize,
+        terms: PullTerms,
+    ) -> PrefixPull {
+        let PullTerms { deadline, class } = terms;
+        let started = tokio::time::Instant::now();
+        let want = hashes.get(first..).unwrap_or_default();
+        let mut sink = TierSink {
+            tier: engine.cpu_tier(),
+            prompt,
+            hashes,
+            first,
+            block_size: engine.kv_layout().block_size,
+            bytes_per_block: engine.kv_layout().bytes_per_block,
+            verify_sim: engine.capabilities().hash_derived_payloads,
+            lease_until: Instant::now() + LANDED_LEASE,
+            external: Vec::new(),
+            pinned: Vec::new(),
+            rejected: None,
+        };
+        // The whole pull is bounded too (per-step timeouts alone could add up on a long prefix).
+        let report = self
+            .client
+            .pull_with_class(
+                PeerAddr::from(source),
+                &source.kv_request_id,
+                want,
+                &mut sink,
+                Some(deadline),
+                class,
+            )
+            .await;
+        if let Some(reason) = sink.rejected {
+            let stats = engine.cpu_tier().stats();
+            tracing::warn!(
+                peer = %PeerAddr::from(source),
+                reason,
+                landed = sink.external.len(),
+                cpu_used_bytes = stats.used_bytes,
+                cpu_capacity_bytes = stats.capacity_bytes,
+                "p2p pull stopped: our sink refused a block"
+            );
+            engine.metrics().p2p_sink_rejected(reason);
+        }
+        PrefixPull {
+            report,
+            external: sink.external,
+            pinned: sink.pinned,
+            started,
+        }
+    }
+}
+
+/// Leading blocks of `hashes` this engine holds: the GPU tier's prefix (asked of the compute
+/// loop, briefly) continued by the CPU tier's, or the CPU tier's alone if longer.
+async fn local_prefix_blocks(engine: &EngineHandle, hashes: &[BlockHash]) -> usize {
+    let tier = engine.cpu_tier();
+    let cpu_only = tier.lookup_prefix(hashes);
+    if cpu_only == hashes.len() {
+        return cpu_only;
+    }
+    let owned = hashes.to_vec();
+    let gpu = tokio::time::timeout(
+        GPU_LOOKUP_WAIT,
+        engine.inspect_pool(move |p| p.lookup_prefix(&owned)),
+    )
+    .await
+    .ok()
+    .flatten()
+    .unwrap_or(0)
+    .min(hashes.len());
+    (gpu + tier.lookup_prefix(&hashes[gpu..])).max(cpu_only)
+}
+
+/// Releases the pins a pull took on the blocks it landed for `req` (its
+/// `pull_pinned_hashes`: not the blocks that landed unpinned at the pull-pin cap, whose release
+/// would drop another request's pin on the same block). Call when the request finished
+/// (requests that never finish lose them at lease expiry).
+pub fn release_pulled(engine: &EngineHandle, req: &EngineRequest) {
+    if !req.pull_pinned_hashes.is_empty() {
+        engine
+            .cpu_tier()
+            .unpin(PinKind::Pull, &req.pull_pinned_hashes);
+    }
+}

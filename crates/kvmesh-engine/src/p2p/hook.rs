@@ -1,0 +1,54 @@
+//! [`P2pHook`], every server's default [`RequestHook`]: a request naming a `remote_kv_source`
+//! pulls its missing prefix before submission; a finished (or refused) request releases the
+//! pins its pull took. On a backend that models transfer time, such a request first waits for
+//! the pulls in flight that carry any of its blocks (it must not get them sooner than the
+//! modelled link delivers them). A request naming no source is not held: a pull stuck on a
+//! silent peer must delay no one (`tests/p2p_robustness.rs`).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+
+use super::consumer::{P2pConsumer, release_pulled};
+use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
+use crate::request_hook::RequestHook;
+
+/// The P2P request hook (see the module docs).
+#[derive(Debug, Clone)]
+pub struct P2pHook {
+    pub consumer: Arc<P2pConsumer>,
+}
+
+impl RequestHook for P2pHook {
+    fn before_submit<'a>(
+        &'a self,
+        engine: &'a EngineHandle,
+        req: &'a mut EngineRequest,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(source) = req
+                .kv_transfer_params
+                .as_ref()
+                .and_then(|p| p.remote_kv_source.clone())
+            else {
+                return;
+            };
+            if engine.capabilities().models_pull_time && self.consumer.inflight_pulls() > 0 {
+                let hashes = engine.cacheable_block_hashes(&req.prompt);
+                self.consumer
+                    .wait_for_pulls_in_flight(&hashes, self.consumer.read_deadline())
+                    .await;
+            }
+            self.consumer.prepare_request(engine, req, &source).await;
+        })
+    }
+
+    fn on_finish(&self, engine: &EngineHandle, req: &EngineRequest, _info: &mut FinishInfo) {
+        // The request has been scheduled: what its pull landed may be evicted normally now.
+        release_pulled(engine, req);
+    }
+
+    fn on_not_submitted(&self, engine: &EngineHandle, req: &EngineRequest) {
+        release_pulled(engine, req);
+    }
+}
