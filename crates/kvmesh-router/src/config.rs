@@ -238,7 +238,9 @@ fn default_block_size() -> usize {
     16
 }
 fn default_scrape() -> Duration {
-    Duration::from_millis(500)
+    // As `configs/router.yaml` and every benchmark: queue gauges half a second old mislead
+    // placement during a burst.
+    Duration::from_millis(200)
 }
 fn default_request_timeout() -> Duration {
     Duration::from_secs(600)
@@ -352,6 +354,10 @@ impl Default for RouterConfig {
     }
 }
 
+/// The default placement, `configs/router.yaml`, embedded: the file a user runs is the one the
+/// router falls back to and the one the bench's default arm measures.
+pub const DEFAULT_CONFIG_YAML: &str = include_str!("../../../configs/router.yaml");
+
 impl RouterConfig {
     /// Loads and validates a config file; a relative `endpoints_file` is resolved against the
     /// config's directory.
@@ -360,11 +366,7 @@ impl RouterConfig {
             path: path.to_owned(),
             source,
         })?;
-        let mut cfg: RouterConfig =
-            serde_norway::from_str(&text).map_err(|source| ConfigError::Parse {
-                path: path.to_owned(),
-                source,
-            })?;
+        let mut cfg = RouterConfig::from_yaml(&text, path)?;
         if let Some(f) = &cfg.endpoints_file
             && f.is_relative()
             && let Some(dir) = path.parent()
@@ -373,6 +375,74 @@ impl RouterConfig {
         }
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Parses a config (`origin` names it in errors); not validated.
+    pub fn from_yaml(text: &str, origin: &Path) -> Result<RouterConfig, ConfigError> {
+        serde_norway::from_str(text).map_err(|source| ConfigError::Parse {
+            path: origin.to_owned(),
+            source,
+        })
+    }
+
+    /// `configs/router.yaml`, the default placement.
+    pub fn default_placement() -> Result<RouterConfig, ConfigError> {
+        RouterConfig::from_yaml(DEFAULT_CONFIG_YAML, Path::new("configs/router.yaml"))
+    }
+
+    /// A config without `schedulingProfiles` places as `configs/router.yaml` does: that file's
+    /// plugins, profiles and admission queue (unless this config has its own `dispatch:`). Its
+    /// cost model and scrape interval are the defaults of every config (a test keeps the file
+    /// and the defaults equal). Other configs are returned as they are.
+    pub fn with_default_placement(mut self) -> Result<RouterConfig, ConfigError> {
+        if !self.scheduling_profiles.is_empty() {
+            return Ok(self);
+        }
+        let default = RouterConfig::default_placement()?;
+        self.plugins = default.plugins;
+        self.scheduling_profiles = default.scheduling_profiles;
+        self.default_profile = self.default_profile.or(default.default_profile);
+        self.dispatch = self.dispatch.or(default.dispatch);
+        Ok(self)
+    }
+
+    /// Puts the config's model-time values on the clock of a fleet sped up by `time_scale` (its
+    /// engines compute, pull and answer that many times faster; config files hold model time):
+    /// rates × `time_scale`, the per-pull floor and delays ÷ `time_scale`. That is the cost
+    /// model's rates and floor (the admission queue weighs predicted work in the cost model's
+    /// clock against time actually waited, so both must be wall time), prefetch's `delay_ms` and
+    /// `lead_ms`, and replication's `window_s` and `cooldown_s`. Bounds on a client's wait
+    /// (`dispatch.max_hold`, timeouts) and prediction knobs in milliseconds (margins,
+    /// penalties) stay as written, as every published benchmark ran them. `kvmesh bench` and
+    /// `kvmesh up` call this with the fleet's `--time-scale`; a non-positive or non-finite scale
+    /// counts as 1.
+    pub fn scale_time(&mut self, time_scale: f64) {
+        let ts = if time_scale.is_finite() && time_scale > 0.0 {
+            time_scale
+        } else {
+            1.0
+        };
+        let cm = &mut self.cost_model;
+        cm.prefill_tokens_per_second *= ts;
+        cm.pull_tokens_per_second *= ts;
+        cm.pull_floor_ms /= ts;
+        if let Some(p) = &mut self.prefetch {
+            p.delay_ms /= ts;
+            p.lead_ms /= ts;
+        }
+        if let Some(r) = &mut self.replication {
+            r.window_s /= ts;
+            r.cooldown_s /= ts;
+        }
+    }
+
+    /// Sets the P2P pull threshold (tokens) wherever the config's plugins own one (see
+    /// [`PluginSpec::set_pull_threshold`]); returns how many plugins took it.
+    pub fn set_pull_threshold(&mut self, tokens: u64) -> usize {
+        self.plugins
+            .iter_mut()
+            .filter_map(|p| p.set_pull_threshold(tokens).then_some(()))
+            .count()
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -1041,6 +1111,66 @@ schedulingProfiles:
                 chat_template: Some("/t/llama.jinja".into())
             }
         );
+    }
+
+    #[test]
+    fn a_config_without_profiles_places_as_configs_router_yaml() {
+        let bare: RouterConfig =
+            serde_norway::from_str("endpoints: [{name: a, url: \"http://x:1\"}]").expect("parse");
+        let file = RouterConfig::default_placement().expect("the embedded file parses");
+        let filled = bare.clone().with_default_placement().expect("filled");
+        assert_eq!(filled.scheduling_profiles, file.scheduling_profiles);
+        assert_eq!(filled.plugins, file.plugins);
+        assert!(
+            filled.dispatch.is_some(),
+            "the admission queue is part of it"
+        );
+        assert_eq!(filled.dispatch, file.dispatch);
+        assert_eq!(
+            filled.endpoints, bare.endpoints,
+            "the config's own settings stay"
+        );
+        // Defaults every config shares, so the file cannot drift from them.
+        assert_eq!(file.cost_model, CostModelParams::default());
+        assert_eq!(file.metrics_scrape_interval, bare.metrics_scrape_interval);
+        // Its own admission queue wins; a config with profiles is left alone.
+        let own: RouterConfig =
+            serde_norway::from_str("dispatch: {max_queued_prefill_tokens: 5}").expect("parse");
+        let own = own.with_default_placement().expect("filled");
+        assert_eq!(own.dispatch.map(|d| d.max_queued_prefill_tokens), Some(5));
+        let affinity: RouterConfig = serde_norway::from_str(
+            "plugins: [{type: prefix-cache-scorer, name: p}]\nschedulingProfiles: [{name: a, plugins: [{pluginRef: p}]}]",
+        )
+        .expect("parse");
+        assert_eq!(
+            affinity.clone().with_default_placement().expect("same"),
+            affinity
+        );
+    }
+
+    #[test]
+    fn a_sped_up_fleet_scales_rates_up_and_delays_down() {
+        let mut c: RouterConfig = serde_norway::from_str(
+            "prefetch: {delay_ms: 500, lead_ms: 1000}\nreplication: {window_s: 10, cooldown_s: 30}\ndispatch: {max_hold: 10s}",
+        )
+        .expect("parse");
+        let before = c.clone();
+        c.scale_time(4.0);
+        assert_eq!(c.cost_model.prefill_tokens_per_second, 100_000.0);
+        assert_eq!(c.cost_model.pull_tokens_per_second, 940_000.0);
+        assert_eq!(c.cost_model.pull_floor_ms, 6.5);
+        let p = c.prefetch.as_ref().expect("prefetch");
+        assert_eq!((p.delay_ms, p.lead_ms), (125.0, 250.0));
+        let r = c.replication.as_ref().expect("replication");
+        assert_eq!((r.window_s, r.cooldown_s), (2.5, 7.5));
+        assert_eq!(
+            c.dispatch, before.dispatch,
+            "a client's wait bound is not scaled"
+        );
+        let mut same = before.clone();
+        same.scale_time(f64::NAN);
+        same.scale_time(1.0);
+        assert_eq!(same, before);
     }
 
     #[test]

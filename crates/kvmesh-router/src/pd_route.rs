@@ -136,6 +136,7 @@ pub(crate) async fn route_pd(
         block_size: bs,
         max_tokens: parsed.max_tokens,
         backlog: Default::default(),
+        may_pull: true,
     };
     let legs = Legs {
         s: &s,

@@ -459,6 +459,7 @@ fn prepare_next_turn(
         block_size: bs,
         max_tokens: None,
         backlog: Default::default(),
+        may_pull: true,
     };
     let decision = s.scheduler.schedule(&profile, &ctx, &candidates);
     let chosen = decision.chosen_candidate(&candidates).cloned();

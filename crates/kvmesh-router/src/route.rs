@@ -131,6 +131,7 @@ impl Attempt<'_> {
             held,
             held_cold,
             share_tokens,
+            may_pull,
             ticket: admission_ticket,
         }) = admitted
         else {
@@ -149,6 +150,7 @@ impl Attempt<'_> {
                 cold_tokens: &held_cold,
                 share_tokens,
             },
+            may_pull,
         };
         let mut decision = s.scheduler.schedule(profile, &ctx, &fleet.candidates);
         let chosen = decision.chosen_candidate(&fleet.candidates).cloned();
@@ -289,6 +291,9 @@ struct Admitted<'a> {
     held_cold: Vec<u64>,
     /// `dispatch.max_queued_prefill_tokens` (0 without an admission queue).
     share_tokens: u64,
+    /// False when it was held and the config says held requests do not pull
+    /// (`DispatchConfig::pulls_when_held`).
+    may_pull: bool,
     /// Holds its place until its load is counted.
     ticket: Option<Ticket<'a>>,
 }
@@ -306,6 +311,7 @@ async fn admit<'a>(
         held: Duration::ZERO,
         held_cold: Vec::new(),
         share_tokens: 0,
+        may_pull: true,
         ticket,
     };
     let Some(d) = s.dispatch.as_ref().filter(|_| excluded.is_none()) else {
@@ -340,18 +346,14 @@ async fn admit<'a>(
     let held_cold = d.cold_tokens();
     // Placed as the fleet is now, not as it was when the request arrived.
     let held = waited.elapsed();
-    let mut fleet = Fleet::now(s, keys, excluded)?;
-    if how != Admission::Overflow && !d.config().pulls_when_held {
-        // Every endpoint had a full prefill queue (see `DispatchConfig::pulls_when_held`).
-        for c in &mut fleet.candidates {
-            c.has_p2p = false;
-        }
-    }
+    let fleet = Fleet::now(s, keys, excluded)?;
     Some(Admitted {
         fleet,
         held,
         held_cold,
         share_tokens: limit,
+        // Every endpoint had a full prefill queue (see `DispatchConfig::pulls_when_held`).
+        may_pull: how == Admission::Overflow || d.config().pulls_when_held,
         ticket: Some(ticket),
     })
 }

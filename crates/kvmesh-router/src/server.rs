@@ -116,6 +116,7 @@ pub async fn start(
     opts: RouterOptions,
 ) -> Result<RouterHandle, RouterError> {
     config.validate()?;
+    let config = config.with_default_placement()?;
     if config.header_read_timeout.is_zero() {
         return Err(
             crate::config::ConfigError::Invalid("header_read_timeout must be > 0".into()).into(),

@@ -74,7 +74,8 @@ async fn default_pipeline_places_by_queued_prefill_work_not_request_count() {
 
     let decisions = get_json(&format!("{url}/debug/decisions?last=1")).await;
     let last = &decisions[0];
-    assert_eq!(last["profile"], "default");
+    // The default placement is configs/router.yaml's profile.
+    assert_eq!(last["profile"], "ttft-p2p");
     let cands = last["candidates"].as_array().unwrap();
     let predicted = |name: &str| -> Value {
         cands

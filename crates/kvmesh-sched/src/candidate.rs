@@ -120,6 +120,11 @@ pub struct SchedulingContext<'a> {
     pub max_tokens: Option<u64>,
     /// The admission queue behind this request when it was released from it (empty otherwise).
     pub backlog: Backlog<'a>,
+    /// Whether the request may pull its prefix from a peer. False for a request the admission
+    /// queue held with `pulls_when_held: false`: the prediction prices no pull for it and the
+    /// P2P step names no source (every other use of the candidates, hot-prefix replication
+    /// included, is unaffected).
+    pub may_pull: bool,
 }
 
 /// What was still waiting in the router's admission queue when a held request left it. Those

@@ -29,7 +29,8 @@
 //! (`agentic-paced`). Unknown capacity or decode time (an engine that does not report
 //! `vllm:cache_config_info`, no finished streamed response yet) prices no wait.
 //!
-//! A pull is an option only when `delta = cpu(s) − cached(c)` reaches `min_pull_tokens`, and its
+//! A pull is an option only when `delta = cpu(s) − cached(c)` reaches `min_pull_tokens` (and the
+//! request may pull at all: [`SchedulingContext::may_pull`]), and its
 //! time is the cost model's prediction stretched by what already shares the link: transfers the
 //! router has in flight out of `s` and into `c` (`1 + max(out(s), in(c))`). The engine pulls
 //! before the request joins its queue, so the pull path pays the pull *and* the queue — the
@@ -169,6 +170,8 @@ pub struct PullPlan {
     pub recompute_ms: f64,
     /// Transfers already sharing the link (the larger of the two ends).
     pub sharing: u64,
+    /// What the pull had to win by (the scorer's `marginMs`).
+    pub margin_ms: f64,
 }
 
 /// The prediction for one candidate.
@@ -249,7 +252,7 @@ pub fn predict(
     let local_ms = ms(uncached, rate) + ms(cpu_only, restore);
 
     let mut best_pull: Option<PullPlan> = None;
-    if p.p2p {
+    if p.p2p && ctx.may_pull {
         for (i, s) in candidates.iter().enumerate() {
             if i == at || !s.can_source_for(c) {
                 continue;
@@ -275,6 +278,7 @@ pub fn predict(
                 pull_ms,
                 recompute_ms: ms(delta, rate),
                 sharing,
+                margin_ms: p.margin_ms,
             };
             let better = best_pull.as_ref().is_none_or(|b| {
                 pull_path_ms(&plan, prompt as u64, cpu_only, rate, restore)

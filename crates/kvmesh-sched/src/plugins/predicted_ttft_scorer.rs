@@ -67,6 +67,10 @@ impl Scorer for PredictedTtftScorer {
             .collect();
         (scores, Some(predictions))
     }
+
+    fn prices_pulls(&self) -> bool {
+        self.params.p2p
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! tokens on that endpoint) / `peakPrefillTokensPerSecond`. kvmesh adds the request's own uncached
 //! tokens (llm-d counts in-flight only) so that the cold endpoints pay for the prefill they would do.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::prefix_cache_scorer::PrefixParams;
 use crate::candidate::{Candidate, SchedulingContext};
@@ -16,7 +16,7 @@ use crate::plugin::{Filter, FilterOutcome};
 
 pub const TYPE: &str = "prefix-cache-affinity-filter";
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AffinityParams {
     pub threshold: f64,

@@ -6,7 +6,7 @@
 //! rest of the consecutive prefix that is only in the CPU tier counts `cpu_weight` (0.8) — a CPU hit
 //! still saves compute but costs a restore.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::candidate::{Candidate, SchedulingContext};
 use crate::plugin::Scorer;
@@ -14,7 +14,7 @@ use crate::plugin::Scorer;
 pub const TYPE: &str = "prefix-cache-scorer";
 
 /// Parameters (llm-d names in camelCase; snake_case accepted).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PrefixParams {
     /// Weight of the absolute-length term (`w`); 0 = purely the matched fraction of the prompt.

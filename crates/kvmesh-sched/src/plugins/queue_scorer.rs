@@ -6,14 +6,14 @@
 //! takes `max(scraped waiting + running, router in-flight requests)` — the better estimate of the
 //! requests the engine holds right now. `waiting` and `in_flight` select one source only.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::candidate::{Candidate, SchedulingContext};
 use crate::plugin::Scorer;
 
 pub const TYPE: &str = "queue-scorer";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum QueueSource {
     /// Scraped `vllm:num_requests_waiting` only (llm-d); 0 until scraped.
@@ -25,7 +25,7 @@ pub enum QueueSource {
     Combined,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct QueueParams {
     #[serde(alias = "queue_source", rename = "queueSource")]
