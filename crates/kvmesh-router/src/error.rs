@@ -113,7 +113,7 @@ impl IntoResponse for ApiError {
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {
     #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
+    Config(#[from] crate::config::error::ConfigError),
     #[error(transparent)]
     Plugin(#[from] kvmesh_sched::plugins::PluginError),
     #[error("tokenizer: {0}")]
@@ -125,5 +125,5 @@ pub enum RouterError {
     #[error("watching endpoints file: {0}")]
     Watch(String),
     #[error(transparent)]
-    Discovery(#[from] crate::discovery::DiscoveryError),
+    Discovery(#[from] crate::fleet::discovery::DiscoveryError),
 }

@@ -154,7 +154,7 @@ fn pd_arms_differ_only_in_bidirectional_and_the_prefill_leg() {
         assert_eq!(arm.moves_history(), bidir);
         assert_eq!(
             section.decider,
-            kvmesh_router::config::Decider::default(),
+            kvmesh_router::pd::config::Decider::default(),
             "{arm}: always"
         );
         assert!(section.conversation_ttl_s < 480.0);

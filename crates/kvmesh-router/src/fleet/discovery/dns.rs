@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::shared::{Backoff, DiscoveryError, Ports, Sink, failed, host_port, spec_at};
 use crate::config::DnsDiscovery;
-use crate::endpoints::Discovered;
+use crate::fleet::endpoints::Discovered;
 use crate::metrics::RouterMetrics;
 
 /// A resolution that failed (as opposed to one that found no address).

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{EndpointSpec, KvEventsSpec, Role};
-use crate::endpoints::Discovered;
+use crate::fleet::endpoints::Discovered;
 use crate::metrics::{Kind, RouterMetrics};
 
 /// Where discovered lists go (the server applies them to the endpoint set).

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::config::{EndpointSpec, Role};
-use crate::load::EndpointLoad;
+use crate::fleet::load::EndpointLoad;
 
 /// The `vllm:` gauges the router scrapes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

@@ -3,7 +3,9 @@
 //! Block keys are computed once; the index lookup, the admission queue (when configured) and the
 //! profile's pipeline decide the endpoint and, if the profile has a P2P plugin, a peer to pull the
 //! prefix from (`remote_kv_source`, merged into the client's `kv_transfer_params`). Load is
-//! reserved with a [`crate::load::LoadGuard`] before forwarding and released by the response tap.
+//! reserved with a [`crate::fleet::load::LoadGuard`] before forwarding and released by the
+//! response tap. The features registered as hooks ([`crate::state::Hook`]) are called at fixed
+//! points: on arrival, after each placement, when an engine answers and when its answer ends.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,22 +16,21 @@ use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams};
 use kvmesh_index::EndpointId;
 use kvmesh_sched::hold_queue::Work;
-use kvmesh_sched::{Backlog, Candidate, Profile, SchedulingContext};
+use kvmesh_sched::{Backlog, Candidate, Decision, Profile, SchedulingContext};
 use serde_json::json;
 
-use crate::candidates::{by_id, eligible, gather};
-use crate::dispatch::{Admission, Ticket};
-use crate::endpoints::Endpoint;
 use crate::error::ApiError;
-use crate::forward::{
+use crate::fleet::endpoints::Endpoint;
+use crate::fleet::load::LoadGuard;
+use crate::http::request::{ApiKind, ParsedRequest};
+use crate::route::candidates::{by_id, eligible, gather};
+use crate::route::dispatch::{Admission, Ticket};
+use crate::route::forward::{
     DECISION_HEADER, Failed, Learn, Tap, engine_request, forwarded_headers, refused, request_id,
     send_to_engine, tap_body, wants_explanation,
 };
-use crate::prefetch;
-use crate::remote_source::{NamedSource, name_source};
-use crate::replicate;
-use crate::request::{ApiKind, ParsedRequest};
-use crate::state::{Placement, RouterState, outcome};
+use crate::route::remote_source::{NamedSource, name_source};
+use crate::state::{Arrival, Placed, Placement, RequestHook, RouterState, outcome};
 
 /// Decode tokens assumed for load accounting when a request does not say (vLLM's completions default).
 const DEFAULT_DECODE_TOKENS: u64 = 16;
@@ -67,12 +68,16 @@ pub(crate) async fn route_aggregated(
     // A first try may name a pull source in the body; a retry starts from the client's params.
     let client_params = parsed.fields.get("kv_transfer_params").cloned();
     let keys = chain_keys(&parsed.tokens, s.config.block_size);
-    let session = prefetch::session_of(&s, &headers, &parsed);
-    if let Some(session) = &session {
-        prefetch::on_arrival(&s, session);
-    }
+    let arrival = Arrival {
+        headers: &headers,
+        request: &parsed,
+    };
+    let mut hooks: Vec<Box<dyn RequestHook>> = s
+        .hooks
+        .iter()
+        .filter_map(|h| h.on_arrival(&s, &arrival))
+        .collect();
     let req = Attempt {
-        session: session.as_deref(),
         s: &s,
         profile: &profile,
         kind,
@@ -81,7 +86,7 @@ pub(crate) async fn route_aggregated(
         keys: &keys,
         t0,
     };
-    match req.run(&mut parsed, None).await {
+    match req.run(&mut parsed, None, &mut hooks).await {
         Ok(resp) => resp,
         Err((failure, Some(failed))) if failure.retryable => {
             s.metrics.retries.inc();
@@ -90,7 +95,7 @@ pub(crate) async fn route_aggregated(
                 Some(p) => parsed.fields.insert("kv_transfer_params".to_owned(), p),
                 None => parsed.fields.remove("kv_transfer_params"),
             };
-            match req.run(&mut parsed, Some(failed.id)).await {
+            match req.run(&mut parsed, Some(failed.id), &mut hooks).await {
                 Ok(resp) => resp,
                 Err((second, Some(_))) => second.error.into_response(),
                 // No other endpoint to try: the first failure says what went wrong.
@@ -110,61 +115,111 @@ struct Attempt<'a> {
     request_id: &'a str,
     keys: &'a [ChainKey],
     t0: Instant,
-    /// The request's session id, when the router follows sessions (`prefetch:`).
-    session: Option<&'a str>,
+}
+
+/// Where an attempt placed the request, and what it reserved there.
+struct Reserved {
+    ep: Arc<Endpoint>,
+    /// The fleet the request was placed among (hooks see it).
+    fleet: Fleet,
+    source: Option<NamedSource>,
+    /// The request's load on `ep`, released by the response tap.
+    guard: LoadGuard,
+    /// Prompt tokens `ep` computes itself.
+    uncached: u64,
+    /// Transfers already on the pull's links when it was named.
+    pull_sharing: u64,
+    /// Nothing else was in flight on `ep`: its first byte is a clean rate sample.
+    idle_before: bool,
+    /// The `x-kvmesh-decision` summary, when the client asked for it.
+    summary: Option<String>,
 }
 
 impl Attempt<'_> {
     /// Places the request (never on `excluded`, the endpoint a first try failed on; a retry skips
-    /// the admission queue, it was admitted already) and forwards it.
+    /// the admission queue, it was admitted already), lets the hooks see the placement, and
+    /// forwards it.
     async fn run(
         &self,
         parsed: &mut ParsedRequest,
         excluded: Option<EndpointId>,
+        hooks: &mut Vec<Box<dyn RequestHook>>,
     ) -> Result<Response, Failed> {
-        let (s, kind, headers, t0) = (self.s, self.kind, self.headers, self.t0);
-        let (profile, request_id, keys) = (self.profile, self.request_id, self.keys);
-        let bs = s.config.block_size;
-        let admitted = admit(s, keys, parsed.tokens.len(), excluded).await;
-        let Some(Admitted {
-            fleet,
-            held,
-            held_cold,
-            share_tokens,
-            may_pull,
-            ticket: admission_ticket,
-        }) = admitted
-        else {
+        let reserved = self.place(parsed, excluded).await?;
+        let placed = Placed {
+            tokens: &parsed.tokens,
+            keys: self.keys,
+            candidates: &reserved.fleet.candidates,
+            eligible: &reserved.fleet.eligible,
+            endpoint: &reserved.ep,
+        };
+        for h in &self.s.hooks {
+            h.after_placement(self.s, &placed);
+        }
+        self.forward(parsed, reserved, hooks).await
+    }
+
+    /// Admits, schedules and reserves: the request's endpoint, its pull (named in the body) and
+    /// its load there, recorded in the metrics and `/debug/decisions`.
+    async fn place(
+        &self,
+        parsed: &mut ParsedRequest,
+        excluded: Option<EndpointId>,
+    ) -> Result<Reserved, Failed> {
+        let s = self.s;
+        let Some(admitted) = admit(s, self.keys, parsed.tokens.len(), excluded).await else {
             s.metrics.error("no_endpoint");
             return Err(refused(ApiError::service_unavailable(
                 "no healthy endpoint",
             )));
         };
         let ctx = SchedulingContext {
-            request_id,
+            request_id: self.request_id,
             prompt_tokens: parsed.tokens.len(),
-            total_blocks: keys.len(),
-            block_size: bs,
+            total_blocks: self.keys.len(),
+            block_size: s.config.block_size,
             max_tokens: parsed.max_tokens,
             backlog: Backlog {
-                cold_tokens: &held_cold,
-                share_tokens,
+                cold_tokens: &admitted.held_cold,
+                share_tokens: admitted.share_tokens,
             },
-            may_pull,
+            may_pull: admitted.may_pull,
         };
-        let mut decision = s.scheduler.schedule(profile, &ctx, &fleet.candidates);
-        let chosen = decision.chosen_candidate(&fleet.candidates).cloned();
+        let mut decision = s
+            .scheduler
+            .schedule(self.profile, &ctx, &admitted.fleet.candidates);
+        let chosen = decision
+            .chosen_candidate(&admitted.fleet.candidates)
+            .cloned();
         let ep = chosen
             .as_ref()
-            .and_then(|c| by_id(&fleet.eligible, c.endpoint).cloned());
+            .and_then(|c| by_id(&admitted.fleet.eligible, c.endpoint).cloned());
         let (Some(chosen), Some(ep)) = (chosen, ep) else {
             s.metrics.error("no_endpoint");
             return Err(refused(ApiError::service_unavailable("no endpoint chosen")));
         };
-        let source = name_source(decision.p2p.as_mut(), &fleet.eligible, request_id);
-        let source = source.filter(|src| attach_source(parsed, src));
-        let local_tokens = chosen.any_blocks as u64 * bs as u64;
-        let outcome = outcome(source.is_some(), local_tokens);
+        let source = name_source(
+            decision.p2p.as_mut(),
+            &admitted.fleet.eligible,
+            self.request_id,
+        )
+        .filter(|src| attach_source(parsed, src));
+        let reserved = self.reserve(parsed, &chosen, ep, source, admitted.fleet);
+        drop(admitted.ticket);
+        Ok(self.report(&ctx, decision, admitted.held, reserved))
+    }
+
+    /// Counts the request's load on `ep` (and its pull on both ends' links).
+    fn reserve(
+        &self,
+        parsed: &ParsedRequest,
+        chosen: &Candidate,
+        ep: Arc<Endpoint>,
+        source: Option<NamedSource>,
+        fleet: Fleet,
+    ) -> Reserved {
+        let s = self.s;
+        let local_tokens = chosen.any_blocks as u64 * s.config.block_size as u64;
         let pulled_tokens = source.as_ref().map_or(0, |p| p.delta_tokens);
         let uncached = (parsed.tokens.len() as u64)
             .saturating_sub(local_tokens)
@@ -172,107 +227,126 @@ impl Attempt<'_> {
         let decode = parsed.max_tokens.unwrap_or(DEFAULT_DECODE_TOKENS);
         let idle_before = ep.load.snapshot().requests == 0;
         let mut guard = ep.load.acquire(uncached, decode);
-        guard.hold_context(keys);
+        guard.hold_context(self.keys);
         let pull_sharing = source
             .as_ref()
             .map_or(0, |src| src.track(&mut guard, &s.cost_model, ep.id));
-        drop(admission_ticket);
-        let scheduling = t0.elapsed();
-        s.note_placement(&ep);
-        s.count_placement(
-            &profile.name,
-            &ep.name,
-            outcome,
-            decision.p2p.as_ref(),
-            scheduling,
-        );
-        let summary = wants_explanation(headers).then(|| {
+        Reserved {
+            ep,
+            fleet,
+            source,
+            guard,
+            uncached,
+            pull_sharing,
+            idle_before,
+            summary: None,
+        }
+    }
+
+    /// Records the placement: metrics, `/debug/decisions`, and the summary for
+    /// `x-kvmesh-decision` when the client asked for one.
+    fn report(
+        &self,
+        ctx: &SchedulingContext<'_>,
+        decision: Decision,
+        held: Duration,
+        mut r: Reserved,
+    ) -> Reserved {
+        let (s, profile) = (self.s, self.profile);
+        let local_tokens = r
+            .fleet
+            .candidates
+            .iter()
+            .find(|c| c.endpoint == r.ep.id)
+            .map_or(0, |c| c.any_blocks as u64 * s.config.block_size as u64);
+        let outcome = outcome(r.source.is_some(), local_tokens);
+        let scheduling = self.t0.elapsed();
+        s.note_placement(&r.ep);
+        let p2p = decision.p2p.as_ref();
+        s.count_placement(&profile.name, &r.ep.name, outcome, p2p, scheduling);
+        r.summary = wants_explanation(self.headers).then(|| {
             json!({
-                "request_id": request_id,
+                "request_id": self.request_id,
                 "profile": profile.name,
-                "endpoint": ep.name.as_ref(),
+                "endpoint": r.ep.name.as_ref(),
                 "outcome": outcome,
-                "p2p_source": source.as_ref().map(|p| p.endpoint.name.to_string()),
-                "p2p_why": decision.p2p.as_ref().map(|p| p.why.clone()),
+                "p2p_source": r.source.as_ref().map(|p| p.endpoint.name.to_string()),
+                "p2p_why": p2p.map(|p| p.why.clone()),
                 "scheduling_us": scheduling.as_micros() as u64,
             })
             .to_string()
         });
         let placement = Placement {
-            kind,
-            ctx: &ctx,
+            kind: self.kind,
+            ctx,
             outcome,
             scheduling: scheduling.saturating_sub(held),
             held,
         };
         s.record(placement, decision);
-        replicate::after_placement(s, &parsed.tokens, keys, &fleet.candidates, &fleet.eligible);
+        r
+    }
 
-        // Forward.
-        let payload = match parsed.body() {
-            Ok(p) => p,
-            Err(e) => {
-                s.metrics.error("internal");
-                return Err(refused(ApiError::bad_request(format!(
-                    "cannot re-encode body: {e}"
-                ))));
-            }
-        };
-        let source_hp = source.as_ref().map(NamedSource::host_port);
+    /// Sends the placed request to its engine and streams the answer back through the tap,
+    /// which releases the load, teaches the cost model, wakes the admission queue and, when the
+    /// body ends, hands `hooks` the finished turn.
+    async fn forward(
+        &self,
+        parsed: &ParsedRequest,
+        r: Reserved,
+        hooks: &mut Vec<Box<dyn RequestHook>>,
+    ) -> Result<Response, Failed> {
+        let s = self.s;
+        let payload = parsed.body().map_err(|e| {
+            s.metrics.error("internal");
+            refused(ApiError::bad_request(format!("cannot re-encode body: {e}")))
+        })?;
+        let source_hp = r.source.as_ref().map(NamedSource::host_port);
         let req = engine_request(
             s,
-            &ep,
-            kind,
-            request_id,
-            headers,
+            &r.ep,
+            self.kind,
+            self.request_id,
+            self.headers,
             payload,
             source_hp.as_deref(),
         );
         let dispatched = Instant::now();
-        let upstream = match send_to_engine(s, &ep, req).await {
-            Ok(r) => r,
-            Err(e) => return Err((e, Some(ep))),
+        let upstream = match send_to_engine(s, &r.ep, req).await {
+            Ok(u) => u,
+            Err(e) => return Err((e, Some(r.ep))),
         };
         let status = upstream.status();
         if status.is_server_error() || status.is_client_error() {
             s.metrics.error("upstream_status");
         }
-        // Settled once the engine answered: a first try refused by a dead owner is not the
-        // placement that decides whether the session's prefetch was used.
-        if let Some(session) = self.session {
-            prefetch::on_placed(s, session, &ep);
+        for h in hooks.iter_mut() {
+            h.on_answer(s, &r.ep, status);
         }
-        let mut resp_headers = forwarded_headers(&upstream, &ep);
-        if let Some(summary) = summary
-            && let Ok(v) = HeaderValue::from_str(&summary)
+        let mut resp_headers = forwarded_headers(&upstream, &r.ep);
+        if let Some(summary) = &r.summary
+            && let Ok(v) = HeaderValue::from_str(summary)
         {
             resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
         }
         // Learn rates only from clean samples: a prefill-bound first byte on an otherwise idle endpoint.
         let learn = (status.is_success()
-            && idle_before
+            && r.idle_before
             && (parsed.stream || parsed.max_tokens.is_some_and(|m| m <= 1)))
         .then(|| Learn {
             cost_model: Arc::clone(&s.cost_model),
-            endpoint: ep.id,
-            computed_tokens: uncached,
-            pulled: source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
-            pull_sharing,
+            endpoint: r.ep.id,
+            computed_tokens: r.uncached,
+            pulled: r.source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
+            pull_sharing: r.pull_sharing,
             dispatched,
         });
-        // The turn's blocks exist on `ep` once it answers: prepare the session's next turn.
-        let on_end = self.session.filter(|_| status.is_success()).map(|session| {
-            let (s, ep) = (Arc::clone(s), Arc::clone(&ep));
-            let (session, tokens) = (session.to_owned(), Arc::new(parsed.tokens.clone()));
-            Box::new(move || prefetch::on_turn_end(&s, session, ep, tokens))
-                as Box<dyn FnOnce() + Send>
-        });
         let tap = Tap {
-            guard,
+            guard: r.guard,
             learn,
             dispatch: s.dispatch.clone(),
             capture: None,
-            on_end,
+            on_end: std::mem::take(hooks),
         };
         let mut resp = Response::new(tap_body(upstream, tap));
         *resp.status_mut() = status;
@@ -325,7 +399,6 @@ async fn admit<'a>(
         .max()
         .unwrap_or(0);
     let work = prompt_tokens.saturating_sub(best_cached) as u64;
-    let work_ms = s.cost_model.predict_recompute_ms_configured(work);
     let limit = d.config().max_queued_prefill_tokens;
     // The same endpoints the request may be placed on (all healthy ones when none is `both`).
     let has_capacity = || {
@@ -335,7 +408,7 @@ async fn admit<'a>(
     };
     let waited = Instant::now();
     let work = Work {
-        ms: work_ms,
+        ms: s.cost_model.predict_recompute_ms_configured(work),
         tokens: work,
         cold: best_cached == 0,
     };
@@ -343,14 +416,11 @@ async fn admit<'a>(
     if how == Admission::Direct {
         return Some(direct(fleet, Some(ticket)));
     }
-    let held_cold = d.cold_tokens();
-    // Placed as the fleet is now, not as it was when the request arrived.
-    let held = waited.elapsed();
-    let fleet = Fleet::now(s, keys, excluded)?;
     Some(Admitted {
-        fleet,
-        held,
-        held_cold,
+        held_cold: d.cold_tokens(),
+        // Placed as the fleet is now, not as it was when the request arrived.
+        held: waited.elapsed(),
+        fleet: Fleet::now(s, keys, excluded)?,
         share_tokens: limit,
         // Every endpoint had a full prefill queue (see `DispatchConfig::pulls_when_held`).
         may_pull: how == Admission::Overflow || d.config().pulls_when_held,

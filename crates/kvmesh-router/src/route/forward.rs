@@ -8,7 +8,7 @@
 //! rates, wake the admission queue, and capture the engine's final `kv_transfer_params`.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
@@ -19,12 +19,12 @@ use kvmesh_index::EndpointId;
 use kvmesh_sched::cost_model::{CostModel, Observation};
 use serde_json::Value;
 
-use crate::dispatch::Dispatcher;
-use crate::endpoints::Endpoint;
 use crate::error::ApiError;
-use crate::load::LoadGuard;
-use crate::request::ApiKind;
-use crate::state::RouterState;
+use crate::fleet::endpoints::Endpoint;
+use crate::fleet::load::LoadGuard;
+use crate::http::request::ApiKind;
+use crate::route::dispatch::Dispatcher;
+use crate::state::{RequestHook, RouterState};
 
 /// llm-d's header naming the P2P source (stripped inbound; optionally set outbound).
 pub const SOURCE_HEADER: &str = "x-kv-cache-source-host-port";
@@ -77,6 +77,36 @@ pub(crate) fn engine_request(
         req = req.header(SOURCE_HEADER, hp);
     }
     req
+}
+
+/// Engine path of the prefetch API (`POST /kvmesh/prefetch`; `DELETE …/{id}` cancels one): how
+/// prefetch and hot-prefix replication ask an engine to pull blocks ahead of demand.
+pub(crate) const PREFETCH_PATH: &str = "/kvmesh/prefetch";
+
+/// Asks an engine to pull blocks ahead of demand (`POST /kvmesh/prefetch` with `body`) and waits
+/// for its report: the report (None when the engine refused or did not answer in `timeout`), the
+/// blocks that landed and the engine's block size (`default_block_size` when it did not say).
+pub(crate) async fn send_prefetch(
+    s: &RouterState,
+    url: String,
+    body: &Value,
+    timeout: Duration,
+    default_block_size: usize,
+) -> (Option<Value>, u64, u64) {
+    let reply = s.client.post(url).json(body).timeout(timeout).send().await;
+    let report: Option<Value> = match reply {
+        Ok(r) if r.status().is_success() => r.json().await.ok(),
+        _ => None,
+    };
+    let field = |k: &str| {
+        report
+            .as_ref()
+            .and_then(|r| r.get(k))
+            .and_then(Value::as_u64)
+    };
+    let blocks = field("blocks").unwrap_or(0);
+    let block_size = field("block_size").unwrap_or(default_block_size as u64);
+    (report, blocks, block_size)
 }
 
 /// Why an engine request produced no response.
@@ -213,24 +243,26 @@ pub(crate) struct Tap {
     pub dispatch: Option<Arc<Dispatcher>>,
     /// Capture the engine's final `kv_transfer_params`: `stream` says whether the body is SSE.
     pub capture: Option<(bool, ParamsSink)>,
-    /// Runs when the body ends, however it ends, if the engine sent at least one byte (its
-    /// prefill ran: the prompt's blocks exist there). Prefetch follows sessions with it.
-    pub on_end: Option<Box<dyn FnOnce() + Send>>,
+    /// The features following the request ([`RequestHook::on_end`]): told when the body ends,
+    /// however it ends, if the engine sent at least one byte (its prefill ran: the prompt's
+    /// blocks exist there).
+    pub on_end: Vec<Box<dyn RequestHook>>,
 }
 
-/// Runs its hook when dropped, if `armed` (see [`Tap::on_end`]). A drop, not code after the
-/// stream's loop: hyper drops a body with a `Content-Length` once that many bytes are out.
+/// Tells its hooks the body ended when dropped, if `armed` (see [`Tap::on_end`]). A drop, not
+/// code after the stream's loop: hyper drops a body with a `Content-Length` once that many bytes
+/// are out.
 struct EndHook {
-    hook: Option<Box<dyn FnOnce() + Send>>,
+    hooks: Vec<Box<dyn RequestHook>>,
     armed: bool,
 }
 
 impl Drop for EndHook {
     fn drop(&mut self) {
-        if self.armed
-            && let Some(f) = self.hook.take()
-        {
-            f();
+        if self.armed {
+            for h in std::mem::take(&mut self.hooks) {
+                h.on_end();
+            }
         }
     }
 }
@@ -264,7 +296,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         on_end,
     } = tap;
     let mut end_hook = EndHook {
-        hook: on_end,
+        hooks: on_end,
         armed: false,
     };
     // Held requests re-check when this one's prefill is over and when it ends (however it ends).

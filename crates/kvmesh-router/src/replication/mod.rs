@@ -1,4 +1,4 @@
-//! Hot-prefix replication, the I/O half (the pure half is [`crate::hot_prefixes`]).
+//! Hot-prefix replication, the I/O half (the pure half is [`crate::replication::hot_prefixes`]).
 //!
 //! Every aggregated request's placement feeds the hot-prefix table with the longest prefix any
 //! endpoint holds. When that prefix turns hot while all its holders are busy, the least loaded
@@ -11,6 +11,9 @@
 //! `/debug/decisions` (profile `replication`), so an operator can see why a prefix did or did not
 //! get a second home without reading logs.
 
+pub mod config;
+pub mod hot_prefixes;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,29 +22,49 @@ use kvmesh_core::{ChainKey, RemoteKvSource, TokenId};
 use kvmesh_sched::decisions::DecisionRecord;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
 use kvmesh_sched::{Candidate, Decision};
+use prometheus_client::registry::Registry;
 use serde_json::json;
 
-use crate::candidates::by_id;
-use crate::endpoints::Endpoint;
-use crate::hot_prefixes::{Skip, pick_copy};
-use crate::prefetch::{PREFETCH_PATH, send_prefetch};
-use crate::state::{RouterState, unix_now};
+use crate::fleet::endpoints::Endpoint;
+use crate::replication::config::ReplicationConfig;
+use crate::replication::hot_prefixes::{Replication, Skip, pick_copy};
+use crate::route::candidates::by_id;
+use crate::route::forward::{PREFETCH_PATH, send_prefetch};
+use crate::state::{Hook, Placed, RouterState, unix_now};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The replication feature: the hot-prefix table, hooked into the aggregated route.
+pub struct Replicate {
+    table: Arc<Replication>,
+}
+
+impl Replicate {
+    pub fn new(config: ReplicationConfig, registry: &mut Registry) -> Self {
+        Replicate {
+            table: Arc::new(Replication::new(config, registry)),
+        }
+    }
+}
+
+impl Hook for Replicate {
+    fn after_placement(&self, s: &Arc<RouterState>, p: &Placed<'_>) {
+        let r = Arc::clone(&self.table);
+        after_placement(s, r, p.tokens, p.keys, p.candidates, p.eligible);
+    }
+}
 
 /// A request for `tokens` (chain keys `keys`) was placed among `candidates` (the router's view
 /// of `eligible` just before): count its prefix and, when the prefix is hot and its holders
 /// busy, start a copy. Never delays or fails the request.
-pub(crate) fn after_placement(
+fn after_placement(
     s: &Arc<RouterState>,
+    r: Arc<Replication>,
     tokens: &[TokenId],
     keys: &[ChainKey],
     candidates: &[Candidate],
     eligible: &[Arc<Endpoint>],
 ) {
-    let Some(r) = s.replication.clone() else {
-        return;
-    };
     let bs = s.config.block_size;
     let prefix_blocks = candidates
         .iter()

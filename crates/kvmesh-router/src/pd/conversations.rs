@@ -14,7 +14,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::config::{ConfigError, PdConfig};
+use crate::config::error::ConfigError;
+use crate::pd::config::PdConfig;
 
 /// Result of a conversation-cache lookup.
 #[derive(Debug, Clone, PartialEq)]

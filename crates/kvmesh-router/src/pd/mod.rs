@@ -21,6 +21,9 @@
 //!    its final `kv_transfer_params` (last chunk / non-stream body) is cached for the
 //!    conversation. A failed prefill leg falls back to decode-only (the decoder computes).
 
+pub mod config;
+pub mod conversations;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,18 +36,19 @@ use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
 use kvmesh_sched::{Candidate, Decision, SchedulingContext};
 use serde_json::Value;
 
-use crate::candidates::{by_id, candidates_of, with_role};
-use crate::config::{Decider, Role};
-use crate::conversations::PdRouter;
-use crate::endpoints::Endpoint;
+use crate::config::Role;
 use crate::error::ApiError;
-use crate::forward::{
+use crate::fleet::endpoints::Endpoint;
+use crate::fleet::prefix::match_of;
+use crate::http::request::{ApiKind, ParsedRequest};
+use crate::pd::config::Decider;
+use crate::pd::conversations::PdRouter;
+use crate::route::candidates::{by_id, candidates_of, with_role};
+use crate::route::forward::{
     DECISION_HEADER, Failed, ParamsSink, Tap, engine_request, error_chain, forwarded_headers,
     refused, request_id, send_to_engine, tap_body, wants_explanation,
 };
-use crate::prefix::match_of;
-use crate::remote_source::{NamedSource, name_source};
-use crate::request::{ApiKind, ParsedRequest};
+use crate::route::remote_source::{NamedSource, name_source};
 use crate::state::{Placement, RouterState, outcome};
 
 /// Response header naming the endpoint that ran the prefill leg.
@@ -456,7 +460,7 @@ impl Legs<'_> {
             learn: None,
             dispatch: None,
             capture,
-            on_end: None,
+            on_end: Vec::new(),
         };
         let mut resp = Response::new(tap_body(upstream, tap));
         *resp.status_mut() = status;
@@ -594,7 +598,8 @@ mod tests {
                    "max_completion_tokens": 50, "stream_options": {"include_usage": true}})
             .to_string(),
         );
-        let parsed = crate::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
+        let parsed =
+            crate::http::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
         let hist = KvTransferParams {
             do_remote_decode: Some(true),
             remote_host: Some(json!("10.0.0.9")),
@@ -627,7 +632,8 @@ mod tests {
     fn conversation_id_is_removed_before_forwarding() {
         let raw =
             Bytes::from(json!({"model": "m", "prompt": "x", "conversation_id": "c-1"}).to_string());
-        let mut parsed = crate::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
+        let mut parsed =
+            crate::http::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
         let key = conversation_key(&mut parsed, &HeaderMap::new());
         assert_eq!(key.as_deref(), Some("c-1"));
         let v: Value = serde_json::from_slice(&parsed.body().unwrap()).unwrap();

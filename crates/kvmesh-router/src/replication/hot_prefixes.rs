@@ -1,4 +1,4 @@
-//! Hot-prefix replication, the pure half (the I/O half is [`crate::replicate`]): which shared
+//! Hot-prefix replication, the pure half (the I/O half is [`crate::replication`]): which shared
 //! prefixes are hot, where a second copy of one should go, and the router's replication state
 //! (the table, copies in flight per target, outcome counters).
 //!
@@ -21,7 +21,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
-use crate::config::ReplicationConfig;
+use crate::replication::config::ReplicationConfig;
 
 /// Recent arrivals per prefix (keyed by the chain key of its last block).
 #[derive(Debug)]

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::shared::{DiscoveryError, Ports, Sink, failed, skipped, spec_at};
 use crate::config::{KubernetesDiscovery, Role};
-use crate::endpoints::Discovered;
+use crate::fleet::endpoints::Discovered;
 use crate::metrics::{Kind, RouterMetrics};
 
 /// Annotation (or label) naming a pod's role: `prefill`, `decode` or `both`.

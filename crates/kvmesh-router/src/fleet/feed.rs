@@ -1,4 +1,4 @@
-//! Connects the router's endpoint list to the KV-event indexer ([`crate::indexer::Indexer`]).
+//! Connects the router's endpoint list to the KV-event indexer ([`crate::fleet::indexer::Indexer`]).
 
 use std::sync::Arc;
 
@@ -7,7 +7,7 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KvEventsSpec;
-use crate::indexer::{EventSource, Indexer, IndexerConfig};
+use crate::fleet::indexer::{EventSource, Indexer, IndexerConfig};
 
 /// Subscribes the prefix index to endpoints' KV events (the indexer implements it).
 pub trait EventFeed: Send + Sync {

@@ -19,7 +19,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::config::PrefetchConfig;
+use crate::prefetch::config::PrefetchConfig;
 
 /// Where a prefetch is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! Prefetch ahead of arrival, the I/O half (the pure half is [`crate::sessions`]).
+//! Prefetch ahead of arrival, the I/O half (the pure half is [`crate::prefetch::sessions`]).
 //!
 //! When a turn of a session ends on its owner, the router expects the next turn after the
 //! client's gap (a tool call, a user reading) and prepares a second place for it: the profile
@@ -24,43 +24,100 @@
 //! history has little time to be evicted again. Restores wait for such an estimate; sessions
 //! without one get pull prefetches `delay_ms` after the turn.
 
+pub mod config;
+pub mod sessions;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, RemoteKvSource, TokenId};
 use kvmesh_sched::decisions::DecisionRecord;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
 use kvmesh_sched::{Decision, SchedulingContext};
+use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
-use crate::candidates::{by_id, gather};
-use crate::config::SessionIdSource;
-use crate::endpoints::Endpoint;
-use crate::prefix::match_of;
-use crate::request::ParsedRequest;
-use crate::sessions::{Sessions, Ticket, TicketState, Verdict, decision_wait, verdict};
-use crate::state::{RouterState, unix_now};
+use crate::fleet::endpoints::Endpoint;
+use crate::fleet::prefix::match_of;
+use crate::http::request::ParsedRequest;
+use crate::prefetch::config::{PrefetchConfig, SessionIdSource};
+use crate::prefetch::sessions::{Sessions, Ticket, TicketState, Verdict, decision_wait, verdict};
+use crate::route::candidates::{by_id, gather};
+use crate::route::forward::{PREFETCH_PATH, send_prefetch};
+use crate::state::{Arrival, Hook, RequestHook, RouterState, unix_now};
 
 /// Longest session id accepted (longer ones are ignored: the request is routed as sessionless).
 const MAX_SESSION_ID_BYTES: usize = 256;
 
-/// Engine path of prefetches.
-pub const PREFETCH_PATH: &str = "/kvmesh/prefetch";
-
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-/// The request's session id, from where `prefetch.session_id` says (None when prefetch is off
-/// or the request carries none).
-pub(crate) fn session_of(
-    s: &RouterState,
+/// The prefetch feature: the sessions it follows, hooked into the aggregated route.
+pub struct Prefetch {
+    sessions: Arc<Sessions>,
+}
+
+impl Prefetch {
+    pub fn new(config: PrefetchConfig, registry: &mut Registry) -> Self {
+        Prefetch {
+            sessions: Arc::new(Sessions::new(config, registry)),
+        }
+    }
+}
+
+impl Hook for Prefetch {
+    /// A turn of a session arrived: a prefetch decision still waiting for its delay will see it
+    /// (there was no gap to use), and the turn is followed to its end.
+    fn on_arrival(&self, _s: &Arc<RouterState>, a: &Arrival<'_>) -> Option<Box<dyn RequestHook>> {
+        let session = session_of(&self.sessions.config.session_id, a.headers, a.request)?;
+        self.sessions
+            .table
+            .lock()
+            .turn_arrived(&session, Instant::now());
+        Some(Box::new(Turn {
+            sessions: Arc::clone(&self.sessions),
+            session,
+            tokens: Arc::new(a.request.tokens.clone()),
+            answered: None,
+        }))
+    }
+}
+
+/// One turn of a session on its way through the router.
+struct Turn {
+    sessions: Arc<Sessions>,
+    session: String,
+    tokens: Arc<Vec<TokenId>>,
+    /// The engine that answered it successfully (the turn's blocks exist there once it sent a
+    /// byte).
+    answered: Option<(Arc<RouterState>, Arc<Endpoint>)>,
+}
+
+impl RequestHook for Turn {
+    /// Settled once the engine answered: a first try refused by a dead owner is not the
+    /// placement that decides whether the session's prefetch was used.
+    fn on_answer(&mut self, s: &Arc<RouterState>, ep: &Arc<Endpoint>, status: StatusCode) {
+        settle(s, &self.sessions, &self.session, ep);
+        self.answered = status.is_success().then(|| (Arc::clone(s), Arc::clone(ep)));
+    }
+
+    /// The turn's blocks exist on the engine that answered: prepare the session's next turn.
+    fn on_end(self: Box<Self>) {
+        if let Some((s, owner)) = self.answered {
+            on_turn_end(&s, self.sessions, self.session, owner, self.tokens);
+        }
+    }
+}
+
+/// The request's session id, from where `prefetch.session_id` says (None when it carries none).
+fn session_of(
+    from: &SessionIdSource,
     headers: &HeaderMap,
     parsed: &ParsedRequest,
 ) -> Option<String> {
-    let sessions = s.sessions.as_ref()?;
-    let id = match &sessions.config.session_id {
+    let id = match from {
         SessionIdSource::Header(name) => headers
             .get(name.as_str())
             .and_then(|v| v.to_str().ok())
@@ -82,19 +139,8 @@ fn id_text(v: Value) -> Option<String> {
     }
 }
 
-/// The session's next turn reached the router: a prefetch decision still waiting for its delay
-/// will see it (there was no gap to use).
-pub(crate) fn on_arrival(s: &RouterState, session: &str) {
-    if let Some(sessions) = &s.sessions {
-        sessions.table.lock().turn_arrived(session, Instant::now());
-    }
-}
-
 /// The session's next turn was placed on `placed`: settles the prefetch prepared for it.
-pub(crate) fn on_placed(s: &Arc<RouterState>, session: &str, placed: &Endpoint) {
-    let Some(sessions) = s.sessions.as_ref() else {
-        return;
-    };
+fn settle(s: &RouterState, sessions: &Arc<Sessions>, session: &str, placed: &Endpoint) {
     let ticket = sessions.table.lock().take_ticket(session, Instant::now());
     let Some(ticket) = ticket else {
         return;
@@ -127,7 +173,7 @@ pub(crate) fn on_placed(s: &Arc<RouterState>, session: &str, placed: &Endpoint) 
             sessions.count("wasted");
             sessions.count_bytes("wasted", ticket.landed_bytes);
             if cancel {
-                cancel_on_target(s, &ticket);
+                cancel_on_target(s, sessions, &ticket);
             }
         }
         Verdict::AlreadyFailed => {}
@@ -136,49 +182,21 @@ pub(crate) fn on_placed(s: &Arc<RouterState>, session: &str, placed: &Endpoint) 
         placed = %placed.name, "prefetch settled by the next turn");
 }
 
-/// Asks an engine to pull blocks ahead of demand (`POST /kvmesh/prefetch` with `body`) and waits
-/// for its report: the report (None when the engine refused or did not answer in `timeout`), the
-/// blocks that landed and the engine's block size (`default_block_size` when it did not say).
-pub(crate) async fn send_prefetch(
-    s: &RouterState,
-    url: String,
-    body: &Value,
-    timeout: Duration,
-    default_block_size: usize,
-) -> (Option<Value>, u64, u64) {
-    let reply = s.client.post(url).json(body).timeout(timeout).send().await;
-    let report: Option<Value> = match reply {
-        Ok(r) if r.status().is_success() => r.json().await.ok(),
-        _ => None,
-    };
-    let field = |k: &str| {
-        report
-            .as_ref()
-            .and_then(|r| r.get(k))
-            .and_then(Value::as_u64)
-    };
-    let blocks = field("blocks").unwrap_or(0);
-    let block_size = field("block_size").unwrap_or(default_block_size as u64);
-    (report, blocks, block_size)
-}
-
 /// Asks the target to stop a prefetch nobody will use (best effort, in the background).
-fn cancel_on_target(s: &Arc<RouterState>, ticket: &Ticket) {
+fn cancel_on_target(s: &RouterState, sessions: &Arc<Sessions>, ticket: &Ticket) {
     let Some(target) = s.endpoints.get(ticket.target) else {
         return;
     };
     let url = target.url(&format!("{PREFETCH_PATH}/{}", ticket.id));
     let client = s.client.clone();
-    let sessions = s.sessions.clone();
+    let sessions = Arc::clone(sessions);
     tokio::spawn(async move {
         let r = client
             .delete(url)
             .timeout(Duration::from_secs(5))
             .send()
             .await;
-        if r.is_ok_and(|r| r.status().is_success())
-            && let Some(sessions) = sessions
-        {
+        if r.is_ok_and(|r| r.status().is_success()) {
             sessions.count("cancelled");
         }
     });
@@ -186,15 +204,13 @@ fn cancel_on_target(s: &Arc<RouterState>, ticket: &Ticket) {
 
 /// A turn of `session` ended on `owner` (its prompt is `tokens`): remember it and, after
 /// `prefetch.delay_ms`, decide whether to prepare the next turn elsewhere. Never fails a request.
-pub(crate) fn on_turn_end(
+fn on_turn_end(
     s: &Arc<RouterState>,
+    sessions: Arc<Sessions>,
     session: String,
     owner: Arc<Endpoint>,
     tokens: Arc<Vec<TokenId>>,
 ) {
-    let Some(sessions) = s.sessions.clone() else {
-        return;
-    };
     let (dropped, generation) = {
         let mut table = sessions.table.lock();
         let dropped = table.turn_finished(&session, owner.id, Arc::clone(&tokens), Instant::now());
@@ -228,7 +244,7 @@ pub(crate) fn on_turn_end(
             return;
         }
         let keys = chain_keys(&tokens, s.config.block_size);
-        let mut next = prepare_next_turn(&s, &session, &owner, &tokens, &keys);
+        let mut next = prepare_next_turn(&s, &sessions, &session, &owner, &tokens, &keys);
         // Back on the owner with the history in its GPU tier: watch the index for the history
         // leaving it, until the next turn comes or the session is forgotten.
         let (recheck, ttl) = (
@@ -430,14 +446,12 @@ fn restore_on_owner(
 /// endpoint → it pulls the missing history from the owner now, within the budget.
 fn prepare_next_turn(
     s: &Arc<RouterState>,
+    sessions: &Arc<Sessions>,
     session: &str,
     owner: &Arc<Endpoint>,
     tokens: &Arc<Vec<TokenId>>,
     keys: &[ChainKey],
 ) -> Next {
-    let Some(sessions) = s.sessions.clone() else {
-        return Next::Done;
-    };
     let Some((host, port)) = owner.spec.p2p_host_port() else {
         sessions.count("skipped_no_target");
         return Next::Done;
@@ -533,7 +547,11 @@ fn prepare_next_turn(
             remote_port: port,
         },
     });
-    let (s, url) = (Arc::clone(s), target.url(PREFETCH_PATH));
+    let (s, sessions, url) = (
+        Arc::clone(s),
+        Arc::clone(sessions),
+        target.url(PREFETCH_PATH),
+    );
     let session = session.to_owned();
     tokio::spawn(async move {
         let timeout = Duration::from_secs_f64(sessions.config.timeout_s);

@@ -17,10 +17,10 @@ use kvmesh_sched::decisions::DecisionRecord;
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
-use crate::pd_route::route_pd;
-use crate::prefix::match_of;
-use crate::request::{self, ApiKind};
-use crate::route::route_aggregated;
+use crate::fleet::prefix::match_of;
+use crate::http::request::{self, ApiKind};
+use crate::pd::route_pd;
+use crate::route::aggregated::route_aggregated;
 use crate::state::{InFlight, RouterState, enter};
 
 /// Request header selecting a scheduling profile by name.

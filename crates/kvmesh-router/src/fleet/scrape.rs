@@ -14,9 +14,9 @@ use tokio_util::sync::CancellationToken;
 use kvmesh_sched::cost_model::{CostModel, uncontended_time};
 
 use crate::config::HealthCheckConfig;
-use crate::endpoints::{EndpointSet, EngineMetrics};
+use crate::fleet::endpoints::{EndpointSet, EngineMetrics};
+use crate::fleet::prefix::PrefixLookup;
 use crate::metrics::{Kind, RouterMetrics};
-use crate::prefix::PrefixLookup;
 
 /// Reads `vllm:num_requests_waiting`, `vllm:num_requests_running` (summed over series, e.g.
 /// data-parallel ranks), `vllm:kv_cache_usage_perc` (mean) and the GPU tier's size from

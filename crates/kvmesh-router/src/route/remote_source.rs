@@ -14,9 +14,9 @@ use kvmesh_sched::cost_model::CostModel;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
 use kvmesh_sched::predict::contended_pull_ms;
 
-use crate::candidates::by_id;
-use crate::endpoints::Endpoint;
-use crate::load::LoadGuard;
+use crate::fleet::endpoints::Endpoint;
+use crate::fleet::load::LoadGuard;
+use crate::route::candidates::by_id;
 
 /// A pull the router names: the source endpoint and what the computing engine receives.
 #[derive(Clone)]

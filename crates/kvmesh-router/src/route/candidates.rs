@@ -9,8 +9,8 @@ use kvmesh_index::{EndpointId, EndpointMatch};
 use kvmesh_sched::Candidate;
 
 use crate::config::Role;
-use crate::endpoints::Endpoint;
-use crate::prefix::match_of;
+use crate::fleet::endpoints::Endpoint;
+use crate::fleet::prefix::match_of;
 use crate::state::RouterState;
 
 /// Endpoints that may serve an aggregated request: healthy `both` endpoints, or every healthy
