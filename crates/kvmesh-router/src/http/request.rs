@@ -139,20 +139,6 @@ pub fn parse(
     tokenizer: &dyn Tokenizer,
 ) -> Result<ParsedRequest, ApiError> {
     let fields = read_fields(&bytes)?;
-    // A scalar field as a JSON value; `None` when absent or null (pydantic's `X | None`). A list
-    // or an object is refused unparsed: as a `Value` tree a 64 MiB list would take ~30x that.
-    let scalar = |key: &'static str| -> Result<Option<Value>, ApiError> {
-        match fields.get(key) {
-            None => Ok(None),
-            Some(r) if r.get().starts_with(['[', '{']) => Err(ApiError::bad_param(
-                key,
-                format!("{key}: Input should be a single value, got a list or an object"),
-            )),
-            Some(r) => serde_json::from_str::<Value>(r.get())
-                .map(|v| Some(v).filter(|v| !v.is_null()))
-                .map_err(|e| ApiError::bad_param(key, format!("{key}: {e}"))),
-        }
-    };
     if let Some(m) = fields.get("model")
         && !(m.get().starts_with('"') || m.get() == "null")
     {
@@ -161,13 +147,56 @@ pub fn parse(
             "model: Input should be a valid string",
         ));
     }
-    let stream = match scalar("stream")? {
+    let stream = match scalar(&fields, "stream")? {
         None => false,
         Some(v) => lax::boolean(&v).ok_or_else(|| invalid("stream", "a valid boolean", &v))?,
     };
+    let max_tokens = max_tokens(&fields)?;
+    let tokens = match kind {
+        ApiKind::Completions => {
+            let prompt = fields
+                .get("prompt")
+                .ok_or_else(|| ApiError::bad_param("prompt", "'prompt' is required"))?;
+            raw_prompt_tokens(prompt, tokenizer)?
+        }
+        ApiKind::Chat => chat_tokens(&fields, tokenizer)?,
+    };
+    Ok(ParsedRequest {
+        raw: bytes,
+        fields,
+        modified: false,
+        tokens,
+        stream,
+        max_tokens,
+    })
+}
+
+/// A request's top-level fields, each a raw JSON value.
+type FieldMap = BTreeMap<String, Box<RawValue>>;
+
+/// A scalar field as a JSON value; `None` when absent or null (pydantic's `X | None`). A list or
+/// an object is refused unparsed: as a `Value` tree a 64 MiB list would take ~30x that.
+fn scalar(fields: &FieldMap, key: &'static str) -> Result<Option<Value>, ApiError> {
+    match fields.get(key) {
+        None => Ok(None),
+        Some(r) if r.get().starts_with(['[', '{']) => Err(ApiError::bad_param(
+            key,
+            format!("{key}: Input should be a single value, got a list or an object"),
+        )),
+        Some(r) => serde_json::from_str::<Value>(r.get())
+            .map(|v| Some(v).filter(|v| !v.is_null()))
+            .map_err(|e| ApiError::bad_param(key, format!("{key}: {e}"))),
+    }
+}
+
+/// The decode length the request asks for: the smaller of `max_tokens` and
+/// `max_completion_tokens` when both are given.
+fn max_tokens(fields: &FieldMap) -> Result<Option<u64>, ApiError> {
     let mut max_tokens = None;
     for key in ["max_tokens", "max_completion_tokens"] {
-        let Some(v) = scalar(key)? else { continue };
+        let Some(v) = scalar(fields, key)? else {
+            continue;
+        };
         let n = lax::int(&v).ok_or_else(|| invalid(key, "a valid integer", &v))?;
         if n < 0 {
             // What the engine (and vLLM's sampling parameters) answer for it.
@@ -179,36 +208,23 @@ pub fn parse(
         let n = u64::try_from(n).unwrap_or(u64::MAX);
         max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n)));
     }
-    let tokens = match kind {
-        ApiKind::Completions => {
-            let prompt = fields
-                .get("prompt")
-                .ok_or_else(|| ApiError::bad_param("prompt", "'prompt' is required"))?;
-            raw_prompt_tokens(prompt, tokenizer)?
-        }
-        ApiKind::Chat => {
-            // Read with the shared bounds (kvmesh_core::chat): never a JSON tree of the list.
-            let messages = match fields.get("messages") {
-                Some(r) if r.get() != "null" => raw_messages(r)?,
-                _ => return Err(ApiError::bad_param("messages", "'messages' is required")),
-            };
-            let add_generation_prompt = match scalar("add_generation_prompt")? {
-                None => true,
-                Some(v) => lax::boolean(&v)
-                    .ok_or_else(|| invalid("add_generation_prompt", "a valid boolean", &v))?,
-            };
-            chat_messages_tokens(messages, add_generation_prompt, tokenizer)
-                .map_err(|e| e.with_param("messages"))?
-        }
+    Ok(max_tokens)
+}
+
+/// A chat request's prompt tokens: its `messages` through the chat template.
+fn chat_tokens(fields: &FieldMap, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
+    // Read with the shared bounds (kvmesh_core::chat): never a JSON tree of the list.
+    let messages = match fields.get("messages") {
+        Some(r) if r.get() != "null" => raw_messages(r)?,
+        _ => return Err(ApiError::bad_param("messages", "'messages' is required")),
     };
-    Ok(ParsedRequest {
-        raw: bytes,
-        fields,
-        modified: false,
-        tokens,
-        stream,
-        max_tokens,
-    })
+    let add_generation_prompt = match scalar(fields, "add_generation_prompt")? {
+        None => true,
+        Some(v) => lax::boolean(&v)
+            .ok_or_else(|| invalid("add_generation_prompt", "a valid boolean", &v))?,
+    };
+    chat_messages_tokens(messages, add_generation_prompt, tokenizer)
+        .map_err(|e| e.with_param("messages"))
 }
 
 /// pydantic's wording for a value of the wrong type, naming the field.

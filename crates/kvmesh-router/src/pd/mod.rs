@@ -27,13 +27,13 @@ pub mod conversations;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams, RemoteKvSource};
 use kvmesh_index::EndpointMatch;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
-use kvmesh_sched::{Candidate, Decision, SchedulingContext};
+use kvmesh_sched::{Candidate, Decision, Profile, SchedulingContext};
 use serde_json::Value;
 
 use crate::config::Role;
@@ -190,9 +190,52 @@ impl Legs<'_> {
         history: Option<KvTransferParams>,
         decoders: &[Arc<Endpoint>],
     ) -> Prefilled {
-        let s = self.s;
-        // A hand-off only works between endpoints whose KV blocks are interchangeable: a
-        // prefiller with no decoder of its KV group would compute blocks no decoder can read.
+        let Some((profile, pcands, uncached)) = self.disaggregate(parsed, decoders) else {
+            return Prefilled::default();
+        };
+        let t0 = Instant::now();
+        let mut decision = self.s.scheduler.schedule(&profile, self.ctx, &pcands);
+        let chosen = decision.chosen_candidate(&pcands).cloned();
+        let Some(chosen) = chosen else {
+            self.record(t0, "pd_prefill", decision);
+            return Prefilled::default();
+        };
+        let (history, source) =
+            self.prefill_reads(&profile, &chosen, &pcands, history, &mut decision);
+        let reads = history.is_some() || source.is_some();
+        let mut out = Prefilled {
+            explain: Some(self.placed_leg(&profile.name, &chosen, reads, &decision, t0)),
+            ..Prefilled::default()
+        };
+        self.record(t0, "pd_prefill", decision);
+        let Some(pep) = by_id(self.list, chosen.endpoint).cloned() else {
+            return out;
+        };
+        self.s.note_placement(&pep);
+        let body = prefill_leg_body(
+            parsed,
+            history.as_ref(),
+            source.as_ref().map(|n| n.params.clone()),
+        );
+        match body {
+            Ok(body) => {
+                self.send_prefill(&pep, body, source, uncached, &mut out)
+                    .await
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot encode prefill leg"),
+        }
+        out
+    }
+
+    /// Whether this request is disaggregated: the prefill profile and its candidates, and the
+    /// prompt tokens left to compute where the most is cached. Only prefillers with a decoder of
+    /// their KV group count: a hand-off only works between endpoints whose KV blocks are
+    /// interchangeable.
+    fn disaggregate(
+        &self,
+        parsed: &ParsedRequest,
+        decoders: &[Arc<Endpoint>],
+    ) -> Option<(Arc<Profile>, Vec<Candidate>, u64)> {
         let mut prefillers = with_role(self.list, Role::Prefill);
         prefillers.retain(|p| decoders.iter().any(|d| d.kv_group() == p.kv_group()));
         let pcands = candidates_of(&prefillers, self.matches, self.keys, self.ctx.block_size);
@@ -206,18 +249,29 @@ impl Legs<'_> {
                 } => uncached >= *min_uncached_tokens,
                 Decider::Named(_) => true,
             };
-        let profile = match s.scheduler.profile(Some(&self.pd.config.prefill_profile)) {
-            Some(p) if disaggregate => p,
-            _ => return Prefilled::default(),
-        };
-        let t0 = Instant::now();
-        let mut decision = s.scheduler.schedule(&profile, self.ctx, &pcands);
-        let chosen = decision.chosen_candidate(&pcands).cloned();
-        // The conversation's decoder is read only by a prefiller of its KV group; another
-        // prefiller recomputes the history rather than be told to pull blocks it would refuse.
+        let profile = self
+            .s
+            .scheduler
+            .profile(Some(&self.pd.config.prefill_profile))
+            .filter(|_| disaggregate)?;
+        Some((profile, pcands, uncached))
+    }
+
+    /// What the prefiller `chosen` is told to read, recorded as the decision's P2P part: the
+    /// conversation history from its decoder (only from a decoder of its KV group: another
+    /// prefiller recomputes the history rather than be told to pull blocks it would refuse),
+    /// else the profile's pick of a P2P source over every endpoint holding the prefix in its CPU
+    /// tier (decoders publish theirs).
+    fn prefill_reads(
+        &self,
+        profile: &Profile,
+        chosen: &Candidate,
+        pcands: &[Candidate],
+        history: Option<KvTransferParams>,
+        decision: &mut Decision,
+    ) -> (Option<KvTransferParams>, Option<NamedSource>) {
         let history = history.filter(|h| {
-            let Some(c) = &chosen else { return true };
-            let prefiller_group = by_id(self.list, c.endpoint).map(|e| e.kv_group());
+            let prefiller_group = by_id(self.list, chosen.endpoint).map(|e| e.kv_group());
             let decoder_group = history_endpoint(h, self.list).map(|e| e.kv_group());
             match (prefiller_group, decoder_group) {
                 (Some(p), Some(d)) => p == d,
@@ -225,64 +279,46 @@ impl Legs<'_> {
                 _ => true,
             }
         });
-        // What the prefiller is told to read, recorded as the decision's P2P part: the
-        // conversation history from its decoder, else (the profile's pick over every endpoint
-        // holding the prefix in its CPU tier — decoders publish theirs) a P2P source.
-        let source = match (&chosen, &history) {
-            (Some(_), Some(h)) => {
-                decision.p2p = Some(history_read(h, self.list));
-                None
-            }
-            (Some(c), None) => {
-                let mut all = pcands.clone();
-                let others: Vec<Arc<Endpoint>> = self
-                    .list
-                    .iter()
-                    .filter(|e| e.is_healthy() && e.spec.role != Role::Prefill)
-                    .cloned()
-                    .collect();
-                all.extend(candidates_of(
-                    &others,
-                    self.matches,
-                    self.keys,
-                    self.ctx.block_size,
-                ));
-                decision.p2p = profile.select_source(self.ctx, &all, c.endpoint);
-                name_source(decision.p2p.as_mut(), self.list, self.ctx.request_id)
-            }
-            (None, _) => None,
-        };
-        let mut out = Prefilled::default();
-        let Some(chosen) = chosen else {
-            self.record(t0, "pd_prefill", decision);
-            return out;
-        };
-        let reads = history.is_some() || source.is_some();
-        out.explain = Some(self.placed_leg(&profile.name, &chosen, reads, &decision, t0));
-        self.record(t0, "pd_prefill", decision);
-        let Some(pep) = by_id(self.list, chosen.endpoint).cloned() else {
-            return out;
-        };
-        s.note_placement(&pep);
-        let source_hp = source.as_ref().map(NamedSource::host_port);
-        let body = match prefill_leg_body(
-            parsed,
-            history.as_ref(),
-            source.as_ref().map(|n| n.params.clone()),
-        ) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot encode prefill leg");
-                return out;
-            }
-        };
+        if let Some(h) = &history {
+            decision.p2p = Some(history_read(h, self.list));
+            return (history, None);
+        }
+        let others: Vec<Arc<Endpoint>> = self
+            .list
+            .iter()
+            .filter(|e| e.is_healthy() && e.spec.role != Role::Prefill)
+            .cloned()
+            .collect();
+        let mut all = pcands.to_vec();
+        all.extend(candidates_of(
+            &others,
+            self.matches,
+            self.keys,
+            self.ctx.block_size,
+        ));
+        decision.p2p = profile.select_source(self.ctx, &all, chosen.endpoint);
+        let source = name_source(decision.p2p.as_mut(), self.list, self.ctx.request_id);
+        (None, source)
+    }
+
+    /// Runs the prefill leg on `pep` with its load counted there; on success `out` carries the
+    /// hand-off for the decode leg.
+    async fn send_prefill(
+        &self,
+        pep: &Arc<Endpoint>,
+        body: ParsedRequest,
+        source: Option<NamedSource>,
+        uncached: u64,
+        out: &mut Prefilled,
+    ) {
         let mut guard = pep.load.acquire(uncached, 1);
         guard.hold_context(self.keys);
         if let Some(src) = &source {
             // The prefill leg teaches the cost model nothing, so its sharing is not needed.
-            let _ = src.track(&mut guard, &s.cost_model, pep.id);
+            let _ = src.track(&mut guard, &self.s.cost_model, pep.id);
         }
-        match self.run_prefill(&pep, body, source_hp.as_deref()).await {
+        let source_hp = source.as_ref().map(NamedSource::host_port);
+        match self.run_prefill(pep, body, source_hp.as_deref()).await {
             Ok(params) => {
                 self.pd.leg("prefill", "ok");
                 out.decode_params = Some(params);
@@ -295,7 +331,6 @@ impl Legs<'_> {
             }
         }
         drop(guard);
-        out
     }
 
     /// The decode leg (below), placed once more without its decoder when that one refused the
@@ -363,48 +398,17 @@ impl Legs<'_> {
         conv: Option<String>,
     ) -> Result<Response, Failed> {
         let s = self.s;
-        let dcands = candidates_of(decoders, self.matches, self.keys, self.ctx.block_size);
-        let dprofile = s
-            .scheduler
-            .profile(Some(&self.pd.config.decode_profile))
-            .or_else(|| s.scheduler.profile(None));
-        let Some(dprofile) = dprofile else {
-            return Err(refused(ApiError::service_unavailable("no decode profile")));
-        };
-        let t0 = Instant::now();
-        let decision = s.scheduler.schedule(&dprofile, self.ctx, &dcands);
-        let chosen = decision.chosen_candidate(&dcands).cloned();
         let reads = prefill.decode_params.is_some();
-        let leg = if reads { "decode" } else { "decode_only" };
-        let explain_decode = chosen
-            .as_ref()
-            .map(|c| self.placed_leg(&dprofile.name, c, reads, &decision, t0));
-        self.record(
-            t0,
-            if reads { "pd_decode" } else { "decode_only" },
-            decision,
-        );
-        let Some(dep) = chosen.and_then(|c| by_id(decoders, c.endpoint).cloned()) else {
-            s.metrics.error("no_endpoint");
-            return Err(refused(ApiError::service_unavailable(
-                "no decode endpoint chosen",
-            )));
-        };
-        s.note_placement(&dep);
+        let (dep, explain_decode) = self.place_decode(decoders, reads)?;
         if let Some(p) = &prefill.decode_params
             && let Err(e) = parsed.set_field("kv_transfer_params", p)
         {
             tracing::warn!(error = %e, "cannot encode decode-leg params");
         }
-        let payload = match parsed.body() {
-            Ok(p) => p,
-            Err(e) => {
-                s.metrics.error("internal");
-                return Err(refused(ApiError::bad_request(format!(
-                    "cannot re-encode body: {e}"
-                ))));
-            }
-        };
+        let payload = parsed.body().map_err(|e| {
+            s.metrics.error("internal");
+            refused(ApiError::bad_request(format!("cannot re-encode body: {e}")))
+        })?;
         let local = match_of(self.matches, dep.id).any_blocks as u64 * self.ctx.block_size as u64;
         let prompt = parsed.tokens.len() as u64;
         let read = if reads { prompt } else { local };
@@ -412,15 +416,9 @@ impl Legs<'_> {
             .load
             .acquire(prompt.saturating_sub(read), parsed.max_tokens.unwrap_or(16));
         guard.hold_context(self.keys);
-        let req = engine_request(
-            s,
-            &dep,
-            self.kind,
-            self.ctx.request_id,
-            self.headers,
-            payload,
-            None,
-        );
+        let id = self.ctx.request_id;
+        let req = engine_request(s, &dep, self.kind, id, self.headers, payload, None);
+        let leg = if reads { "decode" } else { "decode_only" };
         let upstream = match send_to_engine(s, &dep, req).await {
             Ok(r) => r,
             Err(e) => {
@@ -432,40 +430,86 @@ impl Legs<'_> {
         self.pd
             .leg(leg, if status.is_success() { "ok" } else { "error" });
         let mut resp_headers = forwarded_headers(&upstream, &dep);
-        if let Some(p) = &prefill.endpoint
-            && let Ok(v) = HeaderValue::from_str(p)
-        {
-            resp_headers.insert(HeaderName::from_static(PREFILL_ENDPOINT_HEADER), v);
-        }
-        if wants_explanation(self.headers) {
-            let summary = serde_json::json!({
-                "request_id": self.ctx.request_id,
-                "prefill": &prefill.explain,
-                "decode": explain_decode,
-            });
-            if let Ok(v) = HeaderValue::from_str(&summary.to_string()) {
-                resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
-            }
-        }
-        let capture = (self.pd.config.bidirectional && status.is_success())
-            .then_some(conv)
-            .flatten()
-            .map(|key| {
-                let pd = Arc::clone(self.pd);
-                let sink: ParamsSink = Box::new(move |p| pd.store(key.clone(), p));
-                (parsed.stream, sink)
-            });
+        self.decode_headers(&mut resp_headers, prefill, explain_decode);
         let tap = Tap {
             guard,
             learn: None,
             dispatch: None,
-            capture,
+            capture: self.capture(conv, parsed.stream, status),
             on_end: Vec::new(),
         };
         let mut resp = Response::new(tap_body(upstream, tap));
         *resp.status_mut() = status;
         *resp.headers_mut() = resp_headers;
         Ok(resp)
+    }
+
+    /// With bi-directional transfer, where the decoder's final `kv_transfer_params` go: the
+    /// conversation's entry in the cache (a failed decode leg stores nothing).
+    fn capture(
+        &self,
+        conv: Option<String>,
+        stream: bool,
+        status: StatusCode,
+    ) -> Option<(bool, ParamsSink)> {
+        let key = conv.filter(|_| self.pd.config.bidirectional && status.is_success())?;
+        let pd = Arc::clone(self.pd);
+        let sink: ParamsSink = Box::new(move |p| pd.store(key.clone(), p));
+        Some((stream, sink))
+    }
+
+    /// Schedules the decode leg among `decoders` and records it (`reads`: it reads the prefill
+    /// leg's hand-off); its endpoint and its part of the `x-kvmesh-decision` summary.
+    fn place_decode(
+        &self,
+        decoders: &[Arc<Endpoint>],
+        reads: bool,
+    ) -> Result<(Arc<Endpoint>, Option<Value>), Failed> {
+        let s = self.s;
+        let dcands = candidates_of(decoders, self.matches, self.keys, self.ctx.block_size);
+        let dprofile = s
+            .scheduler
+            .profile(Some(&self.pd.config.decode_profile))
+            .or_else(|| s.scheduler.profile(None));
+        let Some(dprofile) = dprofile else {
+            return Err(refused(ApiError::service_unavailable("no decode profile")));
+        };
+        let t0 = Instant::now();
+        let decision = s.scheduler.schedule(&dprofile, self.ctx, &dcands);
+        let chosen = decision.chosen_candidate(&dcands).cloned();
+        let explain = chosen
+            .as_ref()
+            .map(|c| self.placed_leg(&dprofile.name, c, reads, &decision, t0));
+        let outcome = if reads { "pd_decode" } else { "decode_only" };
+        self.record(t0, outcome, decision);
+        let Some(dep) = chosen.and_then(|c| by_id(decoders, c.endpoint).cloned()) else {
+            s.metrics.error("no_endpoint");
+            return Err(refused(ApiError::service_unavailable(
+                "no decode endpoint chosen",
+            )));
+        };
+        s.note_placement(&dep);
+        Ok((dep, explain))
+    }
+
+    /// The decode leg's response headers: the prefiller's name and, when asked for, both legs'
+    /// decisions.
+    fn decode_headers(&self, headers: &mut HeaderMap, prefill: &Prefilled, decode: Option<Value>) {
+        if let Some(p) = &prefill.endpoint
+            && let Ok(v) = HeaderValue::from_str(p)
+        {
+            headers.insert(HeaderName::from_static(PREFILL_ENDPOINT_HEADER), v);
+        }
+        if wants_explanation(self.headers) {
+            let summary = serde_json::json!({
+                "request_id": self.ctx.request_id,
+                "prefill": &prefill.explain,
+                "decode": decode,
+            });
+            if let Ok(v) = HeaderValue::from_str(&summary.to_string()) {
+                headers.insert(HeaderName::from_static(DECISION_HEADER), v);
+            }
+        }
     }
 
     /// Counts one scheduled leg (placed on `chosen`, reading KV from a peer or not) in the

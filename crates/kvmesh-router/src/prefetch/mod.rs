@@ -487,7 +487,7 @@ fn prepare_next_turn(
         // The next turn would go back to its owner: nothing to move between engines.
         return restore_on_owner(
             s,
-            &sessions,
+            sessions,
             session,
             owner,
             tokens,

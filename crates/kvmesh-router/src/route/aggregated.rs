@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams};
@@ -329,21 +329,9 @@ impl Attempt<'_> {
         {
             resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
         }
-        // Learn rates only from clean samples: a prefill-bound first byte on an otherwise idle endpoint.
-        let learn = (status.is_success()
-            && r.idle_before
-            && (parsed.stream || parsed.max_tokens.is_some_and(|m| m <= 1)))
-        .then(|| Learn {
-            cost_model: Arc::clone(&s.cost_model),
-            endpoint: r.ep.id,
-            computed_tokens: r.uncached,
-            pulled: r.source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
-            pull_sharing: r.pull_sharing,
-            dispatched,
-        });
         let tap = Tap {
+            learn: self.learn(parsed, &r, status, dispatched),
             guard: r.guard,
-            learn,
             dispatch: s.dispatch.clone(),
             capture: None,
             on_end: std::mem::take(hooks),
@@ -352,6 +340,28 @@ impl Attempt<'_> {
         *resp.status_mut() = status;
         *resp.headers_mut() = resp_headers;
         Ok(resp)
+    }
+}
+
+impl Attempt<'_> {
+    /// What the tap teaches the cost model, if anything: rates are learned only from clean
+    /// samples, a prefill-bound first byte on an otherwise idle endpoint.
+    fn learn(
+        &self,
+        parsed: &ParsedRequest,
+        r: &Reserved,
+        status: StatusCode,
+        dispatched: Instant,
+    ) -> Option<Learn> {
+        let prefill_bound = parsed.stream || parsed.max_tokens.is_some_and(|m| m <= 1);
+        (status.is_success() && r.idle_before && prefill_bound).then(|| Learn {
+            cost_model: Arc::clone(&self.s.cost_model),
+            endpoint: r.ep.id,
+            computed_tokens: r.uncached,
+            pulled: r.source.as_ref().map(|p| (p.endpoint.id, p.delta_tokens)),
+            pull_sharing: r.pull_sharing,
+            dispatched,
+        })
     }
 }
 

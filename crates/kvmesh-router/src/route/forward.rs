@@ -281,12 +281,6 @@ fn params_in(doc: &[u8]) -> Option<KvTransferParams> {
 }
 
 /// The engine's body passed through unchanged, doing what `tap` asks (see the module docs).
-///
-/// Captured params are handed on before the chunk that completes them: a non-stream body comes
-/// with the engine's `Content-Length`, and hyper drops the body stream as soon as that many bytes
-/// are written, so code after the last chunk never runs. A captured non-stream body therefore
-/// holds back its latest chunk until the next one (or the end) arrives — its client reads the
-/// whole document anyway — and an SSE stream hands the params on as soon as their line is complete.
 pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
     let Tap {
         mut guard,
@@ -295,6 +289,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         capture,
         on_end,
     } = tap;
+    let mut capture = capture.map(|(stream, sink)| Capturer::new(stream, sink));
     let mut end_hook = EndHook {
         hooks: on_end,
         armed: false,
@@ -303,62 +298,28 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
     let wake = WakeOnDrop(dispatch.clone());
     let out = async_stream::stream! {
         let mut chunks = upstream.bytes_stream();
-        let mut first = true;
-        let mut buf: Vec<u8> = Vec::new();
-        let mut sse = SseDataReader::new();
-        let mut overflow = false;
-        let mut held: Option<Bytes> = None;
-        let mut cut = false;
+        let (mut first, mut cut) = (true, false);
         while let Some(chunk) = chunks.next().await {
             match chunk {
                 Ok(bytes) => {
                     if first {
                         first = false;
                         end_hook.armed = true;
-                        guard.prefill_done();
-                        if let Some(d) = &dispatch {
-                            d.wake();
-                        }
-                        if let Some(l) = &learn {
-                            l.cost_model.observe(Observation {
-                                endpoint: l.endpoint,
-                                computed_tokens: l.computed_tokens,
-                                pulled: l.pulled,
-                                pull_sharing: l.pull_sharing,
-                                ttft: l.dispatched.elapsed(),
-                            });
-                        }
+                        prefill_over(&mut guard, dispatch.as_deref(), learn.as_ref());
                     } else {
                         guard.output_continues();
                     }
-                    match &capture {
-                        None => yield Ok::<Bytes, std::io::Error>(bytes),
-                        Some((true, sink)) => {
-                            sse.push(&bytes);
-                            while let Some(doc) = sse.next_data() {
-                                if let Some(p) = params_in(doc.trim_ascii()) {
-                                    sink(p);
-                                }
-                            }
-                            yield Ok(bytes);
-                        }
-                        Some((false, _)) => {
-                            if !overflow {
-                                buf.extend_from_slice(&bytes);
-                                if buf.len() > MAX_CAPTURE_BYTES {
-                                    overflow = true;
-                                    buf = Vec::new();
-                                }
-                            }
-                            if let Some(prev) = held.replace(bytes) {
-                                yield Ok(prev);
-                            }
-                        }
+                    let now = match &mut capture {
+                        None => Some(bytes),
+                        Some(c) => c.chunk(bytes),
+                    };
+                    if let Some(b) = now {
+                        yield Ok::<Bytes, std::io::Error>(b);
                     }
                 }
                 Err(e) => {
                     // The body is cut short: hand on what arrived, capture nothing.
-                    if let Some(prev) = held.take() {
+                    if let Some(prev) = capture.as_mut().and_then(Capturer::cut) {
                         yield Ok(prev);
                     }
                     cut = true;
@@ -370,13 +331,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         if !first && !cut {
             guard.output_done();
         }
-        if let Some(last) = held.take() {
-            if let Some((_, sink)) = &capture
-                && !overflow
-                && let Some(p) = params_in(&buf)
-            {
-                sink(p);
-            }
+        if let Some(last) = capture.as_mut().and_then(Capturer::end) {
             yield Ok(last);
         }
         drop(guard);
@@ -384,6 +339,93 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         drop(end_hook);
     };
     Body::from_stream(out)
+}
+
+/// The first byte: the engine's prefill is over. Its queue moved on (held requests re-check),
+/// and a clean sample teaches the cost model.
+fn prefill_over(guard: &mut LoadGuard, dispatch: Option<&Dispatcher>, learn: Option<&Learn>) {
+    guard.prefill_done();
+    if let Some(d) = dispatch {
+        d.wake();
+    }
+    if let Some(l) = learn {
+        l.cost_model.observe(Observation {
+            endpoint: l.endpoint,
+            computed_tokens: l.computed_tokens,
+            pulled: l.pulled,
+            pull_sharing: l.pull_sharing,
+            ttft: l.dispatched.elapsed(),
+        });
+    }
+}
+
+/// Reads an engine's final `kv_transfer_params` out of the body passing through.
+///
+/// Captured params are handed on before the chunk that completes them: a non-stream body comes
+/// with the engine's `Content-Length`, and hyper drops the body stream as soon as that many bytes
+/// are written, so code after the last chunk never runs. A captured non-stream body therefore
+/// holds back its latest chunk until the next one (or the end) arrives — its client reads the
+/// whole document anyway — and an SSE stream hands the params on as soon as their line is complete.
+struct Capturer {
+    /// SSE (`data:` lines) or one JSON document.
+    stream: bool,
+    sink: ParamsSink,
+    sse: SseDataReader,
+    /// The document so far (non-stream), unless it outgrew [`MAX_CAPTURE_BYTES`].
+    buf: Vec<u8>,
+    overflow: bool,
+    /// The latest chunk of a non-stream body, held back.
+    held: Option<Bytes>,
+}
+
+impl Capturer {
+    fn new(stream: bool, sink: ParamsSink) -> Self {
+        Capturer {
+            stream,
+            sink,
+            sse: SseDataReader::new(),
+            buf: Vec::new(),
+            overflow: false,
+            held: None,
+        }
+    }
+
+    /// A chunk arrived: what to pass on now.
+    fn chunk(&mut self, bytes: Bytes) -> Option<Bytes> {
+        if self.stream {
+            self.sse.push(&bytes);
+            while let Some(doc) = self.sse.next_data() {
+                if let Some(p) = params_in(doc.trim_ascii()) {
+                    (self.sink)(p);
+                }
+            }
+            return Some(bytes);
+        }
+        if !self.overflow {
+            self.buf.extend_from_slice(&bytes);
+            if self.buf.len() > MAX_CAPTURE_BYTES {
+                self.overflow = true;
+                self.buf = Vec::new();
+            }
+        }
+        self.held.replace(bytes)
+    }
+
+    /// The body was cut short: what was held back, nothing captured.
+    fn cut(&mut self) -> Option<Bytes> {
+        self.held.take()
+    }
+
+    /// The body ended: the document's params handed on, then its last chunk.
+    fn end(&mut self) -> Option<Bytes> {
+        let last = self.held.take()?;
+        if !self.overflow
+            && let Some(p) = params_in(&self.buf)
+        {
+            (self.sink)(p);
+        }
+        Some(last)
+    }
 }
 
 /// Wakes the admission queue when dropped (after the load guard it follows).
