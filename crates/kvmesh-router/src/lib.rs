@@ -8,7 +8,7 @@
 //!    parsed once ([`http::request`], with the [`http::tokenizer`]), 400 before any engine is
 //!    touched.
 //! 2. [`route`] — the aggregated route ([`route::aggregated`]): the admission queue
-//!    ([`route::dispatch`]), who may take the request and what the scheduler is told
+//!    ([`route::admission_queue`]), who may take the request and what the scheduler is told
 //!    ([`route::candidates`]), `kvmesh_sched::Scheduler`, the decision's P2P source as
 //!    `remote_kv_source` ([`route::remote_source`]), the engine request and the one response tap
 //!    ([`route::forward`]). [`pd`] is the other route: prefill and decode legs, with its

@@ -193,14 +193,16 @@ pub async fn start(
         )?)),
         None => None,
     };
-    let dispatch = config
-        .dispatch
-        .clone()
-        .map(|c| Arc::new(crate::route::dispatch::Dispatcher::new(c, &mut registry)));
+    let admission_queue = config.admission_queue.clone().map(|c| {
+        Arc::new(crate::route::admission_queue::AdmissionQueue::new(
+            c,
+            &mut registry,
+        ))
+    });
     let hooks = hooks(&config, &scheduler, &mut registry)?;
     let state = Arc::new(RouterState {
         pd,
-        dispatch,
+        admission_queue,
         hooks,
         decisions: DecisionLog::new(config.decisions_capacity),
         config,

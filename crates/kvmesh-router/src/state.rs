@@ -23,7 +23,7 @@ use crate::fleet::prefix::PrefixLookup;
 use crate::http::request::{ApiKind, ParsedRequest};
 use crate::metrics::RouterMetrics;
 use crate::pd::conversations::PdRouter;
-use crate::route::dispatch::Dispatcher;
+use crate::route::admission_queue::AdmissionQueue;
 
 /// Everything the handlers share.
 pub struct RouterState {
@@ -39,8 +39,8 @@ pub struct RouterState {
     pub tokenizer: Arc<dyn Tokenizer>,
     /// P/D disaggregation, when the config has a `pd:` section.
     pub pd: Option<Arc<PdRouter>>,
-    /// The admission queue, when the config has a `dispatch:` section.
-    pub dispatch: Option<Arc<Dispatcher>>,
+    /// The admission queue, when the config has a `admission_queue:` section.
+    pub admission_queue: Option<Arc<AdmissionQueue>>,
     /// Client requests held now (bounded by `config.max_in_flight`).
     pub in_flight: AtomicUsize,
     /// The KV-event feed (what each endpoint's event stream has delivered).

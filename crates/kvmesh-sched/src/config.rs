@@ -20,8 +20,8 @@ pub struct PluginSpec {
 }
 
 impl PluginSpec {
-    /// Sets the P2P pull threshold (tokens) if this plugin owns one: `minPullTokens` of a
-    /// `predicted-ttft-scorer`, `minCachedTokenDelta` of a `p2p-source-producer` outside
+    /// Sets the P2P pull threshold (tokens) if this plugin owns one: `min_pull_tokens` of a
+    /// `predicted-ttft-scorer`, `min_cached_token_delta` of a `p2p-source-producer` outside
     /// `mode: predicted` (there the scorer owns it). Returns whether it did. The bench's
     /// workloads set their own threshold this way.
     pub fn set_pull_threshold(&mut self, tokens: u64) -> bool {
@@ -31,12 +31,12 @@ impl PluginSpec {
                 .and_then(|m| m.as_str())
                 .map(str::to_owned)
         };
-        let spellings: &[&str] = match self.kind.as_str() {
-            crate::plugins::predicted_ttft_scorer::TYPE => &["minPullTokens", "min_pull_tokens"],
+        let key = match self.kind.as_str() {
+            crate::plugins::predicted_ttft_scorer::TYPE => "min_pull_tokens",
             crate::plugins::p2p_source_producer::TYPE
                 if mode(&self.parameters).as_deref() != Some("predicted") =>
             {
-                &["minCachedTokenDelta", "min_cached_token_delta"]
+                "min_cached_token_delta"
             }
             _ => return false,
         };
@@ -49,19 +49,42 @@ impl PluginSpec {
         let Some(map) = params.as_object_mut() else {
             return false;
         };
-        for key in spellings {
-            map.remove(*key);
-        }
-        map.insert(spellings[0].to_owned(), tokens.into());
+        map.insert(key.to_owned(), tokens.into());
         true
     }
 }
+
+/// Plugin parameter keys in the spelling kvmesh accepted before every YAML key was snake_case
+/// (llm-d's camelCase), and their names now. The router renames them before reading a config
+/// and warns once per key; they stay accepted for one release.
+pub const DEPRECATED_PARAMETER_KEYS: &[(&str, &str)] = &[
+    ("absoluteWeight", "absolute_weight"),
+    ("cpuWeight", "cpu_weight"),
+    ("decodePenaltyMs", "decode_penalty_ms"),
+    ("explorationProbability", "exploration_probability"),
+    ("gpuWeight", "gpu_weight"),
+    ("marginMs", "margin_ms"),
+    ("maxTTFTPenaltyMs", "max_ttft_penalty_ms"),
+    ("maxTokens", "max_tokens"),
+    ("minCachedTokenDelta", "min_cached_token_delta"),
+    ("minPullTokens", "min_pull_tokens"),
+    (
+        "peakPrefillTokensPerSecond",
+        "peak_prefill_tokens_per_second",
+    ),
+    ("prefillProfileName", "prefill_profile_name"),
+    ("pullingDelayWeight", "pulling_delay_weight"),
+    ("queueSource", "queue_source"),
+    ("restoreTokensPerSecond", "restore_tokens_per_second"),
+    ("scaleTokens", "scale_tokens"),
+    ("stepOverheadMs", "step_overhead_ms"),
+    ("workWeight", "work_weight"),
+];
 
 /// A plugin used by a profile; `weight` applies to scorers (default 1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PluginRef {
-    #[serde(rename = "pluginRef", alias = "plugin_ref")]
     pub plugin_ref: String,
     #[serde(default)]
     pub weight: Option<f64>,

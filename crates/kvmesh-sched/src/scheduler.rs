@@ -1,6 +1,6 @@
 //! The scheduling pipeline: per profile, filters → weighted scorers → picker → P2P source.
 //!
-//! A [`Profile`] is built from config (llm-d `schedulingProfiles`); [`Profile::schedule`] is pure
+//! A [`Profile`] is built from config (llm-d `scheduling_profiles`); [`Profile::schedule`] is pure
 //! (candidates in, [`Decision`] out, randomness injected) so it is unit-tested without I/O. The
 //! [`Decision`] carries everything `/debug/decisions` explains: per-candidate inputs, per-plugin
 //! scores, filter notes, the chosen endpoint and the P2P outcome.
@@ -156,7 +156,7 @@ impl Profile {
         for r in &spec.plugins {
             let built = plugins
                 .get(&r.plugin_ref)
-                .ok_or_else(|| invalid(format!("unknown pluginRef {:?}", r.plugin_ref)))?;
+                .ok_or_else(|| invalid(format!("unknown plugin_ref {:?}", r.plugin_ref)))?;
             let mut weight = None;
             match &built.plugin {
                 Plugin::Filter(f) => filters.push((r.plugin_ref.clone(), Arc::clone(f))),
@@ -383,7 +383,7 @@ impl Scheduler {
     ) -> Result<Scheduler, PluginError> {
         if profiles.is_empty() {
             return Err(PluginError::Invalid {
-                name: "schedulingProfiles".to_owned(),
+                name: "scheduling_profiles".to_owned(),
                 kind: "profiles",
                 message: "no scheduling profile".to_owned(),
             });
@@ -472,7 +472,7 @@ mod tests {
     struct RouterConfig {
         #[serde(default)]
         plugins: Vec<PluginSpec>,
-        #[serde(rename = "schedulingProfiles", default)]
+        #[serde(default)]
         scheduling_profiles: Vec<ProfileSpec>,
     }
     use crate::cost_model::CostModelParams;
@@ -487,16 +487,16 @@ mod tests {
     const AFFINITY: &str = r#"
 plugins:
   - {type: prefix-cache-scorer, name: prefix}
-  - {type: queue-scorer, name: queue, parameters: {queueSource: waiting}}
+  - {type: queue-scorer, name: queue, parameters: {queue_source: waiting}}
   - {type: kv-cache-utilization-scorer, name: kvu}
   - {type: max-score-picker}
-schedulingProfiles:
+scheduling_profiles:
   - name: affinity
     plugins:
-      - {pluginRef: prefix, weight: 3}
-      - {pluginRef: queue, weight: 2}
-      - {pluginRef: kvu, weight: 2}
-      - {pluginRef: max-score-picker}
+      - {plugin_ref: prefix, weight: 3}
+      - {plugin_ref: queue, weight: 2}
+      - {plugin_ref: kvu, weight: 2}
+      - {plugin_ref: max-score-picker}
 "#;
 
     #[test]
@@ -525,10 +525,10 @@ plugins:
   - {type: queue-scorer, name: queue}
   - {type: kv-cache-utilization-scorer, name: kvu}
   - {type: weighted-random-picker, name: picker}
-  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 64}}
-schedulingProfiles:
+  - {type: p2p-source-producer, name: p2p, parameters: {min_cached_token_delta: 64}}
+scheduling_profiles:
   - name: load-p2p
-    plugins: [{pluginRef: queue, weight: 3}, {pluginRef: kvu, weight: 2}, {pluginRef: picker}, {pluginRef: p2p}]
+    plugins: [{plugin_ref: queue, weight: 3}, {plugin_ref: kvu, weight: 2}, {plugin_ref: picker}, {plugin_ref: p2p}]
 "#,
         );
         let p = s.profile(Some("load-p2p")).expect("profile");
@@ -556,9 +556,9 @@ schedulingProfiles:
 plugins:
   - {type: prefix-cache-affinity-filter, name: sticky}
   - {type: queue-scorer, name: queue}
-schedulingProfiles:
+scheduling_profiles:
   - name: p
-    plugins: [{pluginRef: sticky}, {pluginRef: queue}]
+    plugins: [{plugin_ref: sticky}, {plugin_ref: queue}]
 "#,
         );
         let p = s.profile(None).expect("default");
@@ -614,11 +614,11 @@ schedulingProfiles:
 
     const TTFT_P2P: &str = r#"
 plugins:
-  - {type: predicted-ttft-scorer, name: ttft, parameters: {p2p: true, minPullTokens: 512}}
+  - {type: predicted-ttft-scorer, name: ttft, parameters: {p2p: true, min_pull_tokens: 512}}
   - {type: p2p-source-producer, name: p2p, parameters: {mode: predicted}}
-schedulingProfiles:
+scheduling_profiles:
   - name: ttft-p2p
-    plugins: [{pluginRef: ttft}, {pluginRef: p2p}]
+    plugins: [{plugin_ref: ttft}, {plugin_ref: p2p}]
 "#;
 
     #[test]
@@ -669,18 +669,21 @@ schedulingProfiles:
             err.contains("predicted-ttft-scorer with p2p: true"),
             "{err}"
         );
-        let no_scorer = TTFT_P2P.replace("{pluginRef: ttft}, ", "");
+        let no_scorer = TTFT_P2P.replace("{plugin_ref: ttft}, ", "");
         assert!(build(&no_scorer).is_err());
     }
 
     #[test]
     fn shapes_compare_parameters_with_defaults_filled_in() {
-        let explicit = TTFT_P2P.replace("minPullTokens: 512", "minPullTokens: 512, workWeight: 2");
+        let explicit = TTFT_P2P.replace(
+            "min_pull_tokens: 512",
+            "min_pull_tokens: 512, work_weight: 2",
+        );
         let s = scheduler(TTFT_P2P);
         assert_eq!(s.shape(), scheduler(&explicit).shape());
-        let other = TTFT_P2P.replace("minPullTokens: 512", "minPullTokens: 1024");
+        let other = TTFT_P2P.replace("min_pull_tokens: 512", "min_pull_tokens: 1024");
         assert_ne!(s.shape(), scheduler(&other).shape());
         let shape = &s.shape()[0];
-        assert_eq!(shape.steps[0].parameters["workWeight"], 2.0);
+        assert_eq!(shape.steps[0].parameters["work_weight"], 2.0);
     }
 }

@@ -70,7 +70,7 @@ fn placement(cfg: RouterConfig) -> impl PartialEq + std::fmt::Debug {
     (
         shape,
         cfg.cost_model.clone(),
-        cfg.dispatch.clone(),
+        cfg.admission_queue.clone(),
         cfg.metrics_scrape_interval,
         cfg.block_size,
         cfg.tokenizer.clone(),
@@ -203,12 +203,15 @@ fn the_workloads_threshold_goes_to_whichever_plugin_owns_it() {
     };
     let load = config(Arm::LoadP2p, &e, Some(4096));
     assert_eq!(
-        param(&load, "p2p-source-producer")["minCachedTokenDelta"],
+        param(&load, "p2p-source-producer")["min_cached_token_delta"],
         4096
     );
     // The default placement: the scorer owns the threshold, the P2P step has none to set.
     let ttft = config(Arm::TtftP2p, &e, Some(512));
-    assert_eq!(param(&ttft, "predicted-ttft-scorer")["minPullTokens"], 512);
+    assert_eq!(
+        param(&ttft, "predicted-ttft-scorer")["min_pull_tokens"],
+        512
+    );
     let step = param(&ttft, "p2p-source-producer");
     assert_eq!(step, serde_json::json!({"mode": "predicted"}));
     scheduler(&ttft);
@@ -246,7 +249,7 @@ fn a_sped_up_fleet_gets_its_rates_and_delays_on_its_own_clock() {
     );
     let p = fast.prefetch.as_ref().unwrap();
     assert_eq!((p.delay_ms, p.lead_ms), (250.0, 250.0));
-    let q = fast.dispatch.as_ref().unwrap();
+    let q = fast.admission_queue.as_ref().unwrap();
     assert_eq!(
         q.max_hold,
         Duration::from_secs(10),

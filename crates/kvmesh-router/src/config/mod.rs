@@ -16,20 +16,21 @@
 //! # without a restart; other settings need one.
 //! plugins:
 //!   - {type: prefix-cache-scorer, name: prefix}
-//! schedulingProfiles:
-//!   - {name: affinity, plugins: [{pluginRef: prefix, weight: 3}]}
+//! scheduling_profiles:
+//!   - {name: affinity, plugins: [{plugin_ref: prefix, weight: 3}]}
 //! ```
 //! Durations are strings like `500ms`, `2s`, `1m`.
 
 pub mod error;
+mod keys;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use kvmesh_sched::admission_queue::AdmissionQueueConfig;
 use kvmesh_sched::config::duration_str;
 pub use kvmesh_sched::config::{PluginRef, PluginSpec, ProfileSpec};
 use kvmesh_sched::cost_model::CostModelParams;
-use kvmesh_sched::hold_queue::DispatchConfig;
 use serde::{Deserialize, Serialize};
 
 pub use self::error::ConfigError;
@@ -268,7 +269,7 @@ pub struct RouterConfig {
     pub tokenizer: TokenizerSpec,
     #[serde(default)]
     pub plugins: Vec<PluginSpec>,
-    #[serde(default, rename = "schedulingProfiles", alias = "scheduling_profiles")]
+    #[serde(default)]
     pub scheduling_profiles: Vec<ProfileSpec>,
     /// Profile used unless a request names one with `x-kvmesh-profile`; default the first.
     #[serde(default)]
@@ -308,10 +309,10 @@ pub struct RouterConfig {
     /// P/D disaggregation (prefill + decode profiles, decider, bi-directional conversations).
     #[serde(default)]
     pub pd: Option<PdConfig>,
-    /// Admission queue: hold requests while every endpoint has its share of prefill queued and
-    /// release them shortest work first (`kvmesh_sched::hold_queue`). Absent = place on arrival.
+    /// The admission queue: hold requests while every endpoint has its share of prefill queued and
+    /// release them shortest work first (`kvmesh_sched::admission_queue`). Absent = place on arrival.
     #[serde(default)]
-    pub dispatch: Option<DispatchConfig>,
+    pub admission_queue: Option<AdmissionQueueConfig>,
     /// Prefetch ahead of arrival: follow sessions and, when a turn ends, have a second engine
     /// pull the history during the client's gap (`docs/architecture.md#prefetch`). Absent = off.
     #[serde(default)]
@@ -369,12 +370,28 @@ impl RouterConfig {
         Ok(cfg)
     }
 
-    /// Parses a config (`origin` names it in errors); not validated.
+    /// Parses a config (`origin` names it in errors); not validated. Deprecated spellings of keys
+    /// (llm-d's camelCase, `dispatch`) are read as their snake_case names, with a warning per key.
     pub fn from_yaml(text: &str, origin: &Path) -> Result<RouterConfig, ConfigError> {
-        serde_norway::from_str(text).map_err(|source| ConfigError::Parse {
+        let parse = |source| ConfigError::Parse {
             path: origin.to_owned(),
             source,
-        })
+        };
+        let mut doc: serde_norway::Value = serde_norway::from_str(text).map_err(parse)?;
+        let renamed = keys::rename_deprecated_keys(&mut doc)
+            .map_err(|m| ConfigError::Invalid(format!("{}: {m}", origin.display())))?;
+        if renamed.is_empty() {
+            // Read from the text, so errors keep their line and column.
+            return serde_norway::from_str(text).map_err(parse);
+        }
+        for (old, new) in renamed {
+            tracing::warn!(
+                config = %origin.display(),
+                "`{old}` is deprecated: kvmesh YAML keys are snake_case, write `{new}` (the old \
+                 spelling is read for one more release)"
+            );
+        }
+        serde_norway::from_value(doc).map_err(parse)
     }
 
     /// `configs/router.yaml`, the default placement.
@@ -382,8 +399,8 @@ impl RouterConfig {
         RouterConfig::from_yaml(DEFAULT_CONFIG_YAML, Path::new("configs/router.yaml"))
     }
 
-    /// A config without `schedulingProfiles` places as `configs/router.yaml` does: that file's
-    /// plugins, profiles and admission queue (unless this config has its own `dispatch:`). Its
+    /// A config without `scheduling_profiles` places as `configs/router.yaml` does: that file's
+    /// plugins, profiles and admission queue (unless this config has its own `admission_queue:`). Its
     /// cost model and scrape interval are the defaults of every config (a test keeps the file
     /// and the defaults equal). Other configs are returned as they are.
     pub fn with_default_placement(mut self) -> Result<RouterConfig, ConfigError> {
@@ -394,7 +411,7 @@ impl RouterConfig {
         self.plugins = default.plugins;
         self.scheduling_profiles = default.scheduling_profiles;
         self.default_profile = self.default_profile.or(default.default_profile);
-        self.dispatch = self.dispatch.or(default.dispatch);
+        self.admission_queue = self.admission_queue.or(default.admission_queue);
         Ok(self)
     }
 
@@ -404,7 +421,7 @@ impl RouterConfig {
     /// model's rates and floor (the admission queue weighs predicted work in the cost model's
     /// clock against time actually waited, so both must be wall time), prefetch's `delay_ms` and
     /// `lead_ms`, and replication's `window_s` and `cooldown_s`. Bounds on a client's wait
-    /// (`dispatch.max_hold`, timeouts) and prediction knobs in milliseconds (margins,
+    /// (`admission_queue.max_hold`, timeouts) and prediction knobs in milliseconds (margins,
     /// penalties) stay as written, as every published benchmark ran them. `kvmesh bench` and
     /// `kvmesh up` call this with the fleet's `--time-scale`; a non-positive or non-finite scale
     /// counts as 1.
@@ -448,7 +465,7 @@ impl RouterConfig {
                 "decisions_capacity must be > 0".into(),
             ));
         }
-        if let Some(d) = &self.dispatch {
+        if let Some(d) = &self.admission_queue {
             d.validate().map_err(ConfigError::Invalid)?;
         }
         if self.max_in_flight == 0 {
@@ -653,9 +670,9 @@ metrics_scrape_interval: 250ms
 health_check: {interval: 1s, unhealthy_threshold: 2}
 plugins:
   - {type: queue-scorer, name: q}
-schedulingProfiles:
+scheduling_profiles:
   - name: a
-    plugins: [{pluginRef: q, weight: 2}]
+    plugins: [{plugin_ref: q, weight: 2}]
 "#,
         )
         .expect("parse");
@@ -761,10 +778,10 @@ schedulingProfiles:
         assert_eq!(filled.scheduling_profiles, file.scheduling_profiles);
         assert_eq!(filled.plugins, file.plugins);
         assert!(
-            filled.dispatch.is_some(),
+            filled.admission_queue.is_some(),
             "the admission queue is part of it"
         );
-        assert_eq!(filled.dispatch, file.dispatch);
+        assert_eq!(filled.admission_queue, file.admission_queue);
         assert_eq!(
             filled.endpoints, bare.endpoints,
             "the config's own settings stay"
@@ -774,11 +791,15 @@ schedulingProfiles:
         assert_eq!(file.metrics_scrape_interval, bare.metrics_scrape_interval);
         // Its own admission queue wins; a config with profiles is left alone.
         let own: RouterConfig =
-            serde_norway::from_str("dispatch: {max_queued_prefill_tokens: 5}").expect("parse");
+            serde_norway::from_str("admission_queue: {max_queued_prefill_tokens: 5}")
+                .expect("parse");
         let own = own.with_default_placement().expect("filled");
-        assert_eq!(own.dispatch.map(|d| d.max_queued_prefill_tokens), Some(5));
+        assert_eq!(
+            own.admission_queue.map(|d| d.max_queued_prefill_tokens),
+            Some(5)
+        );
         let affinity: RouterConfig = serde_norway::from_str(
-            "plugins: [{type: prefix-cache-scorer, name: p}]\nschedulingProfiles: [{name: a, plugins: [{pluginRef: p}]}]",
+            "plugins: [{type: prefix-cache-scorer, name: p}]\nscheduling_profiles: [{name: a, plugins: [{plugin_ref: p}]}]",
         )
         .expect("parse");
         assert_eq!(
@@ -790,7 +811,7 @@ schedulingProfiles:
     #[test]
     fn a_sped_up_fleet_scales_rates_up_and_delays_down() {
         let mut c: RouterConfig = serde_norway::from_str(
-            "prefetch: {delay_ms: 500, lead_ms: 1000}\nreplication: {window_s: 10, cooldown_s: 30}\ndispatch: {max_hold: 10s}",
+            "prefetch: {delay_ms: 500, lead_ms: 1000}\nreplication: {window_s: 10, cooldown_s: 30}\nadmission_queue: {max_hold: 10s}",
         )
         .expect("parse");
         let before = c.clone();
@@ -803,13 +824,44 @@ schedulingProfiles:
         let r = c.replication.as_ref().expect("replication");
         assert_eq!((r.window_s, r.cooldown_s), (2.5, 7.5));
         assert_eq!(
-            c.dispatch, before.dispatch,
+            c.admission_queue, before.admission_queue,
             "a client's wait bound is not scaled"
         );
         let mut same = before.clone();
         same.scale_time(f64::NAN);
         same.scale_time(1.0);
         assert_eq!(same, before);
+    }
+
+    #[test]
+    fn a_config_in_the_old_spelling_loads_as_the_new_one() {
+        let new = "admission_queue: {max_queued_prefill_tokens: 4096}
+plugins:
+  - {type: queue-scorer, name: q, parameters: {queue_source: waiting}}
+  - {type: p2p-source-producer, name: p2p, parameters: {min_cached_token_delta: 64, mode: cost_model, margin_ms: 5}}
+scheduling_profiles:
+  - {name: a, plugins: [{plugin_ref: q, weight: 2}, {plugin_ref: p2p}]}
+";
+        let old = new
+            .replace("admission_queue", "dispatch")
+            .replace("queue_source", "queueSource")
+            .replace("min_cached_token_delta", "minCachedTokenDelta")
+            .replace("margin_ms", "marginMs")
+            .replace("scheduling_profiles", "schedulingProfiles")
+            .replace("plugin_ref", "pluginRef");
+        let read = |text: &str| RouterConfig::from_yaml(text, Path::new("t.yaml")).expect("reads");
+        assert_eq!(read(&old), read(new));
+        assert_eq!(
+            read(new)
+                .admission_queue
+                .map(|q| q.max_queued_prefill_tokens),
+            Some(4096)
+        );
+        // The typed config knows only the new spelling.
+        assert!(serde_norway::from_str::<RouterConfig>(&old).is_err());
+        // A syntax error keeps its position.
+        let err = RouterConfig::from_yaml("plugins: [\n", Path::new("t.yaml")).expect_err("bad");
+        assert!(err.to_string().contains("line"), "{err}");
     }
 
     #[test]

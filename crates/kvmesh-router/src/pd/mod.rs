@@ -434,7 +434,7 @@ impl Legs<'_> {
         let tap = Tap {
             guard,
             learn: None,
-            dispatch: None,
+            admission_queue: None,
             capture: self.capture(conv, parsed.stream, status),
             on_end: Vec::new(),
         };

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams};
 use kvmesh_index::EndpointId;
-use kvmesh_sched::hold_queue::Work;
+use kvmesh_sched::admission_queue::Work;
 use kvmesh_sched::{Backlog, Candidate, Decision, Profile, SchedulingContext};
 use serde_json::json;
 
@@ -23,8 +23,8 @@ use crate::error::ApiError;
 use crate::fleet::endpoints::Endpoint;
 use crate::fleet::load::LoadGuard;
 use crate::http::request::{ApiKind, ParsedRequest};
+use crate::route::admission_queue::{Exit, Ticket};
 use crate::route::candidates::{by_id, eligible, gather};
-use crate::route::dispatch::{Admission, Ticket};
 use crate::route::forward::{
     DECISION_HEADER, Failed, Learn, Tap, engine_request, forwarded_headers, refused, request_id,
     send_to_engine, tap_body, wants_explanation,
@@ -332,7 +332,7 @@ impl Attempt<'_> {
         let tap = Tap {
             learn: self.learn(parsed, &r, status, dispatched),
             guard: r.guard,
-            dispatch: s.dispatch.clone(),
+            admission_queue: s.admission_queue.clone(),
             capture: None,
             on_end: std::mem::take(hooks),
         };
@@ -373,10 +373,10 @@ struct Admitted<'a> {
     held: Duration,
     /// The prefill tokens of the cold requests still waiting there when it left (ascending).
     held_cold: Vec<u64>,
-    /// `dispatch.max_queued_prefill_tokens` (0 without an admission queue).
+    /// `admission_queue.max_queued_prefill_tokens` (0 without an admission queue).
     share_tokens: u64,
     /// False when it was held and the config says held requests do not pull
-    /// (`DispatchConfig::pulls_when_held`).
+    /// (`AdmissionQueueConfig::pulls_when_held`).
     may_pull: bool,
     /// Holds its place until its load is counted.
     ticket: Option<Ticket<'a>>,
@@ -398,7 +398,7 @@ async fn admit<'a>(
         may_pull: true,
         ticket,
     };
-    let Some(d) = s.dispatch.as_ref().filter(|_| excluded.is_none()) else {
+    let Some(d) = s.admission_queue.as_ref().filter(|_| excluded.is_none()) else {
         return Some(direct(fleet, None));
     };
     let bs = s.config.block_size;
@@ -423,7 +423,7 @@ async fn admit<'a>(
         cold: best_cached == 0,
     };
     let (how, ticket) = d.admit(work, has_capacity).await;
-    if how == Admission::Direct {
+    if how == Exit::Direct {
         return Some(direct(fleet, Some(ticket)));
     }
     Some(Admitted {
@@ -432,8 +432,8 @@ async fn admit<'a>(
         held: waited.elapsed(),
         fleet: Fleet::now(s, keys, excluded)?,
         share_tokens: limit,
-        // Every endpoint had a full prefill queue (see `DispatchConfig::pulls_when_held`).
-        may_pull: how == Admission::Overflow || d.config().pulls_when_held,
+        // Every endpoint had a full prefill queue (see `AdmissionQueueConfig::pulls_when_held`).
+        may_pull: how == Exit::Overflow || d.config().pulls_when_held,
         ticket: Some(ticket),
     })
 }

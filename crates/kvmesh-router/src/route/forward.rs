@@ -23,7 +23,7 @@ use crate::error::ApiError;
 use crate::fleet::endpoints::Endpoint;
 use crate::fleet::load::LoadGuard;
 use crate::http::request::ApiKind;
-use crate::route::dispatch::Dispatcher;
+use crate::route::admission_queue::AdmissionQueue;
 use crate::state::{RequestHook, RouterState};
 
 /// llm-d's header naming the P2P source (stripped inbound; optionally set outbound).
@@ -219,7 +219,7 @@ pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
 }
 
 /// A clean sample for the cost model: the endpoint, the tokens it computed, the pull it made
-/// (source, tokens), timed from dispatch to the first byte.
+/// (source, tokens), timed from sending to the first byte.
 pub(crate) struct Learn {
     pub cost_model: Arc<CostModel>,
     pub endpoint: EndpointId,
@@ -240,7 +240,7 @@ pub(crate) struct Tap {
     /// Learn rates from this response's first byte.
     pub learn: Option<Learn>,
     /// Woken when the prefill is over (first byte) and when the body ends.
-    pub dispatch: Option<Arc<Dispatcher>>,
+    pub admission_queue: Option<Arc<AdmissionQueue>>,
     /// Capture the engine's final `kv_transfer_params`: `stream` says whether the body is SSE.
     pub capture: Option<(bool, ParamsSink)>,
     /// The features following the request ([`RequestHook::on_end`]): told when the body ends,
@@ -285,7 +285,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
     let Tap {
         mut guard,
         learn,
-        dispatch,
+        admission_queue,
         capture,
         on_end,
     } = tap;
@@ -295,7 +295,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
         armed: false,
     };
     // Held requests re-check when this one's prefill is over and when it ends (however it ends).
-    let wake = WakeOnDrop(dispatch.clone());
+    let wake = WakeOnDrop(admission_queue.clone());
     let out = async_stream::stream! {
         let mut chunks = upstream.bytes_stream();
         let (mut first, mut cut) = (true, false);
@@ -305,7 +305,7 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
                     if first {
                         first = false;
                         end_hook.armed = true;
-                        prefill_over(&mut guard, dispatch.as_deref(), learn.as_ref());
+                        prefill_over(&mut guard, admission_queue.as_deref(), learn.as_ref());
                     } else {
                         guard.output_continues();
                     }
@@ -343,9 +343,13 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
 
 /// The first byte: the engine's prefill is over. Its queue moved on (held requests re-check),
 /// and a clean sample teaches the cost model.
-fn prefill_over(guard: &mut LoadGuard, dispatch: Option<&Dispatcher>, learn: Option<&Learn>) {
+fn prefill_over(
+    guard: &mut LoadGuard,
+    admission_queue: Option<&AdmissionQueue>,
+    learn: Option<&Learn>,
+) {
     guard.prefill_done();
-    if let Some(d) = dispatch {
+    if let Some(d) = admission_queue {
         d.wake();
     }
     if let Some(l) = learn {
@@ -429,7 +433,7 @@ impl Capturer {
 }
 
 /// Wakes the admission queue when dropped (after the load guard it follows).
-struct WakeOnDrop(Option<Arc<Dispatcher>>);
+struct WakeOnDrop(Option<Arc<AdmissionQueue>>);
 
 impl Drop for WakeOnDrop {
     fn drop(&mut self) {

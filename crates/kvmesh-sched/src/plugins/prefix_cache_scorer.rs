@@ -13,19 +13,15 @@ use crate::plugin::Scorer;
 
 pub const TYPE: &str = "prefix-cache-scorer";
 
-/// Parameters (llm-d names in camelCase; snake_case accepted).
+/// Parameters (llm-d's, in snake_case like every kvmesh YAML key).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PrefixParams {
     /// Weight of the absolute-length term (`w`); 0 = purely the matched fraction of the prompt.
-    #[serde(alias = "absolute_weight", rename = "absoluteWeight")]
     pub absolute_weight: f64,
     /// Tokens at which the absolute term saturates.
-    #[serde(alias = "scale_tokens", rename = "scaleTokens")]
     pub scale_tokens: f64,
-    #[serde(alias = "gpu_weight", rename = "gpuWeight")]
     pub gpu_weight: f64,
-    #[serde(alias = "cpu_weight", rename = "cpuWeight")]
     pub cpu_weight: f64,
 }
 
@@ -147,9 +143,9 @@ mod tests {
     }
 
     #[test]
-    fn parameters_parse_in_llm_d_spelling() {
+    fn parameters_parse_in_snake_case() {
         let p: PrefixParams =
-            serde_json::from_value(serde_json::json!({"scaleTokens": 4096, "cpu_weight": 0.5}))
+            serde_json::from_value(serde_json::json!({"scale_tokens": 4096, "cpu_weight": 0.5}))
                 .expect("parse");
         assert_eq!(p.scale_tokens, 4096.0);
         assert_eq!(p.cpu_weight, 0.5);

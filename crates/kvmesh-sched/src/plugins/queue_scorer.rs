@@ -2,7 +2,7 @@
 //!
 //! llm-d semantics: `(max_q − q)/(max_q − min_q)`, 1.0 for everyone when all queues are equal.
 //! What `q` is: llm-d uses the scraped waiting queue. Scrapes are periodic, so during a burst they
-//! are stale and every endpoint looks equal; kvmesh's default (`queueSource: combined`) therefore
+//! are stale and every endpoint looks equal; kvmesh's default (`queue_source: combined`) therefore
 //! takes `max(scraped waiting + running, router in-flight requests)` — the better estimate of the
 //! requests the engine holds right now. `waiting` and `in_flight` select one source only.
 
@@ -28,7 +28,6 @@ pub enum QueueSource {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct QueueParams {
-    #[serde(alias = "queue_source", rename = "queueSource")]
     pub queue_source: QueueSource,
 }
 

@@ -12,7 +12,6 @@ pub const TYPE: &str = "token-load-scorer";
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TokenLoadParams {
-    #[serde(alias = "max_tokens", rename = "maxTokens")]
     pub max_tokens: f64,
 }
 

@@ -3,7 +3,7 @@
 //! earlier included, before any link carries two), then a price check: pull only if the
 //! predicted recompute time of the delta exceeds the predicted pull time, stretched by the
 //! transfers already on the source's or the puller's link, plus the delay the pull adds to those
-//! transfers, plus `marginMs` (rates from [`CostModel`]).
+//! transfers, plus `margin_ms` (rates from [`CostModel`]).
 
 use std::sync::Arc;
 
@@ -15,9 +15,9 @@ use super::threshold::{named, sample};
 
 /// Threshold sampling over the least busy links, priced against recompute.
 pub struct PricedByCostModel {
-    /// `minCachedTokenDelta`.
+    /// `min_cached_token_delta`.
     pub min_delta: u64,
-    /// `marginMs`.
+    /// `margin_ms`.
     pub margin_ms: f64,
     pub cost_model: Arc<CostModel>,
 }

@@ -4,7 +4,7 @@
 //! [`SourcePolicy`]:
 //!
 //! - [`threshold`] (the default): llm-d's semantics (`docs/protocols.md#p2p-source-producer`) —
-//!   sample a holder of the best CPU-tier prefix, name it if it leads by `minCachedTokenDelta`;
+//!   sample a holder of the best CPU-tier prefix, name it if it leads by `min_cached_token_delta`;
 //! - [`cost_model`]: the same sampling among the holders whose link is least busy, plus a price
 //!   check against recomputing the delta ([`CostModel`] rates);
 //! - [`predicted`]: no pricing of its own — it carries out the placement's prediction
@@ -41,25 +41,16 @@ pub const TYPE: &str = "p2p-source-producer";
 pub struct P2pParams {
     /// `threshold` and `cost_model`: the source must lead the computing endpoint by at least this
     /// many tokens (default 1, must be >= 1). Not in `predicted` mode: there the profile's
-    /// `predicted-ttft-scorer` owns the threshold (`minPullTokens`).
-    #[serde(
-        alias = "min_cached_token_delta",
-        rename = "minCachedTokenDelta",
-        skip_serializing_if = "Option::is_none"
-    )]
+    /// `predicted-ttft-scorer` owns the threshold (`min_pull_tokens`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub min_cached_token_delta: Option<u64>,
     /// Accepted for llm-d config compatibility (P/D profiles); the aggregated path computes on the
     /// primary target.
-    #[serde(alias = "prefill_profile_name", rename = "prefillProfileName")]
     pub prefill_profile_name: String,
     pub mode: P2pMode,
     /// `cost_model`: a pull must beat recomputing by at least this much (ms, default 0). Not in
-    /// `predicted` mode (the scorer's `marginMs` prices the pull).
-    #[serde(
-        alias = "margin_ms",
-        rename = "marginMs",
-        skip_serializing_if = "Option::is_none"
-    )]
+    /// `predicted` mode (the scorer's `margin_ms` prices the pull).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub margin_ms: Option<f64>,
 }
 
@@ -84,11 +75,11 @@ impl P2pSourceProducer {
     pub fn new(params: P2pParams, cost_model: Arc<CostModel>) -> Result<Self, String> {
         let min_delta = params.min_cached_token_delta.unwrap_or(1);
         if min_delta < 1 {
-            return Err("minCachedTokenDelta must be >= 1".to_owned());
+            return Err("min_cached_token_delta must be >= 1".to_owned());
         }
         let margin_ms = params.margin_ms.unwrap_or(0.0);
         if !margin_ms.is_finite() {
-            return Err("marginMs must be finite".to_owned());
+            return Err("margin_ms must be finite".to_owned());
         }
         let policy: Box<dyn SourcePolicy> = match params.mode {
             P2pMode::Threshold => Box::new(threshold::Threshold { min_delta }),
@@ -102,7 +93,7 @@ impl P2pSourceProducer {
                     return Err(
                         "mode: predicted carries out the placement's own prediction: \
                          set the threshold and margin on the profile's predicted-ttft-scorer \
-                         (minPullTokens, marginMs), not here"
+                         (min_pull_tokens, margin_ms), not here"
                             .to_owned(),
                     );
                 }
@@ -238,7 +229,7 @@ mod tests {
             ..P2pParams::default()
         };
         let err = P2pSourceProducer::new(twice, cm()).err().expect("refused");
-        assert!(err.contains("minPullTokens"), "{err}");
+        assert!(err.contains("min_pull_tokens"), "{err}");
         let ok = P2pParams {
             mode: P2pMode::Predicted,
             ..P2pParams::default()

@@ -11,7 +11,7 @@ use crate::predict::Prediction;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum P2pMode {
-    /// llm-d: pull whenever the delta reaches `minCachedTokenDelta` (`threshold`).
+    /// llm-d: pull whenever the delta reaches `min_cached_token_delta` (`threshold`).
     #[default]
     Threshold,
     /// Sample only among the holders whose link serves the fewest pulls, and additionally
@@ -30,7 +30,7 @@ pub enum SkipReason {
     NoSource,
     /// The sampled source is the computing endpoint.
     SelfSource,
-    /// The source leads the computing endpoint by less than `minCachedTokenDelta`.
+    /// The source leads the computing endpoint by less than `min_cached_token_delta`.
     BelowThreshold,
     /// Recomputing is predicted to be no slower than pulling.
     Cost,

@@ -3,7 +3,7 @@
 //! The profile's `predicted-ttft-scorer` (with `p2p: true`) already priced, for every candidate,
 //! the cheapest pull from a peer's CPU tier against recomputing the same tokens
 //! ([`crate::predict`]: the pull stretched by the transfers on both ends' links, the admission
-//! queue's overtaking, `marginMs`), and placement chose with that price. This step names the
+//! queue's overtaking, `margin_ms`), and placement chose with that price. This step names the
 //! chosen candidate's best pull option when the prediction says pulling wins, and says why not
 //! otherwise. It has no parameters of its own: one set of pricing parameters (the scorer's) owns
 //! the decision, so what placement assumed is what the engine is told.
@@ -25,7 +25,7 @@ impl SourcePolicy for Predicted {
             return d.skip(SkipReason::NoSource, why.to_owned());
         };
         let Some(plan) = &pred.best_pull else {
-            let what = "leads it in its CPU tier by the scorer's minPullTokens";
+            let what = "leads it in its CPU tier by the scorer's min_pull_tokens";
             let why = no_source_why(q.candidates, q.computing, what);
             return d.skip(SkipReason::NoSource, why);
         };
@@ -83,7 +83,7 @@ mod tests {
             .expect("valid")
     }
 
-    /// What `predicted-ttft-scorer` with `p2p: true` and `minPullTokens: min` predicts for
+    /// What `predicted-ttft-scorer` with `p2p: true` and `min_pull_tokens: min` predicts for
     /// `candidates[at]`.
     fn placement(ctx: &SchedulingContext<'_>, c: &[&Candidate], at: usize, min: u64) -> Prediction {
         let p = TtftParams {
@@ -124,7 +124,7 @@ mod tests {
         assert_eq!(d.source, None);
         assert_eq!(d.skipped, Some(SkipReason::Cost));
         assert!(d.why.contains("12 transfers"), "{}", d.why);
-        // Below the scorer's minPullTokens there is no pull option, so no source.
+        // Below the scorer's min_pull_tokens there is no pull option, so no source.
         let pred = placement(&ctx("a"), &refs, 0, 4096);
         let d = p.select(&ctx("a"), &refs, 0, Some(&pred));
         assert_eq!(d.skipped, Some(SkipReason::NoSource));

@@ -6,7 +6,7 @@
 //! one is sampled at `fnv1a32(request_id) / 2^32 × Σw` along the cumulative weights
 //! (deterministic per request id, in endpoint-id order). The computing endpoint's cached tokens
 //! are counted tier-blind. No source when the sample is the computing endpoint itself or when
-//! `source − computing < minCachedTokenDelta` (≥ 1).
+//! `source − computing < min_cached_token_delta` (≥ 1).
 
 use crate::candidate::Candidate;
 
@@ -14,7 +14,7 @@ use super::policy::{P2pDecision, P2pMode, SkipReason, SourcePolicy, SourceQuery,
 
 /// llm-d's threshold policy.
 pub struct Threshold {
-    /// `minCachedTokenDelta`.
+    /// `min_cached_token_delta`.
     pub min_delta: u64,
 }
 
@@ -115,7 +115,7 @@ pub(super) fn sample<'a>(
     }
     if d.delta_tokens < min_delta as i64 {
         let why = format!(
-            "source leads by {} tokens < minCachedTokenDelta {min_delta}",
+            "source leads by {} tokens < min_cached_token_delta {min_delta}",
             d.delta_tokens
         );
         return (d.skip(SkipReason::BelowThreshold, why), None);

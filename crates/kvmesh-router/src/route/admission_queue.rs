@@ -1,4 +1,4 @@
-//! The router's admission queue: [`kvmesh_sched::hold_queue::HoldQueue`] (which request goes
+//! The router's admission queue: [`kvmesh_sched::admission_queue::Queue`] (which request goes
 //! next, and why — see that module) behind a wake-up signal, with tickets and metrics.
 //!
 //! A held request whose client goes away leaves the queue (the entry is removed on drop). A
@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvmesh_sched::hold_queue::{DispatchConfig, HoldQueue, Work};
+use kvmesh_sched::admission_queue::{AdmissionQueueConfig, Queue, Work};
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -17,7 +17,7 @@ use tokio::sync::Notify;
 
 /// How a request left the admission queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admission {
+pub enum Exit {
     /// Capacity was free on arrival.
     Direct,
     /// Held, then released in priority order.
@@ -29,9 +29,9 @@ pub enum Admission {
 }
 
 /// The admission queue of one router.
-pub struct Dispatcher {
-    config: DispatchConfig,
-    queue: Mutex<HoldQueue>,
+pub struct AdmissionQueue {
+    config: AdmissionQueueConfig,
+    queue: Mutex<Queue>,
     wake: Notify,
     next_id: AtomicU64,
     /// Requests let through whose load the gateway has not counted yet (see [`Ticket`]).
@@ -43,41 +43,41 @@ pub struct Dispatcher {
 
 /// Removes a held request from the queue however its wait ends (released, or the client left).
 struct Leave<'a> {
-    dispatcher: &'a Dispatcher,
+    owner: &'a AdmissionQueue,
     id: u64,
 }
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
-        if self.dispatcher.queue.lock().remove(self.id) {
-            self.dispatcher.held_now.dec();
+        if self.owner.queue.lock().remove(self.id) {
+            self.owner.held_now.dec();
         }
         // The next in line may be able to go now.
-        self.dispatcher.wake.notify_waiters();
+        self.owner.wake.notify_waiters();
     }
 }
 
-/// A request let through by [`Dispatcher::admit`] whose load is not counted yet; dropping it
+/// A request let through by [`AdmissionQueue::admit`] whose load is not counted yet; dropping it
 /// lets the next one be considered.
 pub struct Ticket<'a> {
-    dispatcher: &'a Dispatcher,
+    owner: &'a AdmissionQueue,
 }
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
-        self.dispatcher.in_transit.fetch_sub(1, Ordering::SeqCst);
-        self.dispatcher.wake.notify_waiters();
+        self.owner.in_transit.fetch_sub(1, Ordering::SeqCst);
+        self.owner.wake.notify_waiters();
     }
 }
 
 /// How often a held request re-checks without being woken (aging and `max_hold` move with time).
 const RECHECK: Duration = Duration::from_millis(20);
 
-impl Dispatcher {
-    pub fn new(config: DispatchConfig, registry: &mut Registry) -> Self {
-        let d = Dispatcher {
+impl AdmissionQueue {
+    pub fn new(config: AdmissionQueueConfig, registry: &mut Registry) -> Self {
+        let d = AdmissionQueue {
             config,
-            queue: Mutex::new(HoldQueue::default()),
+            queue: Mutex::new(Queue::default()),
             wake: Notify::new(),
             next_id: AtomicU64::new(1),
             in_transit: AtomicU64::new(0),
@@ -86,24 +86,24 @@ impl Dispatcher {
             expired_total: Counter::default(),
         };
         registry.register(
-            "kvmesh_router_dispatch_held",
+            "kvmesh_router_admission_queue_held",
             "Requests held by the admission queue (every endpoint had its prefill share queued)",
             d.held_total.clone(),
         );
         registry.register(
-            "kvmesh_router_dispatch_waiting",
+            "kvmesh_router_admission_queue_waiting",
             "Requests waiting in the admission queue now",
             d.held_now.clone(),
         );
         registry.register(
-            "kvmesh_router_dispatch_expired",
-            "Held requests released by dispatch.max_hold rather than by priority",
+            "kvmesh_router_admission_queue_expired",
+            "Held requests released by admission_queue.max_hold rather than by priority",
             d.expired_total.clone(),
         );
         d
     }
 
-    pub fn config(&self) -> &DispatchConfig {
+    pub fn config(&self) -> &AdmissionQueueConfig {
         &self.config
     }
 
@@ -122,38 +122,31 @@ impl Dispatcher {
     /// right now.
     /// Keep the returned [`Ticket`] until the request's load is counted on its endpoint: until
     /// then nobody else is let through, since `has_capacity` cannot see that request yet.
-    pub async fn admit(
-        &self,
-        work: Work,
-        has_capacity: impl Fn() -> bool,
-    ) -> (Admission, Ticket<'_>) {
+    pub async fn admit(&self, work: Work, has_capacity: impl Fn() -> bool) -> (Exit, Ticket<'_>) {
         let how = self.wait_turn(work, has_capacity).await;
         self.in_transit.fetch_add(1, Ordering::SeqCst);
-        (how, Ticket { dispatcher: self })
+        (how, Ticket { owner: self })
     }
 
     fn free(&self, has_capacity: &impl Fn() -> bool) -> bool {
         self.in_transit.load(Ordering::SeqCst) == 0 && has_capacity()
     }
 
-    async fn wait_turn(&self, work: Work, has_capacity: impl Fn() -> bool) -> Admission {
+    async fn wait_turn(&self, work: Work, has_capacity: impl Fn() -> bool) -> Exit {
         {
             let q = self.queue.lock();
             if q.is_empty() && self.free(&has_capacity) {
-                return Admission::Direct;
+                return Exit::Direct;
             }
             if q.len() >= self.config.max_held {
-                return Admission::Overflow;
+                return Exit::Overflow;
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.queue.lock().push(id, work, Instant::now());
         self.held_total.inc();
         self.held_now.inc();
-        let _leave = Leave {
-            dispatcher: self,
-            id,
-        };
+        let _leave = Leave { owner: self, id };
         loop {
             // Register for the wake-up before checking, so a wake between check and wait is kept.
             let woken = self.wake.notified();
@@ -162,10 +155,10 @@ impl Dispatcher {
                 let q = self.queue.lock();
                 if q.expired(id, now, self.config.max_hold) {
                     self.expired_total.inc();
-                    return Admission::Expired;
+                    return Exit::Expired;
                 }
                 if q.next(now, self.config.aging) == Some(id) && self.free(&has_capacity) {
-                    return Admission::Released;
+                    return Exit::Released;
                 }
             }
             tokio::select! {
@@ -185,7 +178,10 @@ mod tests {
     #[tokio::test]
     async fn held_requests_leave_in_priority_order_when_capacity_frees() {
         let mut reg = Registry::default();
-        let d = Arc::new(Dispatcher::new(DispatchConfig::default(), &mut reg));
+        let d = Arc::new(AdmissionQueue::new(
+            AdmissionQueueConfig::default(),
+            &mut reg,
+        ));
         let free = Arc::new(AtomicBool::new(false));
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
@@ -214,7 +210,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(60)).await;
         }
         for t in tasks {
-            assert_eq!(t.await.expect("task"), Admission::Released);
+            assert_eq!(t.await.expect("task"), Exit::Released);
         }
         assert_eq!(*order.lock(), vec!["short", "mid", "long"]);
         assert_eq!(d.held_total.get(), 3);
@@ -230,29 +226,29 @@ mod tests {
     #[tokio::test]
     async fn free_capacity_passes_straight_through_and_a_cancelled_wait_leaves_the_queue() {
         let mut reg = Registry::default();
-        let d = Dispatcher::new(
-            DispatchConfig {
+        let d = AdmissionQueue::new(
+            AdmissionQueueConfig {
                 max_hold: Duration::from_millis(50),
-                ..DispatchConfig::default()
+                ..AdmissionQueueConfig::default()
             },
             &mut reg,
         );
         let (how, ticket) = d.admit(SHORT, || true).await;
-        assert_eq!(how, Admission::Direct);
+        assert_eq!(how, Exit::Direct);
         // Until the first request's load is counted, capacity is not handed out again.
         let blocked =
             tokio::time::timeout(Duration::from_millis(30), d.admit(SHORT, || true)).await;
         assert!(blocked.is_err());
         drop(ticket);
-        assert_eq!(d.admit(SHORT, || true).await.0, Admission::Direct);
+        assert_eq!(d.admit(SHORT, || true).await.0, Exit::Direct);
         let gone = tokio::time::timeout(Duration::from_millis(10), d.admit(SHORT, || false)).await;
         assert!(gone.is_err());
         assert_eq!(d.queue.lock().len(), 0);
-        assert_eq!(d.admit(SHORT, || false).await.0, Admission::Expired);
+        assert_eq!(d.admit(SHORT, || false).await.0, Exit::Expired);
         assert!(
-            DispatchConfig {
+            AdmissionQueueConfig {
                 aging: f64::NAN,
-                ..DispatchConfig::default()
+                ..AdmissionQueueConfig::default()
             }
             .validate()
             .is_err()

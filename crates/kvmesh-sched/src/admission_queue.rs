@@ -1,4 +1,4 @@
-//! Admission queue: holds requests at the router while every endpoint already has enough prefill
+//! The admission queue: holds requests at the router while every endpoint already has enough prefill
 //! work queued, and releases them shortest predicted work first (with aging).
 //!
 //! Why: engines prefill first come, first served. A 500-token prompt that reaches an engine behind
@@ -11,17 +11,17 @@
 //! request is placed when it leaves the queue, with the index and queues as they are then (late
 //! binding), not as they were when it arrived.
 //!
-//! This file is the pure part: [`HoldQueue`] (the clock is an argument) and its config. The
-//! router's `Dispatcher` wraps it with a wake-up signal and metrics.
+//! This file is the pure part: [`Queue`] (the clock is an argument) and its config. The
+//! router's `AdmissionQueue` wraps it with a wake-up signal and metrics.
 
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-/// `dispatch:` in the router config. Absent = off (every request is placed on arrival).
+/// `admission_queue:` in the router config. Absent = off (every request is placed on arrival).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct DispatchConfig {
+pub struct AdmissionQueueConfig {
     /// Requests pass straight through while some eligible endpoint has at most this many prompt
     /// tokens sent by this router and not yet computed (about one engine step of prefill keeps
     /// every engine busy).
@@ -43,9 +43,9 @@ pub struct DispatchConfig {
     pub pulls_when_held: bool,
 }
 
-impl Default for DispatchConfig {
+impl Default for AdmissionQueueConfig {
     fn default() -> Self {
-        DispatchConfig {
+        AdmissionQueueConfig {
             max_queued_prefill_tokens: 8192,
             aging: 2.0,
             max_hold: Duration::from_secs(10),
@@ -55,13 +55,13 @@ impl Default for DispatchConfig {
     }
 }
 
-impl DispatchConfig {
+impl AdmissionQueueConfig {
     pub fn validate(&self) -> Result<(), String> {
         if !(self.aging.is_finite() && self.aging >= 0.0) {
-            return Err("dispatch.aging must be a finite number >= 0".to_owned());
+            return Err("admission_queue.aging must be a finite number >= 0".to_owned());
         }
         if self.max_held == 0 {
-            return Err("dispatch.max_held must be >= 1".to_owned());
+            return Err("admission_queue.max_held must be >= 1".to_owned());
         }
         Ok(())
     }
@@ -87,11 +87,11 @@ pub struct Work {
 
 /// The held requests (pure: the clock is an argument).
 #[derive(Debug, Default)]
-pub struct HoldQueue {
+pub struct Queue {
     entries: Vec<Entry>,
 }
 
-impl HoldQueue {
+impl Queue {
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -158,7 +158,7 @@ mod tests {
     #[test]
     fn shortest_work_goes_first_until_aging_lets_a_long_one_through() {
         let t0 = Instant::now();
-        let mut q = HoldQueue::default();
+        let mut q = Queue::default();
         let work = |ms: f64, tokens: u64, cold: bool| Work { ms, tokens, cold };
         q.push(1, work(3000.0, 75_000, true), t0); // a 75K-token prompt
         q.push(2, work(40.0, 1000, true), t0 + Duration::from_millis(100));
