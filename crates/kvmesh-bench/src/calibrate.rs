@@ -84,7 +84,7 @@ pub fn crossover(rows: &[LadderRow]) -> Option<f64> {
 
 /// Whether pull already won at the shortest measured prefix (the crossover is then only an
 /// extrapolation, and the threshold stays at the shortest length where a win was measured).
-pub fn wins_everywhere(rows: &[LadderRow]) -> bool {
+fn wins_everywhere(rows: &[LadderRow]) -> bool {
     !rows.is_empty() && rows.iter().all(|r| r.pull_ms < r.recompute_ms)
 }
 
@@ -101,7 +101,7 @@ pub fn recommend(rows: &[LadderRow], block_size: usize, margin: f64) -> usize {
 
 /// Threshold above the crossover with a multiplicative margin, rounded up to whole blocks
 /// (at least one block, llm-d requires ≥ 1).
-pub fn recommend_delta(
+fn recommend_delta(
     crossover: Option<f64>,
     max_measured: usize,
     block_size: usize,

@@ -186,11 +186,6 @@ impl Arm {
     pub fn moves_history(self) -> bool {
         matches!(self, Self::PdBidir | Self::PdLoadBidir)
     }
-
-    /// Whether the P/D prefill leg is placed by load alone (no prefix affinity).
-    pub fn prefill_by_load(self) -> bool {
-        matches!(self, Self::PdLoad | Self::PdLoadBidir)
-    }
 }
 
 impl std::fmt::Display for Arm {
@@ -307,7 +302,7 @@ pub fn arm_file(arm: Arm) -> Option<&'static str> {
 }
 
 /// Where an arm's file lives in the repository (for messages and generated files).
-pub fn arm_path(arm: Arm) -> String {
+fn arm_path(arm: Arm) -> String {
     match arm {
         Arm::TtftP2p => "configs/router.yaml".to_owned(),
         other => format!("configs/arms/{}.yaml", other.name()),

@@ -36,15 +36,6 @@ impl ApiError {
             param: None,
         }
     }
-    pub fn payload_too_large(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            kind: "BadRequestError",
-            message: message.into(),
-            retry_after_secs: None,
-            param: None,
-        }
-    }
     pub fn bad_gateway(message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::BAD_GATEWAY,

@@ -310,7 +310,7 @@ fn hooks(
 }
 
 /// Applies a new endpoint list: subscribes new endpoints' events, forgets removed ones.
-pub fn apply_endpoints(state: &RouterState, feed: &dyn EventFeed, specs: Vec<EndpointSpec>) {
+fn apply_endpoints(state: &RouterState, feed: &dyn EventFeed, specs: Vec<EndpointSpec>) {
     apply_discovered(
         state,
         feed,

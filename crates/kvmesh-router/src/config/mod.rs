@@ -395,7 +395,7 @@ impl RouterConfig {
     }
 
     /// `configs/router.yaml`, the default placement.
-    pub fn default_placement() -> Result<RouterConfig, ConfigError> {
+    fn default_placement() -> Result<RouterConfig, ConfigError> {
         RouterConfig::from_yaml(DEFAULT_CONFIG_YAML, Path::new("configs/router.yaml"))
     }
 

@@ -84,7 +84,7 @@ impl EndpointLoad {
     }
 
     /// [`Self::snapshot`] as of `now` (which pulls are still landing depends on the time).
-    pub fn snapshot_at(&self, now: Instant) -> LoadSnapshot {
+    fn snapshot_at(&self, now: Instant) -> LoadSnapshot {
         let (pulls_landing_in, pulls_landing_uncached_tokens) = self
             .landing
             .lock()

@@ -22,7 +22,7 @@ use crate::metrics::{Kind, RouterMetrics};
 /// data-parallel ranks), `vllm:kv_cache_usage_perc` (mean) and the GPU tier's size from
 /// `vllm:cache_config_info`'s `num_gpu_blocks` and `block_size` labels (summed over ranks) from
 /// Prometheus text. `None` if the text has none of the gauges.
-pub fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
+fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
     let (mut waiting, mut running, mut kv_sum, mut kv_n, mut seen) = (0.0, 0.0, 0.0, 0u32, false);
     let mut capacity: Option<u64> = None;
     for s in samples(text) {
@@ -61,7 +61,7 @@ pub fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
 /// The id in `kvmesh_p2p_fingerprint_info{fingerprint="…"}` (kvmesh engines and the vLLM
 /// connector export it): endpoints with equal ids can use each other's KV blocks. Ids longer
 /// than 64 bytes are ignored (an id is 16 hex digits).
-pub fn parse_fingerprint(text: &str) -> Option<String> {
+fn parse_fingerprint(text: &str) -> Option<String> {
     samples(text)
         .filter(|s| s.name == "kvmesh_p2p_fingerprint_info")
         .find_map(|s| {
@@ -93,7 +93,7 @@ fn samples(text: &str) -> impl Iterator<Item = Sample> {
 
 /// Reads [`PrefillCounters`]; absent series count as 0 (an engine that has served nothing yet
 /// exports no labelled counters), so call it on pages that are engine metrics.
-pub fn parse_prefill_counters(text: &str) -> PrefillCounters {
+fn parse_prefill_counters(text: &str) -> PrefillCounters {
     let mut c = PrefillCounters::default();
     for s in samples(text) {
         let v = s.value;
@@ -115,7 +115,7 @@ pub fn parse_prefill_counters(text: &str) -> PrefillCounters {
 /// A prefill-rate sample from two scrapes: tokens the engine computed per second of (TTFT − queue
 /// time) it reported in between. Only intervals without external (pulled) tokens count, so pull
 /// time is not mistaken for compute; counter resets are skipped.
-pub fn prefill_sample(prev: &PrefillCounters, now: &PrefillCounters) -> Option<(u64, Duration)> {
+fn prefill_sample(prev: &PrefillCounters, now: &PrefillCounters) -> Option<(u64, Duration)> {
     let tokens = now.computed_tokens - prev.computed_tokens;
     let secs = (now.ttft_seconds - prev.ttft_seconds) - (now.queue_seconds - prev.queue_seconds);
     if tokens <= 0.0 || secs <= 0.0 || now.external_tokens != prev.external_tokens {
@@ -139,7 +139,7 @@ pub struct PullCounters {
 }
 
 /// Reads [`PullCounters`]; absent series count as 0 (an engine without P2P exports none).
-pub fn parse_pull_counters(text: &str) -> PullCounters {
+fn parse_pull_counters(text: &str) -> PullCounters {
     let mut c = PullCounters::default();
     for s in samples(text) {
         let v = s.value;
@@ -166,7 +166,7 @@ pub fn parse_pull_counters(text: &str) -> PullCounters {
 /// are the engine's reported block size if it reports one, else `default_block_tokens` (the
 /// router's `block_size`, which must match the fleet's for its KV-event hashes to line up anyway).
 /// `None` without new blocks or time, or if a counter went back (engine restart).
-pub fn pull_sample(
+fn pull_sample(
     prev: &PullCounters,
     now: &PullCounters,
     default_block_tokens: u64,

@@ -82,7 +82,7 @@ impl ParsedRequest {
 pub const MAX_FIELDS: usize = 256;
 
 /// The error text for one top-level field too many.
-pub fn too_many_fields() -> String {
+fn too_many_fields() -> String {
     format!("too many fields: at most {MAX_FIELDS} top-level fields per request")
 }
 

@@ -50,7 +50,7 @@ impl ConversationCache {
         }
     }
 
-    pub fn evict_stale(&mut self, now: Instant, ttl: Duration) {
+    fn evict_stale(&mut self, now: Instant, ttl: Duration) {
         let before = self.map.len();
         self.map
             .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);

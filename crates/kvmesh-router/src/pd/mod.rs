@@ -58,7 +58,7 @@ pub const SESSION_HEADER: &str = "x-session-id";
 
 /// The prefill leg's body fields (`docs/protocols.md#pd-and-bi-directional-transfer`), given the
 /// client's request.
-pub fn prefill_leg_body(
+fn prefill_leg_body(
     parsed: &ParsedRequest,
     history: Option<&KvTransferParams>,
     source: Option<RemoteKvSource>,

@@ -213,7 +213,7 @@ fn on_turn_end(
 ) {
     let (dropped, generation) = {
         let mut table = sessions.table.lock();
-        let dropped = table.turn_finished(&session, owner.id, Arc::clone(&tokens), Instant::now());
+        let dropped = table.turn_finished(&session, Instant::now());
         (dropped, table.generation(&session))
     };
     sessions.count_dropped(&dropped);

@@ -1,7 +1,7 @@
 //! The sessions the router follows for prefetch ahead of arrival (`prefetch:` in the config;
-//! `docs/architecture.md#prefetch`): per session id, the engine that ran its last turn, that
-//! turn's prompt, the gaps it left between turns, and at most one prefetch prepared for the next
-//! turn; per endpoint, the bytes of prefetches in flight. [`SessionTable`], [`GapHistory`] and
+//! `docs/architecture.md#prefetch`): per session id, when its last turn ended, the gaps it left
+//! between turns, and at most one prefetch prepared for the next turn (the decision after a turn
+//! is handed that turn's engine and prompt; the table keeps neither); per endpoint, the bytes of prefetches in flight. [`SessionTable`], [`GapHistory`] and
 //! [`PrefetchBudget`] are pure (the clock is an argument); [`Sessions`] puts them behind locks
 //! next to the prefetch metrics. The I/O (asking an engine to pull, cancelling) is in
 //! `crate::prefetch`.
@@ -10,7 +10,6 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_core::TokenId;
 use kvmesh_index::EndpointId;
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -50,8 +49,6 @@ pub struct Ticket {
 
 #[derive(Debug)]
 struct Session {
-    owner: EndpointId,
-    tokens: Arc<Vec<TokenId>>,
     at: Instant,
     ticket: Option<Ticket>,
     /// Bumped by every turn end and arrival: a prefetch decided after a delay checks that
@@ -177,16 +174,11 @@ impl SessionTable {
         self.map.is_empty()
     }
 
-    /// A turn of `key` ended on `owner` with this prompt. Returns the tickets that will never be
-    /// used: a previous one still attached (its turn never came back through placement) and
-    /// those of sessions that expired or were pushed out by the bound.
-    pub fn turn_finished(
-        &mut self,
-        key: &str,
-        owner: EndpointId,
-        tokens: Arc<Vec<TokenId>>,
-        now: Instant,
-    ) -> Vec<Ticket> {
+    /// A turn of `key` ended. Returns the tickets that will never be used: a previous one still
+    /// attached (its turn never came back through placement) and those of sessions that expired
+    /// or were pushed out by the bound. (The prefetch decision that follows is handed the turn's
+    /// owner and prompt itself: the table keeps neither.)
+    pub fn turn_finished(&mut self, key: &str, now: Instant) -> Vec<Ticket> {
         let mut dropped = self.expire(now);
         if !self.map.contains_key(key) && self.map.len() >= self.max_sessions {
             // Full of live sessions: the least recently active one makes room.
@@ -209,8 +201,6 @@ impl SessionTable {
         let previous = self.map.insert(
             key.to_owned(),
             Session {
-                owner,
-                tokens,
                 at: now,
                 ticket: None,
                 generation,
@@ -253,12 +243,6 @@ impl SessionTable {
     /// The session's generation (see `Session::generation`); None when unknown.
     pub fn generation(&self, key: &str) -> Option<u64> {
         self.map.get(key).map(|s| s.generation)
-    }
-
-    /// The session's last owner and prompt (None when unknown or expired).
-    pub fn last_turn(&self, key: &str, now: Instant) -> Option<(EndpointId, Arc<Vec<TokenId>>)> {
-        let s = self.map.get(key)?;
-        (now.saturating_duration_since(s.at) < self.ttl).then(|| (s.owner, Arc::clone(&s.tokens)))
     }
 
     /// Attaches a prefetch to `key`; false (nothing attached) when the session is gone or has one.
@@ -475,10 +459,6 @@ mod tests {
         }
     }
 
-    fn tokens(n: u32) -> Arc<Vec<TokenId>> {
-        Arc::new((0..n).collect())
-    }
-
     #[test]
     fn a_prefetch_is_used_only_where_the_next_turn_lands() {
         let landed = ticket("p", 2, TicketState::Landed { blocks: 4 });
@@ -502,10 +482,7 @@ mod tests {
     fn the_next_turn_takes_the_ticket_once() {
         let t0 = Instant::now();
         let mut t = SessionTable::new(8, Duration::from_secs(60));
-        assert!(
-            t.turn_finished("s", EndpointId(1), tokens(64), t0)
-                .is_empty()
-        );
+        assert!(t.turn_finished("s", t0).is_empty());
         assert!(t.attach("s", ticket("p1", 2, TicketState::Running)));
         assert!(
             !t.attach("s", ticket("p2", 3, TicketState::Running)),
@@ -531,8 +508,6 @@ mod tests {
             !t.settle("s", "p1", TicketState::Failed, 0),
             "a report after the turn took the ticket is not attached"
         );
-        let (owner, toks) = t.last_turn("s", t0).unwrap();
-        assert_eq!((owner, toks.len()), (EndpointId(1), 64));
     }
 
     #[test]
@@ -540,23 +515,23 @@ mod tests {
         let t0 = Instant::now();
         let ttl = Duration::from_secs(10);
         let mut t = SessionTable::new(2, ttl);
-        t.turn_finished("a", EndpointId(1), tokens(16), t0);
+        t.turn_finished("a", t0);
         assert!(t.attach("a", ticket("pa", 2, TicketState::Running)));
-        t.turn_finished("b", EndpointId(1), tokens(16), t0 + Duration::from_secs(1));
+        t.turn_finished("b", t0 + Duration::from_secs(1));
         // A third live session pushes out the least recently active one, with its ticket.
-        let dropped = t.turn_finished("c", EndpointId(1), tokens(16), t0 + Duration::from_secs(2));
+        let dropped = t.turn_finished("c", t0 + Duration::from_secs(2));
         assert_eq!(dropped.len(), 1);
         assert_eq!(dropped[0].id, "pa");
         assert_eq!(t.len(), 2);
-        assert!(t.last_turn("a", t0 + Duration::from_secs(2)).is_none());
+        assert!(t.generation("a").is_none(), "pushed out");
         // Idle past the TTL: gone.
         assert!(t.take_ticket("b", t0 + Duration::from_secs(11)).is_none());
         assert!(t.expire(t0 + Duration::from_secs(13)).is_empty());
         assert!(t.is_empty());
         // A new turn of a session with an unused ticket returns that ticket.
-        t.turn_finished("d", EndpointId(1), tokens(16), t0);
+        t.turn_finished("d", t0);
         assert!(t.attach("d", ticket("pd", 2, TicketState::Running)));
-        let dropped = t.turn_finished("d", EndpointId(2), tokens(32), t0);
+        let dropped = t.turn_finished("d", t0);
         assert_eq!(dropped.len(), 1);
     }
 
@@ -564,8 +539,8 @@ mod tests {
     fn a_restore_takes_no_cpu_tier_room() {
         let mut t = SessionTable::new(8, Duration::from_secs(60));
         let now = Instant::now();
-        t.turn_finished("a", EndpointId(2), tokens(4), now);
-        t.turn_finished("b", EndpointId(2), tokens(4), now);
+        t.turn_finished("a", now);
+        t.turn_finished("b", now);
         assert!(t.attach("a", ticket("pa", 2, TicketState::Running)));
         let restore = Ticket {
             restore: true,
@@ -583,7 +558,7 @@ mod tests {
         // Turn ends at 0, next arrives 10 s later, ends 2 s after that, next arrives 11 s later.
         let mut at = t0;
         for (i, gap) in [10.0, 11.0, 9.5].into_iter().enumerate() {
-            t.turn_finished("regular", EndpointId(1), tokens(16), at);
+            t.turn_finished("regular", at);
             assert_eq!(
                 t.gap_estimate("regular", 0.25).is_some(),
                 i >= 2,
@@ -599,7 +574,7 @@ mod tests {
         // A tool call of 1 s, then one of 20 s: nothing to time a transfer by.
         let mut at = t0;
         for gap in [1.0, 20.0, 8.0] {
-            t.turn_finished("irregular", EndpointId(1), tokens(16), at);
+            t.turn_finished("irregular", at);
             at += secs(gap);
             t.turn_arrived("irregular", at);
         }

@@ -79,7 +79,7 @@ impl PrefixCacheAffinityFilter {
     }
 
     /// Predicted time to first token on `c`, in ms.
-    pub fn predicted_ttft_ms(&self, ctx: &SchedulingContext<'_>, c: &Candidate) -> f64 {
+    fn predicted_ttft_ms(&self, ctx: &SchedulingContext<'_>, c: &Candidate) -> f64 {
         let tokens = c.in_flight_uncached_tokens + ctx.uncached_tokens(c);
         tokens as f64 / self.params.peak_prefill_tokens_per_second * 1000.0
     }

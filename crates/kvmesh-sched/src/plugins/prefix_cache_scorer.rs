@@ -38,7 +38,7 @@ impl Default for PrefixParams {
 
 impl PrefixParams {
     /// Tier-weighted matched blocks of one candidate.
-    pub fn weighted_blocks(&self, c: &Candidate) -> f64 {
+    fn weighted_blocks(&self, c: &Candidate) -> f64 {
         // `any` covers the GPU run by definition; `max` guards a lookup that says otherwise.
         let gpu = c.gpu_blocks;
         let total = c.any_blocks.max(gpu);

@@ -30,7 +30,7 @@ pub struct LookupFailed {
 }
 
 /// The endpoints for one answer: one per distinct address, in address order.
-pub fn endpoints_of(addrs: &[IpAddr], cfg: &DnsDiscovery) -> Vec<Discovered> {
+fn endpoints_of(addrs: &[IpAddr], cfg: &DnsDiscovery) -> Vec<Discovered> {
     let mut addrs = addrs.to_vec();
     addrs.sort();
     addrs.dedup();

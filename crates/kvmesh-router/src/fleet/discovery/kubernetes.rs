@@ -50,7 +50,7 @@ pub enum Skip {
 }
 
 /// `<namespace>/<name>`, the endpoint's name and the pod's key in a [`PodSet`].
-pub fn pod_key(pod: &Pod) -> String {
+fn pod_key(pod: &Pod) -> String {
     format!(
         "{}/{}",
         pod.metadata.namespace.as_deref().unwrap_or_default(),
@@ -59,7 +59,7 @@ pub fn pod_key(pod: &Pod) -> String {
 }
 
 /// Ready condition True and not being deleted.
-pub fn is_ready(pod: &Pod) -> bool {
+fn is_ready(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_none()
         && pod
             .status
@@ -175,7 +175,7 @@ pub struct PodSet {
 
 impl PodSet {
     /// Takes one watcher event; returns whether the endpoint list may have changed.
-    pub fn on_event(&mut self, ev: Event<Pod>, cfg: &KubernetesDiscovery) -> bool {
+    fn on_event(&mut self, ev: Event<Pod>, cfg: &KubernetesDiscovery) -> bool {
         match ev {
             Event::Init => {
                 self.relisting = Some(BTreeMap::new());
@@ -222,7 +222,7 @@ impl PodSet {
     }
 
     /// Skips not reported before (each pod once until it maps or goes away).
-    pub fn take_new_skips(&mut self) -> Vec<(String, Skip)> {
+    fn take_new_skips(&mut self) -> Vec<(String, Skip)> {
         std::mem::take(&mut self.new_skips)
     }
 
