@@ -337,28 +337,10 @@ fn restore_on_owner(
     }
     let bs = s.config.block_size;
     let bytes = ((cpu - gpu) * bs) as u64 * sessions.config.kv_bytes_per_token;
-    let cap = sessions.config.max_inflight_bytes_per_endpoint;
-    if !sessions.budget.lock().try_reserve(owner.id, bytes, cap) {
-        sessions.count("restore_skipped_budget");
-        return Next::Done;
-    }
     let id = format!("pf-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
-    let ticket = Ticket {
-        id: id.clone(),
-        target: owner.id,
-        target_name: Arc::clone(&owner.name),
-        bytes,
-        landed_bytes: 0,
-        state: TicketState::Running,
-        restore: true,
-    };
-    if !sessions.table.lock().attach(session, ticket) {
-        sessions.budget.lock().release(owner.id, bytes);
+    if !issue(sessions, session, &id, owner, bytes, true) {
         return Next::Done;
     }
-    sessions.count("restore_issued");
-    sessions.count_bytes("restore_issued", bytes);
-    sessions.refresh_gauges();
     let expected = estimate.map_or(String::new(), |e| {
         format!(
             " (the session's gaps: {:.1} s ± {:.0} %)",
@@ -404,39 +386,7 @@ fn restore_on_owner(
     }));
     // No `remote_kv_source`: the owner restores from its own CPU tier.
     let body = json!({"prefetch_id": id, "prompt_token_ids": tokens.as_slice()});
-    let (s, sessions, owner) = (Arc::clone(s), Arc::clone(sessions), Arc::clone(owner));
-    let session = session.to_owned();
-    tokio::spawn(async move {
-        let timeout = Duration::from_secs_f64(sessions.config.timeout_s);
-        let url = owner.url(PREFETCH_PATH);
-        let (report, blocks, tokens_per_block) = send_prefetch(&s, url, &body, timeout, bs).await;
-        let restored = blocks * tokens_per_block * sessions.config.kv_bytes_per_token;
-        let outcome = report
-            .as_ref()
-            .and_then(|r| r.get("outcome"))
-            .and_then(Value::as_str);
-        let state = if blocks > 0 {
-            sessions.count("restored");
-            sessions.count_bytes("restored", restored);
-            TicketState::Landed {
-                blocks: blocks as usize,
-            }
-        } else {
-            // `nothing_missing`: the index was behind the engine (cheap, nothing moved).
-            sessions.count(if outcome == Some("nothing_missing") {
-                "restore_nothing_missing"
-            } else {
-                "restore_failed"
-            });
-            TicketState::Failed
-        };
-        sessions.budget.lock().release(owner.id, bytes);
-        let attached = sessions.table.lock().settle(&session, &id, state, restored);
-        if !attached && let Some(r) = &report {
-            tracing::debug!(prefetch = %id, report = %r, "restore ended after its session moved on");
-        }
-        sessions.refresh_gauges();
-    });
+    send_and_settle(s, sessions, session, id, owner, body, bytes, true);
     Next::Done
 }
 
@@ -506,27 +456,9 @@ fn prepare_next_turn(
         sessions.count("skipped_room");
         return Next::Done;
     }
-    let cap = sessions.config.max_inflight_bytes_per_endpoint;
-    if !sessions.budget.lock().try_reserve(target.id, bytes, cap) {
-        sessions.count("skipped_budget");
+    if !issue(sessions, session, &id, &target, bytes, false) {
         return Next::Done;
     }
-    let ticket = Ticket {
-        id: id.clone(),
-        target: target.id,
-        target_name: Arc::clone(&target.name),
-        bytes,
-        landed_bytes: 0,
-        state: TicketState::Running,
-        restore: false,
-    };
-    if !sessions.table.lock().attach(session, ticket) {
-        sessions.budget.lock().release(target.id, bytes);
-        return Next::Done;
-    }
-    sessions.count("issued");
-    sessions.count_bytes("issued", bytes);
-    sessions.refresh_gauges();
     s.decisions.push(Arc::new(DecisionRecord {
         request_id: id.clone(),
         at: unix_now(),
@@ -547,24 +479,89 @@ fn prepare_next_turn(
             remote_port: port,
         },
     });
-    let (s, sessions, url) = (
-        Arc::clone(s),
-        Arc::clone(sessions),
-        target.url(PREFETCH_PATH),
-    );
+    send_and_settle(s, sessions, session, id, &target, body, bytes, false);
+    Next::Done
+}
+
+/// Reserves `bytes` of the in-flight budget towards `target` and attaches a running prefetch
+/// `id` (a restore ahead when `restore`) to the session, counted as issued; false, with the
+/// budget untouched, when the budget is full (counted) or the session has one already.
+fn issue(
+    sessions: &Sessions,
+    session: &str,
+    id: &str,
+    target: &Endpoint,
+    bytes: u64,
+    restore: bool,
+) -> bool {
+    let label = |what: &'static str, restore_what: &'static str| {
+        if restore { restore_what } else { what }
+    };
+    let cap = sessions.config.max_inflight_bytes_per_endpoint;
+    if !sessions.budget.lock().try_reserve(target.id, bytes, cap) {
+        sessions.count(label("skipped_budget", "restore_skipped_budget"));
+        return false;
+    }
+    let ticket = Ticket {
+        id: id.to_owned(),
+        target: target.id,
+        target_name: Arc::clone(&target.name),
+        bytes,
+        landed_bytes: 0,
+        state: TicketState::Running,
+        restore,
+    };
+    if !sessions.table.lock().attach(session, ticket) {
+        sessions.budget.lock().release(target.id, bytes);
+        return false;
+    }
+    let issued = label("issued", "restore_issued");
+    sessions.count(issued);
+    sessions.count_bytes(issued, bytes);
+    sessions.refresh_gauges();
+    true
+}
+
+/// Sends the prefetch `body` to `target` in the background and, with the engine's report,
+/// releases its budget and settles the session's ticket `id`: landed (counted `landed`, or
+/// `restored` for a restore ahead) or failed (`failed`; a restore that found nothing missing —
+/// the index was behind the engine, cheap — is `restore_nothing_missing`).
+#[allow(clippy::too_many_arguments)]
+fn send_and_settle(
+    s: &Arc<RouterState>,
+    sessions: &Arc<Sessions>,
+    session: &str,
+    id: String,
+    target: &Arc<Endpoint>,
+    body: Value,
+    bytes: u64,
+    restore: bool,
+) {
+    let (s, sessions, target) = (Arc::clone(s), Arc::clone(sessions), Arc::clone(target));
     let session = session.to_owned();
     tokio::spawn(async move {
         let timeout = Duration::from_secs_f64(sessions.config.timeout_s);
+        let url = target.url(PREFETCH_PATH);
+        let bs = s.config.block_size;
         let (report, blocks, tokens_per_block) = send_prefetch(&s, url, &body, timeout, bs).await;
         let landed = blocks * tokens_per_block * sessions.config.kv_bytes_per_token;
+        let outcome = report
+            .as_ref()
+            .and_then(|r| r.get("outcome"))
+            .and_then(Value::as_str);
         let state = if blocks > 0 {
-            sessions.count("landed");
-            sessions.count_bytes("landed", landed);
+            let label = if restore { "restored" } else { "landed" };
+            sessions.count(label);
+            sessions.count_bytes(label, landed);
             TicketState::Landed {
                 blocks: blocks as usize,
             }
         } else {
-            sessions.count("failed");
+            sessions.count(match (restore, outcome) {
+                (true, Some("nothing_missing")) => "restore_nothing_missing",
+                (true, _) => "restore_failed",
+                (false, _) => "failed",
+            });
             TicketState::Failed
         };
         sessions.budget.lock().release(target.id, bytes);
@@ -574,5 +571,4 @@ fn prepare_next_turn(
         }
         sessions.refresh_gauges();
     });
-    Next::Done
 }

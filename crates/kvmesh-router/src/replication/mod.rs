@@ -66,87 +66,156 @@ fn after_placement(
     eligible: &[Arc<Endpoint>],
 ) {
     let bs = s.config.block_size;
-    let prefix_blocks = candidates
+    let blocks = candidates
         .iter()
         .map(|c| c.any_blocks)
         .max()
         .unwrap_or(0)
         .min(keys.len());
-    if prefix_blocks == 0 || prefix_blocks * bs < r.config.min_tokens {
+    if blocks == 0 || blocks * bs < r.config.min_tokens {
         return;
     }
-    let key = keys[prefix_blocks - 1];
-    let now = Instant::now();
-    if !r.arrive(key, now) {
+    let hot = Hot {
+        key: keys[blocks - 1],
+        blocks,
+        tokens: blocks * bs,
+        id: format!("rp-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed)),
+        now: Instant::now(),
+    };
+    if !r.arrive(hot.key, hot.now) {
         return;
     }
-    let id = format!("rp-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
-    let prefix_tokens = prefix_blocks * bs;
-    let skipped = |label: &'static str, source: Option<&str>, target: Option<&str>, why: String| {
-        r.count(label);
-        let entry = Entry {
-            id: &id,
+    match plan_copy(&r, &hot, candidates, eligible) {
+        Ok(plan) => start_copy(s, r, &hot, plan, tokens),
+        Err(skip) => {
+            r.count(skip.label);
+            if r.show_skip(hot.key, skip.label, hot.now) {
+                let why = format!("{}: {}", skip.label, skip.why);
+                record(
+                    s,
+                    &hot.entry(skip.source, skip.target),
+                    "replication_skipped",
+                    why,
+                );
+            }
+        }
+    }
+}
+
+/// A prefix that just turned hot: its deepest block's key, its length, the copy's id.
+struct Hot {
+    key: ChainKey,
+    blocks: usize,
+    tokens: usize,
+    id: String,
+    now: Instant,
+}
+
+impl Hot {
+    fn entry<'a>(&'a self, source: Option<&'a str>, target: Option<&'a str>) -> Entry<'a> {
+        Entry {
+            id: &self.id,
             source,
             target,
-            prefix_tokens,
-            prefix_blocks,
-        };
-        if r.show_skip(key, label, now) {
-            record(s, &entry, "replication_skipped", format!("{label}: {why}"));
+            prefix_tokens: self.tokens,
+            prefix_blocks: self.blocks,
         }
-    };
-    let copy = match pick_copy(
-        candidates,
-        prefix_blocks,
-        r.config.busy_tokens,
-        r.config.max_holders,
-    ) {
-        Ok(c) => c,
-        Err(skip) => {
-            let holders: Vec<&Candidate> = candidates
-                .iter()
-                .filter(|c| c.any_blocks >= prefix_blocks)
-                .collect();
-            let why = skip_why(skip, &holders, r.config.busy_tokens, r.config.max_holders);
-            skipped(skip.label(), holders.first().map(|c| &*c.name), None, why);
-            return;
+    }
+}
+
+/// A copy about to start: from `source` (candidate `src`) to `target` (candidate `dst`), whose
+/// slot in the per-target budget is reserved.
+struct Plan<'a> {
+    src: &'a Candidate,
+    dst: &'a Candidate,
+    source: &'a Arc<Endpoint>,
+    target: &'a Arc<Endpoint>,
+    /// The source's P2P address.
+    host: String,
+    port: u16,
+}
+
+/// Why no copy starts, as counted (`label`) and shown.
+struct Skipped<'a> {
+    label: &'static str,
+    source: Option<&'a str>,
+    target: Option<&'a str>,
+    why: String,
+}
+
+/// Who copies the hot prefix to whom (and reserves the target's slot), or why nobody does.
+fn plan_copy<'a>(
+    r: &Replication,
+    hot: &Hot,
+    candidates: &'a [Candidate],
+    eligible: &'a [Arc<Endpoint>],
+) -> Result<Plan<'a>, Skipped<'a>> {
+    let (busy, max_holders) = (r.config.busy_tokens, r.config.max_holders);
+    let copy = pick_copy(candidates, hot.blocks, busy, max_holders).map_err(|skip| {
+        let holders: Vec<&Candidate> = candidates
+            .iter()
+            .filter(|c| c.any_blocks >= hot.blocks)
+            .collect();
+        Skipped {
+            label: skip.label(),
+            source: holders.first().map(|c| &*c.name),
+            target: None,
+            why: skip_why(skip, &holders, busy, max_holders),
         }
-    };
+    })?;
     let (src, dst) = (&candidates[copy.source], &candidates[copy.target]);
+    let skipped = |label, source: &'a str, target: &'a str, why| Skipped {
+        label,
+        source: Some(source),
+        target: Some(target),
+        why,
+    };
     let (Some(source), Some(target)) =
         (by_id(eligible, src.endpoint), by_id(eligible, dst.endpoint))
     else {
         let why = "the chosen source or target is no longer eligible".to_owned();
-        skipped("skipped_no_target", Some(&src.name), Some(&dst.name), why);
-        return;
+        return Err(skipped("skipped_no_target", &src.name, &dst.name, why));
     };
     let Some((host, port)) = source.spec.p2p_host_port() else {
         let why = format!("{} has no P2P producer address", source.name);
-        skipped(
+        return Err(skipped(
             "skipped_no_source",
-            Some(&source.name),
-            Some(&target.name),
+            &source.name,
+            &target.name,
             why,
-        );
-        return;
+        ));
     };
     if !r.reserve(target.id) {
         let why = format!(
             "{} already has {} copies in flight (max_inflight_per_endpoint)",
             target.name, r.config.max_inflight_per_endpoint
         );
-        skipped(
-            "skipped_budget",
-            Some(&source.name),
-            Some(&target.name),
-            why,
-        );
-        return;
+        return Err(skipped("skipped_budget", &source.name, &target.name, why));
     }
-    r.copied(key, now);
+    Ok(Plan {
+        src,
+        dst,
+        source,
+        target,
+        host,
+        port,
+    })
+}
+
+/// Records the copy as issued and has its target pull the prefix in the background (through
+/// the engines' prefetch API); its end is recorded too.
+fn start_copy(
+    s: &Arc<RouterState>,
+    r: Arc<Replication>,
+    hot: &Hot,
+    plan: Plan<'_>,
+    tokens: &[TokenId],
+) {
+    let (source, target) = (plan.source, plan.target);
+    r.copied(hot.key, hot.now);
     r.count("issued");
-    tracing::info!(copy = %id, source = %source.name, target = %target.name,
-        tokens = prefix_tokens, "hot prefix: copying to a second holder");
+    tracing::info!(copy = %hot.id, source = %source.name, target = %target.name,
+        tokens = hot.tokens, "hot prefix: copying to a second holder");
     let issued_why = format!(
         "hot ({} requests within {} s); every holder has at least {} prefill tokens queued \
          (source {} queues {}); {} is the least loaded endpoint of its KV group ({} queued)",
@@ -154,28 +223,22 @@ fn after_placement(
         r.config.window_s,
         r.config.busy_tokens,
         source.name,
-        src.in_flight_uncached_tokens,
+        plan.src.in_flight_uncached_tokens,
         target.name,
-        dst.in_flight_uncached_tokens
+        plan.dst.in_flight_uncached_tokens
     );
-    let entry = Entry {
-        id: &id,
-        source: Some(&source.name),
-        target: Some(&target.name),
-        prefix_tokens,
-        prefix_blocks,
-    };
+    let entry = hot.entry(Some(&source.name), Some(&target.name));
     record(s, &entry, "replication_issued", issued_why);
     // An engine never takes the block holding a prompt's last token from a peer (it computes
     // that token): one token past the prefix, from this request, makes every prefix block count.
-    let end = (prefix_blocks * bs + 1).min(tokens.len());
+    let end = (hot.tokens + 1).min(tokens.len());
     let body = json!({
-        "prefetch_id": id,
+        "prefetch_id": hot.id,
         "prompt_token_ids": &tokens[..end],
         "remote_kv_source": RemoteKvSource {
-            kv_request_id: id.clone(),
-            remote_host: host,
-            remote_port: port,
+            kv_request_id: hot.id.clone(),
+            remote_host: plan.host,
+            remote_port: plan.port,
         },
     });
     // Called from the request path, which always runs on the runtime; be safe at shutdown.
@@ -184,41 +247,44 @@ fn after_placement(
         return;
     };
     let (s, source, target) = (Arc::clone(s), Arc::clone(source), Arc::clone(target));
+    let hot = Hot {
+        id: hot.id.clone(),
+        ..*hot
+    };
     runtime.spawn(async move {
         let timeout = Duration::from_secs_f64(r.config.timeout_s);
         let url = target.url(PREFETCH_PATH);
+        let bs = s.config.block_size;
         let (report, blocks, _) = send_prefetch(&s, url, &body, timeout, bs).await;
         r.release(target.id);
-        let entry = Entry {
-            id: &id,
-            source: Some(&source.name),
-            target: Some(&target.name),
-            prefix_tokens,
-            prefix_blocks,
-        };
-        let engine_says = |r: &Option<serde_json::Value>| match r {
-            Some(r) => format!(
-                "engine outcome {}, {} of {} blocks{}",
-                r.get("outcome").and_then(|v| v.as_str()).unwrap_or("?"),
-                r.get("blocks").and_then(|v| v.as_u64()).unwrap_or(0),
-                r.get("wanted_blocks").and_then(|v| v.as_u64()).unwrap_or(0),
-                r.get("reason")
-                    .and_then(|v| v.as_str())
-                    .map(|why| format!(" ({why})"))
-                    .unwrap_or_default()
-            ),
-            None => "the target refused or did not answer in time".to_owned(),
-        };
+        let entry = hot.entry(Some(&source.name), Some(&target.name));
         if blocks > 0 {
             r.count("landed");
             record(&s, &entry, "replication_landed", engine_says(&report));
         } else {
             r.count("failed");
-            tracing::info!(copy = %id, target = %target.name, report = ?report,
+            tracing::info!(copy = %hot.id, target = %target.name, report = ?report,
                 "hot prefix: copy did not land");
             record(&s, &entry, "replication_failed", engine_says(&report));
         }
     });
+}
+
+/// What the target's report says about a copy, for `/debug/decisions`.
+fn engine_says(report: &Option<serde_json::Value>) -> String {
+    match report {
+        Some(r) => format!(
+            "engine outcome {}, {} of {} blocks{}",
+            r.get("outcome").and_then(|v| v.as_str()).unwrap_or("?"),
+            r.get("blocks").and_then(|v| v.as_u64()).unwrap_or(0),
+            r.get("wanted_blocks").and_then(|v| v.as_u64()).unwrap_or(0),
+            r.get("reason")
+                .and_then(|v| v.as_str())
+                .map(|why| format!(" ({why})"))
+                .unwrap_or_default()
+        ),
+        None => "the target refused or did not answer in time".to_owned(),
+    }
 }
 
 /// One replication decision as `/debug/decisions` shows it.
