@@ -36,7 +36,7 @@ use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, RemoteKvSource, TokenId};
 use kvmesh_sched::decisions::DecisionRecord;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
-use kvmesh_sched::{Decision, SchedulingContext};
+use kvmesh_sched::{Candidate, Decision, SchedulingContext};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
@@ -44,7 +44,9 @@ use crate::fleet::endpoints::Endpoint;
 use crate::fleet::prefix::match_of;
 use crate::http::request::ParsedRequest;
 use crate::prefetch::config::{PrefetchConfig, SessionIdSource};
-use crate::prefetch::sessions::{Sessions, Ticket, TicketState, Verdict, decision_wait, verdict};
+use crate::prefetch::sessions::{
+    GapEstimate, Sessions, Ticket, TicketState, Verdict, decision_wait, verdict,
+};
 use crate::route::candidates::{by_id, gather};
 use crate::route::forward::{PREFETCH_PATH, send_prefetch};
 use crate::state::{Arrival, Hook, RequestHook, RouterState, unix_now};
@@ -341,53 +343,86 @@ fn restore_on_owner(
     if !issue(sessions, session, &id, owner, bytes, true) {
         return Next::Done;
     }
-    let expected = estimate.map_or(String::new(), |e| {
-        format!(
-            " (the session's gaps: {:.1} s ± {:.0} %)",
-            e.mean.as_secs_f64(),
-            e.spread * 100.0
-        )
-    });
-    let why = format!(
-        "next turn predicted back on its owner {}, whose GPU tier holds {gpu} of the history's \
-         {blocks} blocks and its CPU tier {cpu}: restore {} blocks ahead{expected}",
-        owner.name,
-        cpu - gpu
-    );
-    s.decisions.push(Arc::new(DecisionRecord {
-        request_id: id.clone(),
-        at: unix_now(),
-        path: PREFETCH_PATH.to_owned(),
-        prompt_tokens: tokens.len(),
+    let restore = Restore {
+        owner,
         blocks,
-        scheduling_us: 0,
-        held_ms: 0.0,
-        outcome: "prefetch_restore",
-        decision: Decision {
-            profile: "prefetch-restore".to_owned(),
-            chosen: Some(owner.id),
-            endpoint: Some(owner.name.to_string()),
-            picker: "session-owner".to_owned(),
-            filters: Vec::new(),
-            candidates: Vec::new(),
-            p2p: Some(P2pDecision {
-                source: Some(owner.id),
-                source_endpoint: Some(owner.name.to_string()),
-                skipped: None,
-                source_tokens: (cpu * bs) as u64,
-                computing_tokens: (gpu * bs) as u64,
-                delta_tokens: ((cpu - gpu) * bs) as i64,
-                predicted_recompute_ms: None,
-                predicted_pull_ms: None,
-                band: Vec::new(),
-                why,
-            }),
-        },
-    }));
+        gpu,
+        cpu,
+        block_size: bs,
+    };
+    s.decisions
+        .push(Arc::new(restore.record(&id, tokens.len(), estimate)));
     // No `remote_kv_source`: the owner restores from its own CPU tier.
     let body = json!({"prefetch_id": id, "prompt_token_ids": tokens.as_slice()});
     send_and_settle(s, sessions, session, id, owner, body, bytes, true);
     Next::Done
+}
+
+/// A restore ahead on the session's owner, as `/debug/decisions` shows it.
+struct Restore<'a> {
+    owner: &'a Endpoint,
+    /// The history's full blocks, and the owner's leading blocks of it per tier.
+    blocks: usize,
+    gpu: usize,
+    cpu: usize,
+    block_size: usize,
+}
+
+impl Restore<'_> {
+    /// The decision record of restore `id` for a `prompt_tokens`-token history (outcome
+    /// `prefetch_restore`; `why` names the session's pace when it has one).
+    fn record(
+        &self,
+        id: &str,
+        prompt_tokens: usize,
+        estimate: Option<GapEstimate>,
+    ) -> DecisionRecord {
+        let (owner, blocks, gpu, cpu, bs) =
+            (self.owner, self.blocks, self.gpu, self.cpu, self.block_size);
+        let expected = estimate.map_or(String::new(), |e| {
+            format!(
+                " (the session's gaps: {:.1} s ± {:.0} %)",
+                e.mean.as_secs_f64(),
+                e.spread * 100.0
+            )
+        });
+        let why = format!(
+            "next turn predicted back on its owner {}, whose GPU tier holds {gpu} of the history's \
+             {blocks} blocks and its CPU tier {cpu}: restore {} blocks ahead{expected}",
+            owner.name,
+            cpu - gpu
+        );
+        DecisionRecord {
+            request_id: id.to_owned(),
+            at: unix_now(),
+            path: PREFETCH_PATH.to_owned(),
+            prompt_tokens,
+            blocks,
+            scheduling_us: 0,
+            held_ms: 0.0,
+            outcome: "prefetch_restore",
+            decision: Decision {
+                profile: "prefetch-restore".to_owned(),
+                chosen: Some(owner.id),
+                endpoint: Some(owner.name.to_string()),
+                picker: "session-owner".to_owned(),
+                filters: Vec::new(),
+                candidates: Vec::new(),
+                p2p: Some(P2pDecision {
+                    source: Some(owner.id),
+                    source_endpoint: Some(owner.name.to_string()),
+                    skipped: None,
+                    source_tokens: (cpu * bs) as u64,
+                    computing_tokens: (gpu * bs) as u64,
+                    delta_tokens: ((cpu - gpu) * bs) as i64,
+                    predicted_recompute_ms: None,
+                    predicted_pull_ms: None,
+                    band: Vec::new(),
+                    why,
+                }),
+            },
+        }
+    }
 }
 
 /// The prediction: where would the session's next turn go now? The profile decides over every
@@ -407,32 +442,13 @@ fn prepare_next_turn(
         return Next::Done;
     };
     let bs = s.config.block_size;
-    let (eligible, mut candidates) = gather(s, keys, None);
-    candidates.retain(|c| c.endpoint == owner.id || (c.has_p2p && c.kv_group == owner.kv_group()));
-    let profile_name = sessions.config.profile.as_deref();
-    let Some(profile) = s.scheduler.profile(profile_name) else {
-        sessions.count("skipped_no_target");
-        return Next::Done;
-    };
     let id = format!("pf-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
     let t0 = Instant::now();
-    let ctx = SchedulingContext {
-        request_id: &id,
-        prompt_tokens: tokens.len(),
-        total_blocks: keys.len(),
-        block_size: bs,
-        max_tokens: None,
-        backlog: Default::default(),
-        may_pull: true,
-    };
-    let decision = s.scheduler.schedule(&profile, &ctx, &candidates);
-    let chosen = decision.chosen_candidate(&candidates).cloned();
-    let Some(target) = chosen.and_then(|c| by_id(&eligible, c.endpoint).cloned().map(|e| (c, e)))
+    let Some((decision, cand, target)) = next_turn_placement(s, sessions, owner, tokens, keys, &id)
     else {
         sessions.count("skipped_no_target");
         return Next::Done;
     };
-    let (cand, target) = target;
     if target.id == owner.id {
         // The next turn would go back to its owner: nothing to move between engines.
         return restore_on_owner(
@@ -481,6 +497,35 @@ fn prepare_next_turn(
     });
     send_and_settle(s, sessions, session, id, &target, body, bytes, false);
     Next::Done
+}
+
+/// Where the profile would place the session's next turn if it arrived now (request id `id`):
+/// the decision, the chosen candidate and its endpoint, among the owner and the endpoints of its
+/// KV group with a P2P consumer. None when nothing could take it.
+fn next_turn_placement(
+    s: &RouterState,
+    sessions: &Sessions,
+    owner: &Endpoint,
+    tokens: &[TokenId],
+    keys: &[ChainKey],
+    id: &str,
+) -> Option<(Decision, Candidate, Arc<Endpoint>)> {
+    let (eligible, mut candidates) = gather(s, keys, None);
+    candidates.retain(|c| c.endpoint == owner.id || (c.has_p2p && c.kv_group == owner.kv_group()));
+    let profile = s.scheduler.profile(sessions.config.profile.as_deref())?;
+    let ctx = SchedulingContext {
+        request_id: id,
+        prompt_tokens: tokens.len(),
+        total_blocks: keys.len(),
+        block_size: s.config.block_size,
+        max_tokens: None,
+        backlog: Default::default(),
+        may_pull: true,
+    };
+    let decision = s.scheduler.schedule(&profile, &ctx, &candidates);
+    let chosen = decision.chosen_candidate(&candidates).cloned()?;
+    let target = by_id(&eligible, chosen.endpoint).cloned()?;
+    Some((decision, chosen, target))
 }
 
 /// Reserves `bytes` of the in-flight budget towards `target` and attaches a running prefetch
