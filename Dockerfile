@@ -5,8 +5,9 @@
 #   docker run --rm kvmesh:dev --help
 #
 # Not built in this repository's CI (no container daemon there): it is checked by reading, against
-# what the build needs (the workspace manifests, Cargo.lock and crates/; no crate embeds a file from
-# elsewhere with include_str!/include_bytes!, and none has a build script) and what the binary links
+# what the build needs (the workspace manifests, Cargo.lock, crates/ and configs/: the router and the
+# bench embed configs/router.yaml and configs/arms/*.yaml with include_str!, so the binary carries
+# the default placement and every bench arm; no crate has a build script) and what the binary links
 # (glibc, libm, libgcc_s only: `ldd target/release/kvmesh`). See docs/deploy.md.
 
 # The toolchain the repository is built and tested with (rustc 1.95); Cargo.toml's rust-version
@@ -20,6 +21,7 @@ WORKDIR /src
 # the router's Kubernetes client) some C and assembly, both with `cc`; nothing needs cmake or clang.
 COPY Cargo.toml Cargo.lock ./
 COPY crates ./crates
+COPY configs ./configs
 # --locked: the image gets exactly the dependency versions CI tested. The cache mounts keep the
 # registry and target dir between builds (BuildKit); the binary is copied out of the cached target
 # dir in the same step.

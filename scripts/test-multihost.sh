@@ -148,12 +148,12 @@ plugins:
   - {type: round-robin-picker, name: rr}
   - type: p2p-source-producer
     name: p2p
-    parameters: {minCachedTokenDelta: 256}
-schedulingProfiles:
+    parameters: {min_cached_token_delta: 256}
+scheduling_profiles:
   - name: rr-p2p
     plugins:
-      - {pluginRef: rr}
-      - {pluginRef: p2p}
+      - {plugin_ref: rr}
+      - {plugin_ref: p2p}
 EOF
 } >"$WORK/router-agg.yaml"
 
@@ -168,15 +168,15 @@ EOF
 plugins:
   - {type: queue-scorer, name: queue}
   - {type: max-score-picker, name: max}
-schedulingProfiles:
+scheduling_profiles:
   - name: prefill
     plugins:
-      - {pluginRef: queue, weight: 1}
-      - {pluginRef: max}
+      - {plugin_ref: queue, weight: 1}
+      - {plugin_ref: max}
   - name: decode
     plugins:
-      - {pluginRef: queue, weight: 1}
-      - {pluginRef: max}
+      - {plugin_ref: queue, weight: 1}
+      - {plugin_ref: max}
 pd:
   prefill_profile: prefill
   decode_profile: decode

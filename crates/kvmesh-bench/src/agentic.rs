@@ -280,7 +280,7 @@ impl PrefetchStats {
     }
 
     /// Prefetches whose next turn went where they pulled, of those issued.
-    pub fn hit_rate(&self) -> Option<f64> {
+    fn hit_rate(&self) -> Option<f64> {
         (self.issued > 0.0).then(|| self.used / self.issued)
     }
 }

@@ -217,6 +217,7 @@ pub fn audit(
             block_size: block_size as usize,
             max_tokens: None,
             backlog: Default::default(),
+            may_pull: true,
         };
         let costs: Vec<f64> = (0..refs.len())
             .map(|i| predict(&ctx, &refs, i, &cm, &params).total_ms)

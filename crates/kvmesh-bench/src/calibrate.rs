@@ -84,7 +84,7 @@ pub fn crossover(rows: &[LadderRow]) -> Option<f64> {
 
 /// Whether pull already won at the shortest measured prefix (the crossover is then only an
 /// extrapolation, and the threshold stays at the shortest length where a win was measured).
-pub fn wins_everywhere(rows: &[LadderRow]) -> bool {
+fn wins_everywhere(rows: &[LadderRow]) -> bool {
     !rows.is_empty() && rows.iter().all(|r| r.pull_ms < r.recompute_ms)
 }
 
@@ -101,7 +101,7 @@ pub fn recommend(rows: &[LadderRow], block_size: usize, margin: f64) -> usize {
 
 /// Threshold above the crossover with a multiplicative margin, rounded up to whole blocks
 /// (at least one block, llm-d requires ≥ 1).
-pub fn recommend_delta(
+fn recommend_delta(
     crossover: Option<f64>,
     max_measured: usize,
     block_size: usize,
@@ -116,7 +116,9 @@ pub fn recommend_delta(
     (raw.ceil() as usize).div_ceil(bs).max(1) * bs
 }
 
-/// Sets every `min_cached_token_delta` / `minCachedTokenDelta` key in a router YAML document.
+/// Sets every P2P pull threshold in a router YAML document: `min_cached_token_delta` (the
+/// `p2p-source-producer`'s, outside `mode: predicted`) and `min_pull_tokens` (the
+/// `predicted-ttft-scorer`'s, which owns it in the default placement), in either spelling.
 pub fn write_threshold(yaml: &str, value: usize) -> Result<String, CalibrateError> {
     let mut doc: serde_norway::Value =
         serde_norway::from_str(yaml).map_err(|e| CalibrateError::Config(e.to_string()))?;
@@ -124,7 +126,9 @@ pub fn write_threshold(yaml: &str, value: usize) -> Result<String, CalibrateErro
     set_keys(&mut doc, value, &mut n);
     if n == 0 {
         return Err(CalibrateError::Config(
-            "no min_cached_token_delta / minCachedTokenDelta key found (add a p2p-source-producer plugin first)".into(),
+            "no min_cached_token_delta or min_pull_tokens key found (add a p2p-source-producer \
+             or a predicted-ttft-scorer first)"
+                .into(),
         ));
     }
     serde_norway::to_string(&doc).map_err(|e| CalibrateError::Config(e.to_string()))
@@ -136,7 +140,12 @@ fn set_keys(v: &mut serde_norway::Value, value: usize, n: &mut usize) {
             for (k, child) in m.iter_mut() {
                 if matches!(
                     k.as_str(),
-                    Some("min_cached_token_delta" | "minCachedTokenDelta")
+                    Some(
+                        "min_cached_token_delta"
+                            | "minCachedTokenDelta"
+                            | "min_pull_tokens"
+                            | "minPullTokens"
+                    )
                 ) {
                     *child = serde_norway::Value::Number((value as u64).into());
                     *n += 1;
@@ -471,5 +480,9 @@ mod tests {
         assert!(write_threshold("plugins: []\n", 1).is_err());
         let snake = write_threshold("p2p:\n  min_cached_token_delta: 5\n", 64).unwrap();
         assert!(snake.contains("min_cached_token_delta: 64"));
+        // The default placement: the scorer owns the threshold.
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/router.yaml");
+        let out = write_threshold(&std::fs::read_to_string(path).unwrap(), 4096).unwrap();
+        assert!(out.contains("min_pull_tokens: 4096"), "{out}");
     }
 }

@@ -80,7 +80,7 @@ pub fn prompt_text(ids: &[TokenId]) -> Option<String> {
 }
 
 /// The request body's `prompt` value for `format`.
-pub fn prompt_value(ids: &[TokenId], format: PromptFormat) -> Value {
+fn prompt_value(ids: &[TokenId], format: PromptFormat) -> Value {
     match format {
         PromptFormat::Text => match prompt_text(ids) {
             Some(t) => Value::String(t),

@@ -419,7 +419,8 @@ impl Fleet {
         Ok(fleet)
     }
 
-    /// The router YAML for the current engines (the router's static endpoint list).
+    /// The router YAML for the current engines: the arm's file with the fleet's endpoints (the
+    /// router's static endpoint list), seed, pull threshold and clock.
     fn render_router_config(&self, spec: &FleetSpec, r: &RouterSpec) -> Result<String, FleetError> {
         let arm: Arm = r.profile.parse().map_err(FleetError::Spec)?;
         let endpoints: Vec<EndpointInfo> = self
@@ -433,13 +434,13 @@ impl Fleet {
                 role: e.role,
             })
             .collect();
-        Ok(router_config::render_scaled(
-            arm,
-            &endpoints,
-            r.min_cached_token_delta,
-            spec.seed.unwrap_or(0),
-            spec.time_scale(),
-        ))
+        let fleet = router_config::FleetRouter {
+            endpoints: &endpoints,
+            seed: spec.seed.unwrap_or(0),
+            pull_threshold: r.min_cached_token_delta,
+            time_scale: spec.time_scale(),
+        };
+        router_config::arm_yaml(arm, &fleet).map_err(FleetError::Spec)
     }
 
     /// Starts one more engine of `group` (named and numbered after the existing ones), waits

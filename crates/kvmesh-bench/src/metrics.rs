@@ -26,7 +26,7 @@ pub fn sum(samples: &[Sample], name: &str) -> f64 {
 
 /// Totals of every counter whose name starts with `prefix`, keyed by name plus its distinguishing
 /// labels (e.g. `kvmesh_p2p_payload_bytes_total{direction=in}`).
-pub fn totals_by_prefix(samples: &[Sample], prefix: &str) -> BTreeMap<String, f64> {
+fn totals_by_prefix(samples: &[Sample], prefix: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     for s in samples.iter().filter(|s| s.name.starts_with(prefix)) {
         // Histogram buckets would multiply-count; keep only their _sum/_count.

@@ -175,7 +175,7 @@ pub fn pair(control: &[RunRecords<'_>], arm: &[RunRecords<'_>]) -> Vec<Pair> {
 }
 
 /// Resamples for `n` pairs: [`RESAMPLES`], fewer when that would exceed the draw budget.
-pub fn resamples_for(n: usize) -> usize {
+fn resamples_for(n: usize) -> usize {
     (DRAW_BUDGET / n.max(1)).clamp(200, RESAMPLES)
 }
 
@@ -184,7 +184,7 @@ pub fn resamples_for(n: usize) -> usize {
 /// sessions as the run has, with replacement, and a drawn session brings all its pairs (a
 /// session's turns share a history and a placement, so they are not independent). None with
 /// fewer than two sessions.
-pub fn bootstrap_diffs(
+fn bootstrap_diffs(
     pairs: &[Pair],
     qs: &[f64],
     resamples: usize,

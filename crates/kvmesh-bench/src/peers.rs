@@ -57,7 +57,7 @@ impl PeerRouter {
     }
 
     /// The PyPI distribution that ships it (its `*.dist-info` names the installed version).
-    pub fn distribution(self) -> &'static str {
+    fn distribution(self) -> &'static str {
         match self {
             Self::VllmRouter => "vllm_router",
             Self::Smg => "sglang_router",
@@ -144,7 +144,7 @@ impl PeerArm {
     }
 
     /// Whether the router subscribes to the engines' KV events.
-    pub fn uses_kv_events(self) -> bool {
+    fn uses_kv_events(self) -> bool {
         matches!(
             self.policy,
             PeerPolicy::KvAware | PeerPolicy::KvAwareSessions

@@ -141,7 +141,7 @@ const OUTSIDE_NOTE: &str = "\n*TTFT outside the engines*: the client's mean TTFT
 
 /// Mean client TTFT minus the engines' mean TTFT, wall seconds: the time a request spends
 /// outside the engines before its first chunk reaches the client (router, HTTP, client).
-pub fn outside_engines_s(r: &ArmResult) -> Option<f64> {
+fn outside_engines_s(r: &ArmResult) -> Option<f64> {
     let (n, sum) = r
         .records
         .iter()
@@ -378,7 +378,7 @@ impl BenchReport {
 
     /// Per workload, one row per router (kvmesh profiles and peer routers alike): TTFT, the
     /// engines' local prefix-cache hit rate, tokens pulled over P2P and requests per engine.
-    pub fn routers_table(&self) -> String {
+    fn routers_table(&self) -> String {
         let mut s = String::new();
         for (workload, arms) in self.by_workload() {
             let _ = writeln!(s, "\n**{workload}: routers side by side**\n");
@@ -415,7 +415,7 @@ impl BenchReport {
     /// Per workload, kvmesh arms' decision audit ([`crate::audit`]): what the router expected
     /// vs what the engines found, distance from the cost function's choice, cold-request TTFT,
     /// and whether pulls landed.
-    pub fn audit_table(&self) -> String {
+    fn audit_table(&self) -> String {
         let mut s = String::new();
         for (workload, arms) in self.by_workload() {
             let audited: Vec<_> = arms

@@ -92,7 +92,7 @@ pub fn is_aggregated(w: &Workload) -> bool {
 
 /// The engines a restart replaces: every prefill engine of a P/D fleet, else the first half of
 /// the aggregated engines (at least one).
-pub fn engines_to_replace(roles: &[Role]) -> Vec<usize> {
+fn engines_to_replace(roles: &[Role]) -> Vec<usize> {
     let prefill: Vec<usize> = (0..roles.len())
         .filter(|&i| roles[i] == Role::Prefill)
         .collect();
@@ -233,7 +233,7 @@ pub struct RestartResult {
 
 /// The window index from which TTFT p90 is back within `factor` × `steady` for good (this and
 /// every later window with turns in it).
-pub fn recovered_from(windows: &[Window], steady_p90: f64, factor: f64) -> Option<usize> {
+fn recovered_from(windows: &[Window], steady_p90: f64, factor: f64) -> Option<usize> {
     let ok = |w: &Window| w.turns == 0 || w.ttft.p90 <= steady_p90 * factor;
     (0..windows.len()).find(|&i| windows[i].turns > 0 && windows[i..].iter().all(ok))
 }

@@ -201,7 +201,7 @@ fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, run: u32, e: &RunError) -> Ar
 /// The folder under `logs/` of one (workload, arm, run): workload and arm names made safe for
 /// a path (`trace:…`, `vllm-router:kv_aware`), and from the second run on `-run2`, `-run3`, …
 /// so repeats keep their own logs (the first run keeps the name a single run always had).
-pub fn log_dir_name(workload: &str, arm: &str, run: u32) -> String {
+fn log_dir_name(workload: &str, arm: &str, run: u32) -> String {
     let suffix = if run > 0 {
         format!("-run{}", run + 1)
     } else {
@@ -220,7 +220,7 @@ pub fn log_dir_name(workload: &str, arm: &str, run: u32) -> String {
 }
 
 /// One arm on a fresh fleet; `run` is the repeat index (0-based).
-pub async fn run_arm(plan: &Plan, w: &Workload, arm: Arm, run: u32) -> Result<ArmResult, RunError> {
+async fn run_arm(plan: &Plan, w: &Workload, arm: Arm, run: u32) -> Result<ArmResult, RunError> {
     let spec = fleet_for(w, arm, &plan.fleet);
     let log_dir = plan
         .out_dir

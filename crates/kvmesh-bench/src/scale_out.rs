@@ -240,7 +240,7 @@ fn keeps_up(r: &WindowRow) -> Option<bool> {
 /// The first window from which the newcomer keeps up in [`SUSTAIN`] consecutive judged windows
 /// (windows without enough requests are skipped, neither confirming nor breaking; at the end of
 /// the run fewer judged windows suffice if all of them keep up). `None` = not within the run.
-pub fn warm_up_window(rows: &[WindowRow]) -> Option<usize> {
+fn warm_up_window(rows: &[WindowRow]) -> Option<usize> {
     let judged: Vec<(usize, bool)> = rows
         .iter()
         .enumerate()
@@ -257,7 +257,7 @@ pub fn warm_up_window(rows: &[WindowRow]) -> Option<usize> {
 /// was faster count 0, windows without requests on either side are skipped). Two arms that warm
 /// up in the same number of windows can differ here: a pulled prefix costs its requests less
 /// than a recomputed one.
-pub fn excess_ttft_s(rows: &[WindowRow]) -> f64 {
+fn excess_ttft_s(rows: &[WindowRow]) -> f64 {
     rows.iter()
         .filter_map(|r| {
             let gap = r.new_ttft_mean_s? - r.fleet_ttft_mean_s?;

@@ -169,7 +169,7 @@ pub fn summarize(
     }
 }
 
-pub fn kind_name(k: StepKind) -> String {
+fn kind_name(k: StepKind) -> String {
     serde_json::to_value(k)
         .ok()
         .and_then(|v| v.as_str().map(str::to_owned))

@@ -99,7 +99,7 @@ pub fn stats(rows: &[TraceRow]) -> TraceStats {
 }
 
 /// The prompt of a row: one seeded 512-token segment per hash id, the last cut to the input length.
-pub fn row_segments(row: &TraceRow, seed: u64) -> Vec<Segment> {
+fn row_segments(row: &TraceRow, seed: u64) -> Vec<Segment> {
     let mut left = row.input_length;
     row.hash_ids
         .iter()

@@ -537,7 +537,8 @@ pub fn agentic_pd(scale: Scale, seed: u64) -> Workload {
 }
 
 /// The nominal prompt length of every step, assuming each answer is exactly `max_tokens` long.
-pub fn nominal_prompt_lengths(session: &Session) -> Vec<usize> {
+#[cfg(test)]
+fn nominal_prompt_lengths(session: &Session) -> Vec<usize> {
     let mut out = Vec::new();
     let mut prev = 0usize;
     let mut prev_answer = 0usize;

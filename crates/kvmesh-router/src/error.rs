@@ -36,15 +36,6 @@ impl ApiError {
             param: None,
         }
     }
-    pub fn payload_too_large(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            kind: "BadRequestError",
-            message: message.into(),
-            retry_after_secs: None,
-            param: None,
-        }
-    }
     pub fn bad_gateway(message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::BAD_GATEWAY,
@@ -113,7 +104,7 @@ impl IntoResponse for ApiError {
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {
     #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
+    Config(#[from] crate::config::error::ConfigError),
     #[error(transparent)]
     Plugin(#[from] kvmesh_sched::plugins::PluginError),
     #[error("tokenizer: {0}")]
@@ -125,5 +116,5 @@ pub enum RouterError {
     #[error("watching endpoints file: {0}")]
     Watch(String),
     #[error(transparent)]
-    Discovery(#[from] crate::discovery::DiscoveryError),
+    Discovery(#[from] crate::fleet::discovery::DiscoveryError),
 }

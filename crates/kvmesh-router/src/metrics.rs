@@ -9,7 +9,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::endpoints::EndpointSet;
+use crate::fleet::endpoints::EndpointSet;
 use kvmesh_sched::cost_model::CostModel;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

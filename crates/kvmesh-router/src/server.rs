@@ -24,19 +24,21 @@ use kvmesh_sched::Scheduler;
 use kvmesh_sched::cost_model::CostModel;
 use kvmesh_sched::decisions::DecisionLog;
 
-use crate::app::app;
 use crate::config::{
     DiscoveryConfig, EndpointSpec, RouterConfig, TokenizerSpec, load_endpoints_file,
 };
-use crate::conversations::PdRouter;
-use crate::discovery::{DiscoveryOverrides, Sink};
-use crate::endpoints::{Discovered, EndpointSet};
 use crate::error::RouterError;
-use crate::feed::{EventFeed, NoEvents};
+use crate::fleet::discovery::{DiscoveryOverrides, Sink};
+use crate::fleet::endpoints::{Discovered, EndpointSet};
+use crate::fleet::feed::{EventFeed, NoEvents};
+use crate::fleet::prefix::PrefixLookup;
+use crate::fleet::scrape::{health_loop, scrape_loop};
+use crate::http::app::app;
 use crate::metrics::{Kind, RouterMetrics};
-use crate::prefix::PrefixLookup;
-use crate::scrape::{health_loop, scrape_loop};
-use crate::state::RouterState;
+use crate::pd::conversations::PdRouter;
+use crate::prefetch::Prefetch;
+use crate::replication::Replicate;
+use crate::state::{Hook, RouterState};
 
 /// Optional overrides, mostly for tests.
 #[derive(Default)]
@@ -101,7 +103,7 @@ async fn build_tokenizer(spec: &TokenizerSpec) -> Result<Arc<dyn Tokenizer>, Rou
         } => {
             let (path, chat_template) = (path.clone(), chat_template.clone());
             tokio::task::spawn_blocking(move || {
-                crate::tokenizer::hf(&path, chat_template.as_deref())
+                crate::http::tokenizer::hf(&path, chat_template.as_deref())
             })
             .await
             .map_err(|e| RouterError::Tokenizer(e.to_string()))?
@@ -116,6 +118,7 @@ pub async fn start(
     opts: RouterOptions,
 ) -> Result<RouterHandle, RouterError> {
     config.validate()?;
+    let config = config.with_default_placement()?;
     if config.header_read_timeout.is_zero() {
         return Err(
             crate::config::ConfigError::Invalid("header_read_timeout must be > 0".into()).into(),
@@ -159,11 +162,11 @@ pub async fn start(
                 max_blocks: config.index.max_blocks,
                 ..IndexConfig::default()
             }));
-            let feed = crate::feed::start(
+            let feed = crate::fleet::feed::start(
                 Arc::clone(&index),
-                crate::indexer::IndexerConfig {
+                crate::fleet::indexer::IndexerConfig {
                     gap_grace: config.index.gap_grace,
-                    ..crate::indexer::IndexerConfig::default()
+                    ..crate::fleet::indexer::IndexerConfig::default()
                 },
                 &mut registry,
                 cancel.clone(),
@@ -190,35 +193,17 @@ pub async fn start(
         )?)),
         None => None,
     };
-    let dispatch = config
-        .dispatch
-        .clone()
-        .map(|c| Arc::new(crate::dispatch::Dispatcher::new(c, &mut registry)));
-    let sessions = match &config.prefetch {
-        Some(c) => {
-            if scheduler.profile(c.profile.as_deref()).is_none() {
-                return Err(crate::config::ConfigError::Invalid(format!(
-                    "prefetch: unknown scheduling profile {:?}",
-                    c.profile
-                ))
-                .into());
-            }
-            Some(Arc::new(crate::sessions::Sessions::new(
-                c.clone(),
-                &mut registry,
-            )))
-        }
-        None => None,
-    };
-    let replication = config
-        .replication
-        .clone()
-        .map(|c| Arc::new(crate::hot_prefixes::Replication::new(c, &mut registry)));
+    let admission_queue = config.admission_queue.clone().map(|c| {
+        Arc::new(crate::route::admission_queue::AdmissionQueue::new(
+            c,
+            &mut registry,
+        ))
+    });
+    let hooks = hooks(&config, &scheduler, &mut registry)?;
     let state = Arc::new(RouterState {
         pd,
-        dispatch,
-        sessions,
-        replication,
+        admission_queue,
+        hooks,
         decisions: DecisionLog::new(config.decisions_capacity),
         config,
         endpoints: Arc::clone(&endpoints),
@@ -255,7 +240,7 @@ pub async fn start(
             let (state, feed) = (Arc::clone(&state), Arc::clone(&feed));
             Arc::new(move |found: Vec<Discovered>| apply_discovered(&state, &*feed, found))
         };
-        let started = crate::discovery::spawn(
+        let started = crate::fleet::discovery::spawn(
             d,
             opts.discovery,
             sink,
@@ -301,8 +286,31 @@ pub async fn start(
     })
 }
 
+/// The features the config turns on, as the hooks the aggregated route calls.
+fn hooks(
+    config: &RouterConfig,
+    scheduler: &Scheduler,
+    registry: &mut Registry,
+) -> Result<Vec<Arc<dyn Hook>>, RouterError> {
+    let mut hooks: Vec<Arc<dyn Hook>> = Vec::new();
+    if let Some(c) = &config.prefetch {
+        if scheduler.profile(c.profile.as_deref()).is_none() {
+            return Err(crate::config::ConfigError::Invalid(format!(
+                "prefetch: unknown scheduling profile {:?}",
+                c.profile
+            ))
+            .into());
+        }
+        hooks.push(Arc::new(Prefetch::new(c.clone(), registry)));
+    }
+    if let Some(c) = &config.replication {
+        hooks.push(Arc::new(Replicate::new(c.clone(), registry)));
+    }
+    Ok(hooks)
+}
+
 /// Applies a new endpoint list: subscribes new endpoints' events, forgets removed ones.
-pub fn apply_endpoints(state: &RouterState, feed: &dyn EventFeed, specs: Vec<EndpointSpec>) {
+fn apply_endpoints(state: &RouterState, feed: &dyn EventFeed, specs: Vec<EndpointSpec>) {
     apply_discovered(
         state,
         feed,
@@ -339,7 +347,7 @@ pub fn apply_discovered(state: &RouterState, feed: &dyn EventFeed, found: Vec<Di
     }
 }
 
-fn log_readiness(state: &RouterState, flipped: &[(Arc<crate::endpoints::Endpoint>, bool)]) {
+fn log_readiness(state: &RouterState, flipped: &[(Arc<crate::fleet::endpoints::Endpoint>, bool)]) {
     for (e, ready) in flipped {
         let kind = if *ready { "ready" } else { "not_ready" };
         state

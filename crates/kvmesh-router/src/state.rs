@@ -1,10 +1,14 @@
-//! What every handler shares ([`RouterState`]), and how a placed request is recorded: the
-//! placement metrics, `/debug/decisions`, and the `x-kvmesh-decision` summary.
+//! What every handler shares ([`RouterState`]); the hooks features register into the aggregated
+//! route ([`Hook`], [`RequestHook`]); and how a placed request is recorded: the placement
+//! metrics, `/debug/decisions`, and the `x-kvmesh-decision` summary.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::http::{HeaderMap, StatusCode};
+use kvmesh_core::{ChainKey, TokenId};
+use kvmesh_sched::Candidate;
 use kvmesh_sched::cost_model::CostModel;
 use kvmesh_sched::decisions::{DecisionLog, DecisionRecord};
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
@@ -13,14 +17,13 @@ use kvmesh_text::Tokenizer;
 use prometheus_client::registry::Registry;
 
 use crate::config::RouterConfig;
-use crate::conversations::PdRouter;
-use crate::dispatch::Dispatcher;
-use crate::endpoints::{Endpoint, EndpointSet};
-use crate::feed::EventFeed;
+use crate::fleet::endpoints::{Endpoint, EndpointSet};
+use crate::fleet::feed::EventFeed;
+use crate::fleet::prefix::PrefixLookup;
+use crate::http::request::{ApiKind, ParsedRequest};
 use crate::metrics::RouterMetrics;
-use crate::prefix::PrefixLookup;
-use crate::request::ApiKind;
-use crate::sessions::Sessions;
+use crate::pd::conversations::PdRouter;
+use crate::route::admission_queue::AdmissionQueue;
 
 /// Everything the handlers share.
 pub struct RouterState {
@@ -36,16 +39,61 @@ pub struct RouterState {
     pub tokenizer: Arc<dyn Tokenizer>,
     /// P/D disaggregation, when the config has a `pd:` section.
     pub pd: Option<Arc<PdRouter>>,
-    /// The admission queue, when the config has a `dispatch:` section.
-    pub dispatch: Option<Arc<Dispatcher>>,
+    /// The admission queue, when the config has a `admission_queue:` section.
+    pub admission_queue: Option<Arc<AdmissionQueue>>,
     /// Client requests held now (bounded by `config.max_in_flight`).
     pub in_flight: AtomicUsize,
     /// The KV-event feed (what each endpoint's event stream has delivered).
     pub feed: Arc<dyn EventFeed>,
-    /// Sessions followed for prefetch ahead of arrival, when the config has `prefetch:`.
-    pub sessions: Option<Arc<Sessions>>,
-    /// Hot-prefix replication, when the config has `replication:`.
-    pub replication: Option<Arc<crate::hot_prefixes::Replication>>,
+    /// The features hooked into the aggregated route (`prefetch:`, `replication:`), in order.
+    pub hooks: Vec<Arc<dyn Hook>>,
+}
+
+/// A feature around the aggregated route (prefetch, hot-prefix replication), registered at start
+/// in [`RouterState::hooks`]. The route calls every hook at fixed points of each request and knows
+/// nothing of what it does; a hook never delays or fails a request.
+pub trait Hook: Send + Sync {
+    /// A client request arrived, before placement: what this feature follows it with through the
+    /// rest of its way (None: nothing for this request).
+    fn on_arrival(
+        &self,
+        _s: &Arc<RouterState>,
+        _arrival: &Arrival<'_>,
+    ) -> Option<Box<dyn RequestHook>> {
+        None
+    }
+
+    /// The request was placed (its decision recorded, its load reserved), before it is
+    /// forwarded; once per attempt.
+    fn after_placement(&self, _s: &Arc<RouterState>, _placed: &Placed<'_>) {}
+}
+
+/// A client request as it arrives.
+pub struct Arrival<'a> {
+    pub headers: &'a HeaderMap,
+    pub request: &'a ParsedRequest,
+}
+
+/// A placement as hooks see it.
+pub struct Placed<'a> {
+    pub tokens: &'a [TokenId],
+    /// The prompt's chain keys (full blocks).
+    pub keys: &'a [ChainKey],
+    /// The router's view of `eligible` just before the placement.
+    pub candidates: &'a [Candidate],
+    pub eligible: &'a [Arc<Endpoint>],
+    /// Where it went.
+    pub endpoint: &'a Arc<Endpoint>,
+}
+
+/// One feature's part in one request (see [`Hook::on_arrival`]).
+pub trait RequestHook: Send {
+    /// The engine `ep` answered with `status` (an attempt that got no answer is not reported).
+    fn on_answer(&mut self, _s: &Arc<RouterState>, _ep: &Arc<Endpoint>, _status: StatusCode) {}
+
+    /// The answer's body ended after at least one byte, however it ended: the prompt's blocks
+    /// exist on the engine that answered.
+    fn on_end(self: Box<Self>) {}
 }
 
 /// Placements on an endpoint after which an event stream that delivered nothing is reported: an

@@ -78,7 +78,7 @@ async fn start_fake() -> Fake {
 fn yaml(p: &Fake, d: &Fake) -> String {
     format!(
         "seed: 1\nplugins:\n  - {{type: round-robin-picker, name: rr}}\n\
-         schedulingProfiles:\n  - {{name: prefill, plugins: [{{pluginRef: rr}}]}}\n  - {{name: decode, plugins: [{{pluginRef: rr}}]}}\n\
+         scheduling_profiles:\n  - {{name: prefill, plugins: [{{plugin_ref: rr}}]}}\n  - {{name: decode, plugins: [{{plugin_ref: rr}}]}}\n\
          pd: {{prefill_profile: prefill, decode_profile: decode, decider: always, bidirectional: true}}\nendpoints:\n\
          \x20 - {{name: p0, role: prefill, url: \"{}\", p2p: \"127.0.0.1:7100\"}}\n\
          \x20 - {{name: d0, role: decode, url: \"{}\", p2p: \"127.0.0.1:7101\"}}\n",

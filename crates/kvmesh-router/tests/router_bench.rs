@@ -140,8 +140,8 @@ async fn bench_scheduling_240k_tokens_96_endpoints() {
         "metrics_scrape_interval: 10s\nhealth_check: {interval: 10s}\nmax_body_bytes: 16000000\n\
          plugins:\n  - {type: prefix-cache-scorer, name: prefix}\n  - {type: queue-scorer, name: queue}\n\
          \x20 - {type: kv-cache-utilization-scorer, name: kvu}\n  - {type: prefix-cache-affinity-filter, name: sticky}\n\
-         \x20 - {type: max-score-picker, name: max}\n  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 2048}}\n\
-         schedulingProfiles:\n  - name: full\n    plugins: [{pluginRef: sticky}, {pluginRef: prefix, weight: 3}, {pluginRef: queue, weight: 2}, {pluginRef: kvu, weight: 2}, {pluginRef: max}, {pluginRef: p2p}]\n\
+         \x20 - {type: max-score-picker, name: max}\n  - {type: p2p-source-producer, name: p2p, parameters: {min_cached_token_delta: 2048}}\n\
+         scheduling_profiles:\n  - name: full\n    plugins: [{plugin_ref: sticky}, {plugin_ref: prefix, weight: 3}, {plugin_ref: queue, weight: 2}, {plugin_ref: kvu, weight: 2}, {plugin_ref: max}, {plugin_ref: p2p}]\n\
          endpoints:\n",
     );
     for e in 0..ENDPOINTS {

@@ -239,10 +239,10 @@ trust_client_kv_transfer_params: true
 plugins:
   - {type: queue-scorer, name: queue}
   - {type: round-robin-picker, name: rr}
-  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 64}}
-schedulingProfiles:
+  - {type: p2p-source-producer, name: p2p, parameters: {min_cached_token_delta: 64}}
+scheduling_profiles:
   - name: load-p2p
-    plugins: [{pluginRef: queue, weight: 1}, {pluginRef: rr}, {pluginRef: p2p}]
+    plugins: [{plugin_ref: queue, weight: 1}, {plugin_ref: rr}, {plugin_ref: p2p}]
 "#;
 
 #[tokio::test]
@@ -600,7 +600,7 @@ async fn a_refused_connection_is_retried_elsewhere_and_ejects_the_endpoint() {
 seed: 1
 health_check: {{interval: 60s, timeout: 1s, unhealthy_threshold: 3, healthy_threshold: 1, path: /health}}
 plugins: [{{type: round-robin-picker, name: rr}}]
-schedulingProfiles: [{{name: rr, plugins: [{{pluginRef: rr}}]}}]
+scheduling_profiles: [{{name: rr, plugins: [{{plugin_ref: rr}}]}}]
 endpoints:
   - {{name: dead, url: "{dead_url}"}}
   - {{name: e1, url: "{}"}}
@@ -687,7 +687,7 @@ async fn a_silent_event_stream_is_reported() {
         let yaml = format!(
             r#"
 plugins: [{{type: round-robin-picker, name: rr}}]
-schedulingProfiles: [{{name: rr, plugins: [{{pluginRef: rr}}]}}]
+scheduling_profiles: [{{name: rr, plugins: [{{plugin_ref: rr}}]}}]
 endpoints:
   - {{name: e0, url: "{}", kv_events: {{endpoint: "tcp://127.0.0.1:{port}", bind: true, topic: ""}}}}
   - {{name: e1, url: "{}"}}
@@ -736,9 +736,9 @@ async fn a_refused_decode_leg_is_retried_on_another_decoder() {
             r#"
 health_check: {{interval: 60s, timeout: 1s, unhealthy_threshold: 3, healthy_threshold: 1, path: /health}}
 plugins: [{{type: round-robin-picker, name: rrp}}, {{type: round-robin-picker, name: rrd}}]
-schedulingProfiles:
-  - {{name: p, plugins: [{{pluginRef: rrp}}]}}
-  - {{name: d, plugins: [{{pluginRef: rrd}}]}}
+scheduling_profiles:
+  - {{name: p, plugins: [{{plugin_ref: rrp}}]}}
+  - {{name: d, plugins: [{{plugin_ref: rrd}}]}}
 pd: {{prefill_profile: p, decode_profile: d}}
 endpoints:
   - {{name: p0, url: "{}", role: prefill}}

@@ -174,7 +174,7 @@ async fn pd_hand_offs_stay_inside_a_kv_group() {
         }
         let mut cfg = String::from(
             "seed: 1\nplugins:\n  - {type: round-robin-picker, name: rr}\n  - {type: prefix-cache-scorer, name: prefix}\n\
-             schedulingProfiles:\n  - {name: prefill, plugins: [{pluginRef: rr}]}\n  - {name: decode, plugins: [{pluginRef: prefix}]}\n\
+             scheduling_profiles:\n  - {name: prefill, plugins: [{plugin_ref: rr}]}\n  - {name: decode, plugins: [{plugin_ref: prefix}]}\n\
              pd: {prefill_profile: prefill, decode_profile: decode, decider: always}\nendpoints:\n",
         );
         for (e, (_, role, group)) in engines.iter().zip(spec) {

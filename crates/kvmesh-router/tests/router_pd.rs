@@ -50,7 +50,7 @@ fn role_name(e: &SimEngine) -> &'static str {
 fn yaml(engines: &[SimEngine], bidirectional: bool, decider: &str) -> String {
     let mut s = format!(
         "seed: 1\nmetrics_scrape_interval: 50ms\nplugins:\n  - {{type: round-robin-picker, name: rr}}\n  - {{type: prefix-cache-scorer, name: prefix}}\n\
-         schedulingProfiles:\n  - {{name: prefill, plugins: [{{pluginRef: rr}}]}}\n  - {{name: decode, plugins: [{{pluginRef: prefix}}]}}\n\
+         scheduling_profiles:\n  - {{name: prefill, plugins: [{{plugin_ref: rr}}]}}\n  - {{name: decode, plugins: [{{plugin_ref: prefix}}]}}\n\
          pd: {{prefill_profile: prefill, decode_profile: decode, decider: {decider}, bidirectional: {bidirectional}}}\nendpoints:\n"
     );
     for e in engines {
@@ -438,8 +438,8 @@ async fn p2p_source_producer_names_the_decoder_for_a_prefiller() {
             "  - {type: prefix-cache-scorer, name: prefix}\n",
             "  - {type: prefix-cache-scorer, name: prefix}\n  - {type: p2p-source-producer, name: p2p}\n",
         ).replace(
-            "{name: prefill, plugins: [{pluginRef: rr}]}",
-            "{name: prefill, plugins: [{pluginRef: rr}, {pluginRef: p2p}]}",
+            "{name: prefill, plugins: [{plugin_ref: rr}]}",
+            "{name: prefill, plugins: [{plugin_ref: rr}, {plugin_ref: p2p}]}",
         );
         let r = start_router(&cfg, None).await;
         let q1 = doc(12, 1000);

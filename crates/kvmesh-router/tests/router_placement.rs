@@ -34,7 +34,7 @@ async fn default_pipeline_places_by_queued_prefill_work_not_request_count() {
     // Both hold every request for 3 s before the first byte: everything stays "in flight".
     a.set_mode(Mode::Slow(Duration::from_secs(3)));
     b.set_mode(Mode::Slow(Duration::from_secs(3)));
-    // No schedulingProfiles: the router's default pipeline (predicted TTFT, priced pulls).
+    // No scheduling_profiles: the router's default pipeline (predicted TTFT, priced pulls).
     let yaml = format!(
         "block_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n{}",
         endpoints_yaml(&[&a, &b])
@@ -74,7 +74,8 @@ async fn default_pipeline_places_by_queued_prefill_work_not_request_count() {
 
     let decisions = get_json(&format!("{url}/debug/decisions?last=1")).await;
     let last = &decisions[0];
-    assert_eq!(last["profile"], "default");
+    // The default placement is configs/router.yaml's profile.
+    assert_eq!(last["profile"], "ttft-p2p");
     let cands = last["candidates"].as_array().unwrap();
     let predicted = |name: &str| -> Value {
         cands
@@ -99,7 +100,7 @@ async fn default_pipeline_places_by_queued_prefill_work_not_request_count() {
     }
 }
 
-/// With `dispatch:`, requests beyond every endpoint's prefill share wait at the router and leave
+/// With `admission_queue:`, requests beyond every endpoint's prefill share wait at the router and leave
 /// shortest work first: a short prompt that arrives after a long one still reaches the engine
 /// first, and both decisions record how long they were held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,7 +109,7 @@ async fn the_admission_queue_lets_short_prompts_overtake_long_ones() {
     a.set_mode(Mode::Slow(Duration::from_millis(800)));
     let yaml = format!(
         "block_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n\
-         dispatch: {{max_queued_prefill_tokens: 50, aging: 0, max_hold: 30s}}\n{}",
+         admission_queue: {{max_queued_prefill_tokens: 50, aging: 0, max_hold: 30s}}\n{}",
         endpoints_yaml(&[&a])
     );
     let router = start_router(&yaml, None).await;
@@ -126,7 +127,7 @@ async fn the_admission_queue_lets_short_prompts_overtake_long_ones() {
     let short = spawn(100, 3);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(a.count(), 1, "both later prompts are held at the router");
-    let held = common::scrape_metric(&url, "kvmesh_router_dispatch_waiting", "").await;
+    let held = common::scrape_metric(&url, "kvmesh_router_admission_queue_waiting", "").await;
     assert_eq!(held, 2.0);
     for r in [first, long, short] {
         assert!(r.await.unwrap().status().is_success());
@@ -170,11 +171,11 @@ async fn with_pulls_when_held_off_a_request_released_from_the_admission_queue_do
         prefix.set(&[(0, 20, 20)]); // e0 holds 320 tokens of every prompt, in both tiers
         let yaml = format!(
             "seed: 7\nblock_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n\
-             dispatch: {{max_queued_prefill_tokens: 50, aging: 0, max_hold: 30s, pulls_when_held: {pulls_when_held}}}\n\
+             admission_queue: {{max_queued_prefill_tokens: 50, aging: 0, max_hold: 30s, pulls_when_held: {pulls_when_held}}}\n\
              plugins:\n  - {{type: queue-scorer, name: queue}}\n  - {{type: max-score-picker, name: max}}\n  \
-             - {{type: p2p-source-producer, name: p2p, parameters: {{minCachedTokenDelta: 64}}}}\n\
-             schedulingProfiles:\n  - name: load-p2p\n    \
-             plugins: [{{pluginRef: queue, weight: 1}}, {{pluginRef: max}}, {{pluginRef: p2p}}]\n{}",
+             - {{type: p2p-source-producer, name: p2p, parameters: {{min_cached_token_delta: 64}}}}\n\
+             scheduling_profiles:\n  - name: load-p2p\n    \
+             plugins: [{{plugin_ref: queue, weight: 1}}, {{plugin_ref: max}}, {{plugin_ref: p2p}}]\n{}",
             endpoints_yaml(&[&e0, &e1])
         );
         let router = start_router(&yaml, Some(prefix)).await;
@@ -242,7 +243,7 @@ async fn a_request_released_ahead_of_first_seen_prompts_stays_with_its_prefix_ra
         // 4,000 tokens to compute: more than an endpoint's 3,900-token share.
         let yaml = format!(
             "seed: 7\nblock_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 1h\n\
-             dispatch: {{max_queued_prefill_tokens: 3900, aging: 0, max_hold: 30s}}\n{}",
+             admission_queue: {{max_queued_prefill_tokens: 3900, aging: 0, max_hold: 30s}}\n{}",
             endpoints_yaml(&[&e0, &e1])
         );
         let router = start_router(&yaml, Some(prefix)).await;

@@ -30,12 +30,12 @@ plugins:
   - {type: prefix-cache-scorer, name: prefix}
   - {type: queue-scorer, name: queue}
   - {type: max-score-picker, name: max}
-  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 256}}
-schedulingProfiles:
+  - {type: p2p-source-producer, name: p2p, parameters: {min_cached_token_delta: 256}}
+scheduling_profiles:
   - name: prefix-p2p
-    plugins: [{pluginRef: prefix, weight: 3}, {pluginRef: queue, weight: 1}, {pluginRef: max}, {pluginRef: p2p}]
+    plugins: [{plugin_ref: prefix, weight: 3}, {plugin_ref: queue, weight: 1}, {plugin_ref: max}, {plugin_ref: p2p}]
   - name: by-load
-    plugins: [{pluginRef: queue, weight: 1}, {pluginRef: max}]
+    plugins: [{plugin_ref: queue, weight: 1}, {plugin_ref: max}]
 default_profile: prefix-p2p
 prefetch:
   session_id: header:x-session-id
@@ -191,9 +191,9 @@ block_size: 16
 plugins:
   - {{type: prefix-cache-scorer, name: prefix}}
   - {{type: max-score-picker, name: max}}
-schedulingProfiles:
+scheduling_profiles:
   - name: prefix
-    plugins: [{{pluginRef: prefix, weight: 1}}, {{pluginRef: max}}]
+    plugins: [{{plugin_ref: prefix, weight: 1}}, {{plugin_ref: max}}]
 prefetch:
   session_id: header:x-session-id
   min_tokens: 1024

@@ -25,7 +25,7 @@ async fn a_hot_prefix_on_a_busy_holder_gets_a_second_holder() {
         ];
         let mut yaml = String::from(
             "seed: 1\nplugins:\n  - {type: prefix-cache-scorer, name: prefix}\n  - {type: max-score-picker, name: max}\n\
-             schedulingProfiles:\n  - {name: affine, plugins: [{pluginRef: prefix}, {pluginRef: max}]}\n\
+             scheduling_profiles:\n  - {name: affine, plugins: [{plugin_ref: prefix}, {plugin_ref: max}]}\n\
              replication: {min_tokens: 1024, hot_requests: 3, window_s: 30, busy_tokens: 1, cooldown_s: 0.1}\n\
              endpoints:\n",
         );

@@ -120,6 +120,11 @@ pub struct SchedulingContext<'a> {
     pub max_tokens: Option<u64>,
     /// The admission queue behind this request when it was released from it (empty otherwise).
     pub backlog: Backlog<'a>,
+    /// Whether the request may pull its prefix from a peer. False for a request the admission
+    /// queue held with `pulls_when_held: false`: the prediction prices no pull for it and the
+    /// P2P step names no source (every other use of the candidates, hot-prefix replication
+    /// included, is unaffected).
+    pub may_pull: bool,
 }
 
 /// What was still waiting in the router's admission queue when a held request left it. Those
@@ -132,7 +137,7 @@ pub struct Backlog<'a> {
     /// Only those go wherever the queue is shortest: a held request whose prefix some endpoint
     /// holds goes there, or pulls it and lands after this one.
     pub cold_tokens: &'a [u64],
-    /// `dispatch.max_queued_prefill_tokens`.
+    /// `admission_queue.max_queued_prefill_tokens`.
     pub share_tokens: u64,
 }
 
@@ -141,7 +146,7 @@ impl Backlog<'_> {
     /// a pull is landing on it. The endpoint has `queued` prefill tokens (the admission queue's
     /// measure) of which a request computed now waits for `ahead` (the rest is landing);
     /// `elsewhere` is the shortest such wait on any other endpoint, and `charge` what placement
-    /// charges per token for going ahead of the landing pulls (`pullingDelayWeight` × how many
+    /// charges per token for going ahead of the landing pulls (`pulling_delay_weight` × how many
     /// are landing there, this one included). Cold requests leave the queue smallest first
     /// while the endpoint is within its share, and each comes here only if waiting here plus
     /// its charge beats waiting elsewhere.

@@ -1,5 +1,6 @@
-//! Scheduling configuration: plugin instances, profiles, the default pipeline (llm-d's
-//! `EndpointPickerConfig` shapes), and the duration format every kvmesh YAML uses.
+//! Scheduling configuration: plugin instances and profiles (llm-d's `EndpointPickerConfig`
+//! shapes), and the duration format every kvmesh YAML uses. The default placement is a file,
+//! `configs/router.yaml`, which the router loads for a config without profiles.
 
 use std::time::Duration;
 
@@ -18,11 +19,72 @@ pub struct PluginSpec {
     pub parameters: Option<serde_json::Value>,
 }
 
+impl PluginSpec {
+    /// Sets the P2P pull threshold (tokens) if this plugin owns one: `min_pull_tokens` of a
+    /// `predicted-ttft-scorer`, `min_cached_token_delta` of a `p2p-source-producer` outside
+    /// `mode: predicted` (there the scorer owns it). Returns whether it did. The bench's
+    /// workloads set their own threshold this way.
+    pub fn set_pull_threshold(&mut self, tokens: u64) -> bool {
+        let mode = |p: &Option<serde_json::Value>| {
+            p.as_ref()
+                .and_then(|v| v.get("mode"))
+                .and_then(|m| m.as_str())
+                .map(str::to_owned)
+        };
+        let key = match self.kind.as_str() {
+            crate::plugins::predicted_ttft_scorer::TYPE => "min_pull_tokens",
+            crate::plugins::p2p_source_producer::TYPE
+                if mode(&self.parameters).as_deref() != Some("predicted") =>
+            {
+                "min_cached_token_delta"
+            }
+            _ => return false,
+        };
+        let params = self
+            .parameters
+            .get_or_insert_with(|| serde_json::Value::Object(Default::default()));
+        if params.is_null() {
+            *params = serde_json::Value::Object(Default::default());
+        }
+        let Some(map) = params.as_object_mut() else {
+            return false;
+        };
+        map.insert(key.to_owned(), tokens.into());
+        true
+    }
+}
+
+/// Plugin parameter keys in the spelling kvmesh accepted before every YAML key was snake_case
+/// (llm-d's camelCase), and their names now. The router renames them before reading a config
+/// and warns once per key; they stay accepted for one release.
+pub const DEPRECATED_PARAMETER_KEYS: &[(&str, &str)] = &[
+    ("absoluteWeight", "absolute_weight"),
+    ("cpuWeight", "cpu_weight"),
+    ("decodePenaltyMs", "decode_penalty_ms"),
+    ("explorationProbability", "exploration_probability"),
+    ("gpuWeight", "gpu_weight"),
+    ("marginMs", "margin_ms"),
+    ("maxTTFTPenaltyMs", "max_ttft_penalty_ms"),
+    ("maxTokens", "max_tokens"),
+    ("minCachedTokenDelta", "min_cached_token_delta"),
+    ("minPullTokens", "min_pull_tokens"),
+    (
+        "peakPrefillTokensPerSecond",
+        "peak_prefill_tokens_per_second",
+    ),
+    ("prefillProfileName", "prefill_profile_name"),
+    ("pullingDelayWeight", "pulling_delay_weight"),
+    ("queueSource", "queue_source"),
+    ("restoreTokensPerSecond", "restore_tokens_per_second"),
+    ("scaleTokens", "scale_tokens"),
+    ("stepOverheadMs", "step_overhead_ms"),
+    ("workWeight", "work_weight"),
+];
+
 /// A plugin used by a profile; `weight` applies to scorers (default 1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PluginRef {
-    #[serde(rename = "pluginRef", alias = "plugin_ref")]
     pub plugin_ref: String,
     #[serde(default)]
     pub weight: Option<f64>,
@@ -34,44 +96,6 @@ pub struct ProfileSpec {
     pub name: String,
     #[serde(default)]
     pub plugins: Vec<PluginRef>,
-}
-
-/// The pipeline used when a config has no profiles: the lowest predicted time to first token
-/// (`predicted-ttft-scorer` with pulls) and pulls priced by the same function. A pull source needs
-/// a `p2p` address, so a fleet without P2P gets pure predicted-TTFT placement.
-pub fn default_pipeline() -> (Vec<PluginSpec>, Vec<ProfileSpec>) {
-    let p = |kind: &str, parameters: Option<serde_json::Value>| PluginSpec {
-        kind: kind.to_owned(),
-        name: None,
-        parameters,
-    };
-    let r = |name: &str, weight: Option<f64>| PluginRef {
-        plugin_ref: name.to_owned(),
-        weight,
-    };
-    (
-        vec![
-            p(
-                "predicted-ttft-scorer",
-                Some(serde_json::json!({"p2p": true, "minPullTokens": 512})),
-            ),
-            p("max-score-picker", None),
-            p(
-                "p2p-source-producer",
-                Some(
-                    serde_json::json!({"mode": "predicted", "minCachedTokenDelta": 512, "marginMs": 5}),
-                ),
-            ),
-        ],
-        vec![ProfileSpec {
-            name: "default".to_owned(),
-            plugins: vec![
-                r("predicted-ttft-scorer", Some(1.0)),
-                r("max-score-picker", None),
-                r("p2p-source-producer", None),
-            ],
-        }],
-    )
 }
 
 /// Durations as humantime strings (`"500ms"`, `"2s"`) or plain numbers of seconds.

@@ -5,17 +5,17 @@
 //! [`candidate`] (inputs) → [`plugin`] (the filter / scorer / picker traits) → [`plugins`] (one
 //! plugin per file, and the factory from config) → [`scheduler`] (profiles run the pipeline into a
 //! [`scheduler::Decision`]) → [`decisions`] (the bounded log `/debug/decisions` shows).
-//! [`cost_model`] and [`predict`] price recompute against pulls; [`hold_queue`] orders requests
+//! [`cost_model`] and [`predict`] price recompute against pulls; [`admission_queue`] orders requests
 //! held for admission; [`config`] holds the YAML shapes of all of it.
 //!
 //! Nothing here does I/O, reads a clock (times are arguments) or draws randomness it was not
 //! given. The router (`kvmesh-router`) wraps it with HTTP, forwarding, event feeds and scraping.
 
+pub mod admission_queue;
 pub mod candidate;
 pub mod config;
 pub mod cost_model;
 pub mod decisions;
-pub mod hold_queue;
 pub mod plugin;
 pub mod plugins;
 pub mod predict;

@@ -43,6 +43,12 @@ pub trait Scorer: Send + Sync {
     ) -> (Vec<f64>, Option<Vec<Prediction>>) {
         (self.score(ctx, candidates), None)
     }
+
+    /// Whether its predictions price a pull option (`best_pull`, `pulls`): the P2P step of
+    /// `mode: predicted` carries out that price instead of pricing again.
+    fn prices_pulls(&self) -> bool {
+        false
+    }
 }
 
 /// Chooses one candidate given the weighted total scores (`scores[i]` belongs to `candidates[i]`).

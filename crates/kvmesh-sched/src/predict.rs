@@ -29,7 +29,8 @@
 //! (`agentic-paced`). Unknown capacity or decode time (an engine that does not report
 //! `vllm:cache_config_info`, no finished streamed response yet) prices no wait.
 //!
-//! A pull is an option only when `delta = cpu(s) − cached(c)` reaches `min_pull_tokens`, and its
+//! A pull is an option only when `delta = cpu(s) − cached(c)` reaches `min_pull_tokens` (and the
+//! request may pull at all: [`SchedulingContext::may_pull`]), and its
 //! time is the cost model's prediction stretched by what already shares the link: transfers the
 //! router has in flight out of `s` and into `c` (`1 + max(out(s), in(c))`). The engine pulls
 //! before the request joins its queue, so the pull path pays the pull *and* the queue — the
@@ -42,7 +43,7 @@
 //! (nothing cached anywhere) can be placed on its endpoint and computed first. The router
 //! predicts its own placement of them: smallest first, while `c` is within its share, each comes
 //! to `c` if the prefill ahead of it there plus the charge for delaying the landing pulls
-//! (`pullingDelayWeight` × its prefill × pulls landing) is below the shortest queue elsewhere.
+//! (`pulling_delay_weight` × its prefill × pulls landing) is below the shortest queue elsewhere.
 //! The pull path waits for those too (`overtaken_ms`). Without it, pulls of held 10K-token
 //! prompts in skew-heavy's warm-up were predicted at 90 ms and took 200 ms: first-seen prompts
 //! released right after them were computed first. Held requests whose prefix an endpoint holds
@@ -57,33 +58,27 @@ use kvmesh_index::EndpointId;
 use crate::candidate::{Candidate, SchedulingContext};
 use crate::cost_model::CostModel;
 
-/// Knobs of the prediction (camelCase in YAML, snake_case accepted).
+/// Knobs of the prediction (`predicted-ttft-scorer`'s parameters).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TtftParams {
     /// CPU tier → GPU copy rate (tokens/s). gpt-oss-120b: 72 KiB/token over a ~50 GB/s host link.
-    #[serde(alias = "restore_tokens_per_second", rename = "restoreTokensPerSecond")]
     pub restore_tokens_per_second: f64,
     /// Added per request in flight on the endpoint (decode steps stretch every prefill chunk; also
     /// breaks ties between equally idle endpoints toward the emptier one).
-    #[serde(alias = "decode_penalty_ms", rename = "decodePenaltyMs")]
     pub decode_penalty_ms: f64,
     /// Fixed per-request cost (one engine step, HTTP), so a fully cached prompt is not "free".
-    #[serde(alias = "step_overhead_ms", rename = "stepOverheadMs")]
     pub step_overhead_ms: f64,
     /// Consider pulling the missing prefix from a peer's CPU tier.
     pub p2p: bool,
     /// Smallest pull worth considering (tokens).
-    #[serde(alias = "min_pull_tokens", rename = "minPullTokens")]
     pub min_pull_tokens: u64,
     /// A pull must beat recomputing the same tokens by at least this much (ms).
-    #[serde(alias = "margin_ms", rename = "marginMs")]
     pub margin_ms: f64,
     /// How much a token this request would compute counts against a candidate, relative to a
     /// token of queued work ahead of it. 1 = pure greedy TTFT. Above 1 the router also charges
     /// the work a placement adds to the fleet: recomputing a prefix another endpoint holds delays
     /// every later request there, and leaves the conversation's next turn without a warm cache.
-    #[serde(alias = "work_weight", rename = "workWeight")]
     pub work_weight: f64,
     /// How much the wait this request's prefill would add to requests still pulling their prefix
     /// into the candidate counts, per such request, relative to its own TTFT. Such a request
@@ -93,7 +88,6 @@ pub struct TtftParams {
     /// The default 0.5 leans toward the tail: with 1, a burst's first-seen prompts avoided every
     /// engine receiving a pull and doubled up on queues a whole prefill longer, slower than the
     /// pulled requests they spared (skew-heavy, `docs/benchmarks.md`).
-    #[serde(alias = "pulling_delay_weight", rename = "pullingDelayWeight")]
     pub pulling_delay_weight: f64,
     /// Where prefill and pull rates come from: `configured` (the cost model's configured rates,
     /// the same for every endpoint) or `learned` (per endpoint / pair as learned online).
@@ -134,7 +128,7 @@ impl TtftParams {
         let finite_pos = |v: f64| v.is_finite() && v > 0.0;
         let finite_nonneg = |v: f64| v.is_finite() && v >= 0.0;
         if !finite_pos(self.restore_tokens_per_second) {
-            return Err("restoreTokensPerSecond must be a finite number > 0".to_owned());
+            return Err("restore_tokens_per_second must be a finite number > 0".to_owned());
         }
         if !finite_nonneg(self.decode_penalty_ms)
             || !finite_nonneg(self.step_overhead_ms)
@@ -143,7 +137,7 @@ impl TtftParams {
             || !finite_nonneg(self.pulling_delay_weight)
         {
             return Err(
-                "decodePenaltyMs, stepOverheadMs, marginMs, workWeight and pullingDelayWeight \
+                "decode_penalty_ms, step_overhead_ms, margin_ms, work_weight and pulling_delay_weight \
                  must be finite and >= 0"
                     .to_owned(),
             );
@@ -169,6 +163,8 @@ pub struct PullPlan {
     pub recompute_ms: f64,
     /// Transfers already sharing the link (the larger of the two ends).
     pub sharing: u64,
+    /// What the pull had to win by (the scorer's `margin_ms`).
+    pub margin_ms: f64,
 }
 
 /// The prediction for one candidate.
@@ -188,11 +184,11 @@ pub struct Prediction {
     /// Predicted TTFT (ms).
     pub total_ms: f64,
     /// The prefill time this request would put ahead of requests still pulling into the
-    /// endpoint, times their number and `pullingDelayWeight` (ms; part of `cost_ms`). Their own
+    /// endpoint, times their number and `pulling_delay_weight` (ms; part of `cost_ms`). Their own
     /// prefill is then not in `queue_ms`: they will be behind this request. 0 when this request
     /// pulls too (it lands after them).
     pub delays_pulling_ms: f64,
-    /// What placement minimises: the TTFT plus `workWeight − 1` times the prefill work this
+    /// What placement minimises: the TTFT plus `work_weight − 1` times the prefill work this
     /// request adds to the endpoint, plus `delays_pulling_ms` (ms).
     pub cost_ms: f64,
     /// The cheapest pull considered, whether or not it won.
@@ -249,7 +245,7 @@ pub fn predict(
     let local_ms = ms(uncached, rate) + ms(cpu_only, restore);
 
     let mut best_pull: Option<PullPlan> = None;
-    if p.p2p {
+    if p.p2p && ctx.may_pull {
         for (i, s) in candidates.iter().enumerate() {
             if i == at || !s.can_source_for(c) {
                 continue;
@@ -275,6 +271,7 @@ pub fn predict(
                 pull_ms,
                 recompute_ms: ms(delta, rate),
                 sharing,
+                margin_ms: p.margin_ms,
             };
             let better = best_pull.as_ref().is_none_or(|b| {
                 pull_path_ms(&plan, prompt as u64, cpu_only, rate, restore)
@@ -734,7 +731,7 @@ mod tests {
     #[test]
     fn small_deltas_and_sources_without_p2p_are_never_pulled() {
         let mut holder = cand(0);
-        (holder.cpu_blocks, holder.any_blocks) = (16, 16); // 256 tokens < minPullTokens
+        (holder.cpu_blocks, holder.any_blocks) = (16, 16); // 256 tokens < min_pull_tokens
         let dest = cand(1);
         let on = TtftParams {
             p2p: true,

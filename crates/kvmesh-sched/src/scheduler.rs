@@ -1,6 +1,6 @@
 //! The scheduling pipeline: per profile, filters → weighted scorers → picker → P2P source.
 //!
-//! A [`Profile`] is built from config (llm-d `schedulingProfiles`); [`Profile::schedule`] is pure
+//! A [`Profile`] is built from config (llm-d `scheduling_profiles`); [`Profile::schedule`] is pure
 //! (candidates in, [`Decision`] out, randomness injected) so it is unit-tested without I/O. The
 //! [`Decision`] carries everything `/debug/decisions` explains: per-candidate inputs, per-plugin
 //! scores, filter notes, the chosen endpoint and the P2P outcome.
@@ -20,7 +20,7 @@ use crate::config::{PluginSpec, ProfileSpec};
 use crate::cost_model::CostModel;
 use crate::plugin::{Filter, Picker, Scorer};
 use crate::plugins::p2p_source_producer::{P2pDecision, P2pSourceProducer};
-use crate::plugins::{Plugin, PluginError, build_plugin, max_score_picker};
+use crate::plugins::{BuiltPlugin, Plugin, PluginError, build_plugin, max_score_picker};
 use crate::predict::Prediction;
 
 /// A named scheduling profile.
@@ -30,6 +30,33 @@ pub struct Profile {
     scorers: Vec<(String, Arc<dyn Scorer>, f64)>,
     picker: (String, Arc<dyn Picker>),
     p2p: Option<(String, Arc<P2pSourceProducer>)>,
+    /// The scorer (index into `scorers`) whose predictions price pulls, when there is one: the
+    /// P2P step of `mode: predicted` carries out its price.
+    pricing: Option<usize>,
+    /// The profile as plain data (see [`ProfileShape`]).
+    shape: ProfileShape,
+}
+
+/// A built profile as plain data, defaults filled in: what two configs that must place alike
+/// are compared by (a test keeps `configs/router.yaml`, the router's built-in default and the
+/// bench's default arm equal this way).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProfileShape {
+    pub name: String,
+    pub steps: Vec<StepShape>,
+}
+
+/// One plugin of a profile, in order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepShape {
+    /// The reference name (`/debug/decisions` names scores by it).
+    pub name: String,
+    /// The plugin type.
+    pub kind: String,
+    /// For scorers.
+    pub weight: Option<f64>,
+    /// The typed parameters it runs with, serialized back.
+    pub parameters: serde_json::Value,
 }
 
 /// One candidate as `/debug/decisions` shows it.
@@ -113,7 +140,7 @@ impl Profile {
     /// `max-score-picker`; one with two pickers or two P2P plugins is rejected.
     pub fn build(
         spec: &ProfileSpec,
-        plugins: &HashMap<String, Plugin>,
+        plugins: &HashMap<String, BuiltPlugin>,
     ) -> Result<Profile, PluginError> {
         let invalid = |message: String| PluginError::Invalid {
             name: spec.name.clone(),
@@ -124,11 +151,14 @@ impl Profile {
         let mut scorers = Vec::new();
         let mut picker: Option<(String, Arc<dyn Picker>)> = None;
         let mut p2p = None;
+        let mut pricing = None;
+        let mut steps = Vec::with_capacity(spec.plugins.len());
         for r in &spec.plugins {
-            let plugin = plugins
+            let built = plugins
                 .get(&r.plugin_ref)
-                .ok_or_else(|| invalid(format!("unknown pluginRef {:?}", r.plugin_ref)))?;
-            match plugin {
+                .ok_or_else(|| invalid(format!("unknown plugin_ref {:?}", r.plugin_ref)))?;
+            let mut weight = None;
+            match &built.plugin {
                 Plugin::Filter(f) => filters.push((r.plugin_ref.clone(), Arc::clone(f))),
                 Plugin::Scorer(s) => {
                     let w = r.weight.unwrap_or(1.0);
@@ -138,6 +168,14 @@ impl Profile {
                             r.plugin_ref
                         )));
                     }
+                    if s.prices_pulls() && pricing.replace(scorers.len()).is_some() {
+                        return Err(invalid(
+                            "more than one scorer prices pulls (predicted-ttft-scorer with p2p: \
+                             true)"
+                                .to_owned(),
+                        ));
+                    }
+                    weight = Some(w);
                     scorers.push((r.plugin_ref.clone(), Arc::clone(s), w));
                 }
                 Plugin::Picker(p) => {
@@ -154,6 +192,21 @@ impl Profile {
                     }
                 }
             }
+            steps.push(StepShape {
+                name: r.plugin_ref.clone(),
+                kind: built.plugin.type_name().to_owned(),
+                weight,
+                parameters: built.parameters.clone(),
+            });
+        }
+        if let Some((name, p)) = &p2p
+            && p.needs_prediction()
+            && pricing.is_none()
+        {
+            return Err(invalid(format!(
+                "{name:?} (mode: predicted) carries out the placement's pull price, but no \
+                 scorer of the profile prices pulls: add a predicted-ttft-scorer with p2p: true"
+            )));
         }
         let picker = picker.unwrap_or_else(|| {
             (
@@ -167,7 +220,17 @@ impl Profile {
             scorers,
             picker,
             p2p,
+            pricing,
+            shape: ProfileShape {
+                name: spec.name.clone(),
+                steps,
+            },
         })
+    }
+
+    /// The profile as plain data.
+    pub fn shape(&self) -> &ProfileShape {
+        &self.shape
     }
 
     pub fn has_p2p(&self) -> bool {
@@ -186,7 +249,13 @@ impl Profile {
         let (_, p) = self.p2p.as_ref()?;
         let at = candidates.iter().position(|c| c.endpoint == computing)?;
         let all: Vec<&Candidate> = candidates.iter().collect();
-        Some(p.select(ctx, &all, at))
+        // No placement ran over these candidates: the pricing scorer predicts for `computing`.
+        let placement = match self.pricing.and_then(|i| self.scorers.get(i)) {
+            Some((_, s, _)) if p.needs_prediction() => s.score_explained(ctx, &all).1,
+            _ => None,
+        };
+        let placement = placement.as_ref().and_then(|p| p.get(at));
+        Some(p.select(ctx, &all, at, placement))
     }
 
     /// Runs the pipeline over `candidates` (healthy endpoints able to serve the request).
@@ -251,16 +320,20 @@ impl Profile {
         }
         let refs: Vec<&Candidate> = alive.iter().map(|&i| &candidates[i]).collect();
         let mut totals = vec![0.0; refs.len()];
-        for (name, s, w) in &self.scorers {
+        for (k, (name, s, w)) in self.scorers.iter().enumerate() {
             let (scores, predictions) = s.score_explained(ctx, &refs);
-            for (k, &i) in alive.iter().enumerate() {
-                if let Some(p) = predictions.as_ref().and_then(|p| p.get(k)) {
+            let predictions = predictions.unwrap_or_default();
+            for (j, &i) in alive.iter().enumerate() {
+                // The pricing scorer's prediction is the one the P2P step carries out.
+                if let Some(p) = predictions.get(j)
+                    && (self.pricing.is_none() || self.pricing == Some(k))
+                {
                     reports[i].predicted = Some(p.clone());
                 }
-                let v = scores.get(k).copied().unwrap_or(0.0);
+                let v = scores.get(j).copied().unwrap_or(0.0);
                 let v = if v.is_finite() { v } else { 0.0 };
                 reports[i].scores.insert(name.clone(), v);
-                totals[k] += w * v;
+                totals[j] += w * v;
             }
         }
         for (k, &i) in alive.iter().enumerate() {
@@ -275,7 +348,7 @@ impl Profile {
         let p2p = match (&self.p2p, chosen) {
             (Some((_, p)), Some(c)) => {
                 let all: Vec<&Candidate> = candidates.iter().collect();
-                Some(p.select(ctx, &all, c))
+                Some(p.select(ctx, &all, c, reports[c].predicted.as_ref()))
             }
             _ => None,
         };
@@ -299,8 +372,8 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Builds plugins and profiles. With no profiles configured, a default *affinity-like* profile:
-    /// prefix 3, queue 2, kv-util 2, max-score picker.
+    /// Builds plugins and profiles (at least one; the router fills in its default placement,
+    /// `configs/router.yaml`, for a config without any).
     pub fn build(
         plugins: &[PluginSpec],
         profiles: &[ProfileSpec],
@@ -308,13 +381,15 @@ impl Scheduler {
         seed: Option<u64>,
         cost_model: &Arc<CostModel>,
     ) -> Result<Scheduler, PluginError> {
-        let (plugins, profiles) = if profiles.is_empty() {
-            crate::config::default_pipeline()
-        } else {
-            (plugins.to_vec(), profiles.to_vec())
-        };
+        if profiles.is_empty() {
+            return Err(PluginError::Invalid {
+                name: "scheduling_profiles".to_owned(),
+                kind: "profiles",
+                message: "no scheduling profile".to_owned(),
+            });
+        }
         let mut built = HashMap::new();
-        for p in &plugins {
+        for p in plugins {
             let name = p.name.clone().unwrap_or_else(|| p.kind.clone());
             let plugin = build_plugin(&p.kind, &name, &p.parameters, cost_model)?;
             if built.insert(name.clone(), plugin).is_some() {
@@ -362,6 +437,19 @@ impl Scheduler {
         self.profiles.iter().map(|p| p.name.clone()).collect()
     }
 
+    /// Every profile as plain data (the default one first).
+    pub fn shape(&self) -> Vec<ProfileShape> {
+        let default = self.profiles.get(self.default).map(|p| p.shape().clone());
+        default
+            .into_iter()
+            .chain(
+                (self.profiles.iter().enumerate())
+                    .filter(|&(i, _)| i != self.default)
+                    .map(|(_, p)| p.shape().clone()),
+            )
+            .collect()
+    }
+
     /// Schedules with the shared rng (held only for the synchronous pipeline run).
     pub fn schedule(
         &self,
@@ -384,7 +472,7 @@ mod tests {
     struct RouterConfig {
         #[serde(default)]
         plugins: Vec<PluginSpec>,
-        #[serde(rename = "schedulingProfiles", default)]
+        #[serde(default)]
         scheduling_profiles: Vec<ProfileSpec>,
     }
     use crate::cost_model::CostModelParams;
@@ -399,16 +487,16 @@ mod tests {
     const AFFINITY: &str = r#"
 plugins:
   - {type: prefix-cache-scorer, name: prefix}
-  - {type: queue-scorer, name: queue, parameters: {queueSource: waiting}}
+  - {type: queue-scorer, name: queue, parameters: {queue_source: waiting}}
   - {type: kv-cache-utilization-scorer, name: kvu}
   - {type: max-score-picker}
-schedulingProfiles:
+scheduling_profiles:
   - name: affinity
     plugins:
-      - {pluginRef: prefix, weight: 3}
-      - {pluginRef: queue, weight: 2}
-      - {pluginRef: kvu, weight: 2}
-      - {pluginRef: max-score-picker}
+      - {plugin_ref: prefix, weight: 3}
+      - {plugin_ref: queue, weight: 2}
+      - {plugin_ref: kvu, weight: 2}
+      - {plugin_ref: max-score-picker}
 "#;
 
     #[test]
@@ -437,10 +525,10 @@ plugins:
   - {type: queue-scorer, name: queue}
   - {type: kv-cache-utilization-scorer, name: kvu}
   - {type: weighted-random-picker, name: picker}
-  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 64}}
-schedulingProfiles:
+  - {type: p2p-source-producer, name: p2p, parameters: {min_cached_token_delta: 64}}
+scheduling_profiles:
   - name: load-p2p
-    plugins: [{pluginRef: queue, weight: 3}, {pluginRef: kvu, weight: 2}, {pluginRef: picker}, {pluginRef: p2p}]
+    plugins: [{plugin_ref: queue, weight: 3}, {plugin_ref: kvu, weight: 2}, {plugin_ref: picker}, {plugin_ref: p2p}]
 "#,
         );
         let p = s.profile(Some("load-p2p")).expect("profile");
@@ -468,9 +556,9 @@ schedulingProfiles:
 plugins:
   - {type: prefix-cache-affinity-filter, name: sticky}
   - {type: queue-scorer, name: queue}
-schedulingProfiles:
+scheduling_profiles:
   - name: p
-    plugins: [{pluginRef: sticky}, {pluginRef: queue}]
+    plugins: [{plugin_ref: sticky}, {plugin_ref: queue}]
 "#,
         );
         let p = s.profile(None).expect("default");
@@ -518,9 +606,84 @@ schedulingProfiles:
     }
 
     #[test]
-    fn default_pipeline_when_no_profiles() {
+    fn a_config_without_profiles_is_refused_here() {
+        // The router fills in its default placement (configs/router.yaml) before it builds.
         let cm = Arc::new(CostModel::new(CostModelParams::default()));
-        let s = Scheduler::build(&[], &[], None, Some(1), &cm).expect("build");
-        assert_eq!(s.profile_names(), vec!["default".to_owned()]);
+        assert!(Scheduler::build(&[], &[], None, Some(1), &cm).is_err());
+    }
+
+    const TTFT_P2P: &str = r#"
+plugins:
+  - {type: predicted-ttft-scorer, name: ttft, parameters: {p2p: true, min_pull_tokens: 512}}
+  - {type: p2p-source-producer, name: p2p, parameters: {mode: predicted}}
+scheduling_profiles:
+  - name: ttft-p2p
+    plugins: [{plugin_ref: ttft}, {plugin_ref: p2p}]
+"#;
+
+    #[test]
+    fn the_p2p_step_carries_out_the_placements_pull_price() {
+        let s = scheduler(TTFT_P2P);
+        let p = s.profile(None).expect("default");
+        // A holds 16K tokens in its CPU tier and a long prefill queue; B is idle and cold.
+        let mut a = Candidate::idle(0, "a");
+        (a.cpu_blocks, a.any_blocks) = (1024, 1024);
+        (a.in_flight_requests, a.in_flight_uncached_tokens) = (1, 50_000);
+        let b = Candidate::idle(1, "b");
+        let prompt = ctx(16_384 + 256, 16);
+        let d = p.schedule(&prompt, &[a.clone(), b.clone()], &mut rng(1));
+        assert_eq!(d.endpoint.as_deref(), Some("b"));
+        let pred = d.candidates[1].predicted.clone().expect("predicted");
+        let plan = pred.best_pull.expect("a pull option");
+        let p2p = d.p2p.as_ref().expect("ran");
+        assert_eq!(p2p.source, Some(EndpointId(0)));
+        assert_eq!(p2p.predicted_pull_ms, Some(plan.pull_ms));
+        // A request that may not pull: placement prices no pull and the step names none.
+        let held = SchedulingContext {
+            may_pull: false,
+            ..prompt
+        };
+        let d = p.schedule(&held, &[a.clone(), b.clone()], &mut rng(1));
+        let pred = d.candidates[1].predicted.clone().expect("predicted");
+        assert!(pred.best_pull.is_none() && !pred.pulls);
+        let p2p = d.p2p.as_ref().expect("ran");
+        assert_eq!(p2p.source, None);
+        // P/D: the source over other candidates is priced by the same scorer.
+        let named = p
+            .select_source(&prompt, &[a, b], EndpointId(1))
+            .expect("ran");
+        assert_eq!(named.source, Some(EndpointId(0)));
+    }
+
+    #[test]
+    fn predicted_pulls_need_a_scorer_that_prices_them() {
+        let cm = Arc::new(CostModel::new(CostModelParams::default()));
+        let build = |yaml: &str| {
+            let cfg: RouterConfig = serde_norway::from_str(yaml).expect("yaml");
+            Scheduler::build(&cfg.plugins, &cfg.scheduling_profiles, None, Some(1), &cm)
+        };
+        assert!(build(TTFT_P2P).is_ok());
+        let no_pulls = TTFT_P2P.replace("p2p: true", "p2p: false");
+        let err = build(&no_pulls).err().expect("refused").to_string();
+        assert!(
+            err.contains("predicted-ttft-scorer with p2p: true"),
+            "{err}"
+        );
+        let no_scorer = TTFT_P2P.replace("{plugin_ref: ttft}, ", "");
+        assert!(build(&no_scorer).is_err());
+    }
+
+    #[test]
+    fn shapes_compare_parameters_with_defaults_filled_in() {
+        let explicit = TTFT_P2P.replace(
+            "min_pull_tokens: 512",
+            "min_pull_tokens: 512, work_weight: 2",
+        );
+        let s = scheduler(TTFT_P2P);
+        assert_eq!(s.shape(), scheduler(&explicit).shape());
+        let other = TTFT_P2P.replace("min_pull_tokens: 512", "min_pull_tokens: 1024");
+        assert_ne!(s.shape(), scheduler(&other).shape());
+        let shape = &s.shape()[0];
+        assert_eq!(shape.steps[0].parameters["work_weight"], 2.0);
     }
 }

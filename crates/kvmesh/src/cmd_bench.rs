@@ -87,7 +87,8 @@ pub struct BenchCmd {
     /// Override the workload's number of (aggregated) engines.
     #[arg(long)]
     pub engines: Option<usize>,
-    /// Override the P2P arms' `min_cached_token_delta` (tokens).
+    /// Override the workload's P2P pull threshold (tokens): the arm file's `min_pull_tokens`
+    /// (predicted-ttft-scorer) or `min_cached_token_delta` (p2p-source-producer).
     #[arg(long)]
     pub min_cached_token_delta: Option<usize>,
     /// `pool`: offered rates (req/s), e.g. 4,8,12,16.
@@ -150,7 +151,8 @@ pub struct CalibrateCmd {
     /// Model name for requests (default: the consumer's /v1/models).
     #[arg(long)]
     pub model: Option<String>,
-    /// Set `min_cached_token_delta` in this router config to the recommendation.
+    /// Set the P2P pull threshold (`min_pull_tokens` / `min_cached_token_delta`) in this router
+    /// config to the recommendation.
     #[arg(long)]
     pub write_config: Option<PathBuf>,
     /// Also write the result as JSON here.
@@ -521,7 +523,7 @@ async fn calibrate_pair(
         let out = calibrate::write_threshold(&text, cal.recommended_min_cached_token_delta)?;
         std::fs::write(path, out)?;
         println!(
-            "set min_cached_token_delta = {} in {}",
+            "set the pull threshold to {} tokens in {}",
             cal.recommended_min_cached_token_delta,
             path.display()
         );

@@ -14,7 +14,7 @@ use kvmesh_router::{RouterConfig, RouterOptions};
 
 #[derive(clap::Args)]
 pub struct RouterCmd {
-    /// Router config (YAML): endpoints or endpoints_file, block_size, plugins, schedulingProfiles.
+    /// Router config (YAML): endpoints or endpoints_file, block_size, plugins, scheduling_profiles.
     #[arg(long)]
     pub config: PathBuf,
     /// Address to listen on.

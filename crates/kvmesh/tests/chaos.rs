@@ -214,7 +214,7 @@ fn engine_slot(dir: &Path, i: usize, ports: &[u16]) -> (EngineSlot, String) {
     (slot, endpoint_yaml)
 }
 
-/// The router's config: no `schedulingProfiles`, so the default placement (predicted TTFT,
+/// The router's config: no `scheduling_profiles`, so the default placement (predicted TTFT,
 /// `p2p-source-producer` in `mode: predicted`); fast health checks so a dead engine found by
 /// the health loop (rather than by a refused request) is ejected within ~1 s.
 fn router_yaml(endpoints: &str) -> String {

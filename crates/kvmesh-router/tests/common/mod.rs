@@ -251,10 +251,10 @@ plugins:
   - {type: queue-scorer, name: queue}
   - {type: kv-cache-utilization-scorer, name: kv-util}
   - {type: weighted-random-picker, name: wr}
-  - {type: p2p-source-producer, name: p2p, parameters: {minCachedTokenDelta: 2048}}
-schedulingProfiles:
+  - {type: p2p-source-producer, name: p2p, parameters: {min_cached_token_delta: 2048}}
+scheduling_profiles:
   - name: load-p2p
-    plugins: [{pluginRef: queue, weight: 3}, {pluginRef: kv-util, weight: 2}, {pluginRef: wr}, {pluginRef: p2p}]
+    plugins: [{plugin_ref: queue, weight: 3}, {plugin_ref: kv-util, weight: 2}, {plugin_ref: wr}, {plugin_ref: p2p}]
 "#;
 
 /// YAML endpoint entries for fake engines (`p2p` = 127.0.0.1:7000+i).
@@ -286,7 +286,7 @@ pub async fn serve_on_loopback(app: axum::Router) -> (String, CancellationToken)
 }
 
 pub async fn start_router(yaml: &str, prefix: Option<Arc<dyn PrefixLookup>>) -> RouterHandle {
-    let config: RouterConfig = serde_norway::from_str(yaml).unwrap();
+    let config = RouterConfig::from_yaml(yaml, std::path::Path::new("test.yaml")).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     kvmesh_router::start(
         config,

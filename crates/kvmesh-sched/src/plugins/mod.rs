@@ -78,91 +78,101 @@ pub const PLUGIN_TYPES: &[&str] = &[
     p2p_source_producer::TYPE,
 ];
 
-fn params<T: serde::de::DeserializeOwned + Default>(
+/// A plugin built from config, with the parameters it runs with (defaults filled in).
+pub struct BuiltPlugin {
+    pub plugin: Plugin,
+    /// The typed parameters serialized back: what two configs are compared by.
+    pub parameters: serde_json::Value,
+}
+
+/// Reads `parameters` as `T` (absent = `T::default()`), and `T` serialized back.
+fn params<T: serde::de::DeserializeOwned + serde::Serialize + Default>(
     name: &str,
     kind: &'static str,
     parameters: &Option<serde_json::Value>,
-) -> Result<T, PluginError> {
-    match parameters {
-        None | Some(serde_json::Value::Null) => Ok(T::default()),
-        Some(v) => serde_json::from_value(v.clone()).map_err(|source| PluginError::BadParameters {
-            name: name.to_owned(),
-            kind,
-            source,
-        }),
-    }
+) -> Result<(T, serde_json::Value), PluginError> {
+    let bad = |source| PluginError::BadParameters {
+        name: name.to_owned(),
+        kind,
+        source,
+    };
+    let typed: T = match parameters {
+        None | Some(serde_json::Value::Null) => T::default(),
+        Some(v) => serde_json::from_value(v.clone()).map_err(bad)?,
+    };
+    let effective = serde_json::to_value(&typed).map_err(bad)?;
+    Ok((typed, effective))
 }
 
-/// Builds one plugin from its config entry. `cost_model` is shared by every P2P plugin so rates
-/// learned from one request serve them all.
+/// Builds one plugin from its config entry. `cost_model` is shared by every plugin that prices
+/// with it, so rates learned from one request serve them all.
 pub fn build_plugin(
     kind: &str,
     name: &str,
     parameters: &Option<serde_json::Value>,
     cost_model: &Arc<CostModel>,
-) -> Result<Plugin, PluginError> {
+) -> Result<BuiltPlugin, PluginError> {
     use self::{
         kv_cache_utilization_scorer as kvu, least_loaded_picker as ll, max_score_picker as ms,
         p2p_source_producer as p2p, predicted_ttft_scorer as pts,
         prefix_cache_affinity_filter as paf, prefix_cache_scorer as pcs, queue_scorer as qs,
         round_robin_picker as rr, token_load_scorer as tls, weighted_random_picker as wr,
     };
-    Ok(match kind {
-        pcs::TYPE => Plugin::Scorer(Arc::new(pcs::PrefixCacheScorer::new(params(
-            name,
-            pcs::TYPE,
-            parameters,
-        )?))),
-        qs::TYPE => Plugin::Scorer(Arc::new(qs::QueueScorer::new(params(
-            name,
-            qs::TYPE,
-            parameters,
-        )?))),
-        kvu::TYPE => Plugin::Scorer(Arc::new(kvu::KvCacheUtilizationScorer)),
-        tls::TYPE => Plugin::Scorer(Arc::new(tls::TokenLoadScorer::new(params(
-            name,
-            tls::TYPE,
-            parameters,
-        )?))),
+    let invalid = |kind: &'static str| {
+        move |message: String| PluginError::Invalid {
+            name: name.to_owned(),
+            kind,
+            message,
+        }
+    };
+    let none = serde_json::Value::Null;
+    let (plugin, parameters) = match kind {
+        pcs::TYPE => {
+            let (p, v) = params(name, pcs::TYPE, parameters)?;
+            (Plugin::Scorer(Arc::new(pcs::PrefixCacheScorer::new(p))), v)
+        }
+        qs::TYPE => {
+            let (p, v) = params(name, qs::TYPE, parameters)?;
+            (Plugin::Scorer(Arc::new(qs::QueueScorer::new(p))), v)
+        }
+        kvu::TYPE => (
+            Plugin::Scorer(Arc::new(kvu::KvCacheUtilizationScorer)),
+            none,
+        ),
+        tls::TYPE => {
+            let (p, v) = params(name, tls::TYPE, parameters)?;
+            (Plugin::Scorer(Arc::new(tls::TokenLoadScorer::new(p))), v)
+        }
         pts::TYPE => {
-            let p: crate::predict::TtftParams = params(name, pts::TYPE, parameters)?;
-            p.validate().map_err(|message| PluginError::Invalid {
-                name: name.to_owned(),
-                kind: pts::TYPE,
-                message,
-            })?;
-            Plugin::Scorer(Arc::new(pts::PredictedTtftScorer::new(
-                p,
-                Arc::clone(cost_model),
-            )))
+            let (p, v): (crate::predict::TtftParams, _) = params(name, pts::TYPE, parameters)?;
+            p.validate().map_err(invalid(pts::TYPE))?;
+            let scorer = pts::PredictedTtftScorer::new(p, Arc::clone(cost_model));
+            (Plugin::Scorer(Arc::new(scorer)), v)
         }
         paf::TYPE => {
-            let p: paf::AffinityParams = params(name, paf::TYPE, parameters)?;
-            p.validate().map_err(|message| PluginError::Invalid {
-                name: name.to_owned(),
-                kind: paf::TYPE,
-                message,
-            })?;
-            Plugin::Filter(Arc::new(paf::PrefixCacheAffinityFilter::new(p)))
+            let (p, v): (paf::AffinityParams, _) = params(name, paf::TYPE, parameters)?;
+            p.validate().map_err(invalid(paf::TYPE))?;
+            (
+                Plugin::Filter(Arc::new(paf::PrefixCacheAffinityFilter::new(p))),
+                v,
+            )
         }
-        ms::TYPE => Plugin::Picker(Arc::new(ms::MaxScorePicker)),
-        wr::TYPE => Plugin::Picker(Arc::new(wr::WeightedRandomPicker)),
-        rr::TYPE => Plugin::Picker(Arc::new(rr::RoundRobinPicker::default())),
-        ll::TYPE => Plugin::Picker(Arc::new(ll::LeastLoadedPicker)),
+        ms::TYPE => (Plugin::Picker(Arc::new(ms::MaxScorePicker)), none),
+        wr::TYPE => (Plugin::Picker(Arc::new(wr::WeightedRandomPicker)), none),
+        rr::TYPE => (
+            Plugin::Picker(Arc::new(rr::RoundRobinPicker::default())),
+            none,
+        ),
+        ll::TYPE => (Plugin::Picker(Arc::new(ll::LeastLoadedPicker)), none),
         p2p::TYPE => {
-            let p: p2p::P2pParams = params(name, p2p::TYPE, parameters)?;
-            let producer =
-                p2p::P2pSourceProducer::new(p, Arc::clone(cost_model)).map_err(|message| {
-                    PluginError::Invalid {
-                        name: name.to_owned(),
-                        kind: p2p::TYPE,
-                        message,
-                    }
-                })?;
-            Plugin::P2pSource(Arc::new(producer))
+            let (p, v) = params(name, p2p::TYPE, parameters)?;
+            let producer = p2p::P2pSourceProducer::new(p, Arc::clone(cost_model))
+                .map_err(invalid(p2p::TYPE))?;
+            (Plugin::P2pSource(Arc::new(producer)), v)
         }
         other => return Err(PluginError::UnknownType(other.to_owned())),
-    })
+    };
+    Ok(BuiltPlugin { plugin, parameters })
 }
 
 #[cfg(test)]
@@ -185,6 +195,7 @@ pub(crate) mod test_util {
             block_size,
             max_tokens: Some(16),
             backlog: Default::default(),
+            may_pull: true,
         }
     }
 }

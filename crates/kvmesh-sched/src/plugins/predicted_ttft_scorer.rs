@@ -4,7 +4,7 @@
 //! request's own uncached tokens there (CPU-tier hits at restore cost, and — with `p2p: true` — a
 //! pull from a peer's CPU tier when that is cheaper), and a small per-request decode penalty.
 //! Score = `best / cost` (1 for the best endpoint, in `(0, 1]`) where cost is the predicted TTFT
-//! plus `workWeight − 1` times the prefill work the request adds there, so with a max-score picker
+//! plus `work_weight − 1` times the prefill work the request adds there, so with a max-score picker
 //! the request goes where it starts soon without throwing away a warm cache for a few ms; ties
 //! are broken randomly by the picker.
 //! Dynamo's router uses the same idea (predicted prefill tokens to compute plus decode load);
@@ -66,6 +66,10 @@ impl Scorer for PredictedTtftScorer {
             })
             .collect();
         (scores, Some(predictions))
+    }
+
+    fn prices_pulls(&self) -> bool {
+        self.params.p2p
     }
 }
 

@@ -2,13 +2,13 @@
 //!
 //! llm-d semantics (`docs/protocols.md#filters`): keep candidates whose prefix score (same formula and parameters
 //! as `prefix-cache-scorer`) is ≥ `threshold` (0.80); keep all when none qualifies. With probability
-//! `explorationProbability` keep all (so new holders get a chance). Affinity is broken — all kept —
+//! `exploration_probability` keep all (so new holders get a chance). Affinity is broken — all kept —
 //! when the best sticky endpoint's predicted TTFT exceeds the best other's by more than
-//! `maxTTFTPenaltyMs` (18,000). Predicted TTFT = (in-flight uncached tokens + this request's uncached
-//! tokens on that endpoint) / `peakPrefillTokensPerSecond`. kvmesh adds the request's own uncached
+//! `max_ttft_penalty_ms` (18,000). Predicted TTFT = (in-flight uncached tokens + this request's uncached
+//! tokens on that endpoint) / `peak_prefill_tokens_per_second`. kvmesh adds the request's own uncached
 //! tokens (llm-d counts in-flight only) so that the cold endpoints pay for the prefill they would do.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::prefix_cache_scorer::PrefixParams;
 use crate::candidate::{Candidate, SchedulingContext};
@@ -16,26 +16,16 @@ use crate::plugin::{Filter, FilterOutcome};
 
 pub const TYPE: &str = "prefix-cache-affinity-filter";
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AffinityParams {
     pub threshold: f64,
-    #[serde(alias = "exploration_probability", rename = "explorationProbability")]
     pub exploration_probability: f64,
-    #[serde(alias = "max_ttft_penalty_ms", rename = "maxTTFTPenaltyMs")]
     pub max_ttft_penalty_ms: f64,
-    #[serde(
-        alias = "peak_prefill_tokens_per_second",
-        rename = "peakPrefillTokensPerSecond"
-    )]
     pub peak_prefill_tokens_per_second: f64,
-    #[serde(alias = "absolute_weight", rename = "absoluteWeight")]
     pub absolute_weight: f64,
-    #[serde(alias = "scale_tokens", rename = "scaleTokens")]
     pub scale_tokens: f64,
-    #[serde(alias = "gpu_weight", rename = "gpuWeight")]
     pub gpu_weight: f64,
-    #[serde(alias = "cpu_weight", rename = "cpuWeight")]
     pub cpu_weight: f64,
 }
 
@@ -59,12 +49,12 @@ impl AffinityParams {
     pub fn validate(&self) -> Result<(), String> {
         if !(0.0..=1.0).contains(&self.exploration_probability) {
             return Err(format!(
-                "explorationProbability {} not in [0, 1]",
+                "exploration_probability {} not in [0, 1]",
                 self.exploration_probability
             ));
         }
         if self.peak_prefill_tokens_per_second <= 0.0 {
-            return Err("peakPrefillTokensPerSecond must be > 0".to_owned());
+            return Err("peak_prefill_tokens_per_second must be > 0".to_owned());
         }
         Ok(())
     }
@@ -89,7 +79,7 @@ impl PrefixCacheAffinityFilter {
     }
 
     /// Predicted time to first token on `c`, in ms.
-    pub fn predicted_ttft_ms(&self, ctx: &SchedulingContext<'_>, c: &Candidate) -> f64 {
+    fn predicted_ttft_ms(&self, ctx: &SchedulingContext<'_>, c: &Candidate) -> f64 {
         let tokens = c.in_flight_uncached_tokens + ctx.uncached_tokens(c);
         tokens as f64 / self.params.peak_prefill_tokens_per_second * 1000.0
     }

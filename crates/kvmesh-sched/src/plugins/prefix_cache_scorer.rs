@@ -6,26 +6,22 @@
 //! rest of the consecutive prefix that is only in the CPU tier counts `cpu_weight` (0.8) — a CPU hit
 //! still saves compute but costs a restore.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::candidate::{Candidate, SchedulingContext};
 use crate::plugin::Scorer;
 
 pub const TYPE: &str = "prefix-cache-scorer";
 
-/// Parameters (llm-d names in camelCase; snake_case accepted).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+/// Parameters (llm-d's, in snake_case like every kvmesh YAML key).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PrefixParams {
     /// Weight of the absolute-length term (`w`); 0 = purely the matched fraction of the prompt.
-    #[serde(alias = "absolute_weight", rename = "absoluteWeight")]
     pub absolute_weight: f64,
     /// Tokens at which the absolute term saturates.
-    #[serde(alias = "scale_tokens", rename = "scaleTokens")]
     pub scale_tokens: f64,
-    #[serde(alias = "gpu_weight", rename = "gpuWeight")]
     pub gpu_weight: f64,
-    #[serde(alias = "cpu_weight", rename = "cpuWeight")]
     pub cpu_weight: f64,
 }
 
@@ -42,7 +38,7 @@ impl Default for PrefixParams {
 
 impl PrefixParams {
     /// Tier-weighted matched blocks of one candidate.
-    pub fn weighted_blocks(&self, c: &Candidate) -> f64 {
+    fn weighted_blocks(&self, c: &Candidate) -> f64 {
         // `any` covers the GPU run by definition; `max` guards a lookup that says otherwise.
         let gpu = c.gpu_blocks;
         let total = c.any_blocks.max(gpu);
@@ -147,9 +143,9 @@ mod tests {
     }
 
     #[test]
-    fn parameters_parse_in_llm_d_spelling() {
+    fn parameters_parse_in_snake_case() {
         let p: PrefixParams =
-            serde_json::from_value(serde_json::json!({"scaleTokens": 4096, "cpu_weight": 0.5}))
+            serde_json::from_value(serde_json::json!({"scale_tokens": 4096, "cpu_weight": 0.5}))
                 .expect("parse");
         assert_eq!(p.scale_tokens, 4096.0);
         assert_eq!(p.cpu_weight, 0.5);

@@ -2,18 +2,18 @@
 //!
 //! llm-d semantics: `(max_q − q)/(max_q − min_q)`, 1.0 for everyone when all queues are equal.
 //! What `q` is: llm-d uses the scraped waiting queue. Scrapes are periodic, so during a burst they
-//! are stale and every endpoint looks equal; kvmesh's default (`queueSource: combined`) therefore
+//! are stale and every endpoint looks equal; kvmesh's default (`queue_source: combined`) therefore
 //! takes `max(scraped waiting + running, router in-flight requests)` — the better estimate of the
 //! requests the engine holds right now. `waiting` and `in_flight` select one source only.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::candidate::{Candidate, SchedulingContext};
 use crate::plugin::Scorer;
 
 pub const TYPE: &str = "queue-scorer";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum QueueSource {
     /// Scraped `vllm:num_requests_waiting` only (llm-d); 0 until scraped.
@@ -25,10 +25,9 @@ pub enum QueueSource {
     Combined,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct QueueParams {
-    #[serde(alias = "queue_source", rename = "queueSource")]
     pub queue_source: QueueSource,
 }
 

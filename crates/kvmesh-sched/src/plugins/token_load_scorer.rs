@@ -2,17 +2,16 @@
 //! (llm-d). In-flight uncached tokens are the prompt tokens the router has sent to the endpoint
 //! that it still has to compute — the prefill work queued there.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::candidate::{Candidate, SchedulingContext};
 use crate::plugin::Scorer;
 
 pub const TYPE: &str = "token-load-scorer";
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TokenLoadParams {
-    #[serde(alias = "max_tokens", rename = "maxTokens")]
     pub max_tokens: f64,
 }
 

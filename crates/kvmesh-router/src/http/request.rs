@@ -1,0 +1,625 @@
+//! Parsing OpenAI request bodies just enough to schedule them: the prompt's token ids (computed
+//! once per request, in-process), `stream`, `max_tokens`. Everything else in the body is kept as
+//! is and forwarded. Malformed input is a [`ApiError::bad_request`], never a panic.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use kvmesh_core::chat::Messages;
+use kvmesh_core::prompt::{self, Prompt, PromptError};
+use kvmesh_core::{TokenId, lax};
+use kvmesh_text::{ChatMessage, Tokenizer};
+use serde::Deserialize;
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+use crate::error::ApiError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApiKind {
+    Completions,
+    Chat,
+}
+
+impl ApiKind {
+    pub fn path(self) -> &'static str {
+        match self {
+            ApiKind::Completions => "/v1/completions",
+            ApiKind::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// A request body as top-level fields kept *unparsed* (raw JSON text), plus what scheduling
+/// needs. Only the fields the router reads are parsed, so a 240K-token prompt is not turned into
+/// a tree of JSON values, and an unmodified body is forwarded byte for byte.
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    /// The original body.
+    pub raw: Bytes,
+    /// Top-level fields (raw JSON values).
+    pub fields: BTreeMap<String, Box<RawValue>>,
+    /// Whether `fields` was changed (then the body is re-encoded from `fields`).
+    pub modified: bool,
+    pub tokens: Vec<TokenId>,
+    pub stream: bool,
+    pub max_tokens: Option<u64>,
+}
+
+impl ParsedRequest {
+    /// Replaces (or adds) a top-level field.
+    pub fn set_field(
+        &mut self,
+        key: &str,
+        value: &impl serde::Serialize,
+    ) -> Result<(), serde_json::Error> {
+        let raw = serde_json::value::to_raw_value(value)?;
+        self.fields.insert(key.to_owned(), raw);
+        self.modified = true;
+        Ok(())
+    }
+
+    /// A top-level field parsed as `T` (None if absent or not a `T`).
+    pub fn field<T: serde::de::DeserializeOwned>(&self, key: &str) -> Option<T> {
+        self.fields
+            .get(key)
+            .and_then(|r| serde_json::from_str(r.get()).ok())
+    }
+
+    /// The body to forward.
+    pub fn body(&self) -> Result<Bytes, serde_json::Error> {
+        if self.modified {
+            serde_json::to_vec(&self.fields).map(Bytes::from)
+        } else {
+            Ok(self.raw.clone())
+        }
+    }
+}
+
+/// The most top-level fields a request body may have (vLLM's request models have far fewer): a
+/// body of millions of keys would otherwise fill the field map (tens of bytes a key). One more
+/// is a 400 as soon as its key is read.
+pub const MAX_FIELDS: usize = 256;
+
+/// The error text for one top-level field too many.
+fn too_many_fields() -> String {
+    format!("too many fields: at most {MAX_FIELDS} top-level fields per request")
+}
+
+/// A body's top-level fields, at most [`MAX_FIELDS`] of them, kept as raw JSON text.
+struct Fields(BTreeMap<String, Box<RawValue>>);
+
+impl<'de> Deserialize<'de> for Fields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(FieldsVisitor)
+    }
+}
+
+struct FieldsVisitor;
+
+impl<'de> serde::de::Visitor<'de> for FieldsVisitor {
+    type Value = Fields;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Fields, A::Error> {
+        let mut out = BTreeMap::new();
+        while let Some(key) = map.next_key::<String>()? {
+            // A repeated key replaces its value (the last one wins, as in vLLM's dict).
+            if out.len() == MAX_FIELDS && !out.contains_key(&key) {
+                return Err(serde::de::Error::custom(too_many_fields()));
+            }
+            let value = map.next_value()?;
+            out.insert(key, value);
+        }
+        Ok(Fields(out))
+    }
+}
+
+/// A request body's top-level fields (raw JSON values), at most [`MAX_FIELDS`] of them.
+pub fn read_fields(bytes: &[u8]) -> Result<BTreeMap<String, Box<RawValue>>, ApiError> {
+    match serde_json::from_slice::<Fields>(bytes) {
+        Ok(f) => Ok(f.0),
+        Err(e) if e.is_data() && e.to_string().starts_with(&too_many_fields()) => {
+            Err(ApiError::bad_request(too_many_fields()))
+        }
+        Err(e) if e.is_data() => Err(ApiError::bad_request("request body must be a JSON object")),
+        Err(e) => Err(ApiError::bad_request(format!("invalid JSON body: {e}"))),
+    }
+}
+
+/// Parses and tokenizes a request body. Fields are read as vLLM's pydantic models read them in
+/// lax mode (`"16"` or `16.0` for an integer, `"true"` or `1` for a boolean), so a body vLLM
+/// accepts is never refused here; a 400 names the field in `param`.
+pub fn parse(
+    kind: ApiKind,
+    bytes: Bytes,
+    tokenizer: &dyn Tokenizer,
+) -> Result<ParsedRequest, ApiError> {
+    let fields = read_fields(&bytes)?;
+    if let Some(m) = fields.get("model")
+        && !(m.get().starts_with('"') || m.get() == "null")
+    {
+        return Err(ApiError::bad_param(
+            "model",
+            "model: Input should be a valid string",
+        ));
+    }
+    let stream = match scalar(&fields, "stream")? {
+        None => false,
+        Some(v) => lax::boolean(&v).ok_or_else(|| invalid("stream", "a valid boolean", &v))?,
+    };
+    let max_tokens = max_tokens(&fields)?;
+    let tokens = match kind {
+        ApiKind::Completions => {
+            let prompt = fields
+                .get("prompt")
+                .ok_or_else(|| ApiError::bad_param("prompt", "'prompt' is required"))?;
+            raw_prompt_tokens(prompt, tokenizer)?
+        }
+        ApiKind::Chat => chat_tokens(&fields, tokenizer)?,
+    };
+    Ok(ParsedRequest {
+        raw: bytes,
+        fields,
+        modified: false,
+        tokens,
+        stream,
+        max_tokens,
+    })
+}
+
+/// A request's top-level fields, each a raw JSON value.
+type FieldMap = BTreeMap<String, Box<RawValue>>;
+
+/// A scalar field as a JSON value; `None` when absent or null (pydantic's `X | None`). A list or
+/// an object is refused unparsed: as a `Value` tree a 64 MiB list would take ~30x that.
+fn scalar(fields: &FieldMap, key: &'static str) -> Result<Option<Value>, ApiError> {
+    match fields.get(key) {
+        None => Ok(None),
+        Some(r) if r.get().starts_with(['[', '{']) => Err(ApiError::bad_param(
+            key,
+            format!("{key}: Input should be a single value, got a list or an object"),
+        )),
+        Some(r) => serde_json::from_str::<Value>(r.get())
+            .map(|v| Some(v).filter(|v| !v.is_null()))
+            .map_err(|e| ApiError::bad_param(key, format!("{key}: {e}"))),
+    }
+}
+
+/// The decode length the request asks for: the smaller of `max_tokens` and
+/// `max_completion_tokens` when both are given.
+fn max_tokens(fields: &FieldMap) -> Result<Option<u64>, ApiError> {
+    let mut max_tokens = None;
+    for key in ["max_tokens", "max_completion_tokens"] {
+        let Some(v) = scalar(fields, key)? else {
+            continue;
+        };
+        let n = lax::int(&v).ok_or_else(|| invalid(key, "a valid integer", &v))?;
+        if n < 0 {
+            // What the engine (and vLLM's sampling parameters) answer for it.
+            return Err(ApiError::bad_param(
+                key,
+                format!("{key} must be at least 1, got {n}."),
+            ));
+        }
+        let n = u64::try_from(n).unwrap_or(u64::MAX);
+        max_tokens = Some(max_tokens.map_or(n, |m: u64| m.min(n)));
+    }
+    Ok(max_tokens)
+}
+
+/// A chat request's prompt tokens: its `messages` through the chat template.
+fn chat_tokens(fields: &FieldMap, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
+    // Read with the shared bounds (kvmesh_core::chat): never a JSON tree of the list.
+    let messages = match fields.get("messages") {
+        Some(r) if r.get() != "null" => raw_messages(r)?,
+        _ => return Err(ApiError::bad_param("messages", "'messages' is required")),
+    };
+    let add_generation_prompt = match scalar(fields, "add_generation_prompt")? {
+        None => true,
+        Some(v) => lax::boolean(&v)
+            .ok_or_else(|| invalid("add_generation_prompt", "a valid boolean", &v))?,
+    };
+    chat_messages_tokens(messages, add_generation_prompt, tokenizer)
+        .map_err(|e| e.with_param("messages"))
+}
+
+/// pydantic's wording for a value of the wrong type, naming the field.
+fn invalid(key: &'static str, expected: &str, got: &Value) -> ApiError {
+    ApiError::bad_param(key, format!("{key}: Input should be {expected}, got {got}"))
+}
+
+/// Token ids of a raw `prompt`, read with `kvmesh_core::prompt` (never a JSON tree of it): text,
+/// token ids, or a batch of either (a larger batch is scheduled by its first prompt; the others
+/// are skipped unread and forwarded).
+pub fn raw_prompt_tokens(
+    raw: &RawValue,
+    tokenizer: &dyn Tokenizer,
+) -> Result<Vec<TokenId>, ApiError> {
+    // No length bound here beyond the body's: the engine knows its `max_model_len` and refuses.
+    match prompt::read_value(raw.get(), usize::MAX) {
+        Ok(p) => match p.first {
+            Prompt::Text(t) => encode(&t, tokenizer).map_err(|e| e.with_param("prompt")),
+            Prompt::Ids(ids) => Ok(ids),
+        },
+        Err(PromptError::Empty) => Err(ApiError::bad_param("prompt", "'prompt' must not be empty")),
+        Err(PromptError::Missing) => Err(ApiError::bad_param("prompt", "'prompt' is required")),
+        Err(PromptError::TooLong { tokens, max }) => {
+            Err(ApiError::bad_param("prompt", prompt::too_long(max, tokens)))
+        }
+        Err(PromptError::Invalid(m) | PromptError::Malformed(m)) => {
+            Err(ApiError::bad_param("prompt", format!("'prompt': {m}")))
+        }
+        Err(PromptError::NotObject) => Err(ApiError::bad_param("prompt", "'prompt': invalid")),
+    }
+}
+
+/// A raw `messages` read with the shared bounds (`kvmesh_core::chat`): never a JSON tree.
+fn raw_messages(raw: &RawValue) -> Result<Messages, ApiError> {
+    serde_json::from_str::<Messages>(raw.get())
+        .map_err(|e| ApiError::bad_param("messages", format!("messages: {e}")))
+}
+
+/// Token ids of a raw `messages` array rendered with the tokenizer's chat template.
+pub fn raw_chat_tokens(
+    raw: &RawValue,
+    add_generation_prompt: bool,
+    tokenizer: &dyn Tokenizer,
+) -> Result<Vec<TokenId>, ApiError> {
+    chat_messages_tokens(raw_messages(raw)?, add_generation_prompt, tokenizer)
+        .map_err(|e| e.with_param("messages"))
+}
+
+fn chat_messages_tokens(
+    messages: Messages,
+    add_generation_prompt: bool,
+    tokenizer: &dyn Tokenizer,
+) -> Result<Vec<TokenId>, ApiError> {
+    if messages.0.is_empty() {
+        return Err(ApiError::bad_request("'messages' must not be empty"));
+    }
+    let msgs: Vec<ChatMessage> = messages
+        .0
+        .into_iter()
+        .map(|m| ChatMessage {
+            role: m.role,
+            content: m.content,
+        })
+        .collect();
+    let text = tokenizer
+        .apply_chat_template(&msgs, add_generation_prompt)
+        .map_err(|e| ApiError::bad_request(format!("chat template: {e}")))?;
+    encode(&text, tokenizer)
+}
+
+fn encode(text: &str, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
+    tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::bad_request(format!("tokenizer: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_text::ByteTokenizer;
+
+    fn b(s: &'static str) -> Bytes {
+        Bytes::from_static(s.as_bytes())
+    }
+
+    #[test]
+    fn modified_fields_are_re_encoded_and_others_kept() {
+        let mut r = parse(
+            ApiKind::Completions,
+            b(r#"{"prompt":[1,2,3],"x":{"y":1}}"#),
+            &ByteTokenizer,
+        )
+        .expect("ok");
+        r.set_field("kv_transfer_params", &serde_json::json!({"a": 1}))
+            .expect("set");
+        let v: Value = serde_json::from_slice(&r.body().expect("body")).expect("json");
+        assert_eq!(
+            v,
+            serde_json::json!({"prompt": [1, 2, 3], "x": {"y": 1}, "kv_transfer_params": {"a": 1}})
+        );
+    }
+
+    #[test]
+    fn completions_text_and_token_ids() {
+        let r = parse(
+            ApiKind::Completions,
+            b(r#"{"model":"m","prompt":"hi","max_tokens":5,"stream":true}"#),
+            &ByteTokenizer,
+        )
+        .expect("ok");
+        assert_eq!(r.tokens, vec![104, 105]);
+        assert!(r.stream);
+        assert_eq!(r.max_tokens, Some(5));
+        let r = parse(
+            ApiKind::Completions,
+            b(r#"{"prompt":[[7,8,9]]}"#),
+            &ByteTokenizer,
+        )
+        .expect("ok");
+        assert_eq!(r.tokens, vec![7, 8, 9]);
+        assert_eq!(
+            r.field::<Value>("prompt"),
+            Some(serde_json::json!([[7, 8, 9]]))
+        );
+        assert_eq!(
+            r.body().expect("body"),
+            Bytes::from_static(br#"{"prompt":[[7,8,9]]}"#),
+            "unchanged body forwarded verbatim"
+        );
+    }
+
+    #[test]
+    fn chat_uses_the_template() {
+        let r = parse(
+            ApiKind::Chat,
+            b(r#"{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}"#),
+            &ByteTokenizer,
+        )
+        .expect("ok");
+        let expected = ByteTokenizer
+            .apply_chat_template(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: "x".into(),
+                }],
+                true,
+            )
+            .expect("template");
+        assert_eq!(r.tokens, ByteTokenizer.encode(&expected).expect("encode"));
+    }
+
+    /// What vLLM's pydantic models accept in lax mode is accepted here too (and forwarded as
+    /// sent: the engine reads it the same way).
+    #[test]
+    fn lax_numbers_and_booleans_are_accepted_like_vllm() {
+        for (max_tokens, want) in [
+            (r#""16""#, 16),
+            ("16.0", 16),
+            (r#"" 1_6.00 ""#, 16),
+            (r#""+16""#, 16),
+            ("true", 1),
+        ] {
+            let body = format!(r#"{{"prompt":"hi","max_tokens":{max_tokens},"stream":"yes"}}"#);
+            let r = parse(
+                ApiKind::Completions,
+                Bytes::from(body.clone()),
+                &ByteTokenizer,
+            )
+            .unwrap_or_else(|e| panic!("{body}: {e:?}"));
+            assert_eq!(r.max_tokens, Some(want), "{body}");
+            assert!(r.stream);
+            assert_eq!(
+                r.body().expect("body"),
+                Bytes::from(body),
+                "forwarded as sent"
+            );
+        }
+        for (stream, want) in [
+            (r#""false""#, false),
+            ("0", false),
+            (r#""On""#, true),
+            ("null", false),
+        ] {
+            let body = format!(r#"{{"prompt":"hi","stream":{stream}}}"#);
+            let r = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect("ok");
+            assert_eq!(r.stream, want, "{stream}");
+        }
+        let r = parse(
+            ApiKind::Chat,
+            b(r#"{"messages":[{"role":"user","content":"x"}],"add_generation_prompt":"false","max_completion_tokens":"3"}"#),
+            &ByteTokenizer,
+        )
+        .expect("ok");
+        assert_eq!(r.max_tokens, Some(3));
+    }
+
+    /// A 400 names the field it is about (`param`), as the engine's do.
+    #[test]
+    fn bad_fields_are_named_in_param() {
+        for (body, param) in [
+            (r#"{"prompt":"x","max_tokens":"abc"}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":16.5}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":-1}"#, "max_tokens"),
+            (
+                r#"{"prompt":"x","max_completion_tokens":[1]}"#,
+                "max_completion_tokens",
+            ),
+            (r#"{"prompt":"x","stream":"maybe"}"#, "stream"),
+            (r#"{"prompt":"x","stream":2}"#, "stream"),
+            (r#"{"prompt":"x","model":3}"#, "model"),
+            (r#"{"prompt":[]}"#, "prompt"),
+            (r#"{"prompt":[1,-2]}"#, "prompt"),
+            (r#"{"prompt":5}"#, "prompt"),
+            (r#"{}"#, "prompt"),
+        ] {
+            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.param, Some(param), "{body}: {e:?}");
+        }
+        let e = parse(
+            ApiKind::Completions,
+            b(r#"{"prompt":"x","max_tokens":-1}"#),
+            &ByteTokenizer,
+        )
+        .expect_err("negative");
+        assert_eq!(e.message, "max_tokens must be at least 1, got -1.");
+        for (body, param) in [
+            (r#"{"messages":[]}"#, "messages"),
+            (r#"{"messages":"x"}"#, "messages"),
+            (r#"{"messages":[{"content":"x"}]}"#, "messages"),
+            (r#"{}"#, "messages"),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"add_generation_prompt":"nope"}"#,
+                "add_generation_prompt",
+            ),
+        ] {
+            let e = parse(ApiKind::Chat, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            assert_eq!(e.param, Some(param), "{body}: {e:?}");
+        }
+        // Not about one field: no param.
+        let e = parse(ApiKind::Completions, b("not json"), &ByteTokenizer).expect_err("json");
+        assert_eq!(e.param, None);
+    }
+
+    /// The message and content-part bounds: exactly at the bound passes, one over is a 400
+    /// naming `messages` and the bound (issue 15: 1.9M messages took the router to 1.4 GiB).
+    #[test]
+    fn message_and_part_counts_are_bounded() {
+        use kvmesh_core::chat::{MAX_CONTENT_PARTS, MAX_MESSAGES};
+        let chat = |messages: String| {
+            parse(
+                ApiKind::Chat,
+                Bytes::from(format!(r#"{{"model":"m","messages":[{messages}]}}"#)),
+                &ByteTokenizer,
+            )
+        };
+        let empty = |n: usize| vec![r#"{"role":"user","content":""}"#; n].join(",");
+        assert!(chat(empty(MAX_MESSAGES)).is_ok());
+        for n in [MAX_MESSAGES + 1, 1_000_000] {
+            let e = chat(empty(n)).expect_err("over the bound");
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+            assert_eq!(e.param, Some("messages"));
+            assert!(
+                e.message.contains("at most 65536 messages"),
+                "{}",
+                e.message
+            );
+        }
+        let parts = |n: usize| {
+            format!(
+                r#"{{"role":"user","content":[{}]}}"#,
+                vec![r#"{"type":"text","text":"a"}"#; n].join(",")
+            )
+        };
+        let r = chat(parts(MAX_CONTENT_PARTS)).expect("at the bound");
+        assert!(r.tokens.len() >= 2 * MAX_CONTENT_PARTS - 1);
+        let e = chat(parts(MAX_CONTENT_PARTS + 1)).expect_err("one part over");
+        assert_eq!(e.param, Some("messages"));
+        assert!(
+            e.message.contains("at most 65536 content parts"),
+            "{}",
+            e.message
+        );
+    }
+
+    /// At most `MAX_FIELDS` (256) top-level fields: exactly the bound parses, one more is a 400
+    /// naming the bound (issue 15: millions of keys filled the field map). A repeated key does
+    /// not count twice.
+    #[test]
+    fn top_level_fields_are_bounded() {
+        let body = |n: usize, extra: &str| {
+            let keys: Vec<String> = (1..n).map(|i| format!(r#""k{i}":0"#)).collect();
+            Bytes::from(format!(r#"{{"prompt":[1],{}{extra}}}"#, keys.join(",")))
+        };
+        let r = parse(ApiKind::Completions, body(MAX_FIELDS, ""), &ByteTokenizer).expect("at");
+        assert_eq!(r.fields.len(), MAX_FIELDS);
+        let r = parse(
+            ApiKind::Completions,
+            body(MAX_FIELDS, r#","k1":1"#),
+            &ByteTokenizer,
+        );
+        assert_eq!(r.expect("repeat").fields.len(), MAX_FIELDS);
+        for n in [MAX_FIELDS + 1, 1_000_000] {
+            let e = parse(ApiKind::Completions, body(n, ""), &ByteTokenizer).expect_err("over");
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+            assert!(
+                e.message.contains("at most 256 top-level fields"),
+                "{}",
+                e.message
+            );
+        }
+    }
+
+    /// `prompt` in all of vLLM's forms, read without a JSON tree; a batch is scheduled by its
+    /// first prompt and forwarded whole.
+    #[test]
+    fn prompt_forms_and_batches() {
+        for (body, want) in [
+            (r#"{"prompt":["hi",[1]]}"#, vec![104, 105]),
+            (r#"{"prompt":[[5,6],"x"]}"#, vec![5, 6]),
+            (r#"{"prompt":[9]}"#, vec![9]),
+        ] {
+            let r = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect(body);
+            assert_eq!(r.tokens, want, "{body}");
+            assert_eq!(r.body().expect("body"), Bytes::from(body));
+        }
+        for body in [
+            r#"{"prompt":[[]]}"#,
+            r#"{"prompt":null}"#,
+            r#"{"prompt":[1.5]}"#,
+        ] {
+            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            assert_eq!(e.param, Some("prompt"), "{body}");
+        }
+    }
+
+    /// A list where one value belongs is refused without building a JSON tree of it.
+    #[test]
+    fn lists_in_scalar_fields_are_refused_unparsed() {
+        let big = vec!["0"; 100_000].join(",");
+        for key in ["stream", "max_tokens", "max_completion_tokens"] {
+            let body = format!(r#"{{"prompt":"x","{key}":[{big}]}}"#);
+            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect_err(key);
+            assert_eq!(e.param, Some(key));
+        }
+    }
+
+    #[test]
+    fn lax_int_matches_pydantic_on_strings() {
+        for (s, want) in [
+            ("16", Some(16)),
+            ("016", Some(16)),
+            ("-0", Some(0)),
+            ("1_6", Some(16)),
+            ("16.00", Some(16)),
+            ("1__6", None),
+            ("_16", None),
+            ("16_", None),
+            ("16.5", None),
+            ("1e1", None),
+            ("0x10", None),
+            ("", None),
+            ("-", None),
+        ] {
+            assert_eq!(lax::int(&Value::String(s.to_owned())), want, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn malformed_bodies_are_bad_requests() {
+        for body in [
+            &b"not json"[..],
+            br#"[1,2]"#,
+            br#"{}"#,
+            br#"{"prompt": 5}"#,
+            br#"{"prompt": []}"#,
+            br#"{"prompt": [1, -2]}"#,
+            br#"{"prompt": "x", "max_tokens": -1}"#,
+            br#"{"prompt": "x", "stream": "maybe"}"#,
+            br#"{"prompt": "x", "model": 3}"#,
+        ] {
+            let e = parse(
+                ApiKind::Completions,
+                Bytes::from_static(body),
+                &ByteTokenizer,
+            )
+            .expect_err("must fail");
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        }
+        for body in [
+            &br#"{"messages": []}"#[..],
+            br#"{"messages": [{"content": "x"}]}"#,
+            br#"{"messages": "x"}"#,
+        ] {
+            assert!(parse(ApiKind::Chat, Bytes::from_static(body), &ByteTokenizer).is_err());
+        }
+    }
+}
