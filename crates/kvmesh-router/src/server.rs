@@ -163,6 +163,7 @@ pub async fn start(
                 Arc::clone(&index),
                 crate::indexer::IndexerConfig {
                     gap_grace: config.index.gap_grace,
+                    max_blocks_per_second: config.index.max_blocks_per_second,
                     ..crate::indexer::IndexerConfig::default()
                 },
                 &mut registry,
@@ -328,7 +329,7 @@ pub fn apply_discovered(state: &RouterState, feed: &dyn EventFeed, found: Vec<Di
     }
     for e in &diff.added {
         if let Some(ev) = &e.spec.kv_events {
-            feed.add_source(e.id, &e.name, ev);
+            feed.add_source(e.id, &e.name, &e.spec.url, ev);
         }
         state
             .metrics
