@@ -51,8 +51,10 @@ pub enum ServerError {
 #[derive(Default, Clone)]
 pub struct ServerOptions {
     pub admission_hook: Option<Arc<dyn AdmissionHook>>,
-    /// Connection timeouts and the shutdown drain bound.
+    /// Connection caps, header and body bounds, and the shutdown drain bound.
     pub http: HttpLimits,
+    /// Where the HTTP server counts refusals (`kvmesh_http_*` on `/metrics`).
+    pub http_stats: kvmesh_http::HttpStats,
 }
 
 pub use kvmesh_http::HttpLimits;
@@ -242,10 +244,11 @@ pub async fn start_server(
         Some(options.admission_hook.unwrap_or_else(|| {
             Arc::new(PdAdmission::new(consumer.clone(), p2p_advertised.clone()))
         }));
+    state.http_stats = Some(options.http_stats.clone());
     let app = router(state);
     let (stop, after) = (cancel.clone(), background.clone());
     let http = tokio::spawn(async move {
-        kvmesh_http::serve(listener, app, options.http, stop).await;
+        kvmesh_http::serve_with_stats(listener, app, options.http, options.http_stats, stop).await;
         after.cancel();
     });
     Ok(RunningServer {

@@ -343,6 +343,9 @@ pub struct RouterConfig {
     /// to finish after the listener closes.
     #[serde(default = "default_drain_timeout", with = "duration_str")]
     pub drain_timeout: Duration,
+    /// Client connection caps and request-body bounds (`docs/reliability.md#hostile-clients`).
+    #[serde(default)]
+    pub http: kvmesh_http::HttpSettings,
 }
 
 fn default_header_read_timeout() -> Duration {

@@ -147,7 +147,18 @@ pub async fn start(
         config.seed,
         &cost_model,
     )?;
+    let http_limits = config.http.apply(kvmesh_http::HttpLimits {
+        header_read_timeout: config.header_read_timeout,
+        drain_timeout: config.drain_timeout,
+        max_body_bytes: config.max_body_bytes,
+        ..kvmesh_http::HttpLimits::default()
+    });
+    http_limits.validate().map_err(|e| {
+        crate::config::ConfigError::Invalid(format!("{}: {}", e.setting.yaml_key(), e.reason))
+    })?;
     let mut registry = Registry::default();
+    let http_stats = kvmesh_http::HttpStats::default();
+    http_stats.register(&mut registry);
     let metrics = Arc::new(RouterMetrics::register(&mut registry));
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -283,13 +294,9 @@ pub async fn start(
     }
     let addr = listener.local_addr()?;
     let router = app(Arc::clone(&state));
-    let limits = kvmesh_http::HttpLimits {
-        header_read_timeout: state.config.header_read_timeout,
-        drain_timeout: state.config.drain_timeout,
-    };
     let cancel_http = cancel.clone();
     let server = tokio::spawn(async move {
-        kvmesh_http::serve(listener, router, limits, cancel_http).await;
+        kvmesh_http::serve_with_stats(listener, router, http_limits, http_stats, cancel_http).await;
         Ok(())
     });
     Ok(RouterHandle {
