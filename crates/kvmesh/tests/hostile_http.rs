@@ -9,9 +9,11 @@
 //!   once, and counted (`kvmesh_http_refused_connections_total`).
 //! - Bodies past the global body-memory budget are answered 503 with `Retry-After`.
 //!
-//! `large_bodies_peak_rss` (ignored, experiment-sized) measures both servers' peak RSS for one
-//! 60 MiB chat body and for four at once: `cargo test -p kvmesh --release --test hostile_http --
-//! --ignored --nocapture`.
+//! Experiment-sized (ignored; `cargo test -p kvmesh --release --test hostile_http -- --ignored
+//! --nocapture`): `large_bodies_peak_rss` measures both servers' peak RSS for one 60 MiB chat
+//! body and for four at once; `slow_body_flood_with_default_limits` opens 16,000 trickling
+//! connections from four addresses against a router with its default limits and reports what it
+//! held, refused and cut, its RSS, and probe latency from a fifth address.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod hostile_common;
@@ -449,4 +451,89 @@ async fn large_bodies_peak_rss() {
     }
     engine.assert_running("large bodies");
     router.assert_running("large bodies");
+}
+
+/// The attack at scale against a router with its default limits: 16,000 connections from
+/// four addresses (4,000 each), each trickling a body one byte a second. Reports how many the
+/// router held and refused, how long until it had cut them all, its peak RSS, and /health from a
+/// fifth address during the attack (refused at once while every slot is taken, never hanging).
+#[tokio::test]
+#[ignore = "experiment-sized: 16,000 connections for ~45 s; run with --ignored --nocapture"]
+async fn slow_body_flood_with_default_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
+    let (mut router, router_url) = router(
+        &format!(
+            "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\"}}\n"
+        ),
+        dir.path(),
+    )
+    .await;
+    completion_ok(&router_url).await;
+    let addr = host_port(&router_url);
+    let baseline = router.rss_kib();
+    router.reset_peak();
+    let started = Instant::now();
+    let mut attackers = Vec::new();
+    for a in 0..4 {
+        for _ in 0..4_000 {
+            let addr = addr.clone();
+            attackers.push(tokio::spawn(async move {
+                let Ok(mut s) = connect_from(&format!("127.0.0.{}", 10 + a), &addr).await else {
+                    return (false, None);
+                };
+                if s.write_all(&post_head(100_000)).await.is_err() {
+                    return (false, None);
+                }
+                let (mut rd, mut wr) = s.into_split();
+                let drip = tokio::spawn(async move {
+                    while wr.write_all(b" ").await.is_ok() {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                });
+                let mut got = Vec::new();
+                let mut buf = [0u8; 512];
+                let held_until = loop {
+                    match tokio::io::AsyncReadExt::read(&mut rd, &mut buf).await {
+                        Ok(0) | Err(_) => break Instant::now(),
+                        Ok(k) => got.extend_from_slice(&buf[..k]),
+                    }
+                };
+                drip.abort();
+                (true, Some((status_code(&got), held_until)))
+            }));
+        }
+    }
+    let client = client();
+    let mut probes = Vec::new();
+    let mut refused_probes = 0;
+    while !attackers.iter().all(|t| t.is_finished()) && started.elapsed() < Duration::from_secs(90)
+    {
+        let t = Instant::now();
+        match client.get(format!("{router_url}/health")).send().await {
+            Ok(r) if r.status() == 200 => probes.push(t.elapsed()),
+            _ => refused_probes += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut statuses = std::collections::BTreeMap::new();
+    let mut last_cut = Duration::ZERO;
+    for t in attackers {
+        if let (true, Some((status, until))) = t.await.unwrap() {
+            *statuses.entry(status).or_insert(0u32) += 1;
+            if status == Some(408) {
+                last_cut = last_cut.max(until.duration_since(started));
+            }
+        }
+    }
+    eprintln!(
+        "16,000 trickling connections from 4 addresses, default limits: answers {statuses:?}; last 408 at {last_cut:?}; router RSS {} MiB before, peak {} MiB; /health during the attack: {} ok ({}), {refused_probes} refused",
+        baseline >> 10,
+        router.peak_rss_kib() >> 10,
+        probes.len(),
+        summary(&probes),
+    );
+    completion_ok(&router_url).await;
+    engine.assert_running("the flood");
+    router.assert_running("the flood");
 }
