@@ -255,6 +255,7 @@ impl EndpointInfo {
                 bind: false,
                 topic: crate::launch::KV_EVENTS_TOPIC.to_owned(),
                 replay_endpoint: None,
+                allowed_peers: None,
             }),
             p2p: self.p2p.clone(),
             role: match self.role {

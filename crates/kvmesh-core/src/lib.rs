@@ -6,6 +6,7 @@
 
 pub mod chain;
 pub mod chat;
+pub mod conn_gate;
 pub mod events;
 pub mod exposition;
 pub mod fingerprint;

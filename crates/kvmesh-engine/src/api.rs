@@ -42,6 +42,8 @@ pub struct ApiState {
     pub created: u64,
     /// An upper bound on the UTF-8 bytes of text one token stands for (see [`check_text_fits`]).
     pub max_token_bytes: usize,
+    /// The HTTP server's own counters (`kvmesh_http_*`), appended to `/metrics`.
+    pub http_stats: Option<kvmesh_http::HttpStats>,
 }
 
 impl ApiState {
@@ -53,6 +55,7 @@ impl ApiState {
             prefetcher: None,
             created: unix_now(),
             max_token_bytes,
+            http_stats: None,
         }
     }
 }
@@ -267,12 +270,16 @@ async fn models(State(s): State<ApiState>) -> Response {
 async fn metrics(State(s): State<ApiState>) -> Response {
     let m = s.engine.metrics();
     m.set_cpu_stats(&s.engine.cpu_tier().stats());
+    let mut text = m.encode();
+    if let Some(http) = &s.http_stats {
+        http.append_to(&mut text);
+    }
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        m.encode(),
+        text,
     )
         .into_response()
 }

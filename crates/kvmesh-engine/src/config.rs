@@ -37,6 +37,10 @@ pub struct KvEventsConfig {
     /// kvmesh extension: bind `endpoint` even though its host is concrete (e.g. loopback only).
     #[serde(default)]
     pub bind: bool,
+    /// kvmesh extension: the networks subscribers and replay clients may connect from
+    /// (`["10.0.0.0/8", "127.0.0.1"]`); absent, any address within the connection caps.
+    #[serde(default)]
+    pub allowed_peers: Option<Vec<String>>,
     /// Optional ROUTER socket answering replay requests.
     #[serde(default)]
     pub replay_endpoint: Option<String>,

@@ -78,6 +78,11 @@ pub async fn start_event_publisher(
     };
     let mut pc = PublisherConfig::new(cfg.endpoint.clone(), cfg.topic.clone());
     pc.bind = cfg.bind;
+    pc.allowed_peers = cfg
+        .allowed_peers
+        .as_deref()
+        .map(kvmesh_events::AllowedPeers::parse)
+        .transpose()?;
     pc.replay_endpoint = cfg.replay_endpoint.clone();
     pc.replay_buffer = cfg.buffer_steps.max(1);
     // One batch per engine step and per CPU-tier change; leave room for bursts.

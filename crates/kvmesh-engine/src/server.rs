@@ -50,8 +50,10 @@ pub enum ServerError {
 #[derive(Default, Clone)]
 pub struct ServerOptions {
     pub request_hook: Option<Arc<dyn RequestHook>>,
-    /// Connection timeouts and the shutdown drain bound.
+    /// Connection caps, header and body bounds, and the shutdown drain bound.
     pub http: HttpLimits,
+    /// Where the HTTP server counts refusals (`kvmesh_http_*` on `/metrics`).
+    pub http_stats: kvmesh_http::HttpStats,
 }
 
 pub use kvmesh_http::HttpLimits;
@@ -247,10 +249,11 @@ pub async fn start_server(
         Arc::new(PdHook::new(p2p, handoffs, p2p_advertised.clone())) as Arc<dyn RequestHook>
     };
     state.request_hook = Some(options.request_hook.unwrap_or_else(default_hook));
+    state.http_stats = Some(options.http_stats.clone());
     let app = router(state);
     let (stop, after) = (cancel.clone(), background.clone());
     let http = tokio::spawn(async move {
-        kvmesh_http::serve(listener, app, options.http, stop).await;
+        kvmesh_http::serve_with_stats(listener, app, options.http, options.http_stats, stop).await;
         after.cancel();
     });
     Ok(RunningServer {

@@ -29,6 +29,13 @@ pub const PUB_PEER_QUEUE: usize = 10_000;
 pub const CONNECT_BUFFER_MESSAGES: usize = 10_000;
 pub const CONNECT_BUFFER_BYTES: usize = 64 << 20;
 
+/// Bytes of payload the replay ring keeps (besides its batch count, vLLM's `buffer_steps`): the
+/// oldest batches go first. Half the largest answer a replay client accepts, so that asking for
+/// everything (a router catching up) always fits. Why: a ring bounded only in count held
+/// 10,000 coalesced batches of ~35 KiB (~360 MB) under load, and up to 10,000 × 64 MiB in
+/// principle; a catch-up from a ring above 256 MiB failed every time.
+pub const MAX_REPLAY_BUFFER_BYTES: usize = MAX_REPLAY_ANSWER / 2;
+
 /// Largest frame the replay ROUTER reads (a request is `["", start_seq]`).
 pub const MAX_REPLAY_REQUEST_FRAME: usize = 256;
 /// Most parts of one replay request.
@@ -50,3 +57,16 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_PEERS: usize = 64;
 /// Simultaneous connections the replay ROUTER accepts.
 pub const MAX_REPLAY_PEERS: usize = 16;
+/// Of those, the most one source address may hold (IPv6: one /64; `ipc://` peers are one source),
+/// so a single host cannot take every slot (a router needs one PUB connection per engine, and one
+/// replay connection at a time).
+pub const MAX_PEERS_PER_SOURCE: usize = 8;
+pub const MAX_REPLAY_PEERS_PER_SOURCE: usize = 4;
+/// A PUB peer must hold a subscription that matches the publisher's topic within this of its
+/// handshake (and of dropping its last one), or it is dropped: a peer that never subscribes is
+/// never written to, so no write timeout would ever free its slot (issue 37: 64 such peers filled
+/// an engine's PUB port).
+pub const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A replay peer must send a request within this of its handshake and of each answer (the
+/// router's replay client asks at once and closes after the answer).
+pub const REPLAY_IDLE_TIMEOUT: Duration = Duration::from_secs(5);

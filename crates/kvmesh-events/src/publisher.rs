@@ -7,7 +7,10 @@
 //! In connect mode the socket reconnects in the background (at most 1 s apart) and, while no
 //! subscriber is there, keeps the newest batches in a bounded buffer that it delivers as soon as
 //! one subscribes, so an engine that starts before its router loses nothing.
-//! What a subscriber may send is bounded by [`crate::limits`].
+//! What a subscriber may send is bounded by [`crate::limits`]. A bound PUB socket admits peers
+//! through an optional allow-list and per-source caps, and drops a peer that holds no
+//! subscription to the topic for [`SUBSCRIBE_TIMEOUT`] (it would never be written to, so nothing
+//! else would ever free its slot).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -21,15 +24,19 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use tokio::time::Instant;
+
 use crate::EventsError;
+use crate::admission::{Admission, AllowedPeers};
 use crate::endpoint::{EndpointMode, resolve_endpoint};
 use crate::limits::{
     CONNECT_BUFFER_BYTES, CONNECT_BUFFER_MESSAGES, MAX_EVENT_MESSAGE, MAX_PEERS,
-    MAX_SUBSCRIPTION_FRAME, MAX_SUBSCRIPTIONS_PER_PEER, PUB_PEER_QUEUE, WRITE_TIMEOUT,
+    MAX_PEERS_PER_SOURCE, MAX_SUBSCRIPTION_FRAME, MAX_SUBSCRIPTIONS_PER_PEER, PUB_PEER_QUEUE,
+    SUBSCRIBE_TIMEOUT, WRITE_TIMEOUT,
 };
 use crate::replay::{ReplayBuffer, bind_replay_server};
 use crate::stats::PublisherStats;
-use crate::transport::{Addr, BoxStream, Listener, Slots, connect, timed_handshake};
+use crate::transport::{Addr, BoxStream, Listener, connect, timed_handshake};
 use crate::zmtp::{Limits, SocketType, encode_message, read_inbound, subscription};
 
 /// Where and how to publish.
@@ -51,6 +58,9 @@ pub struct PublisherConfig {
     pub encoding: EventEncoding,
     /// Batches a [`PublisherHandle`] may queue before `send` starts refusing (and counting) them.
     pub queue_capacity: usize,
+    /// Source networks allowed to connect to the bound PUB socket and the replay socket; `None`
+    /// admits every address (vLLM's behaviour), within the connection caps.
+    pub allowed_peers: Option<AllowedPeers>,
 }
 
 impl PublisherConfig {
@@ -64,6 +74,7 @@ impl PublisherConfig {
             replay_buffer: 10_000,
             encoding: EventEncoding::Map,
             queue_capacity: 4096,
+            allowed_peers: None,
         }
     }
 }
@@ -73,6 +84,9 @@ struct Peer {
     id: u64,
     subscriptions: Vec<Bytes>,
     tx: mpsc::Sender<Bytes>,
+    /// Since when it has held no subscription matching the publisher's topic (`None` while it
+    /// does).
+    idle_since: Option<Instant>,
 }
 
 impl Peer {
@@ -83,6 +97,8 @@ impl Peer {
 
 /// The PUB socket's shared state: peers with their subscriptions, and the connect-mode buffer.
 struct Hub {
+    /// The topic every batch is published on.
+    topic: Bytes,
     peers: Vec<Peer>,
     next_id: u64,
     /// Connect mode: messages published while no peer wanted them, `(topic, wire)`.
@@ -123,6 +139,7 @@ impl Hub {
 
     /// Applies a subscription change; `false` when the peer exceeded its subscription bound.
     fn subscribe(&mut self, id: u64, add: bool, topic: Bytes) -> bool {
+        let ours = self.topic.clone();
         let Some(peer) = self.peers.iter_mut().find(|p| p.id == id) else {
             return false;
         };
@@ -130,12 +147,18 @@ impl Hub {
             if let Some(i) = peer.subscriptions.iter().position(|s| *s == topic) {
                 peer.subscriptions.swap_remove(i);
             }
+            if !peer.wants(&ours) && peer.idle_since.is_none() {
+                peer.idle_since = Some(Instant::now());
+            }
             return true;
         }
         if peer.subscriptions.len() >= MAX_SUBSCRIPTIONS_PER_PEER {
             return false;
         }
         peer.subscriptions.push(topic);
+        if peer.wants(&ours) {
+            peer.idle_since = None;
+        }
         // Hand the buffered backlog to the first peer that wants it, oldest first.
         let mut keep = VecDeque::new();
         while let Some((t, wire)) = self.pending.pop_front() {
@@ -157,6 +180,15 @@ impl Hub {
 
     fn remove(&mut self, id: u64) {
         self.peers.retain(|p| p.id != id);
+    }
+
+    /// Whether peer `id` has gone [`SUBSCRIBE_TIMEOUT`] without a subscription to the topic.
+    fn idle_too_long(&self, id: u64, now: Instant) -> bool {
+        self.peers
+            .iter()
+            .find(|p| p.id == id)
+            .and_then(|p| p.idle_since)
+            .is_some_and(|since| now.duration_since(since) >= SUBSCRIBE_TIMEOUT)
     }
 }
 
@@ -207,6 +239,7 @@ impl Publisher {
         })?;
         let stats = PublisherStats::default();
         let hub = Arc::new(Mutex::new(Hub {
+            topic: Bytes::copy_from_slice(config.topic.as_bytes()),
             peers: Vec::new(),
             next_id: 0,
             pending: VecDeque::new(),
@@ -224,7 +257,17 @@ impl Publisher {
                             endpoint: config.endpoint.clone(),
                             source: source.into(),
                         })?;
-                tokio::spawn(accept_loop(listener, hub.clone(), cancel.clone()));
+                let admission = Admission::new(
+                    MAX_PEERS,
+                    MAX_PEERS_PER_SOURCE,
+                    config.allowed_peers.clone(),
+                );
+                tokio::spawn(accept_loop(
+                    listener,
+                    hub.clone(),
+                    admission,
+                    cancel.clone(),
+                ));
                 bound
             }
             EndpointMode::Connect => {
@@ -249,6 +292,7 @@ impl Publisher {
                     ep,
                     ring.clone(),
                     Bytes::copy_from_slice(config.topic.as_bytes()),
+                    config.allowed_peers.clone(),
                     stats.clone(),
                     cancel.clone(),
                 )
@@ -392,15 +436,20 @@ impl Publisher {
     }
 }
 
-/// Bind mode: accepts subscribers up to [`MAX_PEERS`].
-async fn accept_loop(listener: Listener, hub: Arc<Mutex<Hub>>, cancel: CancellationToken) {
-    let slots = Slots::new(MAX_PEERS);
+/// Bind mode: accepts subscribers up to [`MAX_PEERS`] (and [`MAX_PEERS_PER_SOURCE`] per source),
+/// from allowed addresses only.
+async fn accept_loop(
+    listener: Listener,
+    hub: Arc<Mutex<Hub>>,
+    admission: Admission,
+    cancel: CancellationToken,
+) {
     loop {
         let stream = tokio::select! {
             _ = cancel.cancelled() => return,
             s = listener.accept() => s,
         };
-        let stream = match stream {
+        let (stream, source) = match stream {
             Ok(s) => s,
             Err(e) => {
                 // E.g. out of file descriptors: back off instead of spinning.
@@ -409,9 +458,13 @@ async fn accept_loop(listener: Listener, hub: Arc<Mutex<Hub>>, cancel: Cancellat
                 continue;
             }
         };
-        let Some(slot) = slots.take() else {
-            hub.lock().stats.peer_refused();
-            continue;
+        let slot = match admission.admit(source) {
+            Ok(slot) => slot,
+            Err(why) => {
+                tracing::debug!(?source, ?why, "kv-event subscriber refused at accept");
+                hub.lock().stats.refused(why);
+                continue;
+            }
         };
         let (hub, cancel) = (hub.clone(), cancel.clone());
         tokio::spawn(async move {
@@ -499,32 +552,60 @@ async fn serve_peer(
         stats.protocol_error();
         return false;
     }
-    let (tx, mut rx) = mpsc::channel::<Bytes>(PUB_PEER_QUEUE);
+    let (tx, rx) = mpsc::channel::<Bytes>(PUB_PEER_QUEUE);
     let id = register_peer(&hub, tx);
     if let Some(registered) = registered {
         let _ = registered.send(());
     }
-    let (reader, mut writer) = tokio::io::split(stream);
-    let mut reading = spawn_subscription_reader(reader, hub.clone(), stats, id);
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => break,
-            _ = &mut reading => break,
-            wire = rx.recv() => {
-                let Some(wire) = wire else { break };
-                match tokio::time::timeout(WRITE_TIMEOUT, writer.write_all(&wire)).await {
-                    Ok(Ok(())) => {}
-                    _ => break,
-                }
-            }
-        }
-    }
+    let (reader, writer) = tokio::io::split(stream);
+    let mut reading = spawn_subscription_reader(reader, hub.clone(), stats.clone(), id);
+    feed_peer(writer, rx, &mut reading, &hub, id, &stats, &cancel).await;
     reading.abort();
     hub.lock().remove(id);
     true
 }
 
-/// Adds a subscriber that has completed its handshake; returns its id in the hub.
+/// Writes peer `id`'s queued messages until it goes (its reader ended), a write stalls, it has
+/// held no subscription to the topic for [`SUBSCRIBE_TIMEOUT`], or `cancel` fires.
+async fn feed_peer(
+    mut writer: tokio::io::WriteHalf<BoxStream>,
+    mut rx: mpsc::Receiver<Bytes>,
+    reading: &mut tokio::task::JoinHandle<()>,
+    hub: &Mutex<Hub>,
+    id: u64,
+    stats: &PublisherStats,
+    cancel: &CancellationToken,
+) {
+    let mut idle_check = tokio::time::interval(IDLE_CHECK);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = &mut *reading => return,
+            now = idle_check.tick() => {
+                if hub.lock().idle_too_long(id, now) {
+                    tracing::debug!("kv-event subscriber dropped: no subscription to the topic");
+                    stats.idle_peer_dropped();
+                    return;
+                }
+            }
+            wire = rx.recv() => {
+                let Some(wire) = wire else { return };
+                if !matches!(
+                    tokio::time::timeout(WRITE_TIMEOUT, writer.write_all(&wire)).await,
+                    Ok(Ok(()))
+                ) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// How often a peer's subscription state is checked against [`SUBSCRIBE_TIMEOUT`].
+const IDLE_CHECK: Duration = Duration::from_secs(1);
+
+/// Adds a subscriber that has completed its handshake; returns its id in the hub. It starts idle:
+/// its subscription must follow within [`SUBSCRIBE_TIMEOUT`].
 fn register_peer(hub: &Mutex<Hub>, tx: mpsc::Sender<Bytes>) -> u64 {
     let mut h = hub.lock();
     let id = h.next_id;
@@ -533,6 +614,7 @@ fn register_peer(hub: &Mutex<Hub>, tx: mpsc::Sender<Bytes>) -> u64 {
         id,
         subscriptions: Vec::new(),
         tx,
+        idle_since: Some(Instant::now()),
     });
     id
 }

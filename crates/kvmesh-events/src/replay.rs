@@ -10,7 +10,9 @@
 //! 3-part `["", seq, payload]` that kvmesh servers sent before.
 //!
 //! A ROUTER's routing reduces to "answer on the connection that asked", so each connection is
-//! served by its own task; requests are bounded by [`crate::limits`].
+//! served by its own task; requests are bounded by [`crate::limits`]. Connections are admitted
+//! like the PUB socket's (allow-list, caps in total and per source), and a peer that asks nothing
+//! for [`REPLAY_IDLE_TIMEOUT`] is dropped (16 silent peers used to fill the port for good).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -23,12 +25,15 @@ use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::EventsError;
+use crate::admission::{Admission, AllowedPeers};
 use crate::limits::{
-    MAX_EVENT_FRAME, MAX_EVENT_MESSAGE, MAX_EVENT_PARTS, MAX_REPLAY_ANSWER, MAX_REPLAY_PEERS,
-    MAX_REPLAY_REQUEST_FRAME, MAX_REPLAY_REQUEST_PARTS, REPLAY_TIMEOUT, WRITE_TIMEOUT,
+    MAX_EVENT_FRAME, MAX_EVENT_MESSAGE, MAX_EVENT_PARTS, MAX_REPLAY_ANSWER,
+    MAX_REPLAY_BUFFER_BYTES, MAX_REPLAY_PEERS, MAX_REPLAY_PEERS_PER_SOURCE,
+    MAX_REPLAY_REQUEST_FRAME, MAX_REPLAY_REQUEST_PARTS, REPLAY_IDLE_TIMEOUT, REPLAY_TIMEOUT,
+    WRITE_TIMEOUT,
 };
 use crate::stats::PublisherStats;
-use crate::transport::{Addr, BoxStream, Listener, Slots, connect, timed_handshake};
+use crate::transport::{Addr, BoxStream, Listener, connect, timed_handshake};
 use crate::zmtp::{Inbound, Limits, SocketType, ZmtpError, encode_message, read_inbound};
 
 /// The end-of-replay marker: `-1` as a signed 64-bit big-endian integer.
@@ -38,42 +43,70 @@ pub const REPLAY_END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
 /// and the replay server (reader). The lock is held only to push or copy out handles.
 #[derive(Clone)]
 pub struct ReplayBuffer {
-    inner: Arc<Mutex<VecDeque<(u64, Bytes)>>>,
+    inner: Arc<Mutex<Ring>>,
     capacity: usize,
+    max_bytes: usize,
+}
+
+#[derive(Default)]
+struct Ring {
+    batches: VecDeque<(u64, Bytes)>,
+    bytes: usize,
 }
 
 impl ReplayBuffer {
-    /// A ring holding at most `capacity` batches (vLLM's default buffer is 10 000 steps).
+    /// A ring holding at most `capacity` batches (vLLM's default buffer is 10 000 steps) and
+    /// [`MAX_REPLAY_BUFFER_BYTES`] of payload.
     pub fn new(capacity: usize) -> Self {
+        Self::with_max_bytes(capacity, MAX_REPLAY_BUFFER_BYTES)
+    }
+
+    /// A ring holding at most `capacity` batches and `max_bytes` of payload.
+    pub fn with_max_bytes(capacity: usize, max_bytes: usize) -> Self {
         Self {
-            inner: Arc::new(Mutex::new(VecDeque::with_capacity(capacity.min(1024)))),
+            inner: Arc::new(Mutex::new(Ring {
+                batches: VecDeque::with_capacity(capacity.min(1024)),
+                bytes: 0,
+            })),
             capacity,
+            max_bytes,
         }
     }
 
-    /// Appends a batch, dropping the oldest when full.
+    /// Appends a batch, dropping the oldest while it holds too many batches or bytes (a batch
+    /// larger than the byte bound on its own is not kept).
     pub fn push(&self, seq: u64, payload: Bytes) {
-        if self.capacity == 0 {
+        if self.capacity == 0 || payload.len() > self.max_bytes {
             return;
         }
         let mut ring = self.inner.lock();
-        if ring.len() >= self.capacity {
-            ring.pop_front();
+        ring.bytes += payload.len();
+        ring.batches.push_back((seq, payload));
+        while ring.batches.len() > self.capacity || ring.bytes > self.max_bytes {
+            match ring.batches.pop_front() {
+                Some((_, old)) => ring.bytes -= old.len(),
+                None => break,
+            }
         }
-        ring.push_back((seq, payload));
+    }
+
+    /// Payload bytes held.
+    pub fn bytes(&self) -> usize {
+        self.inner.lock().bytes
     }
 
     /// Every buffered batch with `seq >= start_seq`, oldest first (payloads are shared, not copied).
     pub fn since(&self, start_seq: u64) -> Vec<(u64, Bytes)> {
         let ring = self.inner.lock();
-        ring.iter()
+        ring.batches
+            .iter()
             .filter(|(s, _)| *s >= start_seq)
             .cloned()
             .collect()
     }
 
     pub fn len(&self) -> usize {
-        self.inner.lock().len()
+        self.inner.lock().batches.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -86,6 +119,7 @@ pub(crate) async fn bind_replay_server(
     endpoint: &str,
     buffer: ReplayBuffer,
     topic: Bytes,
+    allowed: Option<AllowedPeers>,
     stats: PublisherStats,
     cancel: CancellationToken,
 ) -> Result<String, EventsError> {
@@ -101,19 +135,23 @@ pub(crate) async fn bind_replay_server(
             source: source.into(),
         })?;
     tokio::spawn(async move {
-        let slots = Slots::new(MAX_REPLAY_PEERS);
+        let admission = Admission::new(MAX_REPLAY_PEERS, MAX_REPLAY_PEERS_PER_SOURCE, allowed);
         loop {
             let stream = tokio::select! {
                 _ = cancel.cancelled() => return,
                 s = listener.accept() => s,
             };
-            let Ok(stream) = stream else {
+            let Ok((stream, source)) = stream else {
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             };
-            let Some(slot) = slots.take() else {
-                stats.peer_refused();
-                continue;
+            let slot = match admission.admit(source) {
+                Ok(slot) => slot,
+                Err(why) => {
+                    tracing::debug!(?source, ?why, "replay client refused at accept");
+                    stats.refused(why);
+                    continue;
+                }
             };
             let (buffer, topic, stats, cancel) =
                 (buffer.clone(), topic.clone(), stats.clone(), cancel.clone());
@@ -121,14 +159,17 @@ pub(crate) async fn bind_replay_server(
                 let _slot = slot;
                 tokio::select! {
                     _ = cancel.cancelled() => {}
-                    r = serve_replay_peer(stream, &buffer, &topic) => {
-                        if let Err(e) = r
-                            && !matches!(e, ZmtpError::Io(_))
-                        {
+                    r = serve_replay_peer(stream, &buffer, &topic) => match r {
+                        Ok(()) | Err(ReplayPeerEnd::Zmtp(ZmtpError::Io(_))) => {}
+                        Err(ReplayPeerEnd::Idle) => {
+                            tracing::debug!("replay client dropped: asked nothing in time");
+                            stats.idle_peer_dropped();
+                        }
+                        Err(ReplayPeerEnd::Zmtp(e)) => {
                             tracing::debug!(error = %e, "replay client dropped");
                             stats.protocol_error();
                         }
-                    }
+                    },
                 }
             });
         }
@@ -171,21 +212,37 @@ pub(crate) fn end_parts() -> [Bytes; 4] {
     ]
 }
 
+/// Why a replay connection ended early.
+enum ReplayPeerEnd {
+    /// No request within [`REPLAY_IDLE_TIMEOUT`] of the handshake or of the previous answer.
+    Idle,
+    Zmtp(ZmtpError),
+}
+
+impl From<ZmtpError> for ReplayPeerEnd {
+    fn from(e: ZmtpError) -> Self {
+        ReplayPeerEnd::Zmtp(e)
+    }
+}
+
 async fn serve_replay_peer(
     mut stream: BoxStream,
     buffer: &ReplayBuffer,
     topic: &Bytes,
-) -> Result<(), ZmtpError> {
+) -> Result<(), ReplayPeerEnd> {
     timed_handshake(&mut stream, SocketType::Router).await?;
     let limits = Limits {
         max_frame: MAX_REPLAY_REQUEST_FRAME,
         max_parts: MAX_REPLAY_REQUEST_PARTS,
         max_message: MAX_REPLAY_REQUEST_FRAME * MAX_REPLAY_REQUEST_PARTS,
     };
+    // Only an answered request earns more time: commands and invalid requests do not.
+    let mut ask_by = tokio::time::Instant::now() + REPLAY_IDLE_TIMEOUT;
     loop {
         // Requests are answered one at a time on this connection, so reading here (not in a
-        // `select!`) is safe.
-        let parts = match read_inbound(&mut stream, &limits, None).await? {
+        // `select!`) is safe; a timed-out read ends the connection, never resumes.
+        let request = tokio::time::timeout_at(ask_by, read_inbound(&mut stream, &limits, None));
+        let parts = match request.await.map_err(|_| ReplayPeerEnd::Idle)?? {
             Inbound::Message(parts, _) => parts,
             Inbound::Command { .. } => continue,
         };
@@ -201,6 +258,7 @@ async fn serve_replay_peer(
             .await?;
         }
         write_timed(&mut stream, &encode_message(&end_parts())).await?;
+        ask_by = tokio::time::Instant::now() + REPLAY_IDLE_TIMEOUT;
     }
 }
 
@@ -373,6 +431,29 @@ mod tests {
 
     fn b(s: &'static [u8]) -> Bytes {
         Bytes::from_static(s)
+    }
+
+    #[test]
+    fn the_ring_is_bounded_in_batches_and_in_bytes() {
+        let ring = ReplayBuffer::with_max_bytes(4, 100);
+        for seq in 0..6 {
+            ring.push(seq, Bytes::from(vec![0u8; 10]));
+        }
+        assert_eq!(ring.len(), 4, "count bound");
+        assert_eq!(ring.since(0)[0].0, 2, "oldest first out");
+        ring.push(6, Bytes::from(vec![0u8; 90]));
+        assert_eq!(
+            (ring.len(), ring.bytes()),
+            (2, 100),
+            "byte bound drops the oldest"
+        );
+        ring.push(7, Bytes::from(vec![0u8; 101]));
+        assert_eq!(
+            ring.since(7).len(),
+            0,
+            "a batch above the bound alone is not kept"
+        );
+        assert_eq!(ring.bytes(), 100);
     }
 
     #[test]

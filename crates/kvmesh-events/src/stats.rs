@@ -13,6 +13,8 @@ pub struct PublisherStats {
 #[derive(Debug, Default)]
 pub(crate) struct PublisherCounters {
     pub(crate) peers_refused: AtomicU64,
+    pub(crate) peers_not_allowed: AtomicU64,
+    pub(crate) idle_peers_dropped: AtomicU64,
     pub(crate) protocol_errors: AtomicU64,
     pub(crate) peer_queue_drops: AtomicU64,
     pub(crate) buffered_drops: AtomicU64,
@@ -20,9 +22,20 @@ pub(crate) struct PublisherCounters {
 }
 
 impl PublisherStats {
-    /// Connections closed because every slot was taken ([`crate::limits::MAX_PEERS`]).
+    /// Connections closed at accept because every slot, or the source's share of them, was
+    /// taken ([`crate::limits::MAX_PEERS`], [`crate::limits::MAX_PEERS_PER_SOURCE`]).
     pub fn peers_refused(&self) -> u64 {
         self.inner.peers_refused.load(Ordering::Relaxed)
+    }
+    /// Connections closed at accept because their address is not on the allow-list.
+    pub fn peers_not_allowed(&self) -> u64 {
+        self.inner.peers_not_allowed.load(Ordering::Relaxed)
+    }
+    /// Peers dropped for holding a slot without using it: a PUB peer with no subscription to the
+    /// topic after [`crate::limits::SUBSCRIBE_TIMEOUT`], a replay peer that asked nothing for
+    /// [`crate::limits::REPLAY_IDLE_TIMEOUT`].
+    pub fn idle_peers_dropped(&self) -> u64 {
+        self.inner.idle_peers_dropped.load(Ordering::Relaxed)
     }
     /// Peers dropped for a bad handshake or for exceeding a bound (PUB and replay sockets).
     pub fn protocol_errors(&self) -> u64 {
@@ -43,7 +56,17 @@ impl PublisherStats {
     pub(crate) fn protocol_error(&self) {
         self.inner.protocol_errors.fetch_add(1, Ordering::Relaxed);
     }
-    pub(crate) fn peer_refused(&self) {
-        self.inner.peers_refused.fetch_add(1, Ordering::Relaxed);
+    /// Counts a connection closed at accept.
+    pub(crate) fn refused(&self, why: crate::admission::Refused) {
+        let counter = match why {
+            crate::admission::Refused::NotAllowed => &self.inner.peers_not_allowed,
+            crate::admission::Refused::Full(_) => &self.inner.peers_refused,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+    pub(crate) fn idle_peer_dropped(&self) {
+        self.inner
+            .idle_peers_dropped
+            .fetch_add(1, Ordering::Relaxed);
     }
 }

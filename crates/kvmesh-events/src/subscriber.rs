@@ -8,7 +8,9 @@
 //! goes backwards becomes `Restart` (a new publisher incarnation). Sequence numbers are tracked per
 //! topic, so several publishers may connect to one bound subscriber as long as their topics differ
 //! (llm-d's `kv@<pod>@<model>` topics do). A connected subscriber reconnects by itself (at most
-//! 1 s apart) when its publisher goes away.
+//! 1 s apart) when its publisher goes away. A bound subscriber admits publishers from its
+//! allow-list only, when it has one ([`SubscriberConfig::allowed_peers`]): otherwise anyone who
+//! reaches the port can inject events that are credited to the endpoint (issue 37).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,12 +23,14 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::{Admission, AllowedPeers, Refused};
 use crate::endpoint::{EndpointMode, subscriber_mode};
 use crate::limits::{
-    MAX_EVENT_FRAME, MAX_EVENT_MESSAGE, MAX_EVENT_PARTS, MAX_PEERS, MAX_SUBSCRIBER_BUFFERED,
+    MAX_EVENT_FRAME, MAX_EVENT_MESSAGE, MAX_EVENT_PARTS, MAX_PEERS, MAX_PEERS_PER_SOURCE,
+    MAX_SUBSCRIBER_BUFFERED,
 };
 use crate::replay::request_replay_raw;
-use crate::transport::{Addr, BoxStream, Listener, Slots, connect, timed_handshake};
+use crate::transport::{Addr, BoxStream, Listener, connect, timed_handshake};
 use crate::zmtp::{Inbound, Limits, SocketType, ZmtpError, read_inbound, subscribe_message};
 
 /// What to subscribe to.
@@ -41,6 +45,9 @@ pub struct SubscriberConfig {
     pub topic: String,
     /// The publisher's replay endpoint; when set, gaps are filled from it before being reported.
     pub replay_endpoint: Option<String>,
+    /// When bound: the source networks publishers may connect from (`None`: any address, within
+    /// the connection caps). Connecting subscribers ignore it.
+    pub allowed_peers: Option<AllowedPeers>,
 }
 
 impl SubscriberConfig {
@@ -51,6 +58,7 @@ impl SubscriberConfig {
             bind: false,
             topic: String::new(),
             replay_endpoint: None,
+            allowed_peers: None,
         }
     }
 
@@ -156,6 +164,7 @@ struct SubscriberCounters {
     malformed: AtomicU64,
     protocol_errors: AtomicU64,
     peers_refused: AtomicU64,
+    peers_not_allowed: AtomicU64,
     filtered: AtomicU64,
     replay_failures: AtomicU64,
     replay_malformed: AtomicU64,
@@ -174,9 +183,13 @@ impl SubscriberStats {
     pub fn protocol_errors(&self) -> u64 {
         self.inner.protocol_errors.load(Ordering::Relaxed)
     }
-    /// Connections refused because every slot was taken (bind mode).
+    /// Connections refused because every slot, or the source's share, was taken (bind mode).
     pub fn peers_refused(&self) -> u64 {
         self.inner.peers_refused.load(Ordering::Relaxed)
+    }
+    /// Connections refused because their address is not on the allow-list (bind mode).
+    pub fn peers_not_allowed(&self) -> u64 {
+        self.inner.peers_not_allowed.load(Ordering::Relaxed)
     }
     /// Messages on a topic we did not subscribe to (a peer ignoring its subscription).
     pub fn filtered(&self) -> u64 {
@@ -372,20 +385,32 @@ async fn accept_publishers(
     budget: &Arc<Semaphore>,
     cancel: &CancellationToken,
 ) {
-    let slots = Slots::new(MAX_PEERS);
+    let admission = Admission::new(
+        MAX_PEERS,
+        MAX_PEERS_PER_SOURCE,
+        config.allowed_peers.clone(),
+    );
     loop {
         let stream = tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tx.closed() => return,
             s = listener.accept() => s,
         };
-        let Ok(mut stream) = stream else {
+        let Ok((mut stream, source)) = stream else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let Some(slot) = slots.take() else {
-            stats.inner.peers_refused.fetch_add(1, Ordering::Relaxed);
-            continue;
+        let slot = match admission.admit(source) {
+            Ok(slot) => slot,
+            Err(why) => {
+                tracing::debug!(?source, ?why, "kv-event publisher refused at accept");
+                let counter = match why {
+                    Refused::NotAllowed => &stats.inner.peers_not_allowed,
+                    Refused::Full(_) => &stats.inner.peers_refused,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
         };
         let (config, tx, stats, budget, cancel) = (
             config.clone(),

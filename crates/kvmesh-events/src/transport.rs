@@ -1,9 +1,8 @@
-//! Byte streams under ZMTP: TCP and Unix-domain (`ipc://`) listeners and connections, with the
-//! connection caps and handshake timeout every socket kind shares.
+//! Byte streams under ZMTP: TCP and Unix-domain (`ipc://`) listeners and connections, and the
+//! handshake timeout every socket kind shares.
 
+use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
@@ -60,16 +59,17 @@ impl Listener {
         }
     }
 
-    pub(crate) async fn accept(&self) -> std::io::Result<BoxStream> {
+    /// The next connection and its source address (`None` for a Unix-domain peer).
+    pub(crate) async fn accept(&self) -> std::io::Result<(BoxStream, Option<IpAddr>)> {
         match self {
             Listener::Tcp(l) => {
-                let (s, _) = l.accept().await?;
+                let (s, peer) = l.accept().await?;
                 let _ = s.set_nodelay(true);
-                Ok(Box::new(s))
+                Ok((Box::new(s), Some(peer.ip())))
             }
             Listener::Unix(l) => {
                 let (s, _) = l.accept().await?;
-                Ok(Box::new(s))
+                Ok((Box::new(s), None))
             }
         }
     }
@@ -94,39 +94,5 @@ pub(crate) async fn timed_handshake(
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(stream, ours)).await {
         Ok(r) => r,
         Err(_) => Err(ZmtpError::Handshake("timed out".into())),
-    }
-}
-
-/// Counts a listener's live connections; a slot is held until its guard is dropped.
-#[derive(Clone)]
-pub(crate) struct Slots {
-    used: Arc<AtomicUsize>,
-    max: usize,
-}
-
-pub(crate) struct SlotGuard(Arc<AtomicUsize>);
-
-impl Drop for SlotGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl Slots {
-    pub(crate) fn new(max: usize) -> Slots {
-        Slots {
-            used: Arc::new(AtomicUsize::new(0)),
-            max,
-        }
-    }
-
-    /// A slot, or `None` when all are taken (the caller closes the connection).
-    pub(crate) fn take(&self) -> Option<SlotGuard> {
-        let prev = self.used.fetch_add(1, Ordering::AcqRel);
-        if prev >= self.max {
-            self.used.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        }
-        Some(SlotGuard(self.used.clone()))
     }
 }

@@ -4,7 +4,17 @@
 //! lookups never wait for writers; writers are serialised per shard. Each endpoint's state (its engine-hash map) sits behind its own
 //! mutex, held for a whole event, which serialises that endpoint's events in arrival order while
 //! different endpoints ingest in parallel.
+//!
+//! Fairness: `max_blocks` is shared out, each registered endpoint holding at most
+//! `max_blocks / endpoints` router blocks. An endpoint past its share evicts its *own* least
+//! recently used blocks (a CLOCK over its store order, second chance for blocks stored or looked
+//! up since), so one endpoint's flood never evicts another's prefixes (issue 37: a fake publisher
+//! announcing 10 M blocks wiped an honest engine's). When a newly registered endpoint shrinks the
+//! shares, an endpoint left over its share pays for the others' stores. The table's own per-shard
+//! eviction stays as a memory backstop, set 25 % above the shared bound so that it does not fire
+//! on hash imbalance between shards.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -30,11 +40,18 @@ struct EndpointState {
     /// While the endpoint is suspect (events were lost): the engine hashes stored since then.
     /// Everything else is aged out by [`PrefixIndex::expire_suspect`].
     refreshed: Option<hashbrown::HashSet<BlockHash>>,
+    /// Engine hashes in the order they were first stored, with the clock value of that moment
+    /// (or of their last second chance): the CLOCK that picks the endpoint's own victims when it
+    /// exceeds its share. Entries whose hash is gone are skipped (and compacted away).
+    order: VecDeque<(BlockHash, u32)>,
 }
 
 #[derive(Debug)]
 struct EndpointEntry {
     slot: u32,
+    /// Router blocks the endpoint's engine hashes cover (its use of its share). Outside the
+    /// mutex so the global trim can find the largest holder without locking every endpoint.
+    held: AtomicUsize,
     state: Mutex<EndpointState>,
 }
 
@@ -53,7 +70,12 @@ struct Counters {
     unresolved_blocks: AtomicU64,
     unknown_removals: AtomicU64,
     ignored_events: AtomicU64,
+    share_evictions: AtomicU64,
 }
+
+/// Second chances one eviction may grant before it takes the oldest candidate anyway (bounds the
+/// work of one store).
+const SECOND_CHANCES: usize = 16;
 
 /// The router's prefix index. `Send + Sync`; every method takes `&self`.
 #[derive(Debug)]
@@ -61,8 +83,10 @@ pub struct PrefixIndex {
     config: IndexConfig,
     shards: Box<[Shard]>,
     shard_bits: u32,
-    /// Blocks per shard before an eviction pass.
+    /// Blocks per shard before the backstop eviction (25 % above the fair share of `max_blocks`).
     shard_cap: usize,
+    /// Router blocks held over all endpoints (the sum of their `held`).
+    held_total: AtomicUsize,
     /// Random per-index value mixed into shard selection so crafted prompts cannot pile onto one
     /// shard.
     shard_seed: u64,
@@ -77,7 +101,8 @@ pub struct PrefixIndex {
 impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         let n_shards = config.shards.clamp(1, 1 << 16).next_power_of_two();
-        let shard_cap = (config.max_blocks / n_shards).max(16);
+        let per_shard = config.max_blocks / n_shards;
+        let shard_cap = (per_shard + per_shard / 4).max(16);
         let shard_seed = {
             use std::hash::{BuildHasher, Hasher};
             let mut h = hashbrown::DefaultHashBuilder::default().build_hasher();
@@ -92,6 +117,7 @@ impl PrefixIndex {
             config,
             shards,
             shard_cap,
+            held_total: AtomicUsize::new(0),
             shard_seed,
             registry: RwLock::new(Registry::default()),
             words: AtomicUsize::new(1),
@@ -117,13 +143,13 @@ impl PrefixIndex {
             }
             let now = self.tick();
             return match event {
-                KvEvent::BlockStored(ev) => self.apply_stored(entry.slot, &mut state, ev, now),
+                KvEvent::BlockStored(ev) => self.apply_stored(&entry, &mut state, ev, now),
                 KvEvent::BlockRemoved(ev) => {
-                    self.apply_removed(entry.slot, &mut state, ev);
+                    self.apply_removed(&entry, &mut state, ev);
                     Ok(())
                 }
                 KvEvent::AllBlocksCleared => {
-                    self.clear_state(entry.slot, &mut state);
+                    self.clear_state(&entry, &mut state);
                     Ok(())
                 }
             };
@@ -137,7 +163,7 @@ impl PrefixIndex {
         if let Some(entry) = entry {
             let mut state = entry.state.lock();
             if !state.removed {
-                self.clear_state(entry.slot, &mut state);
+                self.clear_state(&entry, &mut state);
             }
         }
     }
@@ -150,7 +176,7 @@ impl PrefixIndex {
         if state.removed {
             return;
         }
-        self.clear_state(entry.slot, &mut state);
+        self.clear_state(&entry, &mut state);
         state.removed = true;
         // Free the slot while still holding the endpoint's mutex: no writer can be mid-event on it.
         let mut reg = self.registry.write();
@@ -191,14 +217,7 @@ impl PrefixIndex {
             .copied()
             .collect();
         for hash in &stale {
-            if let Some(last) = state.hashes.remove(hash) {
-                if let Some(lead) = state.spans.remove(hash) {
-                    for k in lead.iter() {
-                        self.remove_member(*k, entry.slot, None);
-                    }
-                }
-                self.remove_member(last, entry.slot, None);
-            }
+            self.forget_hash(&entry, &mut state, *hash);
         }
         stale.len()
     }
@@ -207,6 +226,15 @@ impl PrefixIndex {
     pub fn is_suspect(&self, endpoint: EndpointId) -> bool {
         let entry = self.registry.read().by_id.get(&endpoint).cloned();
         entry.is_some_and(|e| e.state.lock().refreshed.is_some())
+    }
+
+    /// Router blocks `endpoint` holds against its share of `max_blocks` (0 if unknown).
+    pub fn held_blocks(&self, endpoint: EndpointId) -> usize {
+        self.registry
+            .read()
+            .by_id
+            .get(&endpoint)
+            .map_or(0, |e| e.held.load(Ordering::Relaxed))
     }
 
     /// Endpoints currently registered.
@@ -296,6 +324,7 @@ impl PrefixIndex {
             let st = e.state.lock();
             bytes += st.hashes.allocation_size() as u64 + st.spans.allocation_size() as u64;
             bytes += st.spans.values().map(|s| (s.len() * 8) as u64).sum::<u64>();
+            bytes += (st.order.capacity() * std::mem::size_of::<(BlockHash, u32)>()) as u64;
         }
         let c = &self.counters;
         IndexStats {
@@ -308,7 +337,9 @@ impl PrefixIndex {
             } else {
                 bytes as f64 / memberships as f64
             },
-            evictions: c.evictions.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed)
+                + c.share_evictions.load(Ordering::Relaxed),
+            share_evictions: c.share_evictions.load(Ordering::Relaxed),
             orphan_events: c.orphan_events.load(Ordering::Relaxed),
             unresolved_blocks: c.unresolved_blocks.load(Ordering::Relaxed),
             unknown_removals: c.unknown_removals.load(Ordering::Relaxed),
@@ -359,6 +390,7 @@ impl PrefixIndex {
             .fetch_max(slot as usize / 64 + 1, Ordering::AcqRel);
         let entry = Arc::new(EndpointEntry {
             slot,
+            held: AtomicUsize::new(0),
             state: Mutex::new(EndpointState::default()),
         });
         reg.by_id.insert(endpoint, entry.clone());
@@ -367,11 +399,12 @@ impl PrefixIndex {
 
     fn apply_stored(
         &self,
-        slot: u32,
+        entry: &EndpointEntry,
         state: &mut EndpointState,
         ev: &BlockStored,
         now: u32,
     ) -> Result<(), IndexError> {
+        let slot = entry.slot;
         let Some(tier) = crate::indexed_store(ev) else {
             self.counters.ignored_events.fetch_add(1, Ordering::Relaxed);
             return Ok(());
@@ -418,6 +451,10 @@ impl PrefixIndex {
             .iter()
             .zip(ev.token_ids.chunks_exact(engine_bs))
         {
+            let known = state.hashes.contains_key(hash);
+            if !known {
+                self.make_room(entry, state, ratio, now);
+            }
             let mut lead = Vec::new();
             for (j, sub) in tokens.chunks_exact(router_bs).enumerate() {
                 key = key.child(sub);
@@ -433,7 +470,12 @@ impl PrefixIndex {
             if ratio > 1 {
                 state.spans.insert(*hash, lead.into_boxed_slice());
             }
+            if !known {
+                self.held_add(entry, ratio);
+                state.order.push_back((*hash, now));
+            }
         }
+        self.compact_order(state);
         Ok(())
     }
 
@@ -473,7 +515,8 @@ impl PrefixIndex {
         Ok(())
     }
 
-    fn apply_removed(&self, slot: u32, state: &mut EndpointState, ev: &BlockRemoved) {
+    fn apply_removed(&self, entry: &EndpointEntry, state: &mut EndpointState, ev: &BlockRemoved) {
+        let slot = entry.slot;
         let Some(tier) = crate::indexed_remove(ev) else {
             self.counters.ignored_events.fetch_add(1, Ordering::Relaxed);
             return;
@@ -493,15 +536,18 @@ impl PrefixIndex {
             let still_held = self.remove_member(last, slot, Some(tier));
             if !still_held {
                 state.hashes.remove(hash);
-                state.spans.remove(hash);
+                let lead = state.spans.remove(hash);
                 if let Some(r) = &mut state.refreshed {
                     r.remove(hash);
                 }
+                self.held_sub(entry, 1 + lead.map_or(0, |l| l.len()));
             }
         }
+        self.compact_order(state);
     }
 
-    fn clear_state(&self, slot: u32, state: &mut EndpointState) {
+    fn clear_state(&self, entry: &EndpointEntry, state: &mut EndpointState) {
+        let slot = entry.slot;
         for (hash, last) in state.hashes.drain() {
             if let Some(lead) = state.spans.get(&hash) {
                 for k in lead.iter() {
@@ -514,6 +560,138 @@ impl PrefixIndex {
         state.hashes = HashMap::new();
         // Nothing stale is left: a clear also ends the suspect state.
         state.refreshed = None;
+        state.order = VecDeque::new();
+        let held = entry.held.swap(0, Ordering::Relaxed);
+        self.held_total.fetch_sub(held, Ordering::Relaxed);
+    }
+
+    /// Drops every membership of one engine hash of the endpoint (all tiers) and its map entries.
+    /// Returns the router blocks it covered (0 if the hash was not held).
+    fn forget_hash(
+        &self,
+        entry: &EndpointEntry,
+        state: &mut EndpointState,
+        hash: BlockHash,
+    ) -> usize {
+        let Some(last) = state.hashes.remove(&hash) else {
+            return 0;
+        };
+        let lead = state.spans.remove(&hash);
+        for k in lead.iter().flat_map(|l| l.iter()) {
+            self.remove_member(*k, entry.slot, None);
+        }
+        self.remove_member(last, entry.slot, None);
+        if let Some(r) = &mut state.refreshed {
+            r.remove(&hash);
+        }
+        let blocks = 1 + lead.map_or(0, |l| l.len());
+        self.held_sub(entry, blocks);
+        blocks
+    }
+
+    fn held_add(&self, entry: &EndpointEntry, blocks: usize) {
+        entry.held.fetch_add(blocks, Ordering::Relaxed);
+        self.held_total.fetch_add(blocks, Ordering::Relaxed);
+    }
+
+    fn held_sub(&self, entry: &EndpointEntry, blocks: usize) {
+        entry.held.fetch_sub(blocks, Ordering::Relaxed);
+        self.held_total.fetch_sub(blocks, Ordering::Relaxed);
+    }
+
+    /// Each registered endpoint's share of `max_blocks`.
+    fn share(&self) -> usize {
+        let endpoints = self.registry.read().by_id.len().max(1);
+        (self.config.max_blocks / endpoints).max(1)
+    }
+
+    /// Before `entry` stores `incoming` more router blocks: it evicts its own oldest blocks past
+    /// its share; then, if all endpoints together would exceed `max_blocks`, the endpoint that
+    /// holds the most pays, if it is over its share.
+    fn make_room(
+        &self,
+        entry: &EndpointEntry,
+        state: &mut EndpointState,
+        incoming: usize,
+        now: u32,
+    ) {
+        let share = self.share();
+        while entry.held.load(Ordering::Relaxed) + incoming > share {
+            if !self.evict_own(entry, state, now) {
+                break;
+            }
+        }
+        if self.held_total.load(Ordering::Relaxed) + incoming > self.config.max_blocks {
+            self.trim_largest(entry.slot, share, now);
+        }
+    }
+
+    /// Evicts the endpoint's least recently used engine block by CLOCK over its store order: a
+    /// candidate stored or looked up since it was queued goes back to the end (at most
+    /// [`SECOND_CHANCES`] times per call). Returns false when it holds nothing.
+    fn evict_own(&self, entry: &EndpointEntry, state: &mut EndpointState, now: u32) -> bool {
+        let mut chances = SECOND_CHANCES;
+        while let Some((hash, queued)) = state.order.pop_front() {
+            let Some(&last) = state.hashes.get(&hash) else {
+                continue;
+            };
+            let used = self.shard(last).last_used(last);
+            let age = |t: u32| now.wrapping_sub(t);
+            if chances > 0 && used.is_some_and(|u| age(u) < age(queued)) {
+                chances -= 1;
+                state.order.push_back((hash, now));
+                continue;
+            }
+            let blocks = self.forget_hash(entry, state, hash);
+            self.counters
+                .share_evictions
+                .fetch_add(blocks as u64, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
+    /// Evicts one engine block of the endpoint holding the most, if that is not `storing` and it
+    /// is over `share`. Never waits: an endpoint busy with its own event is skipped this time (its
+    /// next store trims it), so two endpoints trimming each other cannot deadlock.
+    fn trim_largest(&self, storing: u32, share: usize, now: u32) {
+        let largest = self
+            .registry
+            .read()
+            .by_id
+            .values()
+            .filter(|e| e.slot != storing)
+            .max_by_key(|e| e.held.load(Ordering::Relaxed))
+            .cloned();
+        let Some(victim) = largest else { return };
+        if victim.held.load(Ordering::Relaxed) <= share {
+            return;
+        }
+        if let Some(mut state) = victim.state.try_lock()
+            && !state.removed
+        {
+            self.evict_own(&victim, &mut state, now);
+        }
+    }
+
+    /// Drops queue entries whose hash is gone (removed, evicted, re-queued) once they outnumber
+    /// the live ones, so the queue stays within twice the endpoint's map.
+    fn compact_order(&self, state: &mut EndpointState) {
+        if state.order.len() <= 2 * state.hashes.len() + 1024 {
+            return;
+        }
+        let mut seen = hashbrown::HashSet::with_capacity(state.hashes.len());
+        let hashes = &state.hashes;
+        // Keep the newest entry of each live hash (its latest second chance).
+        let mut kept: Vec<(BlockHash, u32)> = state
+            .order
+            .iter()
+            .rev()
+            .filter(|(h, _)| hashes.contains_key(h) && seen.insert(*h))
+            .copied()
+            .collect();
+        kept.reverse();
+        state.order = kept.into();
     }
 
     fn add_member(&self, key: ChainKey, slot: u32, tier: Tier, now: u32) {

@@ -33,6 +33,7 @@
 //! ```
 
 mod index;
+mod rate;
 pub mod reference;
 mod table;
 
@@ -44,6 +45,7 @@ use kvmesh_core::events::{KvEvent, Medium};
 use thiserror::Error;
 
 pub use index::PrefixIndex;
+pub use rate::{BURST_SECONDS, DEFAULT_MAX_BLOCKS_PER_SECOND, StoreRate};
 
 /// A router-assigned endpoint (engine / data-parallel rank) identity.
 #[derive(
@@ -100,8 +102,9 @@ pub struct IndexConfig {
     /// The router's block size in tokens; lookups pass `chain_keys(tokens, block_size)`. Engine
     /// block sizes must be a multiple of it.
     pub block_size: usize,
-    /// Upper bound on distinct blocks held; beyond it each insert evicts the least recently
-    /// stored/looked-up of a small sample (approximate LRU).
+    /// Upper bound on the router blocks all endpoints together hold (a block held by two
+    /// endpoints counts twice), shared out equally among the registered endpoints: an endpoint
+    /// past its share evicts its own least recently used blocks, never another's.
     pub max_blocks: usize,
     /// Number of table shards (rounded up to a power of two). Writers are serialised per shard;
     /// more shards = less writer contention and smaller table rebuilds.
@@ -186,8 +189,11 @@ pub struct IndexStats {
     pub approx_bytes: u64,
     /// `approx_bytes / memberships` (0 when empty).
     pub bytes_per_membership: f64,
-    /// Blocks dropped by the `max_blocks` bound.
+    /// Blocks dropped by the `max_blocks` bound (an endpoint past its share, or the per-shard
+    /// memory backstop).
     pub evictions: u64,
+    /// Of `evictions`, those an endpoint paid for being past its share of `max_blocks`.
+    pub share_evictions: u64,
     /// BlockStored events skipped because their parent was unknown.
     pub orphan_events: u64,
     /// Token-less stored blocks whose engine hash had no known key.

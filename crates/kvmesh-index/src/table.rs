@@ -295,6 +295,15 @@ impl Shard {
         false
     }
 
+    /// When `key` was last stored or looked up (the index's logical clock), if it is held. Does
+    /// not mark it used. Writer side: takes the shard's mutex briefly.
+    pub(crate) fn last_used(&self, key: ChainKey) -> Option<u32> {
+        let key = stored(key);
+        let _w = self.writer.lock();
+        let t = self.table.load();
+        t.find(key).map(|i| t.used[i].load(Ordering::Relaxed))
+    }
+
     /// Sets `slot` in `tier` for `key`, inserting the block if new. Keeps at most `cap` blocks by
     /// evicting the least recently used of a sample per insert beyond it.
     pub(crate) fn add(

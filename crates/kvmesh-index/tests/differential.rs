@@ -1,6 +1,8 @@
 //! Differential tests: random event streams through [`PrefixIndex`] and the naive
 //! [`ReferenceIndex`], comparing every apply result and every lookup; plus a self-test proving the
-//! harness notices a backend that drops removals. Case count: `PROPTEST_CASES` (default 256).
+//! harness notices a backend that drops removals. With a bound, the index may only under-estimate,
+//! and an endpoint that stays within its share of `max_blocks` must stay exact however the others
+//! flood (issue 37). Case count: `PROPTEST_CASES` (default 256).
 
 #![allow(clippy::unwrap_used)]
 
@@ -56,6 +58,12 @@ enum Op {
     },
     Expire {
         ep: u8,
+    },
+    /// A run of `blocks` engine blocks no prompt shares (a flooding publisher).
+    Flood {
+        ep: u8,
+        seed: u16,
+        blocks: u8,
     },
 }
 
@@ -220,6 +228,25 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                 }),
             )
         }
+        Op::Flood { ep, seed, blocks } => {
+            let n = 1 + blocks as usize % 40;
+            let first = 1_000 + u32::from(seed) * 4_096;
+            let tokens: Vec<u32> = (first..first + (n * ebs) as u32).collect();
+            (
+                EndpointId(ep.into()),
+                KvEvent::BlockStored(BlockStored {
+                    block_hashes: engine_hashes(&tokens, ebs),
+                    parent_block_hash: None,
+                    token_ids: tokens,
+                    block_size: ebs as u32,
+                    lora_id: None,
+                    medium: Medium::Gpu,
+                    lora_name: None,
+                    group_idx: None,
+                    kv_cache_spec_kind: None,
+                }),
+            )
+        }
         Op::ClearCall { .. }
         | Op::RemoveEndpoint { .. }
         | Op::Suspect { .. }
@@ -239,11 +266,13 @@ fn lookup_keys(s: &Scenario) -> Vec<Vec<ChainKey>> {
     out
 }
 
-/// How two backends may relate: identical answers, or `fast` never above `reference`.
+/// How two backends may relate: identical answers, or `fast` never above `reference`, or never
+/// above and exact for one endpoint.
 #[derive(Clone, Copy, PartialEq)]
 enum Expect {
     Equal,
     NeverAbove,
+    ExactFor(EndpointId),
 }
 
 fn run(
@@ -293,6 +322,22 @@ fn run(
                     return Err(format!(
                         "step {step} {op:?}: lookup {a:?} vs reference {b:?}"
                     ));
+                }
+                Expect::ExactFor(ep) => {
+                    let own = |v: &[EndpointMatch]| v.iter().find(|m| m.endpoint == ep).copied();
+                    if own(&a) != own(&b) {
+                        return Err(format!(
+                            "step {step} {op:?}: endpoint {ep} has {:?}, reference {:?}",
+                            own(&a),
+                            own(&b)
+                        ));
+                    }
+                    for m in &a {
+                        let r = b.iter().find(|x| x.endpoint == m.endpoint);
+                        if r.is_none_or(|r| m.any_blocks > r.any_blocks) {
+                            return Err(format!("step {step}: over-estimate {m:?} vs {r:?}"));
+                        }
+                    }
                 }
                 Expect::NeverAbove => {
                     for m in &a {
@@ -352,6 +397,78 @@ proptest! {
             prop_assert!(false, "{}", e);
         }
         prop_assert!(fast.stats().blocks <= 16 + 1);
+    }
+}
+
+/// Scenarios where endpoint 0 only ever stores prompt 0 (at most `NB × ratio` = 12 router blocks)
+/// while endpoints 1–3 do anything, floods included.
+fn flood_scenario() -> impl Strategy<Value = Scenario> {
+    let flood = (1u8..ENDPOINTS, any::<u16>(), any::<u8>())
+        .prop_map(|(ep, seed, blocks)| Op::Flood { ep, seed, blocks });
+    let ops = prop::collection::vec(prop_oneof![3 => op(), 2 => flood], 1..80).prop_map(|ops| {
+        ops.into_iter()
+            .map(|op| match op {
+                Op::Store {
+                    ep: 0,
+                    start,
+                    len,
+                    cpu,
+                    tokenless,
+                    ..
+                } => Op::Store {
+                    ep: 0,
+                    prompt: 0,
+                    start,
+                    len,
+                    cpu,
+                    tokenless,
+                    bad_parent: false,
+                },
+                Op::Storage { ep: 0, .. } | Op::BadTokens { ep: 0, .. } => Op::Clear { ep: 0 },
+                other => other,
+            })
+            .collect()
+    });
+    (1usize..=2).prop_flat_map(move |ratio| {
+        let len = NB * ratio * ROUTER_BS;
+        (
+            Just(ratio),
+            prop::collection::vec(prop::collection::vec(0u32..2, len), 4),
+            ops.clone(),
+        )
+            .prop_map(|(ratio, prompts, ops)| Scenario {
+                ratio,
+                prompts,
+                ops,
+            })
+    })
+}
+
+proptest! {
+    /// Four endpoints share 64 blocks (16 each). Endpoint 0 never holds more than 12, so whatever
+    /// the others store (floods of up to 40 engine blocks at a time), its lookups equal the
+    /// unbounded reference's: nobody else's blocks ever evict its own.
+    #[test]
+    fn an_endpoint_within_its_share_is_untouched_by_floods(s in flood_scenario()) {
+        let fast = PrefixIndex::new(IndexConfig { block_size: ROUTER_BS, max_blocks: 64, shards: 1, max_endpoints: 64 });
+        let reference = ReferenceIndex::new(ROUTER_BS);
+        for ep in 0..ENDPOINTS {
+            let ep = EndpointId(ep.into());
+            fast.apply_event(ep, &KvEvent::AllBlocksCleared).unwrap();
+            reference.apply_event(ep, &KvEvent::AllBlocksCleared).unwrap();
+        }
+        let s = Scenario {
+            ops: s.ops.into_iter().filter(|op| !matches!(op, Op::RemoveEndpoint { .. })).collect(),
+            ..s
+        };
+        if let Err(e) = run(&s, &fast, &reference, Expect::ExactFor(EndpointId(0))) {
+            prop_assert!(false, "{}", e);
+        }
+        // The shared bound holds (one engine block of overshoot at most).
+        prop_assert!(fast.stats().blocks <= 64 + 2, "{:?}", fast.stats());
+        for ep in 0..ENDPOINTS {
+            prop_assert!(fast.held_blocks(EndpointId(ep.into())) <= 16 + 2);
+        }
     }
 }
 

@@ -150,7 +150,18 @@ pub async fn start(
         config.seed,
         &cost_model,
     )?;
+    let http_limits = config.http.apply(kvmesh_http::HttpLimits {
+        header_read_timeout: config.header_read_timeout,
+        drain_timeout: config.drain_timeout,
+        max_body_bytes: config.max_body_bytes,
+        ..kvmesh_http::HttpLimits::default()
+    });
+    http_limits.validate().map_err(|e| {
+        crate::config::ConfigError::Invalid(format!("{}: {}", e.setting.yaml_key(), e.reason))
+    })?;
     let mut registry = Registry::default();
+    let http_stats = kvmesh_http::HttpStats::default();
+    http_stats.register(&mut registry);
     let metrics = Arc::new(RouterMetrics::register(&mut registry));
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -166,6 +177,7 @@ pub async fn start(
                 Arc::clone(&index),
                 crate::fleet::indexer::IndexerConfig {
                     gap_grace: config.index.gap_grace,
+                    max_blocks_per_second: config.index.max_blocks_per_second,
                     ..crate::fleet::indexer::IndexerConfig::default()
                 },
                 &mut registry,
@@ -267,13 +279,9 @@ pub async fn start(
     }
     let addr = listener.local_addr()?;
     let router = app(Arc::clone(&state));
-    let limits = kvmesh_http::HttpLimits {
-        header_read_timeout: state.config.header_read_timeout,
-        drain_timeout: state.config.drain_timeout,
-    };
     let cancel_http = cancel.clone();
     let server = tokio::spawn(async move {
-        kvmesh_http::serve(listener, router, limits, cancel_http).await;
+        kvmesh_http::serve_with_stats(listener, router, http_limits, http_stats, cancel_http).await;
         Ok(())
     });
     Ok(RouterHandle {
@@ -336,7 +344,7 @@ pub fn apply_discovered(state: &RouterState, feed: &dyn EventFeed, found: Vec<Di
     }
     for e in &diff.added {
         if let Some(ev) = &e.spec.kv_events {
-            feed.add_source(e.id, &e.name, ev);
+            feed.add_source(e.id, &e.name, &e.spec.url, ev);
         }
         state
             .metrics

@@ -156,7 +156,8 @@ pub(crate) struct Placement<'a> {
 
 impl RouterState {
     /// Counts a placement on `ep` and, every [`SILENT_EVENTS_AFTER_PLACEMENTS`] placements,
-    /// checks that its configured event stream delivered something; if not, warns once
+    /// checks that its configured event stream delivered something since the previous check
+    /// (connected or not, a stream quiet while the endpoint gets work is blind); if not, warns once
     /// (log, `kvmesh_router_endpoint_events_silent`, `/debug/endpoints`).
     pub(crate) fn note_placement(&self, ep: &Endpoint) {
         let placed = ep.placed.fetch_add(1, Ordering::Relaxed) + 1;
@@ -164,7 +165,7 @@ impl RouterState {
         if !placed.is_multiple_of(SILENT_EVENTS_AFTER_PLACEMENTS) || ep.spec.kv_events.is_none() {
             return;
         }
-        let silent = self.feed.batches_received(ep.id) == Some(0);
+        let silent = self.feed.events_silent(ep.id) == Some(true);
         let was = ep.events_silent.swap(silent, Ordering::Relaxed);
         if silent && !was {
             let events = ep

@@ -184,6 +184,7 @@ async fn rig(block_size: usize, gap_grace: Duration) -> Rig {
         IndexerConfig {
             gap_grace,
             stats_interval: Duration::from_millis(200),
+            ..IndexerConfig::default()
         },
         cancel.clone(),
     );

@@ -152,6 +152,22 @@ pub struct EngineCmd {
     /// keep-alive connections and the gap between two chunks of a request body.
     #[arg(long, default_value = "10s", value_parser = crate::parse_duration)]
     header_read_timeout: Duration,
+    /// Open client connections at most; more are answered 503 and closed at once.
+    #[arg(long, default_value_t = HttpLimits::default().max_connections)]
+    http_max_connections: usize,
+    /// Open connections from one source address (IPv6: one /64) at most; 0 = no such cap.
+    #[arg(long, default_value_t = HttpLimits::default().max_connections_per_ip)]
+    http_max_connections_per_ip: usize,
+    /// A request body must be complete this long after its headers, plus the time its bytes
+    /// earn at --http-body-min-rate.
+    #[arg(long, default_value = "30s", value_parser = crate::parse_duration)]
+    http_body_timeout: Duration,
+    /// Bytes per second a body must keep up to be given more time (e.g. 256KiB).
+    #[arg(long, default_value = "256KiB")]
+    http_body_min_rate: String,
+    /// Bytes of request bodies all connections together may hold; past it, 503 + Retry-After.
+    #[arg(long, default_value = "1GiB")]
+    http_body_memory: String,
 }
 
 impl EngineCmd {
@@ -379,15 +395,23 @@ pub async fn run(args: EngineCmd) -> anyhow::Result<()> {
         }
         other => anyhow::bail!("unknown --backend `{other}` (sim, model)"),
     };
-    anyhow::ensure!(
-        !args.header_read_timeout.is_zero(),
-        "--header-read-timeout must be > 0"
-    );
+    let http = HttpLimits {
+        header_read_timeout: args.header_read_timeout,
+        drain_timeout: args.drain_timeout,
+        body_timeout: args.http_body_timeout,
+        body_min_rate: parse_byte_size(&args.http_body_min_rate).context("--http-body-min-rate")?,
+        body_memory: usize::try_from(
+            parse_byte_size(&args.http_body_memory).context("--http-body-memory")?,
+        )
+        .unwrap_or(usize::MAX),
+        max_connections: args.http_max_connections,
+        max_connections_per_ip: args.http_max_connections_per_ip,
+        ..HttpLimits::default()
+    };
+    http.validate()
+        .map_err(|e| anyhow::anyhow!("{}: {}", e.setting.flag(), e.reason))?;
     let options = ServerOptions {
-        http: HttpLimits {
-            header_read_timeout: args.header_read_timeout,
-            drain_timeout: args.drain_timeout,
-        },
+        http,
         ..ServerOptions::default()
     };
     let server = start_server(config, backend, tokenizer, options)

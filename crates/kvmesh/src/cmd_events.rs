@@ -78,6 +78,7 @@ async fn listen(args: ListenArgs) -> anyhow::Result<()> {
         bind: args.bind,
         topic: args.topic.clone(),
         replay_endpoint: args.replay.clone(),
+        allowed_peers: None,
     };
     // Validate up front so a typo fails fast instead of retrying forever.
     kvmesh_events::resolve_endpoint(&args.endpoint)?;

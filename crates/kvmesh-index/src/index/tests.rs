@@ -261,3 +261,101 @@ fn lookup_of_unknown_or_empty_is_empty() {
     assert!(index.find_matches(&[]).is_empty());
     assert!(index.find_matches(&[ChainKey(5)]).is_empty());
 }
+
+/// Issue 37: a publisher announcing a hundred times the index's bound on one endpoint evicts only
+/// that endpoint's blocks; the honest endpoint keeps every block.
+#[test]
+fn one_endpoints_flood_evicts_only_its_own_blocks() {
+    let index = PrefixIndex::new(IndexConfig {
+        block_size: 4,
+        max_blocks: 1000,
+        shards: 4,
+        max_endpoints: 8,
+    });
+    let honest: Vec<u32> = (0..400).collect();
+    let hashes: Vec<u64> = (1..=100).collect();
+    index
+        .apply_event(EndpointId(0), &stored(&hashes, None, &honest, Medium::Gpu))
+        .unwrap();
+    for e in 0..1000u32 {
+        let tokens: Vec<u32> = (0..400).map(|i| 1_000_000 + e * 400 + i).collect();
+        let hashes: Vec<u64> = (0..100)
+            .map(|i| 1_000_000 + u64::from(e) * 100 + i)
+            .collect();
+        index
+            .apply_event(EndpointId(1), &stored(&hashes, None, &tokens, Medium::Gpu))
+            .unwrap();
+    }
+    assert_eq!(
+        one(&index.find_matches(&chain_keys(&honest, 4)), 0),
+        (100, 0, 100)
+    );
+    assert!(index.held_blocks(EndpointId(1)) <= 500);
+    let s = index.stats();
+    assert!(s.blocks <= 1000, "{s:?}");
+    assert!(s.share_evictions >= 100_000 - 500, "{s:?}");
+}
+
+/// An endpoint that registers after another filled the whole index gets its share: the largest
+/// holder pays for its stores.
+#[test]
+fn a_newcomer_gets_its_share_from_the_largest_holder() {
+    let index = PrefixIndex::new(IndexConfig {
+        block_size: 1,
+        max_blocks: 100,
+        shards: 1,
+        max_endpoints: 8,
+    });
+    let first: Vec<u32> = (0..100).collect();
+    let hashes: Vec<u64> = (0..100).collect();
+    index
+        .apply_event(EndpointId(1), &stored(&hashes, None, &first, Medium::Gpu))
+        .unwrap();
+    assert_eq!(index.held_blocks(EndpointId(1)), 100);
+    let late: Vec<u32> = (1000..1050).collect();
+    let hashes: Vec<u64> = (1000..1050).collect();
+    index
+        .apply_event(EndpointId(2), &stored(&hashes, None, &late, Medium::Gpu))
+        .unwrap();
+    assert_eq!(
+        one(&index.find_matches(&chain_keys(&late, 1)), 2),
+        (50, 0, 50)
+    );
+    assert_eq!(index.held_blocks(EndpointId(1)), 50);
+    assert_eq!(index.stats().blocks, 100);
+}
+
+/// The eviction order is least recently used: a prefix looked up keeps its blocks while an
+/// endpoint churns through its own share.
+#[test]
+fn an_endpoints_own_eviction_spares_what_lookups_use() {
+    let index = PrefixIndex::new(IndexConfig {
+        block_size: 1,
+        max_blocks: 64,
+        shards: 1,
+        max_endpoints: 8,
+    });
+    let hot: Vec<u32> = vec![9, 9, 9, 9];
+    index
+        .apply_event(
+            EndpointId(0),
+            &stored(&[1, 2, 3, 4], None, &hot, Medium::Gpu),
+        )
+        .unwrap();
+    for i in 0..5_000u32 {
+        index
+            .apply_event(
+                EndpointId(0),
+                &stored(&[100 + u64::from(i)], None, &[1000 + i], Medium::Gpu),
+            )
+            .unwrap();
+        if i % 8 == 0 {
+            assert_eq!(
+                one(&index.find_matches(&chain_keys(&hot, 1)), 0),
+                (4, 0, 4),
+                "hot prefix kept at {i}"
+            );
+        }
+    }
+    assert!(index.held_blocks(EndpointId(0)) <= 64);
+}

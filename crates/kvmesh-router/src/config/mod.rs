@@ -63,6 +63,10 @@ pub struct KvEventsSpec {
     pub topic: String,
     #[serde(default)]
     pub replay_endpoint: Option<String>,
+    /// With `bind: true`: the networks engines may publish from (`10.0.0.0/8`, `fd00::7`);
+    /// default the addresses of the endpoint's `url` host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_peers: Option<Vec<String>>,
 }
 
 /// One engine.
@@ -216,6 +220,8 @@ pub struct IndexSettings {
     /// unconfirmed entries keep answering lookups before they are aged out.
     #[serde(with = "duration_str")]
     pub gap_grace: Duration,
+    /// Stored blocks one endpoint's events may announce per second (bursts of 10 s of it).
+    pub max_blocks_per_second: u64,
 }
 
 impl Default for IndexSettings {
@@ -223,6 +229,7 @@ impl Default for IndexSettings {
         IndexSettings {
             max_blocks: 4_000_000,
             gap_grace: Duration::from_secs(10),
+            max_blocks_per_second: kvmesh_index::DEFAULT_MAX_BLOCKS_PER_SECOND,
         }
     }
 }
@@ -331,6 +338,9 @@ pub struct RouterConfig {
     /// to finish after the listener closes.
     #[serde(default = "default_drain_timeout", with = "duration_str")]
     pub drain_timeout: Duration,
+    /// Client connection caps and request-body bounds (`docs/reliability.md#hostile-clients`).
+    #[serde(default)]
+    pub http: kvmesh_http::HttpSettings,
 }
 
 fn default_header_read_timeout() -> Duration {
@@ -498,6 +508,14 @@ pub fn validate_endpoints(endpoints: &[EndpointSpec]) -> Result<(), ConfigError>
                 "endpoint {}: url must be http(s)",
                 e.name
             )));
+        }
+        if let Some(list) = e.kv_events.as_ref().and_then(|k| k.allowed_peers.as_ref()) {
+            kvmesh_events::AllowedPeers::parse(list).map_err(|err| {
+                ConfigError::Invalid(format!(
+                    "endpoint {}: kv_events.allowed_peers: {err}",
+                    e.name
+                ))
+            })?;
         }
         if e.p2p.is_some() && e.p2p_host_port().is_none() {
             return Err(ConfigError::Invalid(format!(

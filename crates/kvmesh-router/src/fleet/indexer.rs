@@ -19,6 +19,18 @@
 //!   counts, unknown hashes) are counted per kind and skipped.
 //! - The first batch seen needs no special case: earlier batches were published before we
 //!   subscribed, so at worst the index under-estimates until those blocks are stored again.
+//!
+//! Trust (issue 37):
+//! - A **bound** source (`bind: true`, the engine connects to us) admits publishers only from its
+//!   [`PeerFilter`]: by default the addresses of the endpoint's own URL host, so a process that
+//!   merely reaches the port cannot inject events credited to the endpoint. Refusals are counted
+//!   (`kvmesh_indexer_refused_publishers`) and logged.
+//! - **Stored blocks are rate-capped** per source ([`IndexerConfig::max_blocks_per_second`],
+//!   [`StoreRate`]): a store event beyond the cap is skipped whole and counted
+//!   (`kvmesh_indexer_rate_limited_blocks`); the index under-estimates, never over-estimates.
+//!   Removals and clears always apply.
+//! - The index itself shares `max_blocks` out per endpoint (`kvmesh_index`), so a flood on one
+//!   source evicts only that endpoint's blocks.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,8 +38,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::events::{EventBatch, KvEvent};
 use kvmesh_core::exposition::FloatGauge;
-use kvmesh_events::{SubscriberConfig, SubscriberItem, request_replay_outcome, subscribe};
-use kvmesh_index::{EndpointId, IndexStats, PrefixIndex};
+use kvmesh_events::{
+    AllowedPeers, SubscriberConfig, SubscriberItem, SubscriberStats, request_replay_outcome,
+    subscribe_with_stats,
+};
+use kvmesh_index::{EndpointId, IndexStats, PrefixIndex, StoreRate};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -56,6 +71,19 @@ pub struct EventSource {
     pub replay_endpoint: Option<String>,
 }
 
+/// Which publishers a bound source admits.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PeerFilter {
+    /// Any address (within the socket's connection caps).
+    #[default]
+    Any,
+    /// These networks.
+    Networks(AllowedPeers),
+    /// The addresses this host name or IP literal resolves to when the source starts (the
+    /// endpoint's URL host: the engine connects from there).
+    Host(String),
+}
+
 /// Feeder tuning.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IndexerConfig {
@@ -64,6 +92,9 @@ pub struct IndexerConfig {
     pub gap_grace: Duration,
     /// How often the index-size gauges are refreshed.
     pub stats_interval: Duration,
+    /// Block hashes one source may announce as stored per second (bursts of
+    /// [`kvmesh_index::BURST_SECONDS`] of it); beyond, store events are skipped and counted.
+    pub max_blocks_per_second: u64,
 }
 
 impl Default for IndexerConfig {
@@ -71,9 +102,14 @@ impl Default for IndexerConfig {
         IndexerConfig {
             gap_grace: Duration::from_secs(10),
             stats_interval: Duration::from_secs(5),
+            max_blocks_per_second: kvmesh_index::DEFAULT_MAX_BLOCKS_PER_SECOND,
         }
     }
 }
+
+/// An endpoint whose stream has delivered nothing for this long, and nothing since the previous
+/// check, is reported silent ([`Indexer::events_silent`]): "connected, nothing arrives".
+pub const SILENT_AFTER: Duration = Duration::from_secs(5);
 
 /// Counters of one source, as last read.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,6 +143,10 @@ pub struct SourceMetricsSnapshot {
     pub aged_out_blocks: u64,
     /// Socket-level errors reported by the subscriber.
     pub socket_errors: u64,
+    /// Block hashes in store events skipped by the rate cap.
+    pub rate_limited_blocks: u64,
+    /// Publishers refused at a bound socket for an address not allowed.
+    pub refused_publishers: u64,
     pub suspect: bool,
     pub last_seq: Option<u64>,
     /// Seconds between the last batch's engine timestamp and its arrival.
@@ -146,6 +186,8 @@ struct Families {
     apply_errors: Family<KindLabel, Counter>,
     aged_out: Family<EndpointLabel, Counter>,
     socket_errors: Family<EndpointLabel, Counter>,
+    rate_limited: Family<EndpointLabel, Counter>,
+    refused_publishers: Family<EndpointLabel, Counter>,
     suspect: Family<EndpointLabel, Gauge>,
     lag: Family<EndpointLabel, FloatGauge>,
     index_blocks: Gauge,
@@ -153,6 +195,7 @@ struct Families {
     index_bytes: Gauge,
     index_bytes_per_membership: FloatGauge,
     index_evictions: Gauge,
+    index_share_evictions: Gauge,
     index_orphans: Gauge,
 }
 
@@ -171,6 +214,8 @@ struct SourceMetrics {
     catch_ups_failed: Counter,
     aged_out: Counter,
     socket_errors: Counter,
+    rate_limited: Counter,
+    refused_publishers: Counter,
     suspect: Gauge,
     lag: FloatGauge,
     /// Per event kind / error kind counters are looked up on use (few kinds).
@@ -184,6 +229,11 @@ struct SourceMetrics {
 struct SourceState {
     listening: Option<String>,
     last_seq: Option<u64>,
+    /// When the source started, and when its last batch arrived (for [`SILENT_AFTER`]).
+    started_at: Option<Instant>,
+    last_batch_at: Option<Instant>,
+    /// `batches` at the previous [`Indexer::events_silent`] check.
+    batches_at_check: u64,
 }
 
 impl SourceMetrics {
@@ -209,6 +259,8 @@ impl SourceMetrics {
             catch_ups_failed: handle(&families.replays, &k("catch_up_failed")),
             aged_out: handle(&families.aged_out, &l),
             socket_errors: handle(&families.socket_errors, &l),
+            rate_limited: handle(&families.rate_limited, &l),
+            refused_publishers: handle(&families.refused_publishers, &l),
             suspect: handle(&families.suspect, &l),
             lag: handle(&families.lag, &l),
             families: families.clone(),
@@ -263,6 +315,8 @@ impl SourceMetrics {
             orphans: sum_kinds(&fam.apply_errors, &["orphan"]),
             aged_out_blocks: self.aged_out.get(),
             socket_errors: self.socket_errors.get(),
+            rate_limited_blocks: self.rate_limited.get(),
+            refused_publishers: self.refused_publishers.get(),
             suspect: self.suspect.get() != 0,
             last_seq: state.last_seq,
             lag_seconds: self.lag.get(),
@@ -284,6 +338,8 @@ impl SourceMetrics {
             &f.restarts,
             &f.aged_out,
             &f.socket_errors,
+            &f.rate_limited,
+            &f.refused_publishers,
         ] {
             fam.remove(&l);
         }
@@ -399,9 +455,15 @@ impl Indexer {
         &self.shared.index
     }
 
-    /// Starts (or restarts, if the endpoint already has a source) consuming `source`. Restarting
-    /// clears the endpoint's entries, since events may be lost in between.
+    /// Starts (or restarts, if the endpoint already has a source) consuming `source`, admitting
+    /// any publisher if it binds. Restarting clears the endpoint's entries, since events may be
+    /// lost in between.
     pub fn add_source(&self, source: EventSource) {
+        self.add_source_admitting(source, PeerFilter::Any);
+    }
+
+    /// [`Indexer::add_source`], a bound source admitting only publishers `filter` allows.
+    pub fn add_source_admitting(&self, source: EventSource, filter: PeerFilter) {
         let endpoint = source.endpoint;
         if let Some(old) = self.shared.sources.lock().remove(&endpoint) {
             old.cancel.cancel();
@@ -409,13 +471,16 @@ impl Indexer {
         }
         let metrics = SourceMetrics::new(&self.shared.families, &source.name);
         let cancel = self.shared.cancel.child_token();
+        metrics.state.lock().started_at = Some(Instant::now());
         let task = SourceTask {
             source: source.clone(),
             index: Arc::clone(&self.shared.index),
             metrics: metrics.clone(),
             gap_grace: self.shared.config.gap_grace,
+            rate: Mutex::new(StoreRate::new(self.shared.config.max_blocks_per_second)),
+            rate_limited_logged: Default::default(),
         };
-        self.shared.runtime.spawn(task.run(cancel.clone()));
+        self.shared.runtime.spawn(task.run(filter, cancel.clone()));
         self.shared.sources.lock().insert(
             endpoint,
             Running {
@@ -465,6 +530,21 @@ impl Indexer {
             .lock()
             .get(&endpoint)
             .map(|r| r.metrics.batches.get())
+    }
+
+    /// Whether `endpoint`'s stream is silent: no batch since the previous call, and none ever or
+    /// none for [`SILENT_AFTER`] (a stream that went quiet while connected counts as much as one
+    /// that never delivered). None: no such source. The router calls it every few placements.
+    pub fn events_silent(&self, endpoint: EndpointId) -> Option<bool> {
+        let sources = self.shared.sources.lock();
+        let running = sources.get(&endpoint)?;
+        let batches = running.metrics.batches.get();
+        let mut state = running.metrics.state.lock();
+        let new = batches.saturating_sub(std::mem::replace(&mut state.batches_at_check, batches));
+        let quiet = state
+            .last_batch_at
+            .is_none_or(|at| at.elapsed() >= SILENT_AFTER);
+        Some(new == 0 && quiet)
     }
 
     /// Counters of every source and the index's stats (walks the index: not for hot paths).
@@ -541,6 +621,16 @@ impl Indexer {
             f.socket_errors,
         );
         registry.register(
+            "kvmesh_indexer_rate_limited_blocks",
+            "Block hashes in store events skipped for exceeding the per-source rate cap (index.max_blocks_per_second)",
+            f.rate_limited,
+        );
+        registry.register(
+            "kvmesh_indexer_refused_publishers",
+            "Publishers refused at a bound KV-event socket for an address not allowed",
+            f.refused_publishers,
+        );
+        registry.register(
             "kvmesh_indexer_suspect",
             "1 while an endpoint's entries may be stale",
             f.suspect,
@@ -576,6 +666,11 @@ impl Indexer {
             f.index_evictions,
         );
         registry.register(
+            "kvmesh_index_share_evicted_blocks",
+            "Blocks an endpoint evicted of its own for exceeding its share of index.max_blocks",
+            f.index_share_evictions,
+        );
+        registry.register(
             "kvmesh_index_orphan_events",
             "BlockStored events skipped for an unknown parent",
             f.index_orphans,
@@ -590,6 +685,7 @@ fn publish_index_stats(f: &Families, st: &IndexStats) {
     f.index_bytes.set(i(st.approx_bytes));
     f.index_bytes_per_membership.set(st.bytes_per_membership);
     f.index_evictions.set(i(st.evictions));
+    f.index_share_evictions.set(i(st.share_evictions));
     f.index_orphans.set(i(st.orphan_events));
 }
 
@@ -608,19 +704,35 @@ struct SourceTask {
     index: Arc<PrefixIndex>,
     metrics: SourceMetrics,
     gap_grace: Duration,
+    /// The cap on stored blocks announced per second.
+    rate: Mutex<StoreRate>,
+    /// `rate_limited` when last logged.
+    rate_limited_logged: std::sync::atomic::AtomicU64,
 }
 
+/// How often a source's subscriber counters are copied into its metrics.
+const SUBSCRIBER_STATS_INTERVAL: Duration = Duration::from_secs(1);
+
 impl SourceTask {
-    async fn run(self, cancel: CancellationToken) {
+    async fn run(self, filter: PeerFilter, cancel: CancellationToken) {
+        let allowed_peers = match self.source.bind {
+            true => match self.allowed_peers(filter, &cancel).await {
+                Some(allowed) => allowed,
+                None => return,
+            },
+            false => None,
+        };
         let config = SubscriberConfig {
             endpoint: self.source.zmq_endpoint.clone(),
             bind: self.source.bind,
             topic: self.source.topic.clone(),
             // Replay is driven here, so it can be counted and the loss policy applied.
             replay_endpoint: None,
+            allowed_peers,
         };
-        let mut rx = subscribe(config, cancel.child_token());
+        let (mut rx, stats) = subscribe_with_stats(config, cancel.child_token());
         let mut stream = StreamState::default();
+        let mut sync_stats = tokio::time::interval(SUBSCRIBER_STATS_INTERVAL);
         loop {
             let item = tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -629,10 +741,63 @@ impl SourceTask {
                     self.expire();
                     continue;
                 }
+                _ = sync_stats.tick() => {
+                    self.sync_subscriber_stats(&stats);
+                    continue;
+                }
                 item = rx.recv() => item,
             };
             let Some(item) = item else { return };
             self.handle(item, &mut stream).await;
+        }
+    }
+
+    /// The allow-list of a bound source: `filter` with a host name resolved (retried every
+    /// second until it resolves, since a bound socket that admitted anyone meanwhile would
+    /// defeat it). `Some(None)` admits anyone; `None` means cancelled.
+    async fn allowed_peers(
+        &self,
+        filter: PeerFilter,
+        cancel: &CancellationToken,
+    ) -> Option<Option<AllowedPeers>> {
+        let host = match filter {
+            PeerFilter::Any => return Some(None),
+            PeerFilter::Networks(n) => return Some(Some(n)),
+            PeerFilter::Host(host) => host,
+        };
+        loop {
+            match tokio::net::lookup_host((host.as_str(), 0)).await {
+                Ok(addrs) => {
+                    let allowed = AllowedPeers::addresses(addrs.map(|a| a.ip()));
+                    tracing::info!(endpoint = %self.source.name, allowed = %allowed.describe(), "KV-event socket admits publishers from the endpoint's own addresses");
+                    return Some(Some(allowed));
+                }
+                Err(e) => {
+                    tracing::warn!(endpoint = %self.source.name, host = %host, error = %e, "cannot resolve the endpoint's host to admit its KV-event publisher; retrying");
+                }
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return None,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
+    /// Copies the subscriber's refusal counter into the metrics, and warns (at most once a
+    /// second) when publishers were refused or stores were cut by the rate cap.
+    fn sync_subscriber_stats(&self, stats: &SubscriberStats) {
+        let limited = self.metrics.rate_limited.get();
+        let logged = self
+            .rate_limited_logged
+            .swap(limited, std::sync::atomic::Ordering::Relaxed);
+        if limited > logged {
+            tracing::warn!(endpoint = %self.source.name, blocks = limited - logged, "KV-event store announcements skipped: beyond index.max_blocks_per_second (an engine cannot store that fast)");
+        }
+        let refused = stats.peers_not_allowed();
+        let before = self.metrics.refused_publishers.get();
+        if refused > before {
+            self.metrics.refused_publishers.inc_by(refused - before);
+            tracing::warn!(endpoint = %self.source.name, refused = refused - before, "KV-event publishers refused: their address is not the endpoint's (set kv_events.allowed_peers if the engine connects from another address)");
         }
     }
 
@@ -711,6 +876,7 @@ impl SourceTask {
 
     fn apply_batch(&self, seq: u64, batch: &EventBatch) {
         let ep = self.source.endpoint;
+        let arrived = Instant::now();
         for event in &batch.events {
             let (kind, blocks) = match event {
                 KvEvent::BlockStored(s) => ("stored", s.block_hashes.len()),
@@ -719,13 +885,21 @@ impl SourceTask {
             };
             self.metrics.event(kind).inc();
             self.metrics.block_events.inc_by(blocks as u64);
+            if kind == "stored" && !self.rate.lock().admit(blocks, arrived.into_std()) {
+                self.metrics.rate_limited.inc_by(blocks as u64);
+                continue;
+            }
             if let Err(e) = self.index.apply_event(ep, event) {
                 tracing::debug!(endpoint = %ep, seq, error = %e, "KV event not (fully) applied");
                 self.metrics.apply_error(e.kind()).inc();
             }
         }
         self.metrics.batches.inc();
-        self.metrics.state.lock().last_seq = Some(seq);
+        {
+            let mut state = self.metrics.state.lock();
+            state.last_seq = Some(seq);
+            state.last_batch_at = Some(arrived);
+        }
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());

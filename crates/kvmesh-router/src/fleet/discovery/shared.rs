@@ -60,6 +60,7 @@ pub fn spec_at(
             bind: false,
             topic: String::new(),
             replay_endpoint: None,
+            allowed_peers: None,
         }),
         p2p: ports.p2p.map(|p| host_port(ip, p)),
         role,
