@@ -19,11 +19,12 @@ use common::{
 use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint};
 use kvmesh_transfer::connection::Connection;
-use kvmesh_transfer::mac::{self, FrameMac, MAC_LEN, Role, SessionKeys};
+use kvmesh_transfer::mac::{self, DirectionKey, Protection, RecordKey, Role, SessionKeys, TAG_LEN};
 use kvmesh_transfer::message::{
     Auth, BlockFrame, BlockStatus, Fetch, Hello, HelloOk, Lookup, LookupReply, Message,
     PROTOCOL_VERSION, RefuseReason, Refused,
 };
+use kvmesh_transfer::record;
 use kvmesh_transfer::{
     BindError, BlockSource, MemorySource, ProducerServer, PullOutcome, PullReason, Secret,
     ServerConfig,
@@ -42,9 +43,19 @@ fn with_secret() -> ServerConfig {
     }
 }
 
-/// A consumer that completed the secret handshake by hand; returns its connection (MAC on)
-/// and its keys, so the test can seal frames itself.
+/// A consumer that completed the secret handshake by hand; returns its connection (protected)
+/// and its keys, so the test can seal records itself.
 async fn authenticated_raw(addr: SocketAddr) -> (Connection, SessionKeys) {
+    handshake_with(addr, Protection::Authenticate, Protection::Authenticate).await
+}
+
+/// The handshake of a consumer that asks for `asked` in its `Auth` and derives its keys for
+/// `derived` (a consumer that lies about its keys, or an honest one when they agree).
+async fn handshake_with(
+    addr: SocketAddr,
+    asked: Protection,
+    derived: Protection,
+) -> (Connection, SessionKeys) {
     let secret = Secret::from(SECRET);
     let stream = TcpStream::connect(addr).await.unwrap();
     let mut conn = Connection::new(stream, 4096);
@@ -60,7 +71,8 @@ async fn authenticated_raw(addr: SocketAddr) -> (Connection, SessionKeys) {
         panic!("expected a challenge")
     };
     let proof = secret.consumer_proof(&c.nonce, &ours).to_vec();
-    conn.write_message(&Message::Auth(Auth { proof }))
+    let encrypt = asked == Protection::Encrypt;
+    conn.write_message(&Message::Auth(Auth { proof, encrypt }))
         .await
         .unwrap();
     let Some(Message::HelloOk(ok)) = bounded(conn.read_message()).await.unwrap() else {
@@ -70,22 +82,44 @@ async fn authenticated_raw(addr: SocketAddr) -> (Connection, SessionKeys) {
         ok.proof.as_deref(),
         Some(&secret.producer_proof(&c.nonce, &ours)[..])
     );
-    let keys = SessionKeys::derive(&secret, Role::Consumer, &ours, &c.nonce, &transcript);
+    let keys = SessionKeys::derive(
+        &secret,
+        derived,
+        Role::Consumer,
+        &ours,
+        &c.nonce,
+        &transcript,
+    );
     conn.set_max_frame(1 << 20);
-    conn.enable_mac(&keys);
+    conn.protect(&keys);
     (conn, keys)
 }
 
-/// The bytes of `msg` sealed as frame number `seq` under `key`.
-fn sealed(msg: &Message, key: [u8; 32], seq: u64) -> Vec<u8> {
-    let mut wire = msg.encode_framed(1 << 20, MAC_LEN).unwrap().to_vec();
-    let mut mac = FrameMac::new(key);
+/// A record key that has already protected `seq` records.
+fn key_at(key: &DirectionKey, seq: u64) -> RecordKey {
+    let mut k = RecordKey::new(key);
     for _ in 0..seq {
-        mac.seal(b"advance");
+        k.seal(&mut [0u8; 1], 0);
     }
-    let tag = mac.seal(&wire);
-    wire.extend_from_slice(&tag);
-    wire
+    k
+}
+
+/// The bytes of control message `msg` sealed as record number `seq` under `key`.
+fn sealed(msg: &Message, key: &DirectionKey, seq: u64) -> Vec<u8> {
+    let wire = msg.encode_framed(1 << 20, TAG_LEN).unwrap().to_vec();
+    record::seal_control(&mut key_at(key, seq), wire)
+}
+
+/// The bytes of a block frame whose head is record `seq` under `key`.
+fn sealed_block(b: &BlockFrame, key: &DirectionKey, seq: u64) -> Vec<u8> {
+    let len = record::block_frame_len(b.payload.len(), true);
+    let head = b.head().encode(len, 1 << 20).unwrap();
+    record::seal_block(&mut key_at(key, seq), head, &b.payload)
+}
+
+/// A key nobody derived: what a forger without the secret must guess.
+fn guessed_key() -> DirectionKey {
+    DirectionKey::from_material(Protection::Authenticate, [0x42; 48])
 }
 
 fn lookup(hs: &[BlockHash]) -> Message {
@@ -126,26 +160,27 @@ async fn forged_flipped_replayed_and_unsealed_frames_after_auth_are_rejected_and
     type Attack = fn(&SessionKeys, &[BlockHash]) -> Vec<u8>;
     let attacks: [(&str, Attack); 5] = [
         ("bit flip in the body", |k, hs| {
-            let mut w = sealed(&lookup(hs), k.send, 0);
+            let mut w = sealed(&lookup(hs), &k.send, 0);
             w[9] ^= 0x01;
             w
         }),
         ("bit flip in the MAC", |k, hs| {
-            let mut w = sealed(&lookup(hs), k.send, 0);
+            let mut w = sealed(&lookup(hs), &k.send, 0);
             let last = w.len() - 1;
             w[last] ^= 0x80;
             w
         }),
         ("forged under a guessed key", |_, hs| {
-            sealed(&lookup(hs), [0x42; 32], 0)
+            sealed(&lookup(hs), &guessed_key(), 0)
         }),
         (
             "reflected: sealed under the producer's own direction key",
-            |k, hs| sealed(&lookup(hs), k.recv, 0),
+            |k, hs| sealed(&lookup(hs), &k.recv, 0),
         ),
-        ("unsealed, as a v1 peer would send it", |_, hs| {
-            lookup(hs).encode(1 << 20).unwrap().to_vec()
-        }),
+        (
+            "unsealed, as an unauthenticated peer would send it",
+            |_, hs| lookup(hs).encode(1 << 20).unwrap().to_vec(),
+        ),
     ];
     for (i, (what, attack)) in attacks.iter().enumerate() {
         let (mut conn, keys) = authenticated_raw(p.addr).await;
@@ -155,18 +190,18 @@ async fn forged_flipped_replayed_and_unsealed_frames_after_auth_are_rejected_and
     }
     // Replay and reorder: frame 0 twice, or frame 1 before frame 0.
     let (mut conn, keys) = authenticated_raw(p.addr).await;
-    conn.write_raw(&sealed(&lookup(&hs), keys.send, 0))
+    conn.write_raw(&sealed(&lookup(&hs), &keys.send, 0))
         .await
         .unwrap();
     let Some(Message::LookupReply(_)) = bounded(conn.read_message()).await.unwrap() else {
         panic!("the genuine frame is answered")
     };
-    conn.write_raw(&sealed(&lookup(&hs), keys.send, 0))
+    conn.write_raw(&sealed(&lookup(&hs), &keys.send, 0))
         .await
         .unwrap();
     closes_without_reply(&mut conn).await;
     let (mut conn, keys) = authenticated_raw(p.addr).await;
-    conn.write_raw(&sealed(&lookup(&hs), keys.send, 1))
+    conn.write_raw(&sealed(&lookup(&hs), &keys.send, 1))
         .await
         .unwrap();
     closes_without_reply(&mut conn).await;
@@ -204,18 +239,20 @@ async fn tampering_producer() -> SocketAddr {
             version: PROTOCOL_VERSION,
             proof,
             promote: false,
+            max_transfers: 0,
         }))
         .await
         .unwrap();
         let keys = SessionKeys::derive(
             &secret,
+            Protection::Authenticate,
             Role::Producer,
             &h.nonce,
             &ours,
             &mac::transcript_hash(&body),
         );
         conn.set_max_frame(1 << 20);
-        conn.enable_mac(&keys);
+        conn.protect(&keys);
         let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
             return;
         };
@@ -233,8 +270,10 @@ async fn tampering_producer() -> SocketAddr {
         conn.write_message(&Message::Block(b0)).await.unwrap();
         let mut poison = payload_for(f.hashes[1]).to_vec();
         poison[100] ^= 0xff;
-        let b1 = Message::Block(BlockFrame::new(1, f.hashes[1], Bytes::from(poison)));
-        conn.write_raw(&sealed(&b1, [0x13; 32], 2)).await.unwrap();
+        let b1 = BlockFrame::new(1, f.hashes[1], Bytes::from(poison));
+        conn.write_raw(&sealed_block(&b1, &guessed_key(), 3))
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_secs(2)).await;
     });
     addr
