@@ -698,7 +698,9 @@ impl PullClient {
     /// fetch slots for that peer while waiting for the others (deadlock until the step timeout);
     /// plain pulls never wait for each other, so they always free their slots.
     fn stripe_gate(&self, addr: SocketAddr) -> Option<StripeGate<'_>> {
-        self.striping.lock().insert(addr).then_some(StripeGate {
+        let free = self.striping.lock().insert(addr);
+        // Built only when taken: a gate dropped here would release another pull's right.
+        free.then(|| StripeGate {
             striping: &self.striping,
             addr,
         })

@@ -290,8 +290,10 @@ pub(crate) async fn fetch(
     let (mut received, mut bytes) = (0usize, 0u64);
     loop {
         // A stripe waits while it is too far ahead of the blocks the sink still needs, and stops
-        // when the pull's prefix already ends before its next block: nothing left to add.
-        if let Some((window, g)) = landing.window(received)
+        // when the pull's prefix already ends before its next block: nothing left to add. (After
+        // its last block only `Done` is due, which it reads to keep the connection.)
+        if received < hashes.len()
+            && let Some((window, g)) = landing.window(received)
             && !window.admit(g).await
         {
             return Err(Stop::broken(PullReason::Protocol));
