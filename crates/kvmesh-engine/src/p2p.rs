@@ -224,6 +224,7 @@ pub fn producer_config(engine: &EngineHandle) -> Result<ServerConfig, P2pConfigE
     let allowed = crate::config::parse_allowed_consumers(&cfg.allowed_consumers)?;
     Ok(ServerConfig {
         secret: cfg.secret.clone(),
+        encrypt: cfg.encrypt,
         allowed_ips: (!allowed.is_empty()).then_some(allowed),
         max_connections_per_ip: cfg.max_connections_per_ip,
         max_transfers_per_peer: cfg.max_fetches_per_peer,
@@ -445,6 +446,8 @@ impl P2pConsumer {
                 timeout: cfg.timeout,
                 pending_deadline: cfg.pending_deadline,
                 secret: cfg.secret.clone(),
+                encrypt: cfg.encrypt,
+                stripes: cfg.stripes,
                 metrics: engine.metrics().p2p.clone(),
                 // A modelled link paces the pull itself (its wall time is then the modelled
                 // time, contention included); the ladder only gives a duration to report.

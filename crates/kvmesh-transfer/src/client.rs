@@ -933,7 +933,6 @@ impl PullClient {
         let fetches = looked_up.into_iter().zip(&subsets).enumerate().filter_map(
             |(s, ((conn, reply), subset))| {
                 let (mut conn, reply) = (conn?, reply.ok()?);
-                // Every stripe that looked up fetches, if only nothing: that ends its pins now.
                 let count = usable.saturating_sub(s).div_ceil(k).min(subset.len());
                 let plan = FetchPlan {
                     hashes: &subset[..count],
@@ -942,6 +941,18 @@ impl PullClient {
                 };
                 let (window, steps, promote) = (&window, &steps, job.promote.clone());
                 Some(async move {
+                    if count == 0 {
+                        // Nothing to fetch here: an empty lookup ends the pins this stripe's
+                        // lookup took (without waiting for one of the producer's fetch slots).
+                        let id = job.kv_request_id;
+                        if session::lookup(&mut conn, steps.timeout, id, &[], false)
+                            .await
+                            .is_ok()
+                        {
+                            self.checkin(addr, conn);
+                        }
+                        return;
+                    }
                     let mut landing = Landing::Stripe {
                         window,
                         stripe: s,

@@ -160,6 +160,27 @@ async fn a_miss_in_the_middle_ends_a_striped_pull_there() {
     eventually("pins released", || p.source.pinned_blocks() == 0).await;
     // The stripes ended cleanly with `Done`: all of them are pooled for the next pull.
     assert_eq!(client.idle_connections(p.addr), 3);
+    // A miss at block 1: stripes 2 and 3 pinned blocks they will not fetch; their empty lookups
+    // release them now (not at the 10 s lease), and every connection stays pooled.
+    let mut held = hs.clone();
+    held.remove(1);
+    let p4 = start_producer(&held, ServerConfig::default()).await;
+    let client4 = client_for(p4.addr, |c| c.stripes = 4);
+    let (report, sink) = pull(&client4, p4.addr, &hs).await;
+    assert_eq!(
+        (report.outcome, sink.got.len()),
+        (
+            PullOutcome::Partial {
+                reason: PullReason::Miss
+            },
+            1
+        )
+    );
+    eventually("pins of the stripes that fetched nothing released", || {
+        p4.source.pinned_blocks() == 0
+    })
+    .await;
+    assert_eq!(client4.idle_connections(p4.addr), 4);
     let missing_first: Vec<BlockHash> = hs.iter().map(|h| BlockHash(h.0 + 999)).collect();
     let (report, _) = pull(&client, p.addr, &missing_first).await;
     assert_eq!(
