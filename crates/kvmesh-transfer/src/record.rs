@@ -229,6 +229,19 @@ mod tests {
         h
     }
 
+    /// A receiving key that has verified the head record of the sealed block `wire`.
+    fn head_opened(p: Protection, wire: &[u8]) -> RecordKey {
+        let mut rx = key(p);
+        let mut head = wire[..BLOCK_HEAD_LEN].to_vec();
+        rx.open(
+            &mut head,
+            HEADER_LEN,
+            &wire[BLOCK_HEAD_LEN..head_wire_len(true)],
+        )
+        .unwrap();
+        rx
+    }
+
     /// Feeds `wire` (the bytes after the head and its tag) to a cursor in pieces of the given
     /// sizes, as socket reads would deliver them; returns the payload and its CRC32.
     fn receive(
@@ -293,26 +306,14 @@ mod tests {
         for p in [Protection::Authenticate, Protection::Encrypt] {
             let wire = seal_block(&mut key(p), head(payload.len(), true), &payload);
             let body = &wire[head_wire_len(true)..];
-            let mut rx = key(p);
-            rx.open(
-                &mut wire[..BLOCK_HEAD_LEN].to_vec(),
-                HEADER_LEN,
-                &wire[BLOCK_HEAD_LEN..head_wire_len(true)],
-            )
-            .unwrap();
+            let mut rx = head_opened(p, &wire);
             let (got, crc) = receive(body, payload.len(), Some(&mut rx), &[4096]).unwrap();
             assert_eq!(got, payload);
             assert_eq!(crc, crc32fast::hash(&payload));
             // A flipped byte in the second record fails there: the first record was verified.
             let mut bad = body.to_vec();
             bad[RECORD_LEN + TAG_LEN + 7] ^= 1;
-            let mut rx = key(p);
-            rx.open(
-                &mut wire[..BLOCK_HEAD_LEN].to_vec(),
-                HEADER_LEN,
-                &wire[BLOCK_HEAD_LEN..head_wire_len(true)],
-            )
-            .unwrap();
+            let mut rx = head_opened(p, &wire);
             let err = receive(&bad, payload.len(), Some(&mut rx), &[65536]).unwrap_err();
             assert_eq!(
                 err.seq, 2,
@@ -322,13 +323,7 @@ mod tests {
             let r0 = &body[..RECORD_LEN + TAG_LEN];
             let r1 = &body[RECORD_LEN + TAG_LEN..2 * (RECORD_LEN + TAG_LEN)];
             let swapped = [r1, r0, &body[2 * (RECORD_LEN + TAG_LEN)..]].concat();
-            let mut rx = key(p);
-            rx.open(
-                &mut wire[..BLOCK_HEAD_LEN].to_vec(),
-                HEADER_LEN,
-                &wire[BLOCK_HEAD_LEN..head_wire_len(true)],
-            )
-            .unwrap();
+            let mut rx = head_opened(p, &wire);
             assert!(receive(&swapped, payload.len(), Some(&mut rx), &[RECORD_LEN]).is_err());
         }
     }

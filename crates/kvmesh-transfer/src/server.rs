@@ -448,22 +448,15 @@ impl Handler {
             }
         };
         if hello.version != PROTOCOL_VERSION {
-            self.shared.refuse(
-                self.peer,
-                "version",
-                &format_args!(
-                    "speaks P2P protocol v{}, we speak v{PROTOCOL_VERSION}",
-                    hello.version
-                ),
-            );
             let reason = RefuseReason::Version {
                 ours: PROTOCOL_VERSION,
                 theirs: hello.version,
             };
-            self.conn
-                .write_message(&Message::Refused(Refused { reason }))
-                .await?;
-            return Ok(false);
+            let why = format!(
+                "speaks P2P protocol v{}, we speak v{PROTOCOL_VERSION}",
+                hello.version
+            );
+            return self.refuse_handshake("version", &why, reason).await;
         }
         let (proof, keys) = match &self.shared.config.secret {
             None => (None, None),
@@ -486,34 +479,25 @@ impl Handler {
                 };
                 if !auth::constant_time_eq(&auth.proof, &secret.consumer_proof(&ours, &hello.nonce))
                 {
-                    self.shared
-                        .refuse(self.peer, "auth_failed", &"wrong shared-secret proof");
+                    let why = "wrong shared-secret proof";
                     let reason = RefuseReason::AuthFailed;
-                    self.conn
-                        .write_message(&Message::Refused(Refused { reason }))
-                        .await?;
-                    return Ok(false);
+                    return self.refuse_handshake("auth_failed", &why, reason).await;
                 }
                 let encrypt = self.shared.config.encrypt;
                 if auth.encrypt != encrypt {
-                    let said = |e: bool| if e { "encrypted" } else { "authenticated only" };
-                    self.shared.refuse(
-                        self.peer,
-                        "encryption_mismatch",
-                        &format_args!(
-                            "asks for {} transfers, we serve {} (--p2p-encrypt on both ends or neither)",
-                            said(auth.encrypt),
-                            said(encrypt)
-                        ),
+                    let said = |e: bool| if e { "encrypted" } else { "unencrypted" };
+                    let why = format!(
+                        "asks for {} transfers, we serve {} (--p2p-encrypt on both ends or neither)",
+                        said(auth.encrypt),
+                        said(encrypt)
                     );
                     let reason = RefuseReason::Encryption {
                         ours: encrypt,
                         theirs: auth.encrypt,
                     };
-                    self.conn
-                        .write_message(&Message::Refused(Refused { reason }))
-                        .await?;
-                    return Ok(false);
+                    return self
+                        .refuse_handshake("encryption_mismatch", &why, reason)
+                        .await;
                 }
                 let keys = SessionKeys::derive(
                     secret,
@@ -537,20 +521,15 @@ impl Handler {
             .fingerprint()
             .check_compatible(&hello.fingerprint)
         {
-            self.shared.refuse(
-                self.peer,
-                "fingerprint_mismatch",
-                &format_args!("its KV is incompatible: {m}"),
-            );
+            let why = format!("its KV is incompatible: {m}");
             let reason = RefuseReason::Fingerprint {
                 field: m.field.to_string(),
                 ours: m.ours,
                 theirs: m.theirs,
             };
-            self.conn
-                .write_message(&Message::Refused(Refused { reason }))
-                .await?;
-            return Ok(false);
+            return self
+                .refuse_handshake("fingerprint_mismatch", &why, reason)
+                .await;
         }
         self.conn
             .write_message(&Message::HelloOk(HelloOk {
@@ -570,6 +549,21 @@ impl Handler {
             self.conn.protect(&keys);
         }
         Ok(true)
+    }
+
+    /// Refuses the consumer in the handshake: counted and logged (once a minute per peer) as
+    /// `label`, told `reason`; the connection then closes.
+    async fn refuse_handshake(
+        &mut self,
+        label: &'static str,
+        why: &(dyn std::fmt::Display + Sync),
+        reason: RefuseReason,
+    ) -> Result<bool, HandlerError> {
+        self.shared.refuse(self.peer, label, why);
+        self.conn
+            .write_message(&Message::Refused(Refused { reason }))
+            .await?;
+        Ok(false)
     }
 
     /// Counts (and logs once) pins refused over the lookup cap or the peer's quota.

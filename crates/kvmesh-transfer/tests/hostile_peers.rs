@@ -213,59 +213,70 @@ async fn forged_flipped_replayed_and_unsealed_frames_after_auth_are_rejected_and
     eventually("no pins left", || p.source.pinned_blocks() == 0).await;
 }
 
+/// The producer's side of a genuine secret handshake and lookup on an accepted connection (every
+/// block a hit): the protected connection, its keys and the consumer's `Fetch`.
+async fn genuine_until_fetch(
+    listener: TcpListener,
+) -> Option<(Connection, SessionKeys, kvmesh_transfer::message::Fetch)> {
+    let (stream, _) = listener.accept().await.ok()?;
+    let secret = Secret::from(SECRET);
+    let mut conn = Connection::new(stream, 4096);
+    let Ok(Some((Message::Hello(h), body))) = conn.read_message_with_body().await else {
+        return None;
+    };
+    let ours = [9u8; 16];
+    conn.write_message(&Message::Challenge(kvmesh_transfer::message::Challenge {
+        nonce: ours,
+    }))
+    .await
+    .ok()?;
+    let Ok(Some(Message::Auth(_))) = conn.read_message().await else {
+        return None;
+    };
+    let proof = Some(secret.producer_proof(&ours, &h.nonce).to_vec());
+    conn.write_message(&Message::HelloOk(HelloOk {
+        version: PROTOCOL_VERSION,
+        proof,
+        promote: false,
+        max_transfers: 0,
+    }))
+    .await
+    .ok()?;
+    let keys = SessionKeys::derive(
+        &secret,
+        Protection::Authenticate,
+        Role::Producer,
+        &h.nonce,
+        &ours,
+        &mac::transcript_hash(&body),
+    );
+    conn.set_max_frame(1 << 20);
+    conn.protect(&keys);
+    let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
+        return None;
+    };
+    conn.write_message(&Message::LookupReply(LookupReply {
+        statuses: vec![BlockStatus::Hit; l.hashes.len()],
+        lease_ms: 1000,
+    }))
+    .await
+    .ok()?;
+    let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
+        return None;
+    };
+    Some((conn, keys, f))
+}
+
 /// A producer that authenticates properly, then sends a block whose payload was replaced by an
-/// on-path attacker: CRC32 recomputed to match, MAC under a key the attacker had to guess.
+/// on-path attacker: CRC32 recomputed to match, tags under a key the attacker had to guess.
 async fn tampering_producer() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let secret = Secret::from(SECRET);
-        let mut conn = Connection::new(stream, 4096);
-        let Ok(Some((Message::Hello(h), body))) = conn.read_message_with_body().await else {
+        let Some((mut conn, _, f)) = genuine_until_fetch(listener).await else {
             return;
         };
-        let ours = [9u8; 16];
-        conn.write_message(&Message::Challenge(kvmesh_transfer::message::Challenge {
-            nonce: ours,
-        }))
-        .await
-        .unwrap();
-        let Ok(Some(Message::Auth(_))) = conn.read_message().await else {
-            return;
-        };
-        let proof = Some(secret.producer_proof(&ours, &h.nonce).to_vec());
-        conn.write_message(&Message::HelloOk(HelloOk {
-            version: PROTOCOL_VERSION,
-            proof,
-            promote: false,
-            max_transfers: 0,
-        }))
-        .await
-        .unwrap();
-        let keys = SessionKeys::derive(
-            &secret,
-            Protection::Authenticate,
-            Role::Producer,
-            &h.nonce,
-            &ours,
-            &mac::transcript_hash(&body),
-        );
-        conn.set_max_frame(1 << 20);
-        conn.protect(&keys);
-        let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
-            return;
-        };
-        conn.write_message(&Message::LookupReply(LookupReply {
-            statuses: vec![BlockStatus::Hit; l.hashes.len()],
-            lease_ms: 1000,
-        }))
-        .await
-        .unwrap();
-        let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
-            return;
-        };
-        // Block 0 genuine (frame 1 from us after HelloOk), block 1 poisoned.
+        // Block 0 genuine (records 1 and 2 from us after HelloOk), block 1 poisoned.
         let b0 = BlockFrame::new(0, f.hashes[0], payload_for(f.hashes[0]));
         conn.write_message(&Message::Block(b0)).await.unwrap();
         let mut poison = payload_for(f.hashes[1]).to_vec();
@@ -639,50 +650,7 @@ async fn record_tampering_producer(attack: fn(&[u8], &[u8]) -> Vec<u8>) -> Socke
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let secret = Secret::from(SECRET);
-        let mut conn = Connection::new(stream, 4096);
-        let Ok(Some((Message::Hello(h), body))) = conn.read_message_with_body().await else {
-            return;
-        };
-        let ours = [9u8; 16];
-        conn.write_message(&Message::Challenge(kvmesh_transfer::message::Challenge {
-            nonce: ours,
-        }))
-        .await
-        .unwrap();
-        let Ok(Some(Message::Auth(_))) = conn.read_message().await else {
-            return;
-        };
-        let proof = Some(secret.producer_proof(&ours, &h.nonce).to_vec());
-        conn.write_message(&Message::HelloOk(HelloOk {
-            version: PROTOCOL_VERSION,
-            proof,
-            promote: false,
-            max_transfers: 0,
-        }))
-        .await
-        .unwrap();
-        let keys = SessionKeys::derive(
-            &secret,
-            Protection::Authenticate,
-            Role::Producer,
-            &h.nonce,
-            &ours,
-            &mac::transcript_hash(&body),
-        );
-        conn.set_max_frame(1 << 20);
-        conn.protect(&keys);
-        let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
-            return;
-        };
-        conn.write_message(&Message::LookupReply(LookupReply {
-            statuses: vec![BlockStatus::Hit; l.hashes.len()],
-            lease_ms: 1000,
-        }))
-        .await
-        .unwrap();
-        let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
+        let Some((mut conn, keys, f)) = genuine_until_fetch(listener).await else {
             return;
         };
         // Record 0 was the LookupReply; block 0 is records 1 (head), 2 and 3, block 1 starts at 4.
