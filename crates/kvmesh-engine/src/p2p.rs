@@ -258,7 +258,10 @@ pub async fn start_producer(
                 addr: crate::config::host_port(host, port),
                 source,
             },
-            unprotected @ BindError::Unprotected { .. } => P2pConfigError::Unprotected(unprotected),
+            // (Encryption without a secret is refused by the config first.)
+            refused @ (BindError::Unprotected { .. } | BindError::EncryptionWithoutSecret) => {
+                P2pConfigError::Unprotected(refused)
+            }
         })?;
     Ok(P2pProducer { addr, task })
 }
