@@ -159,8 +159,13 @@ pub struct P2pConfig {
     /// may hold pinned; beyond it pulled blocks land evictable (`--p2p-pull-pin-fraction`).
     pub pull_pin_fraction: f64,
     /// Optional shared secret peers must prove (`--p2p-secret-file`; never on the command line).
-    /// With it every P2P frame after the handshake is MACed.
+    /// With it every P2P frame after the handshake is authenticated.
     pub secret: Option<kvmesh_transfer::Secret>,
+    /// Encrypt P2P transfers, both as producer and as consumer (`--p2p-encrypt`; needs the
+    /// secret; every peer must be configured alike, or it is refused).
+    pub encrypt: bool,
+    /// Connections one pull may stripe its blocks over (`--p2p-stripes`).
+    pub stripes: usize,
     /// Addresses or networks (`10.0.0.7`, `10.0.0.0/8`) our producer serves; empty = any, which
     /// is allowed only on loopback or with a secret (`--p2p-allowed-consumers`).
     pub allowed_consumers: Vec<String>,
@@ -191,6 +196,8 @@ impl Default for P2pConfig {
             pending_deadline: Duration::from_millis(2_000),
             pull_pin_fraction: crate::cpu_tier::DEFAULT_PULL_PIN_FRACTION,
             secret: None,
+            encrypt: false,
+            stripes: kvmesh_transfer::DEFAULT_STRIPES,
             allowed_consumers: Vec::new(),
             max_connections_per_ip: kvmesh_transfer::server::DEFAULT_MAX_CONNECTIONS_PER_IP,
             max_fetches_per_peer: kvmesh_transfer::server::DEFAULT_MAX_TRANSFERS_PER_PEER,
@@ -311,6 +318,15 @@ impl EngineConfig {
                 "--p2p-pull-pin-fraction must be between 0 and 1, got {}",
                 self.p2p.pull_pin_fraction
             )));
+        }
+        if self.p2p.encrypt && self.p2p.secret.is_none() {
+            return Err(ConfigError::Invalid(
+                "--p2p-encrypt derives its keys from the shared secret: set --p2p-secret-file"
+                    .into(),
+            ));
+        }
+        if self.p2p.stripes == 0 {
+            return Err(ConfigError::Invalid("--p2p-stripes must be > 0".into()));
         }
         self.validate_producer()?;
         self.advertised_host().map(drop)
@@ -534,6 +550,22 @@ mod tests {
         assert!(err.contains("--p2p-pull-pin-fraction"), "{err}");
         c.p2p.pull_pin_fraction = 0.0;
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn encryption_needs_the_secret_and_stripes_must_be_positive() {
+        let mut c = EngineConfig::default();
+        c.p2p.encrypt = true;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("--p2p-encrypt") && err.contains("--p2p-secret-file"),
+            "{err}"
+        );
+        c.p2p.secret = Some(kvmesh_transfer::Secret::from("s"));
+        assert!(c.validate().is_ok());
+        c.p2p.stripes = 0;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("--p2p-stripes"), "{err}");
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! waits for its blocks) the rest of it becomes demand on the consumer's link and, if the
 //! producer announced support, on the producer's (`Promote`, sent on the same connection).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::str::FromStr;
@@ -28,17 +28,18 @@ use tokio::sync::watch;
 use tokio::time::{Instant, timeout};
 
 use crate::auth::{self, Secret};
-use crate::connection::{Connection, ConnectionError};
+use crate::connection::Connection;
 use crate::frame::{DEFAULT_MAX_FRAME, HEADER_LEN, PREAUTH_MAX_FRAME};
 use crate::limits::IpNet;
-use crate::mac::{self, Role, SessionKeys};
+use crate::mac::{self, Protection, Role, SessionKeys};
 use crate::message::{
-    Auth, BlockStatus, Fetch, FetchEnd, Hello, Lookup, Message, PROTOCOL_VERSION, Promote,
-    RefuseReason,
+    Auth, BlockStatus, Hello, HelloOk, LookupReply, Message, PROTOCOL_VERSION, RefuseReason,
 };
 use crate::metrics::{Direction, TransferMetrics};
 use crate::pacing::{LinkPacer, PacedTransfer, TrafficClass};
-use crate::report::{PullOutcome, PullReason, PullReport};
+use crate::reorder::StripeWindow;
+use crate::report::{Progress, PullOutcome, PullReason, PullReport};
+use crate::session::{self, FetchPlan, Landing, Steps, Stop, conn_reason, promoted};
 use crate::source::BlockSink;
 
 /// A peer to pull from: an address, or a host name as given in `remote_host`.
@@ -233,8 +234,17 @@ pub struct ClientConfig {
     pub timeout: Duration,
     /// Extra time the producer may take for blocks it reported `Pending`.
     pub pending_deadline: Duration,
-    /// When set, the producer must share it (mutual challenge–response).
+    /// When set, the producer must share it (mutual challenge–response), and every frame after
+    /// the handshake is authenticated ([`crate::mac`]).
     pub secret: Option<Secret>,
+    /// Ask for KV encrypted in transit (AES-256-GCM; needs `secret`). The producer must be
+    /// configured alike, or it refuses the connection (`PullReason::EncryptionMismatch`).
+    pub encrypt: bool,
+    /// Connections one pull may stripe its blocks over (block `i` on connection `i mod n`), for
+    /// links one TCP stream cannot fill. At most the producer's fetch-stream cap per peer (it
+    /// announces it in `HelloOk`); 1 = one connection, the protocol's plain sequence. Only one
+    /// striped pull per peer runs at a time; others meanwhile pull over one connection.
+    pub stripes: usize,
     /// Largest frame accepted or sent.
     pub max_frame: usize,
     /// Idle handshaken connections kept per peer.
@@ -253,6 +263,14 @@ pub struct ClientConfig {
     /// The pull-duration histogram then records that, contention included.
     pub ingress: Option<std::sync::Arc<dyn LinkPacer>>,
 }
+
+/// Default [`ClientConfig::stripes`]: one connection per pull. Measured with
+/// `examples/p2p_bench.rs` (`docs/protocols.md#throughput-and-cpu-cost`): on loopback one stream
+/// already moves more than the cores can process, and a second one only adds context switches.
+pub const DEFAULT_STRIPES: usize = 1;
+
+/// Blocks a stripe may read ahead of the next one the sink needs, per stripe of the pull.
+const STRIPE_WINDOW_PER_STRIPE: usize = 4;
 
 /// Who waits for a pull: decides its [`TrafficClass`] on both ends' modelled links.
 #[derive(Debug, Clone, Default)]
@@ -276,11 +294,6 @@ impl PullClass {
     }
 }
 
-/// Waits until `promote` reads true; `false` if its sender is gone first (never promoted).
-async fn promoted(promote: &mut watch::Receiver<bool>) -> bool {
-    promote.wait_for(|p| *p).await.is_ok()
-}
-
 /// Modelled transfer time of a number of blocks (see [`ClientConfig::modelled_duration`]).
 #[derive(Clone)]
 pub struct ModelledDuration(pub std::sync::Arc<dyn Fn(usize) -> Option<Duration> + Send + Sync>);
@@ -298,6 +311,8 @@ impl Default for ClientConfig {
             timeout: Duration::from_secs(5),
             pending_deadline: Duration::from_secs(2),
             secret: None,
+            encrypt: false,
+            stripes: DEFAULT_STRIPES,
             max_frame: DEFAULT_MAX_FRAME,
             max_idle_per_peer: 4,
             max_pull_duration: None,
@@ -305,44 +320,6 @@ impl Default for ClientConfig {
             modelled_duration: None,
             ingress: None,
         }
-    }
-}
-
-/// Why one attempt ended early, and what that means for the connection.
-#[derive(Debug)]
-struct Stop {
-    reason: PullReason,
-    /// The stream ended cleanly (`Done`), so the connection can go back to the pool.
-    reusable: bool,
-    /// Failed before any reply on a pooled connection: try once more on a fresh one.
-    stale: bool,
-}
-
-impl Stop {
-    fn broken(reason: PullReason) -> Self {
-        Self {
-            reason,
-            reusable: false,
-            stale: false,
-        }
-    }
-
-    fn clean(reason: PullReason) -> Self {
-        Self {
-            reason,
-            reusable: true,
-            stale: false,
-        }
-    }
-}
-
-fn conn_reason(e: &ConnectionError) -> PullReason {
-    match e {
-        ConnectionError::Checksum { .. } => PullReason::Checksum,
-        ConnectionError::Mac { .. } => PullReason::MacFailed,
-        ConnectionError::Message(_) => PullReason::Protocol,
-        e if e.is_closed() => PullReason::PeerClosed,
-        ConnectionError::Io(_) | ConnectionError::ClosedMidFrame => PullReason::PeerClosed,
     }
 }
 
@@ -356,21 +333,14 @@ fn log_early_stop(peer: &PeerAddr, kv_request_id: &str, reason: &PullReason, blo
     }
 }
 
-/// Blocks and bytes delivered so far (survives an attempt being dropped on timeout).
-#[derive(Debug, Default)]
-struct Progress {
-    blocks: usize,
-    bytes: u64,
-    /// Any reply arrived on this connection during this pull.
-    replied: bool,
-}
-
 /// Pulls KV blocks from peers. One per engine; share it (`&self` methods, internal pool).
 pub struct PullClient {
     fingerprint: Fingerprint,
     config: ClientConfig,
     /// Handshaken idle connections per peer address.
     pool: Mutex<HashMap<SocketAddr, Vec<Connection>>>,
+    /// Peers a striped pull is running against (one at a time per peer: see `stripe_gate`).
+    striping: Mutex<HashSet<SocketAddr>>,
 }
 
 impl fmt::Debug for PullClient {
@@ -388,6 +358,7 @@ impl PullClient {
             fingerprint,
             config,
             pool: Mutex::default(),
+            striping: Mutex::default(),
         }
     }
 
@@ -605,27 +576,10 @@ impl PullClient {
         let addr = self.resolve(peer).await?;
         let mut conn = self.connect(addr).await?;
         self.config.metrics.record_connection(false);
-        let step = self.config.timeout;
-        let lookup = Message::Lookup(Lookup {
-            kv_request_id: kv_request_id.to_string(),
-            hashes: hashes.to_vec(),
-        });
-        Self::write(&mut conn, step, &lookup, false)
+        let reply = session::lookup(&mut conn, self.config.timeout, kv_request_id, hashes, false)
             .await
             .map_err(|stop| stop.reason)?;
-        let reply = match Self::read(&mut conn, step, false)
-            .await
-            .map_err(|stop| stop.reason)?
-        {
-            Message::LookupReply(r) if r.statuses.len() == hashes.len() => r,
-            _ => return Err(PullReason::Protocol),
-        };
-        match reply
-            .statuses
-            .iter()
-            .take_while(|s| **s != BlockStatus::Miss)
-            .count()
-        {
+        match leading_usable(&reply.statuses) {
             0 => Err(PullReason::Miss),
             usable => Ok(usable),
         }
@@ -666,15 +620,36 @@ impl PullClient {
             return Ok(());
         }
         let addr = self.resolve(peer).await?;
+        let mut first = None;
+        let want = self.config.stripes.min(hashes.len());
+        if want > 1
+            && let Some(_gate) = self.stripe_gate(addr)
+        {
+            let (conn, reused) = self.acquire(addr).await?;
+            // Never more stripes than the producer runs fetch streams for one peer: a stripe
+            // waiting for a slot while the others wait for its blocks would stall the pull.
+            let cap = match conn.peer_max_transfers() {
+                0 => want,
+                cap => want.min(cap as usize),
+            };
+            if cap > 1 {
+                let job = Job {
+                    kv_request_id,
+                    hashes,
+                    promote,
+                };
+                return self
+                    .pull_striped(addr, (conn, reused), cap, job, sink, progress)
+                    .await;
+            }
+            first = Some((conn, reused));
+        }
         let mut retried = false;
         loop {
-            let pooled = self.checkout(addr);
-            let reused = pooled.is_some();
-            let mut conn = match pooled {
+            let (mut conn, reused) = match first.take() {
                 Some(c) => c,
-                None => self.connect(addr).await?,
+                None => self.acquire(addr).await?,
             };
-            self.config.metrics.record_connection(reused);
             progress.replied = false;
             match self
                 .session(
@@ -703,6 +678,40 @@ impl PullClient {
                     return Err(stop.reason);
                 }
             }
+        }
+    }
+
+    /// A pooled connection to `addr`, or a new one; counted, and whether it was pooled.
+    async fn acquire(&self, addr: SocketAddr) -> Result<(Connection, bool), PullReason> {
+        let pooled = self.checkout(addr);
+        let reused = pooled.is_some();
+        let conn = match pooled {
+            Some(c) => c,
+            None => self.connect(addr).await?,
+        };
+        self.config.metrics.record_connection(reused);
+        Ok((conn, reused))
+    }
+
+    /// The right to stripe a pull over several connections to `addr`, if no other pull of ours
+    /// holds it. One striped pull per peer at a time: two would each hold some of the producer's
+    /// fetch slots for that peer while waiting for the others (deadlock until the step timeout);
+    /// plain pulls never wait for each other, so they always free their slots.
+    fn stripe_gate(&self, addr: SocketAddr) -> Option<StripeGate<'_>> {
+        let free = self.striping.lock().insert(addr);
+        // Built only when taken: a gate dropped here would release another pull's right.
+        free.then(|| StripeGate {
+            striping: &self.striping,
+            addr,
+        })
+    }
+
+    fn steps(&self) -> Steps<'_> {
+        Steps {
+            timeout: self.config.timeout,
+            pending_deadline: self.config.pending_deadline,
+            metrics: &self.config.metrics,
+            ingress: self.config.ingress.as_ref(),
         }
     }
 
@@ -740,24 +749,24 @@ impl PullClient {
         };
         // Whatever the producer sends before accepting us is bounded small.
         let mut conn = Connection::new(stream, PREAUTH_MAX_FRAME);
-        let (keys, promotes) = match timeout(self.config.timeout, self.handshake(&mut conn)).await {
+        let (keys, ok) = match timeout(self.config.timeout, self.handshake(&mut conn)).await {
             Err(_) => return Err(PullReason::Timeout),
             Ok(r) => r?,
         };
         conn.set_max_frame(self.config.max_frame);
-        conn.set_peer_promotes(promotes);
+        conn.set_peer_capabilities(ok.promote, ok.max_transfers);
         if let Some(keys) = keys {
-            conn.enable_mac(&keys);
+            conn.protect(&keys);
         }
         Ok(conn)
     }
 
     /// Returns the session keys when authenticated with a secret (then every later frame is
-    /// MACed), `None` for an open producer; and whether the producer reads `Promote`.
+    /// protected), `None` for an open producer; and the producer's `HelloOk`.
     async fn handshake(
         &self,
         conn: &mut Connection,
-    ) -> Result<(Option<SessionKeys>, bool), PullReason> {
+    ) -> Result<(Option<SessionKeys>, HelloOk), PullReason> {
         let ours = auth::nonce();
         let hello = Message::Hello(Hello {
             version: PROTOCOL_VERSION,
@@ -772,6 +781,7 @@ impl PullClient {
         conn.write_message(&hello)
             .await
             .map_err(|e| conn_reason(&e))?;
+        let encrypt = self.config.encrypt;
         let mut challenged = None;
         loop {
             let msg = conn.read_message().await.map_err(|e| conn_reason(&e))?;
@@ -782,29 +792,35 @@ impl PullClient {
                         return Err(PullReason::AuthFailed);
                     };
                     let proof = secret.consumer_proof(&c.nonce, &ours).to_vec();
-                    conn.write_message(&Message::Auth(Auth { proof }))
+                    conn.write_message(&Message::Auth(Auth { proof, encrypt }))
                         .await
                         .map_err(|e| conn_reason(&e))?;
                     challenged = Some(c.nonce);
                 }
                 Some(Message::HelloOk(ok)) => {
-                    let promotes = ok.promote;
-                    return match (&self.config.secret, challenged, ok.proof) {
-                        (None, None, _) => Ok((None, promotes)),
+                    return match (&self.config.secret, challenged, &ok.proof) {
+                        // An open producer cannot encrypt: never pull in clear what we meant to
+                        // encrypt.
+                        (None, None, _) if encrypt => Err(PullReason::EncryptionMismatch {
+                            ours: true,
+                            theirs: false,
+                        }),
+                        (None, None, _) => Ok((None, ok)),
                         (Some(secret), Some(theirs), Some(proof))
                             if auth::constant_time_eq(
-                                &proof,
+                                proof,
                                 &secret.producer_proof(&theirs, &ours),
                             ) =>
                         {
                             let keys = SessionKeys::derive(
                                 secret,
+                                Protection::encrypted(encrypt),
                                 Role::Consumer,
                                 &ours,
                                 &theirs,
                                 &transcript,
                             );
-                            Ok((Some(keys), promotes))
+                            Ok((Some(keys), ok))
                         }
                         // We hold a secret but the producer did not prove it holds it too.
                         _ => Err(PullReason::AuthFailed),
@@ -823,6 +839,12 @@ impl PullClient {
                             ours: PROTOCOL_VERSION,
                             theirs: ours,
                         },
+                        RefuseReason::Encryption { ours, theirs } => {
+                            PullReason::EncryptionMismatch {
+                                ours: theirs,
+                                theirs: ours,
+                            }
+                        }
                     });
                 }
                 Some(_) => return Err(PullReason::Protocol),
@@ -830,45 +852,8 @@ impl PullClient {
         }
     }
 
-    /// Read one message within `limit`, mapping every failure to a stop.
-    async fn read(conn: &mut Connection, limit: Duration, stale_ok: bool) -> Result<Message, Stop> {
-        match timeout(limit, conn.read_message()).await {
-            Err(_) => Err(Stop::broken(PullReason::Timeout)),
-            Ok(Ok(Some(m))) => Ok(m),
-            Ok(Ok(None)) => Err(Stop {
-                reason: PullReason::PeerClosed,
-                reusable: false,
-                stale: stale_ok,
-            }),
-            Ok(Err(e)) => {
-                let reason = conn_reason(&e);
-                let stale = stale_ok && reason == PullReason::PeerClosed;
-                Err(Stop {
-                    reason,
-                    reusable: false,
-                    stale,
-                })
-            }
-        }
-    }
-
-    async fn write(
-        conn: &mut Connection,
-        limit: Duration,
-        msg: &Message,
-        stale_ok: bool,
-    ) -> Result<(), Stop> {
-        match timeout(limit, conn.write_message(msg)).await {
-            Err(_) => Err(Stop::broken(PullReason::Timeout)),
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(Stop {
-                reason: conn_reason(&e),
-                reusable: false,
-                stale: stale_ok,
-            }),
-        }
-    }
-
+    /// A plain pull's conversation on one connection: lookup, fetch of the leading run of
+    /// blocks the producer holds (or is computing), each straight into the sink.
     async fn session(
         &self,
         conn: &mut Connection,
@@ -878,115 +863,188 @@ impl PullClient {
         progress: &mut Progress,
         promote: Option<watch::Receiver<bool>>,
     ) -> Result<(), Stop> {
-        let step = self.config.timeout;
-        let lookup = Lookup {
-            kv_request_id: kv_request_id.to_string(),
-            hashes: hashes.to_vec(),
-        };
-        Self::write(conn, step, &Message::Lookup(lookup), true).await?;
-        let reply = match Self::read(conn, step, true).await? {
-            Message::LookupReply(r) if r.statuses.len() == hashes.len() => r,
-            _ => return Err(Stop::broken(PullReason::Protocol)),
-        };
+        let steps = self.steps();
+        let reply = session::lookup(conn, steps.timeout, kv_request_id, hashes, true).await?;
         progress.replied = true;
-        let usable = reply
-            .statuses
-            .iter()
-            .take_while(|s| **s != BlockStatus::Miss)
-            .count();
+        let usable = leading_usable(&reply.statuses);
         if usable == 0 {
             return Err(Stop::clean(PullReason::Miss));
         }
-        let first_pending = reply.statuses[..usable]
-            .iter()
-            .position(|s| *s == BlockStatus::Pending)
-            .unwrap_or(usable);
-        let pending_wait_ms =
-            u32::try_from(self.config.pending_deadline.as_millis()).unwrap_or(u32::MAX);
-        // Still a prefetch nobody waits for (a promotion before this point makes it demand).
-        let background = promote.as_ref().is_some_and(|rx| !*rx.borrow());
-        let fetch = Fetch {
-            hashes: hashes[..usable].to_vec(),
-            pending_wait_ms,
-            background,
+        let plan = FetchPlan {
+            hashes: &hashes[..usable],
+            first_pending: first_pending(&reply.statuses[..usable]),
+            // Still a prefetch nobody waits for (a promotion before this point makes it demand).
+            background: promote.as_ref().is_some_and(|rx| !*rx.borrow()),
         };
-        Self::write(conn, step, &Message::Fetch(fetch), false).await?;
-        // Listen for a promotion during the stream only where a `Promote` can be sent: an
-        // older producer would close the connection on the unknown frame.
-        let mut promote = promote.filter(|_| background && conn.peer_promotes());
-        // Blocks from the first pending one on may take until the producer's wait deadline.
-        let pending_limit = step + self.config.pending_deadline;
-        loop {
-            let next = progress.blocks;
-            let limit = if next >= first_pending {
-                pending_limit
-            } else {
-                step
+        let mut landing = Landing::Sink { sink, progress };
+        session::fetch(conn, &steps, plan, promote, &mut landing).await?;
+        if usable < hashes.len() {
+            return Err(Stop::clean(PullReason::Miss));
+        }
+        Ok(())
+    }
+
+    /// A pull striped over `want` connections (the first one given): stripe `s` of `k` looks up
+    /// and fetches blocks `s, s + k, …` on its own connection, under its own pins; the blocks
+    /// reach the sink in order through a bounded reorder window, and the first block missing
+    /// (a miss, a dead stripe, a refusal) ends the prefix. Connections that cannot be opened only
+    /// make the pull use fewer stripes.
+    async fn pull_striped(
+        &self,
+        addr: SocketAddr,
+        first: (Connection, bool),
+        want: usize,
+        job: Job<'_>,
+        sink: &mut dyn BlockSink,
+        progress: &mut Progress,
+    ) -> Result<(), PullReason> {
+        let mut conns = vec![first];
+        let more = futures::future::join_all((1..want).map(|_| self.acquire(addr))).await;
+        conns.extend(more.into_iter().flatten());
+        let k = conns.len();
+        let subsets: Vec<Vec<BlockHash>> = (0..k)
+            .map(|s| job.hashes.iter().skip(s).step_by(k).copied().collect())
+            .collect();
+        let lookups = conns
+            .into_iter()
+            .zip(&subsets)
+            .map(|((conn, reused), subset)| {
+                self.stripe_lookup(addr, conn, reused, job.kv_request_id, subset)
+            });
+        let looked_up = futures::future::join_all(lookups).await;
+        // The prefix every stripe can serve ends at the first block one of them cannot.
+        let mut end = (job.hashes.len(), PullReason::Protocol);
+        for (s, (_, reply)) in looked_up.iter().enumerate() {
+            let boundary = match reply {
+                Ok(r) => (s + k * leading_usable(&r.statuses), PullReason::Miss),
+                Err(reason) => (s, reason.clone()),
             };
-            let msg = if let Some(rx) = promote.as_mut() {
-                // Reading is cancel safe: a frame cut short resumes on the next read.
-                let event = tokio::select! {
-                    biased;
-                    d = promoted(rx) => Err(d),
-                    m = Self::read(conn, limit, false) => Ok(m),
-                };
-                match event {
-                    Ok(m) => m?,
-                    Err(now_demand) => {
-                        promote = None;
-                        if now_demand {
-                            // A request waits for the rest of this fetch: the producer paces
-                            // it as demand from now on.
-                            let promote = Message::Promote(Promote {});
-                            Self::write(conn, step, &promote, false).await?;
-                        }
-                        continue;
-                    }
-                }
-            } else {
-                Self::read(conn, limit, false).await?
-            };
-            match msg {
-                Message::Block(b) => {
-                    let Some(&want) = hashes[..usable].get(next) else {
-                        return Err(Stop::broken(PullReason::Protocol));
-                    };
-                    if b.index as usize != next || b.hash != want {
-                        return Err(Stop::broken(PullReason::Protocol));
-                    }
-                    // The connection verified the checksum while the bytes arrived.
-                    let len = b.payload.len();
-                    if sink.accept(next, want, b.payload).is_err() {
-                        return Err(Stop::broken(PullReason::SinkRejected));
-                    }
-                    progress.blocks += 1;
-                    progress.bytes += len as u64;
-                    self.config.metrics.record_block(Direction::In, len);
-                    if let Some(p) = &self.config.ingress {
-                        let modelled = p.modelled_bytes_per_block();
-                        self.config.metrics.record_modelled(Direction::In, modelled);
-                    }
-                }
-                Message::Done(d) => {
-                    if d.blocks as usize != progress.blocks || d.bytes != progress.bytes {
-                        return Err(Stop::broken(PullReason::Protocol));
-                    }
-                    return match d.end {
-                        FetchEnd::Complete if progress.blocks == hashes.len() => Ok(()),
-                        FetchEnd::Complete if progress.blocks == usable => {
-                            Err(Stop::clean(PullReason::Miss))
-                        }
-                        FetchEnd::Complete => Err(Stop::broken(PullReason::Protocol)),
-                        FetchEnd::Miss { .. } => Err(Stop::clean(PullReason::Miss)),
-                        FetchEnd::PendingDeadline { .. } => {
-                            Err(Stop::clean(PullReason::PendingDeadline))
-                        }
-                    };
-                }
-                _ => return Err(Stop::broken(PullReason::Protocol)),
+            if boundary.0 < end.0 {
+                end = boundary;
             }
         }
+        let usable = end.0;
+        let steps = self.steps();
+        let window = StripeWindow::new(STRIPE_WINDOW_PER_STRIPE * k, sink, progress);
+        if usable < job.hashes.len() {
+            window.fail(usable, end.1.clone());
+        }
+        let background = job.promote.as_ref().is_some_and(|rx| !*rx.borrow());
+        let fetches = looked_up.into_iter().zip(&subsets).enumerate().filter_map(
+            |(s, ((conn, reply), subset))| {
+                let (mut conn, reply) = (conn?, reply.ok()?);
+                let count = usable.saturating_sub(s).div_ceil(k).min(subset.len());
+                let plan = FetchPlan {
+                    hashes: &subset[..count],
+                    first_pending: first_pending(&reply.statuses[..count]),
+                    background,
+                };
+                let (window, steps, promote) = (&window, &steps, job.promote.clone());
+                Some(async move {
+                    if count == 0 {
+                        // Nothing to fetch here: an empty lookup ends the pins this stripe's
+                        // lookup took (without waiting for one of the producer's fetch slots).
+                        let id = job.kv_request_id;
+                        if session::lookup(&mut conn, steps.timeout, id, &[], false)
+                            .await
+                            .is_ok()
+                        {
+                            self.checkin(addr, conn);
+                        }
+                        return;
+                    }
+                    let mut landing = Landing::Stripe {
+                        window,
+                        stripe: s,
+                        of: k,
+                        received: 0,
+                    };
+                    let result =
+                        session::fetch(&mut conn, steps, plan, promote, &mut landing).await;
+                    let Landing::Stripe { received, .. } = landing else {
+                        unreachable!("a stripe's landing")
+                    };
+                    match result {
+                        Ok(()) => self.checkin(addr, conn),
+                        Err(stop) => {
+                            window.fail(s + received * k, stop.reason);
+                            if stop.reusable {
+                                self.checkin(addr, conn);
+                            }
+                        }
+                    }
+                })
+            },
+        );
+        futures::future::join_all(fetches).await;
+        match window.gap() {
+            None => Ok(()),
+            Some((_, reason)) => Err(reason),
+        }
     }
+
+    /// One stripe's lookup; a pooled connection that turns out dead before replying is replaced
+    /// once by a fresh one. Returns the connection when it is still usable.
+    async fn stripe_lookup(
+        &self,
+        addr: SocketAddr,
+        mut conn: Connection,
+        reused: bool,
+        kv_request_id: &str,
+        subset: &[BlockHash],
+    ) -> (Option<Connection>, Result<LookupReply, PullReason>) {
+        let step = self.config.timeout;
+        match session::lookup(&mut conn, step, kv_request_id, subset, reused).await {
+            Ok(r) => (Some(conn), Ok(r)),
+            Err(stop) if stop.stale => {
+                let mut fresh = match self.connect(addr).await {
+                    Ok(c) => c,
+                    Err(reason) => return (None, Err(reason)),
+                };
+                self.config.metrics.record_connection(false);
+                match session::lookup(&mut fresh, step, kv_request_id, subset, false).await {
+                    Ok(r) => (Some(fresh), Ok(r)),
+                    Err(stop) => (None, Err(stop.reason)),
+                }
+            }
+            Err(stop) => (None, Err(stop.reason)),
+        }
+    }
+}
+
+/// What a pull asks for, as the stripes of a striped pull share it.
+struct Job<'a> {
+    kv_request_id: &'a str,
+    hashes: &'a [BlockHash],
+    promote: Option<watch::Receiver<bool>>,
+}
+
+/// Held while a striped pull to `addr` runs ([`PullClient::stripe_gate`]).
+struct StripeGate<'a> {
+    striping: &'a Mutex<HashSet<SocketAddr>>,
+    addr: SocketAddr,
+}
+
+impl Drop for StripeGate<'_> {
+    fn drop(&mut self) {
+        self.striping.lock().remove(&self.addr);
+    }
+}
+
+/// Leading blocks a lookup reply makes worth fetching: up to the first `MISS`.
+fn leading_usable(statuses: &[BlockStatus]) -> usize {
+    statuses
+        .iter()
+        .take_while(|s| **s != BlockStatus::Miss)
+        .count()
+}
+
+/// Index of the first `PENDING` status (the length if none).
+fn first_pending(statuses: &[BlockStatus]) -> usize {
+    statuses
+        .iter()
+        .position(|s| *s == BlockStatus::Pending)
+        .unwrap_or(statuses.len())
 }
 
 #[cfg(test)]

@@ -5,10 +5,13 @@
 //! Layers, innermost first (the mini-redis shape):
 //! - [`frame`]: bytes ⇄ length-prefixed frames, two-phase parse, bounded size;
 //! - [`message`]: frames ⇄ protocol messages (`Hello`, `Lookup`, `Fetch`, block frames, `Done`…);
-//! - [`connection`]: messages over one TCP stream (zero-copy reads, vectored block writes,
-//!   per-frame MACs once authenticated: [`auth`] for the handshake, [`mac`] for the frames);
+//! - [`connection`]: messages over one TCP stream (payloads read straight into their
+//!   destination, vectored block writes, protected records once authenticated: [`auth`] for the
+//!   handshake, [`mac`] for the keys and tags, [`record`] for the record layout);
 //! - [`server`] ([`ProducerServer`]) and [`client`] ([`PullClient`]): the service, talking to a
-//!   block store only through the [`BlockSource`] / [`BlockSink`] seams in [`source`].
+//!   block store only through the [`BlockSource`] / [`BlockSink`] seams in [`source`]; the
+//!   consumer's per-connection conversation is in `session`, and a pull striped over several
+//!   connections delivers in order through [`reorder`].
 //!
 //! A time-modelled engine paces both ends by a model of its link through the [`pacing`] seams.
 //!
@@ -24,15 +27,20 @@ pub mod mac;
 pub mod message;
 pub mod metrics;
 pub mod pacing;
+pub mod record;
+pub mod reorder;
 pub mod report;
 pub mod server;
+mod session;
 pub mod source;
 
 pub use auth::Secret;
 pub use client::{
-    AllowList, AllowListError, ClientConfig, ModelledDuration, PeerAddr, PullClass, PullClient,
+    AllowList, AllowListError, ClientConfig, DEFAULT_STRIPES, ModelledDuration, PeerAddr,
+    PullClass, PullClient,
 };
 pub use limits::{IpNet, IpNetError};
+pub use mac::Protection;
 pub use metrics::{Direction, TransferMetrics};
 pub use pacing::{LinkPacer, PacedTransfer, TrafficClass};
 pub use report::{PullOutcome, PullReason, PullReport};

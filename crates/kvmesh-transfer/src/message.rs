@@ -2,9 +2,10 @@
 //!
 //! Control messages (everything but [`BlockFrame`]) are MessagePack maps (field names on the wire,
 //! so fields can be added without breaking older peers). Block frames are fixed binary so the
-//! payload is never re-encoded: `index u32 | hash u64 | payload_len u32 | payload | crc32 u32`
-//! (all big-endian). Decoding slices the payload out of the frame body without copying;
-//! encoding returns the header, payload and checksum as three buffers for one vectored write.
+//! payload is never re-encoded: a 20-byte head `index u32 | hash u64 | payload_len u32 | crc32 u32`
+//! (all big-endian), then the payload. Decoding slices the payload out of the frame body without
+//! copying; encoding returns the head and the payload as two buffers for one vectored write. On a
+//! protected connection the connection cuts a block into records ([`crate::record`]).
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use kvmesh_core::{BlockHash, Fingerprint};
@@ -12,10 +13,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::frame::{self, FrameError, HEADER_LEN, RawFrame, Tag};
 
-/// Bumped on any incompatible wire change; checked in `Hello`. Version 2: frames after the
-/// handshake carry a MAC when a secret is set ([`crate::mac`]), handshake frames are bounded by
-/// [`frame::PREAUTH_MAX_FRAME`], `Refused` may say `TooManyConnections`.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Bumped on any incompatible wire change; checked in `Hello`. Version 3: with a secret, records
+/// with 16-byte POLYVAL-AES tags or AES-256-GCM encryption ([`crate::mac`], [`crate::record`])
+/// instead of per-frame HMAC-SHA256; a block's CRC32 moved into its head; `Auth` may ask for
+/// encryption and `Refused` may say `Encryption`; `HelloOk` announces the producer's fetch-stream
+/// cap per peer. Version 2: frames after the handshake carry a MAC when a secret is set,
+/// handshake frames are bounded by [`frame::PREAUTH_MAX_FRAME`], `Refused` may say
+/// `TooManyConnections`.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Random bytes exchanged in the handshake so authentication proofs cannot be replayed.
 pub type Nonce = [u8; 16];
@@ -39,6 +44,11 @@ pub struct Challenge {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Auth {
     pub proof: Vec<u8>,
+    /// The consumer wants KV encrypted in transit ([`crate::mac::Protection::Encrypt`]); a
+    /// producer configured otherwise refuses with [`RefuseReason::Encryption`]. Written only when
+    /// true; absent = authenticate only.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub encrypt: bool,
 }
 
 /// Producer → consumer: the connection is ready for lookups.
@@ -53,6 +63,11 @@ pub struct HelloOk {
     /// frame of a producer without it is unchanged.
     #[serde(default, skip_serializing_if = "is_false")]
     pub promote: bool,
+    /// Fetch streams one peer address may run at once on this producer (its
+    /// `max_transfers_per_peer`): a consumer stripes a pull over at most this many connections.
+    /// 0 (absent) = not announced.
+    #[serde(default)]
+    pub max_transfers: u32,
 }
 
 /// Serde helper: optional flags are left out of the map when false (older peers see the exact
@@ -77,6 +92,12 @@ pub enum RefuseReason {
     NotAllowed,
     /// The consumer's address already holds the producer's per-IP connection cap.
     TooManyConnections,
+    /// The two ends disagree on encrypting KV in transit: the producer `ours`, the consumer
+    /// `theirs` (`true` = encrypt).
+    Encryption {
+        ours: bool,
+        theirs: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -164,14 +185,57 @@ pub struct BlockFrame {
     pub crc: u32,
 }
 
-/// Fixed part of a block body before the payload.
-const BLOCK_HEAD: usize = 4 + 8 + 4;
+/// Fixed part of a block body before the payload: index, hash, payload length, CRC32.
+pub const BLOCK_HEAD: usize = 4 + 8 + 4 + 4;
 
-/// Offset of a block's payload from the start of its frame (length prefix included).
-pub const BLOCK_PAYLOAD_OFFSET: usize = HEADER_LEN + BLOCK_HEAD;
+/// A block frame's head: what a receiver knows before the payload arrives (where to put it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHead {
+    pub index: u32,
+    pub hash: BlockHash,
+    pub payload_len: usize,
+    pub crc: u32,
+}
 
-/// Bytes after a block's payload (the CRC32).
-pub const BLOCK_TRAILER: usize = 4;
+impl BlockHead {
+    /// Decodes the 20 head bytes of a block body.
+    pub fn decode(mut head: &[u8]) -> Result<Self, MessageError> {
+        if head.len() < BLOCK_HEAD {
+            return Err(malformed(
+                Tag::Block,
+                format!("{} bytes is shorter than the block head", head.len()),
+            ));
+        }
+        Ok(Self {
+            index: head.get_u32(),
+            hash: BlockHash(head.get_u64()),
+            payload_len: head.get_u32() as usize,
+            crc: head.get_u32(),
+        })
+    }
+
+    /// The head's wire bytes: `len | 9 | index | hash | payload_len | crc`, with `len` the
+    /// frame's length field (which a protected connection makes count its tags too).
+    pub fn encode(
+        &self,
+        frame_len: usize,
+        max_frame: usize,
+    ) -> Result<[u8; HEADER_LEN + BLOCK_HEAD], MessageError> {
+        let payload_len = u32::try_from(self.payload_len).map_err(|_| FrameError::TooLarge {
+            len: self.payload_len,
+            max: max_frame,
+        })?;
+        let h = frame::header(Tag::Block, frame_len - 1, max_frame)?;
+        let mut out = [0u8; HEADER_LEN + BLOCK_HEAD];
+        let mut w = &mut out[..];
+        w.put_slice(&h);
+        w.put_u32(self.index);
+        w.put_u64(self.hash.0);
+        w.put_u32(payload_len);
+        w.put_u32(self.crc);
+        Ok(out)
+    }
+}
 
 impl BlockFrame {
     /// A frame whose checksum matches its payload.
@@ -198,6 +262,15 @@ impl BlockFrame {
     /// Does the payload match the checksum that travelled with it?
     pub fn checksum_ok(&self) -> bool {
         crc32fast::hash(&self.payload) == self.crc
+    }
+
+    pub fn head(&self) -> BlockHead {
+        BlockHead {
+            index: self.index,
+            hash: self.hash,
+            payload_len: self.payload.len(),
+            crc: self.crc,
+        }
     }
 }
 
@@ -363,7 +436,14 @@ impl Message {
             detail: e.to_string(),
         };
         let body = match self {
-            Message::Block(b) => return encode_block(b, max_frame, trailer),
+            // A protected connection writes blocks as records itself (`crate::record`).
+            Message::Block(b) if trailer == 0 => return encode_block(b, max_frame),
+            Message::Block(_) => {
+                return Err(MessageError::Encode {
+                    tag,
+                    detail: "a block frame's tags are placed per record".into(),
+                });
+            }
             Message::Hello(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
             Message::Challenge(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
             Message::Auth(m) => rmp_serde::to_vec_named(m).map_err(enc)?,
@@ -392,51 +472,34 @@ impl Message {
 }
 
 fn decode_block(mut body: Bytes) -> Result<BlockFrame, MessageError> {
-    let tag = Tag::Block;
-    if body.len() < BLOCK_HEAD + 4 {
+    let head = BlockHead::decode(&body)?;
+    body.advance(BLOCK_HEAD);
+    if body.len() != head.payload_len {
         return Err(malformed(
-            tag,
-            format!("{} bytes is shorter than the block header", body.len()),
+            Tag::Block,
+            format!(
+                "payload_len {} but {} bytes follow",
+                head.payload_len,
+                body.len()
+            ),
         ));
     }
-    let index = body.get_u32();
-    let hash = BlockHash(body.get_u64());
-    let len = body.get_u32() as usize;
-    if body.len() != len + 4 {
-        return Err(malformed(
-            tag,
-            format!("payload_len {len} but {} bytes follow", body.len()),
-        ));
-    }
-    let payload = body.split_to(len);
-    let crc = body.get_u32();
     Ok(BlockFrame {
-        index,
-        hash,
-        payload,
-        crc,
+        index: head.index,
+        hash: head.hash,
+        payload: body,
+        crc: head.crc,
     })
 }
 
-fn encode_block(
-    b: &BlockFrame,
-    max_frame: usize,
-    trailer: usize,
-) -> Result<EncodedFrame, MessageError> {
-    let body_len = BLOCK_HEAD + b.payload.len() + 4 + trailer;
-    let payload_len = u32::try_from(b.payload.len()).map_err(|_| FrameError::TooLarge {
-        len: b.payload.len(),
-        max: max_frame,
-    })?;
-    let mut head = BytesMut::with_capacity(HEADER_LEN + BLOCK_HEAD);
-    head.put_slice(&frame::header(Tag::Block, body_len, max_frame)?);
-    head.put_u32(b.index);
-    head.put_u64(b.hash.0);
-    head.put_u32(payload_len);
+fn encode_block(b: &BlockFrame, max_frame: usize) -> Result<EncodedFrame, MessageError> {
+    let head = b
+        .head()
+        .encode(1 + BLOCK_HEAD + b.payload.len(), max_frame)?;
     Ok(EncodedFrame {
-        head: head.freeze(),
+        head: Bytes::copy_from_slice(&head),
         payload: b.payload.clone(),
-        tail: Bytes::copy_from_slice(&b.crc.to_be_bytes()),
+        tail: Bytes::new(),
     })
 }
 
@@ -477,8 +540,11 @@ mod tests {
                 nonce
             })),
             any::<[u8; 16]>().prop_map(|nonce| Message::Challenge(Challenge { nonce })),
-            proptest::collection::vec(any::<u8>(), 0..40)
-                .prop_map(|proof| Message::Auth(Auth { proof })),
+            proptest::collection::vec(any::<u8>(), 0..40).prop_flat_map(|proof| any::<bool>()
+                .prop_map(move |encrypt| Message::Auth(Auth {
+                    proof: proof.clone(),
+                    encrypt
+                }))),
             (
                 proptest::option::of(proptest::collection::vec(any::<u8>(), 32)),
                 any::<bool>()
@@ -486,7 +552,8 @@ mod tests {
                 .prop_map(|(proof, promote)| Message::HelloOk(HelloOk {
                     version: 1,
                     proof,
-                    promote
+                    promote,
+                    max_transfers: 4,
                 })),
             Just(Message::Refused(Refused {
                 reason: RefuseReason::Fingerprint {
@@ -546,14 +613,15 @@ mod tests {
     fn block_layout_is_fixed_binary() {
         let b = BlockFrame::new(7, BlockHash(0x0102030405060708), Bytes::from_static(b"xyz"));
         let wire = Message::Block(b.clone()).encode(1024).unwrap().to_vec();
-        let body_len = 16 + 3 + 4;
+        let body_len = 20 + 3;
         assert_eq!(&wire[..4], &((body_len + 1) as u32).to_be_bytes());
         assert_eq!(wire[4], Tag::Block as u8);
         assert_eq!(&wire[5..9], &7u32.to_be_bytes());
         assert_eq!(&wire[9..17], &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(&wire[17..21], &3u32.to_be_bytes());
-        assert_eq!(&wire[21..24], b"xyz");
-        assert_eq!(&wire[24..], &crc32fast::hash(b"xyz").to_be_bytes());
+        assert_eq!(&wire[21..25], &crc32fast::hash(b"xyz").to_be_bytes());
+        assert_eq!(&wire[25..], b"xyz");
+        assert_eq!(BlockHead::decode(&wire[5..25]).unwrap(), b.head());
         assert!(b.checksum_ok());
         let mut bad = b;
         bad.crc ^= 1;
@@ -566,8 +634,8 @@ mod tests {
         body.put_u32(0);
         body.put_u64(1);
         body.put_u32(100); // claims 100 payload bytes
-        body.put_slice(b"short");
         body.put_u32(0);
+        body.put_slice(b"short");
         let err = Message::from_frame(RawFrame {
             tag: Tag::Block,
             body: body.freeze(),
@@ -583,6 +651,7 @@ mod tests {
             ),
             "{err}"
         );
+        assert!(BlockHead::decode(&[0; 19]).is_err(), "a head is 20 bytes");
     }
 
     /// Golden bytes of a `Fetch` frame as every encoder before the `background` flag wrote it
@@ -642,24 +711,35 @@ mod tests {
         assert_eq!(old.pending_wait_ms, 7);
     }
 
-    /// `HelloOk` without `promote` (an older producer) decodes as a producer that does not
-    /// promote, and a producer that does not promote writes the frame it always did.
+    /// `HelloOk` of a version-3 producer: `promote` written only when true, `max_transfers`
+    /// always; a `HelloOk` without them decodes as a producer that does not promote and did not
+    /// announce its cap (0).
     #[test]
-    fn hello_ok_promote_capability_is_wire_compatible() {
-        let old = HelloOk {
+    fn hello_ok_capabilities_on_the_wire() {
+        let ok = HelloOk {
             version: PROTOCOL_VERSION,
             proof: None,
             promote: false,
+            max_transfers: 4,
         };
-        let wire = Message::HelloOk(old.clone()).encode(1024).unwrap().to_vec();
-        // {version: 2, proof: nil}
-        let mut golden = vec![0, 0, 0, 18, Tag::HelloOk as u8, 0x82, 0xa7];
-        golden.extend_from_slice(b"version\x02\xa5proof\xc0");
+        let wire = Message::HelloOk(ok.clone()).encode(1024).unwrap().to_vec();
+        // {version: 3, proof: nil, max_transfers: 4}
+        let mut golden = vec![0, 0, 0, 33, Tag::HelloOk as u8, 0x83, 0xa7];
+        golden.extend_from_slice(b"version\x03\xa5proof\xc0\xadmax_transfers\x04");
         assert_eq!(wire, golden);
-        assert_eq!(parse_one(&golden), Message::HelloOk(old.clone()));
+        assert_eq!(parse_one(&golden), Message::HelloOk(ok.clone()));
+        let mut minimal = vec![0, 0, 0, 18, Tag::HelloOk as u8, 0x82, 0xa7];
+        minimal.extend_from_slice(b"version\x03\xa5proof\xc0");
+        assert_eq!(
+            parse_one(&minimal),
+            Message::HelloOk(HelloOk {
+                max_transfers: 0,
+                ..ok.clone()
+            })
+        );
         let new = HelloOk {
             promote: true,
-            ..old
+            ..ok
         };
         assert_eq!(
             parse_one(&Message::HelloOk(new.clone()).encode(1024).unwrap().to_vec()),
@@ -668,6 +748,25 @@ mod tests {
         // `Promote` is an empty map under its own tag.
         let wire = Message::Promote(Promote {}).encode(1024).unwrap().to_vec();
         assert_eq!(wire, [0, 0, 0, 2, Tag::Promote as u8, 0x80]);
+    }
+
+    /// `Auth` asks for encryption only when it wants it: an authenticate-only `Auth` is the
+    /// one-key map of before.
+    #[test]
+    fn auth_encrypt_flag_is_written_only_when_set() {
+        let plain = Auth {
+            proof: vec![1],
+            encrypt: false,
+        };
+        let wire = Message::Auth(plain.clone()).encode(1024).unwrap().to_vec();
+        assert_eq!(&wire[5..], b"\x81\xa5proof\x91\x01");
+        let enc = Auth {
+            encrypt: true,
+            ..plain
+        };
+        let wire = Message::Auth(enc.clone()).encode(1024).unwrap().to_vec();
+        assert!(wire.ends_with(b"\xa7encrypt\xc3"), "{wire:?}");
+        assert_eq!(parse_one(&wire), Message::Auth(enc));
     }
 
     proptest! {

@@ -33,8 +33,11 @@ pub enum PullReason {
     Version { ours: u16, theirs: u16 },
     /// The producer refused us: our address holds its per-IP connection cap.
     Busy,
-    /// A frame after the handshake failed its MAC: forged or altered on the way.
+    /// A record after the handshake failed its tag: forged, altered, replayed or reordered on
+    /// the way.
     MacFailed,
+    /// The two ends disagree on encrypting KV in transit (`ours`: whether we asked for it).
+    EncryptionMismatch { ours: bool, theirs: bool },
 }
 
 impl PullReason {
@@ -47,11 +50,12 @@ impl PullReason {
                 | PullReason::FingerprintMismatch { .. }
                 | PullReason::AuthFailed
                 | PullReason::Version { .. }
+                | PullReason::EncryptionMismatch { .. }
         )
     }
 
     /// Every reason, for metric pre-registration and tests.
-    pub const ALL: [PullReason; 14] = [
+    pub const ALL: [PullReason; 15] = [
         PullReason::NotAllowed,
         PullReason::Connect,
         PullReason::FingerprintMismatch {
@@ -68,6 +72,10 @@ impl PullReason {
         PullReason::Version { ours: 0, theirs: 0 },
         PullReason::Busy,
         PullReason::MacFailed,
+        PullReason::EncryptionMismatch {
+            ours: false,
+            theirs: false,
+        },
     ];
 
     /// Stable label for metrics and logs.
@@ -87,6 +95,7 @@ impl PullReason {
             PullReason::Version { .. } => "version",
             PullReason::Busy => "busy",
             PullReason::MacFailed => "mac_failed",
+            PullReason::EncryptionMismatch { .. } => "encryption_mismatch",
         }
     }
 }
@@ -99,6 +108,16 @@ impl fmt::Display for PullReason {
                 f,
                 "version(peer speaks P2P protocol v{theirs}, we speak v{ours}: upgrade the older engine)"
             ),
+            PullReason::EncryptionMismatch { ours, theirs } => {
+                let said = |e: bool| if e { "encrypted" } else { "unencrypted" };
+                write!(
+                    f,
+                    "encryption_mismatch(we want {} transfers, the peer serves {}: set \
+                     --p2p-encrypt on both ends or neither)",
+                    said(*ours),
+                    said(*theirs)
+                )
+            }
             other => f.write_str(other.label()),
         }
     }
@@ -141,4 +160,13 @@ pub struct PullReport {
     /// Payload bytes accepted by the sink.
     pub bytes: u64,
     pub duration: Duration,
+}
+
+/// Blocks and bytes a pull delivered so far (survives the pull being dropped at its deadline).
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    pub blocks: usize,
+    pub bytes: u64,
+    /// Any reply arrived on this connection during this pull.
+    pub replied: bool,
 }

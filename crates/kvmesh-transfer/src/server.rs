@@ -34,7 +34,7 @@ use crate::auth::{self, Secret};
 use crate::connection::{Connection, ConnectionError};
 use crate::frame::{DEFAULT_MAX_FRAME, FrameError, PREAUTH_MAX_FRAME};
 use crate::limits::{IpNet, PeerSlot, PeerTable, RefusalLog};
-use crate::mac::{self, Role, SessionKeys};
+use crate::mac::{self, Protection, Role, SessionKeys};
 use crate::message::{
     BlockFrame, BlockStatus, Done, ErrorMsg, Fetch, FetchEnd, HelloOk, Lookup, LookupReply,
     Message, MessageError, PROTOCOL_VERSION, RefuseReason, Refused,
@@ -63,8 +63,12 @@ pub struct ServerConfig {
     /// Most hashes one lookup or fetch may name.
     pub max_blocks_per_request: usize,
     /// When set, consumers must prove knowledge of it (and we prove it back), and every frame
-    /// after the handshake is MACed.
+    /// after the handshake is authenticated ([`crate::mac`]).
     pub secret: Option<Secret>,
+    /// Encrypt everything after the handshake (AES-256-GCM; needs `secret`). Consumers must ask
+    /// for the same (`ClientConfig::encrypt`); one that does not is refused with
+    /// `Refused{Encryption}` (counted as `encryption_mismatch`).
+    pub encrypt: bool,
     /// When set, only consumers in these addresses / networks may connect.
     pub allowed_ips: Option<Vec<IpNet>>,
     /// Connections one peer address may hold at once (handshaking ones included); more are
@@ -109,6 +113,7 @@ impl Default for ServerConfig {
             handshake_timeout: Duration::from_secs(5),
             max_blocks_per_request: 1 << 16,
             secret: None,
+            encrypt: false,
             allowed_ips: None,
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             max_pins_per_lookup: DEFAULT_MAX_PINS_PER_LOOKUP,
@@ -138,6 +143,9 @@ pub enum BindError {
          (`--p2p-allowed-consumers`), or bind to loopback"
     )]
     Unprotected { addr: SocketAddr },
+    /// Encryption derives its keys from the shared secret.
+    #[error("encrypting P2P transfers needs a shared secret (`--p2p-secret-file`)")]
+    EncryptionWithoutSecret,
 }
 
 /// State shared by every connection task.
@@ -187,6 +195,9 @@ impl ProducerServer {
         config: ServerConfig,
         cancel: CancellationToken,
     ) -> Result<(SocketAddr, JoinHandle<()>), BindError> {
+        if config.encrypt && config.secret.is_none() {
+            return Err(BindError::EncryptionWithoutSecret);
+        }
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr).await?.collect();
         if !config.protected()
             && let Some(open) = addrs.iter().find(|a| !a.ip().to_canonical().is_loopback())
@@ -328,7 +339,7 @@ impl Handler {
                 self.shared.refuse(
                     self.peer,
                     "mac_failed",
-                    &format_args!("frame {seq} failed authentication"),
+                    &format_args!("record {seq} failed authentication"),
                 );
             }
             HandlerError::Connection(ConnectionError::Message(e)) => self.garbled(e).await,
@@ -437,22 +448,15 @@ impl Handler {
             }
         };
         if hello.version != PROTOCOL_VERSION {
-            self.shared.refuse(
-                self.peer,
-                "version",
-                &format_args!(
-                    "speaks P2P protocol v{}, we speak v{PROTOCOL_VERSION}",
-                    hello.version
-                ),
-            );
             let reason = RefuseReason::Version {
                 ours: PROTOCOL_VERSION,
                 theirs: hello.version,
             };
-            self.conn
-                .write_message(&Message::Refused(Refused { reason }))
-                .await?;
-            return Ok(false);
+            let why = format!(
+                "speaks P2P protocol v{}, we speak v{PROTOCOL_VERSION}",
+                hello.version
+            );
+            return self.refuse_handshake("version", &why, reason).await;
         }
         let (proof, keys) = match &self.shared.config.secret {
             None => (None, None),
@@ -463,8 +467,8 @@ impl Handler {
                         nonce: ours,
                     }))
                     .await?;
-                let proof = match self.conn.read_message().await? {
-                    Some(Message::Auth(a)) => a.proof,
+                let auth = match self.conn.read_message().await? {
+                    Some(Message::Auth(a)) => a,
                     None => return Ok(false),
                     Some(other) => {
                         return Err(HandlerError::Protocol(format!(
@@ -473,17 +477,31 @@ impl Handler {
                         )));
                     }
                 };
-                if !auth::constant_time_eq(&proof, &secret.consumer_proof(&ours, &hello.nonce)) {
-                    self.shared
-                        .refuse(self.peer, "auth_failed", &"wrong shared-secret proof");
+                if !auth::constant_time_eq(&auth.proof, &secret.consumer_proof(&ours, &hello.nonce))
+                {
+                    let why = "wrong shared-secret proof";
                     let reason = RefuseReason::AuthFailed;
-                    self.conn
-                        .write_message(&Message::Refused(Refused { reason }))
-                        .await?;
-                    return Ok(false);
+                    return self.refuse_handshake("auth_failed", &why, reason).await;
+                }
+                let encrypt = self.shared.config.encrypt;
+                if auth.encrypt != encrypt {
+                    let said = |e: bool| if e { "encrypted" } else { "unencrypted" };
+                    let why = format!(
+                        "asks for {} transfers, we serve {} (--p2p-encrypt on both ends or neither)",
+                        said(auth.encrypt),
+                        said(encrypt)
+                    );
+                    let reason = RefuseReason::Encryption {
+                        ours: encrypt,
+                        theirs: auth.encrypt,
+                    };
+                    return self
+                        .refuse_handshake("encryption_mismatch", &why, reason)
+                        .await;
                 }
                 let keys = SessionKeys::derive(
                     secret,
+                    Protection::encrypted(encrypt),
                     Role::Producer,
                     &hello.nonce,
                     &ours,
@@ -503,20 +521,15 @@ impl Handler {
             .fingerprint()
             .check_compatible(&hello.fingerprint)
         {
-            self.shared.refuse(
-                self.peer,
-                "fingerprint_mismatch",
-                &format_args!("its KV is incompatible: {m}"),
-            );
+            let why = format!("its KV is incompatible: {m}");
             let reason = RefuseReason::Fingerprint {
                 field: m.field.to_string(),
                 ours: m.ours,
                 theirs: m.theirs,
             };
-            self.conn
-                .write_message(&Message::Refused(Refused { reason }))
-                .await?;
-            return Ok(false);
+            return self
+                .refuse_handshake("fingerprint_mismatch", &why, reason)
+                .await;
         }
         self.conn
             .write_message(&Message::HelloOk(HelloOk {
@@ -524,16 +537,33 @@ impl Handler {
                 proof,
                 // We read `Promote` during a background fetch (see `fetch`).
                 promote: true,
+                max_transfers: u32::try_from(self.shared.config.max_transfers_per_peer)
+                    .unwrap_or(u32::MAX),
             }))
             .await?;
         // Accepted: the configured frame bound applies, and with a secret every frame from now
-        // on, both ways, is MACed.
+        // on, both ways, travels in protected records.
         self.accepted = true;
         self.conn.set_max_frame(self.shared.config.max_frame);
         if let Some(keys) = keys {
-            self.conn.enable_mac(&keys);
+            self.conn.protect(&keys);
         }
         Ok(true)
+    }
+
+    /// Refuses the consumer in the handshake: counted and logged (once a minute per peer) as
+    /// `label`, told `reason`; the connection then closes.
+    async fn refuse_handshake(
+        &mut self,
+        label: &'static str,
+        why: &(dyn std::fmt::Display + Sync),
+        reason: RefuseReason,
+    ) -> Result<bool, HandlerError> {
+        self.shared.refuse(self.peer, label, why);
+        self.conn
+            .write_message(&Message::Refused(Refused { reason }))
+            .await?;
+        Ok(false)
     }
 
     /// Counts (and logs once) pins refused over the lookup cap or the peer's quota.

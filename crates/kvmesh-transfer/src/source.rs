@@ -64,9 +64,39 @@ pub struct SinkError {
 }
 
 /// Consumer side: where pulled blocks go, in prefix order, as they arrive.
+///
+/// Each block is delivered once, `index` 0, 1, 2… in order, whatever the number of connections a
+/// pull uses: either with [`BlockSink::accept`] (the payload in a buffer the client allocated), or,
+/// for a sink that hands out its own memory with [`BlockSink::destination`], with
+/// [`BlockSink::accept_written`] after the client read the payload straight into that memory.
 pub trait BlockSink: Send {
-    /// Called once per block, `index` 0, 1, 2… in order. Verify and store; an error stops the pull.
+    /// Block `index` arrived and passed the transport's checks (CRC32, and with a secret its
+    /// tags). Verify and store; an error stops the pull.
     fn accept(&mut self, index: usize, hash: BlockHash, payload: Bytes) -> Result<(), SinkError>;
+
+    /// Optional zero-copy landing: memory of exactly `len` bytes where block `index`'s payload
+    /// should go. The client then reads the payload from the socket straight into it (checking,
+    /// and when encrypted decrypting, it there) and calls [`BlockSink::accept_written`] instead
+    /// of `accept`; the kernel's copy is then the only copy of each byte on the consumer. Until
+    /// that call the memory's contents are unspecified: on any failure (a bad tag or checksum, a
+    /// dropped connection) the client never makes it and the pull stops there. Asked only on a
+    /// pull over one connection (a striped pull reads its stripes concurrently into buffers of
+    /// its own, then calls `accept` in order). Default: `None` (the client allocates the buffer).
+    fn destination(&mut self, index: usize, hash: BlockHash, len: usize) -> Option<&mut [u8]> {
+        let _ = (index, hash, len);
+        None
+    }
+
+    /// The payload of block `index` is in the memory [`BlockSink::destination`] returned for it,
+    /// checked. Called only after `destination` returned memory for that block; an error stops
+    /// the pull. Default: refuses (a sink that hands out memory implements this).
+    fn accept_written(&mut self, index: usize, hash: BlockHash) -> Result<(), SinkError> {
+        let _ = hash;
+        Err(SinkError {
+            index,
+            reason: "the sink returned a destination but does not implement accept_written".into(),
+        })
+    }
 }
 
 /// A sink that keeps every block in memory (tests, examples).

@@ -19,11 +19,12 @@ use common::{
 use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint};
 use kvmesh_transfer::connection::Connection;
-use kvmesh_transfer::mac::{self, FrameMac, MAC_LEN, Role, SessionKeys};
+use kvmesh_transfer::mac::{self, DirectionKey, Protection, RecordKey, Role, SessionKeys, TAG_LEN};
 use kvmesh_transfer::message::{
     Auth, BlockFrame, BlockStatus, Fetch, Hello, HelloOk, Lookup, LookupReply, Message,
     PROTOCOL_VERSION, RefuseReason, Refused,
 };
+use kvmesh_transfer::record;
 use kvmesh_transfer::{
     BindError, BlockSource, MemorySource, ProducerServer, PullOutcome, PullReason, Secret,
     ServerConfig,
@@ -42,9 +43,19 @@ fn with_secret() -> ServerConfig {
     }
 }
 
-/// A consumer that completed the secret handshake by hand; returns its connection (MAC on)
-/// and its keys, so the test can seal frames itself.
+/// A consumer that completed the secret handshake by hand; returns its connection (protected)
+/// and its keys, so the test can seal records itself.
 async fn authenticated_raw(addr: SocketAddr) -> (Connection, SessionKeys) {
+    handshake_with(addr, Protection::Authenticate, Protection::Authenticate).await
+}
+
+/// The handshake of a consumer that asks for `asked` in its `Auth` and derives its keys for
+/// `derived` (a consumer that lies about its keys, or an honest one when they agree).
+async fn handshake_with(
+    addr: SocketAddr,
+    asked: Protection,
+    derived: Protection,
+) -> (Connection, SessionKeys) {
     let secret = Secret::from(SECRET);
     let stream = TcpStream::connect(addr).await.unwrap();
     let mut conn = Connection::new(stream, 4096);
@@ -60,7 +71,8 @@ async fn authenticated_raw(addr: SocketAddr) -> (Connection, SessionKeys) {
         panic!("expected a challenge")
     };
     let proof = secret.consumer_proof(&c.nonce, &ours).to_vec();
-    conn.write_message(&Message::Auth(Auth { proof }))
+    let encrypt = asked == Protection::Encrypt;
+    conn.write_message(&Message::Auth(Auth { proof, encrypt }))
         .await
         .unwrap();
     let Some(Message::HelloOk(ok)) = bounded(conn.read_message()).await.unwrap() else {
@@ -70,22 +82,44 @@ async fn authenticated_raw(addr: SocketAddr) -> (Connection, SessionKeys) {
         ok.proof.as_deref(),
         Some(&secret.producer_proof(&c.nonce, &ours)[..])
     );
-    let keys = SessionKeys::derive(&secret, Role::Consumer, &ours, &c.nonce, &transcript);
+    let keys = SessionKeys::derive(
+        &secret,
+        derived,
+        Role::Consumer,
+        &ours,
+        &c.nonce,
+        &transcript,
+    );
     conn.set_max_frame(1 << 20);
-    conn.enable_mac(&keys);
+    conn.protect(&keys);
     (conn, keys)
 }
 
-/// The bytes of `msg` sealed as frame number `seq` under `key`.
-fn sealed(msg: &Message, key: [u8; 32], seq: u64) -> Vec<u8> {
-    let mut wire = msg.encode_framed(1 << 20, MAC_LEN).unwrap().to_vec();
-    let mut mac = FrameMac::new(key);
+/// A record key that has already protected `seq` records.
+fn key_at(key: &DirectionKey, seq: u64) -> RecordKey {
+    let mut k = RecordKey::new(key);
     for _ in 0..seq {
-        mac.seal(b"advance");
+        k.seal(&mut [0u8; 1], 0);
     }
-    let tag = mac.seal(&wire);
-    wire.extend_from_slice(&tag);
-    wire
+    k
+}
+
+/// The bytes of control message `msg` sealed as record number `seq` under `key`.
+fn sealed(msg: &Message, key: &DirectionKey, seq: u64) -> Vec<u8> {
+    let wire = msg.encode_framed(1 << 20, TAG_LEN).unwrap().to_vec();
+    record::seal_control(&mut key_at(key, seq), wire)
+}
+
+/// The bytes of a block frame whose head is record `seq` under `key`.
+fn sealed_block(b: &BlockFrame, key: &DirectionKey, seq: u64) -> Vec<u8> {
+    let len = record::block_frame_len(b.payload.len(), true);
+    let head = b.head().encode(len, 1 << 20).unwrap();
+    record::seal_block(&mut key_at(key, seq), head, &b.payload)
+}
+
+/// A key nobody derived: what a forger without the secret must guess.
+fn guessed_key() -> DirectionKey {
+    DirectionKey::from_material(Protection::Authenticate, [0x42; 48])
 }
 
 fn lookup(hs: &[BlockHash]) -> Message {
@@ -126,26 +160,27 @@ async fn forged_flipped_replayed_and_unsealed_frames_after_auth_are_rejected_and
     type Attack = fn(&SessionKeys, &[BlockHash]) -> Vec<u8>;
     let attacks: [(&str, Attack); 5] = [
         ("bit flip in the body", |k, hs| {
-            let mut w = sealed(&lookup(hs), k.send, 0);
+            let mut w = sealed(&lookup(hs), &k.send, 0);
             w[9] ^= 0x01;
             w
         }),
         ("bit flip in the MAC", |k, hs| {
-            let mut w = sealed(&lookup(hs), k.send, 0);
+            let mut w = sealed(&lookup(hs), &k.send, 0);
             let last = w.len() - 1;
             w[last] ^= 0x80;
             w
         }),
         ("forged under a guessed key", |_, hs| {
-            sealed(&lookup(hs), [0x42; 32], 0)
+            sealed(&lookup(hs), &guessed_key(), 0)
         }),
         (
             "reflected: sealed under the producer's own direction key",
-            |k, hs| sealed(&lookup(hs), k.recv, 0),
+            |k, hs| sealed(&lookup(hs), &k.recv, 0),
         ),
-        ("unsealed, as a v1 peer would send it", |_, hs| {
-            lookup(hs).encode(1 << 20).unwrap().to_vec()
-        }),
+        (
+            "unsealed, as an unauthenticated peer would send it",
+            |_, hs| lookup(hs).encode(1 << 20).unwrap().to_vec(),
+        ),
     ];
     for (i, (what, attack)) in attacks.iter().enumerate() {
         let (mut conn, keys) = authenticated_raw(p.addr).await;
@@ -155,18 +190,18 @@ async fn forged_flipped_replayed_and_unsealed_frames_after_auth_are_rejected_and
     }
     // Replay and reorder: frame 0 twice, or frame 1 before frame 0.
     let (mut conn, keys) = authenticated_raw(p.addr).await;
-    conn.write_raw(&sealed(&lookup(&hs), keys.send, 0))
+    conn.write_raw(&sealed(&lookup(&hs), &keys.send, 0))
         .await
         .unwrap();
     let Some(Message::LookupReply(_)) = bounded(conn.read_message()).await.unwrap() else {
         panic!("the genuine frame is answered")
     };
-    conn.write_raw(&sealed(&lookup(&hs), keys.send, 0))
+    conn.write_raw(&sealed(&lookup(&hs), &keys.send, 0))
         .await
         .unwrap();
     closes_without_reply(&mut conn).await;
     let (mut conn, keys) = authenticated_raw(p.addr).await;
-    conn.write_raw(&sealed(&lookup(&hs), keys.send, 1))
+    conn.write_raw(&sealed(&lookup(&hs), &keys.send, 1))
         .await
         .unwrap();
     closes_without_reply(&mut conn).await;
@@ -178,63 +213,78 @@ async fn forged_flipped_replayed_and_unsealed_frames_after_auth_are_rejected_and
     eventually("no pins left", || p.source.pinned_blocks() == 0).await;
 }
 
+/// The producer's side of a genuine secret handshake and lookup on an accepted connection (every
+/// block a hit): the protected connection, its keys and the consumer's `Fetch`.
+async fn genuine_until_fetch(
+    listener: TcpListener,
+) -> Option<(Connection, SessionKeys, kvmesh_transfer::message::Fetch)> {
+    let (stream, _) = listener.accept().await.ok()?;
+    let secret = Secret::from(SECRET);
+    let mut conn = Connection::new(stream, 4096);
+    let Ok(Some((Message::Hello(h), body))) = conn.read_message_with_body().await else {
+        return None;
+    };
+    let ours = [9u8; 16];
+    conn.write_message(&Message::Challenge(kvmesh_transfer::message::Challenge {
+        nonce: ours,
+    }))
+    .await
+    .ok()?;
+    let Ok(Some(Message::Auth(_))) = conn.read_message().await else {
+        return None;
+    };
+    let proof = Some(secret.producer_proof(&ours, &h.nonce).to_vec());
+    conn.write_message(&Message::HelloOk(HelloOk {
+        version: PROTOCOL_VERSION,
+        proof,
+        promote: false,
+        max_transfers: 0,
+    }))
+    .await
+    .ok()?;
+    let keys = SessionKeys::derive(
+        &secret,
+        Protection::Authenticate,
+        Role::Producer,
+        &h.nonce,
+        &ours,
+        &mac::transcript_hash(&body),
+    );
+    conn.set_max_frame(1 << 20);
+    conn.protect(&keys);
+    let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
+        return None;
+    };
+    conn.write_message(&Message::LookupReply(LookupReply {
+        statuses: vec![BlockStatus::Hit; l.hashes.len()],
+        lease_ms: 1000,
+    }))
+    .await
+    .ok()?;
+    let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
+        return None;
+    };
+    Some((conn, keys, f))
+}
+
 /// A producer that authenticates properly, then sends a block whose payload was replaced by an
-/// on-path attacker: CRC32 recomputed to match, MAC under a key the attacker had to guess.
+/// on-path attacker: CRC32 recomputed to match, tags under a key the attacker had to guess.
 async fn tampering_producer() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let secret = Secret::from(SECRET);
-        let mut conn = Connection::new(stream, 4096);
-        let Ok(Some((Message::Hello(h), body))) = conn.read_message_with_body().await else {
+        let Some((mut conn, _, f)) = genuine_until_fetch(listener).await else {
             return;
         };
-        let ours = [9u8; 16];
-        conn.write_message(&Message::Challenge(kvmesh_transfer::message::Challenge {
-            nonce: ours,
-        }))
-        .await
-        .unwrap();
-        let Ok(Some(Message::Auth(_))) = conn.read_message().await else {
-            return;
-        };
-        let proof = Some(secret.producer_proof(&ours, &h.nonce).to_vec());
-        conn.write_message(&Message::HelloOk(HelloOk {
-            version: PROTOCOL_VERSION,
-            proof,
-            promote: false,
-        }))
-        .await
-        .unwrap();
-        let keys = SessionKeys::derive(
-            &secret,
-            Role::Producer,
-            &h.nonce,
-            &ours,
-            &mac::transcript_hash(&body),
-        );
-        conn.set_max_frame(1 << 20);
-        conn.enable_mac(&keys);
-        let Ok(Some(Message::Lookup(l))) = conn.read_message().await else {
-            return;
-        };
-        conn.write_message(&Message::LookupReply(LookupReply {
-            statuses: vec![BlockStatus::Hit; l.hashes.len()],
-            lease_ms: 1000,
-        }))
-        .await
-        .unwrap();
-        let Ok(Some(Message::Fetch(f))) = conn.read_message().await else {
-            return;
-        };
-        // Block 0 genuine (frame 1 from us after HelloOk), block 1 poisoned.
+        // Block 0 genuine (records 1 and 2 from us after HelloOk), block 1 poisoned.
         let b0 = BlockFrame::new(0, f.hashes[0], payload_for(f.hashes[0]));
         conn.write_message(&Message::Block(b0)).await.unwrap();
         let mut poison = payload_for(f.hashes[1]).to_vec();
         poison[100] ^= 0xff;
-        let b1 = Message::Block(BlockFrame::new(1, f.hashes[1], Bytes::from(poison)));
-        conn.write_raw(&sealed(&b1, [0x13; 32], 2)).await.unwrap();
+        let b1 = BlockFrame::new(1, f.hashes[1], Bytes::from(poison));
+        conn.write_raw(&sealed_block(&b1, &guessed_key(), 3))
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_secs(2)).await;
     });
     addr
@@ -532,8 +582,9 @@ async fn a_producer_of_another_protocol_version_is_named_clearly() {
         let (stream, _) = listener.accept().await.unwrap();
         let mut conn = Connection::new(stream, 4096);
         let _ = conn.read_message().await;
+        // What a version-2 producer answers a version-3 Hello.
         let reason = RefuseReason::Version {
-            ours: 1,
+            ours: 2,
             theirs: PROTOCOL_VERSION,
         };
         let _ = conn
@@ -547,11 +598,242 @@ async fn a_producer_of_another_protocol_version_is_named_clearly() {
         reason,
         PullReason::Version {
             ours: PROTOCOL_VERSION,
-            theirs: 1
+            theirs: 2
         }
     );
-    assert!(reason.to_string().contains("v1"), "{reason}");
+    let said = reason.to_string();
+    assert!(
+        said.contains("peer speaks P2P protocol v2, we speak v3"),
+        "{said}"
+    );
+    assert!(reason.is_misconfiguration(), "logged as a fleet problem");
     assert_eq!(client.metrics().pulls("failed", "version"), 1);
+}
+
+/// A consumer still on protocol version 2 (whose `Hello` is the same map with `version: 2`) is
+/// refused before anything else, told both versions, and counted.
+#[tokio::test]
+async fn a_consumer_of_protocol_v2_is_refused_naming_both_versions() {
+    for secret in [None, Some(Secret::from(SECRET))] {
+        let p = start_producer(
+            &hashes(1),
+            ServerConfig {
+                secret,
+                ..ServerConfig::default()
+            },
+        )
+        .await;
+        let stream = TcpStream::connect(p.addr).await.unwrap();
+        let mut conn = Connection::new(stream, 4096);
+        conn.write_message(&Message::Hello(Hello {
+            version: 2,
+            fingerprint: fp(),
+            nonce: [3; 16],
+        }))
+        .await
+        .unwrap();
+        let reply = bounded(conn.read_message()).await.unwrap();
+        assert_eq!(
+            reply,
+            Some(Message::Refused(Refused {
+                reason: RefuseReason::Version { ours: 3, theirs: 2 }
+            }))
+        );
+        eventually("refusal counted", || p.metrics.refused("version") == 1).await;
+    }
+}
+
+/// A producer that authenticates properly (genuine keys), sends block 0 as it should, then block
+/// 1 as `attack` makes it from the genuine wire bytes of both blocks. Blocks are 300 KiB: two
+/// payload records each.
+async fn record_tampering_producer(attack: fn(&[u8], &[u8]) -> Vec<u8>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let Some((mut conn, keys, f)) = genuine_until_fetch(listener).await else {
+            return;
+        };
+        // Record 0 was the LookupReply; block 0 is records 1 (head), 2 and 3, block 1 starts at 4.
+        let payload = |i: u8| Bytes::from(vec![i; 300 << 10]);
+        let b0 = BlockFrame::new(0, f.hashes[0], payload(0));
+        let b1 = BlockFrame::new(1, f.hashes[1], payload(1));
+        let genuine0 = sealed_block(&b0, &keys.send, 1);
+        let genuine1 = sealed_block(&b1, &keys.send, 4);
+        conn.write_raw(&genuine0).await.unwrap();
+        conn.write_raw(&attack(&genuine0, &genuine1)).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    });
+    addr
+}
+
+/// Every way of bending the records of a genuine block is caught at the record it touches: the
+/// consumer keeps block 0, stops with `mac_failed`, counts it and drops the connection.
+#[tokio::test]
+async fn altered_replayed_reordered_or_dropped_payload_records_fail_with_mac_failed() {
+    const HEAD: usize = record::BLOCK_HEAD_LEN + TAG_LEN;
+    const REC: usize = record::RECORD_LEN + TAG_LEN;
+    type Attack = fn(&[u8], &[u8]) -> Vec<u8>;
+    let attacks: [(&str, Attack); 5] = [
+        ("a byte of the second payload record flipped", |_, b1| {
+            let mut w = b1.to_vec();
+            w[HEAD + REC + 100] ^= 0x01;
+            w
+        }),
+        ("a byte of a record's tag flipped", |_, b1| {
+            let mut w = b1.to_vec();
+            w[HEAD + REC - 1] ^= 0x80;
+            w
+        }),
+        ("the two payload records swapped", |_, b1| {
+            [&b1[..HEAD], &b1[HEAD + REC..], &b1[HEAD..HEAD + REC]].concat()
+        }),
+        // What follows (here block 0 again) fills the record's place, and its tag fails.
+        ("the first payload record dropped", |b0, b1| {
+            [&b1[..HEAD], &b1[HEAD + REC..], b0].concat()
+        }),
+        ("block 0 replayed as block 1", |b0, _| b0.to_vec()),
+    ];
+    for (what, attack) in attacks {
+        let addr = record_tampering_producer(attack).await;
+        let client = kvmesh_transfer::PullClient::new(
+            fp(),
+            kvmesh_transfer::ClientConfig {
+                allowed_peers: common::allow_only(addr),
+                timeout: Duration::from_secs(1),
+                secret: Some(Secret::from(SECRET)),
+                ..kvmesh_transfer::ClientConfig::default()
+            },
+        );
+        let mut sink = kvmesh_transfer::VecSink::default();
+        let report = bounded(client.pull(addr, "r", &hashes(3), &mut sink)).await;
+        assert_eq!(
+            report.outcome,
+            PullOutcome::Partial {
+                reason: PullReason::MacFailed
+            },
+            "{what}"
+        );
+        assert_eq!(
+            sink.blocks.len(),
+            1,
+            "{what}: only the genuine block 0 arrived"
+        );
+        assert_eq!(sink.blocks[0].1, Bytes::from(vec![0u8; 300 << 10]));
+        assert_eq!(client.metrics().pulls("partial", "mac_failed"), 1, "{what}");
+        assert_eq!(client.idle_connections(addr), 0, "{what}");
+    }
+}
+
+fn encrypting(encrypt: bool) -> ServerConfig {
+    ServerConfig {
+        encrypt,
+        ..with_secret()
+    }
+}
+
+/// Encrypted end to end: the pull delivers verified blocks, and no 64-byte run of any payload
+/// ever crosses the wire (while the same pull authenticated only does carry them in clear).
+#[tokio::test]
+async fn an_encrypted_pull_round_trips_and_no_kv_crosses_the_wire_in_clear() {
+    let hs = hashes(6);
+    for encrypt in [true, false] {
+        let p = start_producer(&hs, encrypting(encrypt)).await;
+        let px = common::proxy(p.addr).await;
+        let client = client_for(px.addr, |c| {
+            c.secret = Some(Secret::from(SECRET));
+            c.encrypt = encrypt;
+        });
+        let (report, sink) = pull(&client, px.addr, &hs).await;
+        assert_eq!(report.outcome, PullOutcome::Complete, "encrypt {encrypt}");
+        assert_eq!(sink.got, hs);
+        let wire = px.from_producer.lock().clone();
+        let leaked = hs
+            .iter()
+            .any(|h| common::contains(&wire, &payload_for(*h)[1000..1064]));
+        assert_eq!(leaked, !encrypt, "KV in clear on the wire: {leaked}");
+    }
+}
+
+/// A consumer that asks for encryption but derives the wrong keys (or a forger who must guess
+/// them) fails on its first record, counted as `mac_failed`; with the right keys the producer
+/// answers, encrypted.
+#[tokio::test]
+async fn a_wrong_key_fails_on_the_first_encrypted_record() {
+    let hs = hashes(2);
+    let p = start_producer(&hs, encrypting(true)).await;
+    let (mut conn, _) = handshake_with(p.addr, Protection::Encrypt, Protection::Authenticate).await;
+    conn.write_message(&lookup(&hs)).await.unwrap();
+    closes_without_reply(&mut conn).await;
+    eventually("counted", || p.metrics.refused("mac_failed") == 1).await;
+    let (mut conn, _) = handshake_with(p.addr, Protection::Encrypt, Protection::Encrypt).await;
+    assert!(conn.encrypted());
+    let r = lookup_raw(&mut conn, &hs).await;
+    assert_eq!(r.statuses, vec![BlockStatus::Hit; 2]);
+    // A forged record under a guessed encryption key.
+    let (mut conn, _) = handshake_with(p.addr, Protection::Encrypt, Protection::Encrypt).await;
+    let guessed = DirectionKey::from_material(Protection::Encrypt, [0x42; 48]);
+    conn.write_raw(&sealed(&lookup(&hs), &guessed, 0))
+        .await
+        .unwrap();
+    closes_without_reply(&mut conn).await;
+    eventually("counted", || p.metrics.refused("mac_failed") == 2).await;
+}
+
+/// Ends that disagree on encrypting are refused with a reason naming the setting, on both
+/// sides; a consumer that wants encryption never pulls from an open producer in clear; and a
+/// producer cannot encrypt without a secret.
+#[tokio::test]
+async fn ends_that_disagree_on_encryption_are_refused_naming_it() {
+    let hs = hashes(2);
+    for (producer, consumer) in [(true, false), (false, true)] {
+        let p = start_producer(&hs, encrypting(producer)).await;
+        let client = client_for(p.addr, |c| {
+            c.secret = Some(Secret::from(SECRET));
+            c.encrypt = consumer;
+        });
+        let (report, _) = pull(&client, p.addr, &hs).await;
+        let reason = PullReason::EncryptionMismatch {
+            ours: consumer,
+            theirs: producer,
+        };
+        assert_eq!(
+            report.outcome,
+            PullOutcome::Failed {
+                reason: reason.clone()
+            }
+        );
+        assert!(reason.is_misconfiguration());
+        assert!(reason.to_string().contains("--p2p-encrypt"), "{reason}");
+        assert_eq!(client.metrics().pulls("failed", "encryption_mismatch"), 1);
+        eventually("the producer counts it", || {
+            p.metrics.refused("encryption_mismatch") == 1
+        })
+        .await;
+    }
+    let open = start_producer(&hs, ServerConfig::default()).await;
+    let client = client_for(open.addr, |c| c.encrypt = true);
+    let (report, _) = pull(&client, open.addr, &hs).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::EncryptionMismatch {
+                ours: true,
+                theirs: false
+            }
+        }
+    );
+    let err = ProducerServer::bind(
+        "127.0.0.1:0",
+        Arc::new(memory_source(&[])),
+        ServerConfig {
+            encrypt: true,
+            ..ServerConfig::default()
+        },
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, BindError::EncryptionWithoutSecret), "{err}");
 }
 
 #[tokio::test]

@@ -324,6 +324,7 @@ async fn fake_producer(script: Script) -> (SocketAddr, JoinHandle<()>) {
             version: PROTOCOL_VERSION,
             proof: None,
             promote: false,
+            max_transfers: 0,
         }))
         .await
         .unwrap();
@@ -1157,6 +1158,7 @@ async fn a_producer_without_promote_support_is_never_sent_promote() {
             version: PROTOCOL_VERSION,
             proof: None,
             promote: false,
+            max_transfers: 0,
         }))
         .await
         .unwrap();

@@ -116,6 +116,14 @@ pub struct EngineCmd {
     /// every P2P frame after the handshake is then MACed.
     #[arg(long)]
     p2p_secret_file: Option<std::path::PathBuf>,
+    /// Encrypt P2P transfers (AES-256-GCM) as producer and consumer; needs --p2p-secret-file,
+    /// and every peer must set it alike (a peer that does not is refused, naming this flag).
+    #[arg(long)]
+    p2p_encrypt: bool,
+    /// Connections one P2P pull may stripe its blocks over, for links one TCP stream cannot
+    /// fill (at most what the producer allows per peer).
+    #[arg(long, default_value_t = kvmesh_transfer::DEFAULT_STRIPES)]
+    p2p_stripes: usize,
     /// Comma-separated addresses or networks (10.0.0.7, 10.0.0.0/8) allowed to pull from this
     /// engine's P2P producer. A producer on a non-loopback --host needs this or
     /// --p2p-secret-file.
@@ -236,6 +244,8 @@ impl EngineCmd {
                     .as_deref()
                     .map(read_secret)
                     .transpose()?,
+                encrypt: self.p2p_encrypt,
+                stripes: self.p2p_stripes,
                 allowed_consumers: self.p2p_allowed_consumers.clone(),
                 max_connections_per_ip: self.p2p_max_connections_per_ip,
                 max_fetches_per_peer: self.p2p_max_fetches_per_peer,

@@ -61,6 +61,8 @@ impl P2pConsumer {
                 timeout: cfg.timeout,
                 pending_deadline: cfg.pending_deadline,
                 secret: cfg.secret.clone(),
+                encrypt: cfg.encrypt,
+                stripes: cfg.stripes,
                 metrics: engine.metrics().p2p.clone(),
                 // A modelled link paces the pull itself (its wall time is then the modelled
                 // time, contention included); the ladder only gives a duration to report.

@@ -94,6 +94,7 @@ fn producer_config(engine: &EngineHandle) -> Result<ServerConfig, P2pConfigError
     let allowed = crate::config::parse_allowed_consumers(&cfg.allowed_consumers)?;
     Ok(ServerConfig {
         secret: cfg.secret.clone(),
+        encrypt: cfg.encrypt,
         allowed_ips: (!allowed.is_empty()).then_some(allowed),
         max_connections_per_ip: cfg.max_connections_per_ip,
         max_transfers_per_peer: cfg.max_fetches_per_peer,
@@ -127,7 +128,10 @@ pub async fn start_producer(
                 addr: crate::config::host_port(host, port),
                 source,
             },
-            unprotected @ BindError::Unprotected { .. } => P2pConfigError::Unprotected(unprotected),
+            // (Encryption without a secret is refused by the config first.)
+            refused @ (BindError::Unprotected { .. } | BindError::EncryptionWithoutSecret) => {
+                P2pConfigError::Unprotected(refused)
+            }
         })?;
     Ok(P2pProducer { addr, task })
 }

@@ -196,3 +196,104 @@ pub async fn lookup_raw(conn: &mut Connection, hashes: &[BlockHash]) -> LookupRe
     };
     r
 }
+
+/// A TCP proxy in front of a producer: forwards every connection, records what the producer
+/// sent (to look for clear KV on the wire) and can cut one connection (a stripe dying).
+pub struct Proxy {
+    pub addr: SocketAddr,
+    /// Bytes the producer sent, over all connections, in arrival order per read.
+    pub from_producer: Arc<parking_lot::Mutex<Vec<u8>>>,
+    /// One token per accepted connection, in accept order; cancelling it drops both sockets.
+    pub connections: Arc<parking_lot::Mutex<Vec<CancellationToken>>>,
+}
+
+impl Proxy {
+    /// Drops the `i`-th accepted connection (0-based), both ways, at once.
+    pub fn cut(&self, i: usize) {
+        if let Some(t) = self.connections.lock().get(i) {
+            t.cancel();
+        }
+    }
+}
+
+pub async fn proxy(target: SocketAddr) -> Proxy {
+    proxy_stalling(target, None).await
+}
+
+/// As [`proxy`], and the `conn`-th connection (0-based, accept order) stops forwarding what the
+/// producer sends after `bytes` bytes (a stripe whose stream stalls, until it is cut).
+pub async fn proxy_stalling(target: SocketAddr, stall: Option<(usize, usize)>) -> Proxy {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let from_producer = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let connections = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let (seen, conns) = (Arc::clone(&from_producer), Arc::clone(&connections));
+    tokio::spawn(async move {
+        loop {
+            let Ok((consumer, _)) = listener.accept().await else {
+                return;
+            };
+            let Ok(producer) = TcpStream::connect(target).await else {
+                return;
+            };
+            let cut = CancellationToken::new();
+            let index = {
+                let mut c = conns.lock();
+                c.push(cut.clone());
+                c.len() - 1
+            };
+            let mut budget = match stall {
+                Some((i, bytes)) if i == index => bytes,
+                _ => usize::MAX,
+            };
+            let (mut cr, mut cw) = consumer.into_split();
+            let (mut pr, mut pw) = producer.into_split();
+            let seen = Arc::clone(&seen);
+            let up = cut.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    let n = tokio::select! {
+                        r = cr.read(&mut buf) => match r { Ok(0) | Err(_) => break, Ok(n) => n },
+                        () = up.cancelled() => break,
+                    };
+                    if pw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                up.cancel();
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    let room = buf.len().min(budget);
+                    if room == 0 {
+                        cut.cancelled().await;
+                        break;
+                    }
+                    let n = tokio::select! {
+                        r = pr.read(&mut buf[..room]) => match r { Ok(0) | Err(_) => break, Ok(n) => n },
+                        () = cut.cancelled() => break,
+                    };
+                    budget -= n;
+                    seen.lock().extend_from_slice(&buf[..n]);
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                cut.cancel();
+            });
+        }
+    });
+    Proxy {
+        addr,
+        from_producer,
+        connections,
+    }
+}
+
+/// Whether `haystack` contains `needle` anywhere.
+pub fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
