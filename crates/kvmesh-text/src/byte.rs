@@ -20,6 +20,10 @@ impl Tokenizer for ByteTokenizer {
         Ok(text.bytes().map(TokenId::from).collect())
     }
 
+    fn max_text_bytes_per_token(&self) -> usize {
+        1
+    }
+
     fn decode(&self, tokens: &[TokenId]) -> Result<String, TextError> {
         let bytes: Vec<u8> = tokens
             .iter()

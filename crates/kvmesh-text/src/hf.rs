@@ -51,6 +51,22 @@ pub struct HfTokenizer {
     special: SpecialTokens,
     /// What `apply_chat_template` says when there is no template: where it was looked for.
     no_template: String,
+    /// [`Tokenizer::max_text_bytes_per_token`], from the vocabulary.
+    max_text_bytes_per_token: usize,
+}
+
+/// A bound on the input bytes one token stands for: the longest vocabulary entry (added tokens
+/// included) in UTF-8 bytes, which is at least the bytes it decodes to (byte-level BPE spends one
+/// or two bytes of entry per byte of text; SentencePiece's `▁` three per space), times 4 because a
+/// normalizer may shrink the input first (NFKC folds a 3-byte full-width letter into 1 byte).
+fn text_bytes_bound(inner: &tokenizers::Tokenizer) -> usize {
+    let longest = inner
+        .get_vocab(true)
+        .keys()
+        .map(String::len)
+        .max()
+        .unwrap_or(1);
+    longest.max(1) * 4
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -206,6 +222,7 @@ impl HfTokenizer {
             None
         };
         Ok(Self {
+            max_text_bytes_per_token: text_bytes_bound(&inner),
             inner,
             template,
             eos,
@@ -291,6 +308,7 @@ impl HfTokenizer {
             _ => None,
         };
         Ok(Self {
+            max_text_bytes_per_token: text_bytes_bound(&inner),
             inner,
             template,
             eos: v.eos_token_id.into_iter().collect(),
@@ -317,6 +335,10 @@ impl HfTokenizer {
 }
 
 impl Tokenizer for HfTokenizer {
+    fn max_text_bytes_per_token(&self) -> usize {
+        self.max_text_bytes_per_token
+    }
+
     fn encode(&self, text: &str) -> Result<Vec<TokenId>, TextError> {
         let enc = self.inner.encode(text, false).map_err(tok_err)?;
         let ids = enc.get_ids();

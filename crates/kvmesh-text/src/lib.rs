@@ -49,4 +49,8 @@ pub trait Tokenizer: Send + Sync {
     /// End-of-sequence token ids.
     fn eos_token_ids(&self) -> Vec<TokenId>;
     fn vocab_size(&self) -> usize;
+    /// At most how many bytes of input text one token stands for, so that a text of `n` bytes
+    /// has at least `n / max_text_bytes_per_token()` tokens. Lets a caller refuse an over-long
+    /// prompt before encoding it: token ids take 4 bytes each, text often 1 to 4 per token.
+    fn max_text_bytes_per_token(&self) -> usize;
 }

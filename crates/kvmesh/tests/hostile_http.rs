@@ -383,6 +383,54 @@ async fn bodies_past_the_memory_budget_get_503_with_retry_after() {
     router.assert_running("the budget");
 }
 
+/// The amplification bound docs/reliability.md states, held: one 16 MiB chat body (past the
+/// router's default `max_prompt_tokens`) raises the router's peak RSS by at most 5x the body and
+/// the engine's by at most 4x, both answer vLLM's context-length 400, and both give the memory
+/// back. (Before the router bounded prompts it held ~10x: body, fields, messages, rendered text
+/// and 4 bytes of token id per byte.)
+#[tokio::test]
+async fn a_large_body_costs_a_bounded_multiple_of_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
+    let (mut router, router_url) = router(
+        &format!(
+            "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\"}}\n"
+        ),
+        dir.path(),
+    )
+    .await;
+    completion_ok(&router_url).await;
+    let body = serde_json::to_vec(&json!({
+        "model": "sim", "max_tokens": 1,
+        "messages": [{"role": "user", "content": "a".repeat(16 << 20)}],
+    }))
+    .unwrap();
+    let kib = (body.len() >> 10) as u64;
+    for (name, base) in [("router", &router_url), ("engine", &engine_url)] {
+        let server = if name == "router" { &router } else { &engine };
+        let before = server.rss_kib();
+        server.reset_peak();
+        let r = client()
+            .post(format!("{base}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{name}");
+        let text = r.text().await.unwrap();
+        assert!(text.contains("maximum context length"), "{name}: {text}");
+        let growth = server.peak_rss_kib().saturating_sub(before);
+        let bound = if name == "router" { 5 } else { 4 };
+        assert!(
+            growth <= bound * kib,
+            "{name}: peak RSS grew {growth} KiB for a {kib} KiB body (bound {bound}x)"
+        );
+    }
+    engine.assert_running("a large body");
+    router.assert_running("a large body");
+}
+
 /// Peak RSS of a sim engine and a router in front of it for one 60 MiB chat body and for four
 /// at once, sent to each server directly (the measurement: router peak 643–754 MB for
 /// one, 2.07 GB for four). Prints the numbers; asserts only that both survive.

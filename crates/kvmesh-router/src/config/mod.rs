@@ -245,6 +245,10 @@ fn default_scrape() -> Duration {
 fn default_request_timeout() -> Duration {
     Duration::from_secs(600)
 }
+fn default_max_prompt_tokens() -> usize {
+    1 << 20
+}
+
 fn default_decisions() -> usize {
     1024
 }
@@ -298,6 +302,11 @@ pub struct RouterConfig {
     /// How many recent decisions `/debug/decisions` keeps.
     #[serde(default = "default_decisions")]
     pub decisions_capacity: usize,
+    /// The longest prompt the router tokenizes, in tokens (default 1,048,576); longer ones get
+    /// vLLM's 400 "maximum context length" answer, before encoding when the text alone proves
+    /// it. Bounds the router's memory per request: ids take 4 bytes per token.
+    #[serde(default = "default_max_prompt_tokens")]
+    pub max_prompt_tokens: usize,
     /// Also send llm-d's `x-kv-cache-source-host-port` header (for llm-d sidecars).
     #[serde(default)]
     pub source_header: bool,
@@ -469,6 +478,9 @@ impl RouterConfig {
         validate_endpoints(&self.endpoints)?;
         if let Some(d) = &self.discovery {
             d.validate(!self.endpoints.is_empty() || self.endpoints_file.is_some())?;
+        }
+        if self.max_prompt_tokens == 0 {
+            return Err(ConfigError::Invalid("max_prompt_tokens must be > 0".into()));
         }
         if self.decisions_capacity == 0 {
             return Err(ConfigError::Invalid(

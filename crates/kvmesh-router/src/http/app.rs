@@ -103,14 +103,17 @@ async fn route_parsed(
     // off the async workers.
     let parsed = if body.len() > BLOCKING_PARSE_BYTES {
         let tokenizer = Arc::clone(&s.tokenizer);
-        match tokio::task::spawn_blocking(move || request::parse(kind, body, &*tokenizer)).await {
+        let max = s.config.max_prompt_tokens;
+        match tokio::task::spawn_blocking(move || request::parse(kind, body, &*tokenizer, max))
+            .await
+        {
             Ok(r) => r,
             Err(e) => Err(ApiError::bad_request(format!(
                 "request parsing failed: {e}"
             ))),
         }
     } else {
-        request::parse(kind, body, &*s.tokenizer)
+        request::parse(kind, body, &*s.tokenizer, s.config.max_prompt_tokens)
     };
     let mut parsed = match parsed {
         Ok(p) => p,
@@ -221,12 +224,13 @@ async fn debug_prefix(State(s): State<Arc<RouterState>>, body: Bytes) -> Respons
         Ok(f) => f,
         Err(e) => return e.into_response(),
     };
+    let max = s.config.max_prompt_tokens;
     let tokens = if let Some(ids) = fields.get("token_ids") {
-        request::raw_prompt_tokens(ids, &*s.tokenizer)
+        request::raw_prompt_tokens(ids, &*s.tokenizer, max)
     } else if let Some(p) = fields.get("prompt") {
-        request::raw_prompt_tokens(p, &*s.tokenizer)
+        request::raw_prompt_tokens(p, &*s.tokenizer, max)
     } else if let Some(m) = fields.get("messages") {
-        request::raw_chat_tokens(m, true, &*s.tokenizer)
+        request::raw_chat_tokens(m, true, &*s.tokenizer, max)
     } else {
         Err(ApiError::bad_request(
             "give one of 'prompt', 'token_ids' or 'messages'",

@@ -137,6 +137,7 @@ pub fn parse(
     kind: ApiKind,
     bytes: Bytes,
     tokenizer: &dyn Tokenizer,
+    max_prompt_tokens: usize,
 ) -> Result<ParsedRequest, ApiError> {
     let fields = read_fields(&bytes)?;
     if let Some(m) = fields.get("model")
@@ -157,9 +158,9 @@ pub fn parse(
             let prompt = fields
                 .get("prompt")
                 .ok_or_else(|| ApiError::bad_param("prompt", "'prompt' is required"))?;
-            raw_prompt_tokens(prompt, tokenizer)?
+            raw_prompt_tokens(prompt, tokenizer, max_prompt_tokens)?
         }
-        ApiKind::Chat => chat_tokens(&fields, tokenizer)?,
+        ApiKind::Chat => chat_tokens(&fields, tokenizer, max_prompt_tokens)?,
     };
     Ok(ParsedRequest {
         raw: bytes,
@@ -212,7 +213,11 @@ fn max_tokens(fields: &FieldMap) -> Result<Option<u64>, ApiError> {
 }
 
 /// A chat request's prompt tokens: its `messages` through the chat template.
-fn chat_tokens(fields: &FieldMap, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
+fn chat_tokens(
+    fields: &FieldMap,
+    tokenizer: &dyn Tokenizer,
+    max_prompt_tokens: usize,
+) -> Result<Vec<TokenId>, ApiError> {
     // Read with the shared bounds (kvmesh_core::chat): never a JSON tree of the list.
     let messages = match fields.get("messages") {
         Some(r) if r.get() != "null" => raw_messages(r)?,
@@ -223,8 +228,13 @@ fn chat_tokens(fields: &FieldMap, tokenizer: &dyn Tokenizer) -> Result<Vec<Token
         Some(v) => lax::boolean(&v)
             .ok_or_else(|| invalid("add_generation_prompt", "a valid boolean", &v))?,
     };
-    chat_messages_tokens(messages, add_generation_prompt, tokenizer)
-        .map_err(|e| e.with_param("messages"))
+    chat_messages_tokens(
+        messages,
+        add_generation_prompt,
+        tokenizer,
+        max_prompt_tokens,
+    )
+    .map_err(|e| e.with_param("messages"))
 }
 
 /// pydantic's wording for a value of the wrong type, naming the field.
@@ -238,11 +248,15 @@ fn invalid(key: &'static str, expected: &str, got: &Value) -> ApiError {
 pub fn raw_prompt_tokens(
     raw: &RawValue,
     tokenizer: &dyn Tokenizer,
+    max_prompt_tokens: usize,
 ) -> Result<Vec<TokenId>, ApiError> {
-    // No length bound here beyond the body's: the engine knows its `max_model_len` and refuses.
-    match prompt::read_value(raw.get(), usize::MAX) {
+    // The engine knows its `max_model_len` and refuses beyond it; `max_prompt_tokens` bounds what
+    // the router itself holds for one request (ids take 4 bytes per token).
+    match prompt::read_value(raw.get(), max_prompt_tokens) {
         Ok(p) => match p.first {
-            Prompt::Text(t) => encode(&t, tokenizer).map_err(|e| e.with_param("prompt")),
+            Prompt::Text(t) => {
+                encode(&t, tokenizer, max_prompt_tokens).map_err(|e| e.with_param("prompt"))
+            }
             Prompt::Ids(ids) => Ok(ids),
         },
         Err(PromptError::Empty) => Err(ApiError::bad_param("prompt", "'prompt' must not be empty")),
@@ -268,15 +282,22 @@ pub fn raw_chat_tokens(
     raw: &RawValue,
     add_generation_prompt: bool,
     tokenizer: &dyn Tokenizer,
+    max_prompt_tokens: usize,
 ) -> Result<Vec<TokenId>, ApiError> {
-    chat_messages_tokens(raw_messages(raw)?, add_generation_prompt, tokenizer)
-        .map_err(|e| e.with_param("messages"))
+    chat_messages_tokens(
+        raw_messages(raw)?,
+        add_generation_prompt,
+        tokenizer,
+        max_prompt_tokens,
+    )
+    .map_err(|e| e.with_param("messages"))
 }
 
 fn chat_messages_tokens(
     messages: Messages,
     add_generation_prompt: bool,
     tokenizer: &dyn Tokenizer,
+    max_prompt_tokens: usize,
 ) -> Result<Vec<TokenId>, ApiError> {
     if messages.0.is_empty() {
         return Err(ApiError::bad_request("'messages' must not be empty"));
@@ -292,19 +313,43 @@ fn chat_messages_tokens(
     let text = tokenizer
         .apply_chat_template(&msgs, add_generation_prompt)
         .map_err(|e| ApiError::bad_request(format!("chat template: {e}")))?;
-    encode(&text, tokenizer)
+    // The messages' text is in `text` now: free it before the ids take their 4 bytes per token.
+    drop(msgs);
+    encode(&text, tokenizer, max_prompt_tokens)
 }
 
-fn encode(text: &str, tokenizer: &dyn Tokenizer) -> Result<Vec<TokenId>, ApiError> {
-    tokenizer
+/// `text`'s token ids, refused (as vLLM words it) past `max_prompt_tokens` — before encoding
+/// when the text alone proves it has more tokens than that.
+fn encode(
+    text: &str,
+    tokenizer: &dyn Tokenizer,
+    max_prompt_tokens: usize,
+) -> Result<Vec<TokenId>, ApiError> {
+    let at_least = text.len() / tokenizer.max_text_bytes_per_token().max(1);
+    if at_least > max_prompt_tokens {
+        return Err(ApiError::bad_request(prompt::too_long(
+            max_prompt_tokens,
+            at_least,
+        )));
+    }
+    let tokens = tokenizer
         .encode(text)
-        .map_err(|e| ApiError::bad_request(format!("tokenizer: {e}")))
+        .map_err(|e| ApiError::bad_request(format!("tokenizer: {e}")))?;
+    if tokens.len() > max_prompt_tokens {
+        return Err(ApiError::bad_request(prompt::too_long(
+            max_prompt_tokens,
+            tokens.len(),
+        )));
+    }
+    Ok(tokens)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvmesh_text::ByteTokenizer;
+
+    const MAX: usize = 1 << 20;
 
     fn b(s: &'static str) -> Bytes {
         Bytes::from_static(s.as_bytes())
@@ -316,6 +361,7 @@ mod tests {
             ApiKind::Completions,
             b(r#"{"prompt":[1,2,3],"x":{"y":1}}"#),
             &ByteTokenizer,
+            MAX,
         )
         .expect("ok");
         r.set_field("kv_transfer_params", &serde_json::json!({"a": 1}))
@@ -333,6 +379,7 @@ mod tests {
             ApiKind::Completions,
             b(r#"{"model":"m","prompt":"hi","max_tokens":5,"stream":true}"#),
             &ByteTokenizer,
+            MAX,
         )
         .expect("ok");
         assert_eq!(r.tokens, vec![104, 105]);
@@ -342,6 +389,7 @@ mod tests {
             ApiKind::Completions,
             b(r#"{"prompt":[[7,8,9]]}"#),
             &ByteTokenizer,
+            MAX,
         )
         .expect("ok");
         assert_eq!(r.tokens, vec![7, 8, 9]);
@@ -362,6 +410,7 @@ mod tests {
             ApiKind::Chat,
             b(r#"{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}"#),
             &ByteTokenizer,
+            MAX,
         )
         .expect("ok");
         let expected = ByteTokenizer
@@ -392,6 +441,7 @@ mod tests {
                 ApiKind::Completions,
                 Bytes::from(body.clone()),
                 &ByteTokenizer,
+                MAX,
             )
             .unwrap_or_else(|e| panic!("{body}: {e:?}"));
             assert_eq!(r.max_tokens, Some(want), "{body}");
@@ -409,13 +459,15 @@ mod tests {
             ("null", false),
         ] {
             let body = format!(r#"{{"prompt":"hi","stream":{stream}}}"#);
-            let r = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect("ok");
+            let r =
+                parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer, MAX).expect("ok");
             assert_eq!(r.stream, want, "{stream}");
         }
         let r = parse(
             ApiKind::Chat,
             b(r#"{"messages":[{"role":"user","content":"x"}],"add_generation_prompt":"false","max_completion_tokens":"3"}"#),
             &ByteTokenizer,
+            MAX,
         )
         .expect("ok");
         assert_eq!(r.max_tokens, Some(3));
@@ -440,7 +492,8 @@ mod tests {
             (r#"{"prompt":5}"#, "prompt"),
             (r#"{}"#, "prompt"),
         ] {
-            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer, MAX)
+                .expect_err(body);
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(e.param, Some(param), "{body}: {e:?}");
         }
@@ -448,6 +501,7 @@ mod tests {
             ApiKind::Completions,
             b(r#"{"prompt":"x","max_tokens":-1}"#),
             &ByteTokenizer,
+            MAX,
         )
         .expect_err("negative");
         assert_eq!(e.message, "max_tokens must be at least 1, got -1.");
@@ -461,11 +515,11 @@ mod tests {
                 "add_generation_prompt",
             ),
         ] {
-            let e = parse(ApiKind::Chat, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            let e = parse(ApiKind::Chat, Bytes::from(body), &ByteTokenizer, MAX).expect_err(body);
             assert_eq!(e.param, Some(param), "{body}: {e:?}");
         }
         // Not about one field: no param.
-        let e = parse(ApiKind::Completions, b("not json"), &ByteTokenizer).expect_err("json");
+        let e = parse(ApiKind::Completions, b("not json"), &ByteTokenizer, MAX).expect_err("json");
         assert_eq!(e.param, None);
     }
 
@@ -479,6 +533,8 @@ mod tests {
                 ApiKind::Chat,
                 Bytes::from(format!(r#"{{"model":"m","messages":[{messages}]}}"#)),
                 &ByteTokenizer,
+                // 65,536 empty messages render to ~1.6 M template tokens: not the bound tested.
+                usize::MAX,
             )
         };
         let empty = |n: usize| vec![r#"{"role":"user","content":""}"#; n].join(",");
@@ -519,16 +575,24 @@ mod tests {
             let keys: Vec<String> = (1..n).map(|i| format!(r#""k{i}":0"#)).collect();
             Bytes::from(format!(r#"{{"prompt":[1],{}{extra}}}"#, keys.join(",")))
         };
-        let r = parse(ApiKind::Completions, body(MAX_FIELDS, ""), &ByteTokenizer).expect("at");
+        let r = parse(
+            ApiKind::Completions,
+            body(MAX_FIELDS, ""),
+            &ByteTokenizer,
+            MAX,
+        )
+        .expect("at");
         assert_eq!(r.fields.len(), MAX_FIELDS);
         let r = parse(
             ApiKind::Completions,
             body(MAX_FIELDS, r#","k1":1"#),
             &ByteTokenizer,
+            MAX,
         );
         assert_eq!(r.expect("repeat").fields.len(), MAX_FIELDS);
         for n in [MAX_FIELDS + 1, 1_000_000] {
-            let e = parse(ApiKind::Completions, body(n, ""), &ByteTokenizer).expect_err("over");
+            let e =
+                parse(ApiKind::Completions, body(n, ""), &ByteTokenizer, MAX).expect_err("over");
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
             assert!(
                 e.message.contains("at most 256 top-level fields"),
@@ -547,7 +611,8 @@ mod tests {
             (r#"{"prompt":[[5,6],"x"]}"#, vec![5, 6]),
             (r#"{"prompt":[9]}"#, vec![9]),
         ] {
-            let r = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect(body);
+            let r =
+                parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer, MAX).expect(body);
             assert_eq!(r.tokens, want, "{body}");
             assert_eq!(r.body().expect("body"), Bytes::from(body));
         }
@@ -556,7 +621,8 @@ mod tests {
             r#"{"prompt":null}"#,
             r#"{"prompt":[1.5]}"#,
         ] {
-            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect_err(body);
+            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer, MAX)
+                .expect_err(body);
             assert_eq!(e.param, Some("prompt"), "{body}");
         }
     }
@@ -567,7 +633,8 @@ mod tests {
         let big = vec!["0"; 100_000].join(",");
         for key in ["stream", "max_tokens", "max_completion_tokens"] {
             let body = format!(r#"{{"prompt":"x","{key}":[{big}]}}"#);
-            let e = parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer).expect_err(key);
+            let e =
+                parse(ApiKind::Completions, Bytes::from(body), &ByteTokenizer, MAX).expect_err(key);
             assert_eq!(e.param, Some(key));
         }
     }
@@ -610,6 +677,7 @@ mod tests {
                 ApiKind::Completions,
                 Bytes::from_static(body),
                 &ByteTokenizer,
+                MAX,
             )
             .expect_err("must fail");
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
@@ -619,7 +687,72 @@ mod tests {
             br#"{"messages": [{"content": "x"}]}"#,
             br#"{"messages": "x"}"#,
         ] {
-            assert!(parse(ApiKind::Chat, Bytes::from_static(body), &ByteTokenizer).is_err());
+            assert!(parse(ApiKind::Chat, Bytes::from_static(body), &ByteTokenizer, MAX).is_err());
         }
+    }
+
+    /// A tokenizer that must not be asked to encode: the prompt's length alone refuses it.
+    struct RefusesToEncode;
+
+    impl Tokenizer for RefusesToEncode {
+        fn encode(&self, _: &str) -> Result<Vec<TokenId>, kvmesh_text::TextError> {
+            panic!("an over-long prompt was encoded")
+        }
+        fn decode(&self, t: &[TokenId]) -> Result<String, kvmesh_text::TextError> {
+            ByteTokenizer.decode(t)
+        }
+        fn token_str(&self, t: TokenId) -> String {
+            ByteTokenizer.token_str(t)
+        }
+        fn apply_chat_template(
+            &self,
+            m: &[kvmesh_text::ChatMessage],
+            g: bool,
+        ) -> Result<String, kvmesh_text::TextError> {
+            ByteTokenizer.apply_chat_template(m, g)
+        }
+        fn eos_token_ids(&self) -> Vec<TokenId> {
+            ByteTokenizer.eos_token_ids()
+        }
+        fn vocab_size(&self) -> usize {
+            ByteTokenizer.vocab_size()
+        }
+        fn max_text_bytes_per_token(&self) -> usize {
+            2
+        }
+    }
+
+    #[test]
+    fn prompts_past_max_prompt_tokens_get_vllms_context_length_answer() {
+        let long = "a".repeat(1_000);
+        // Text: refused before encoding when bytes / max-bytes-per-token already exceed the cap.
+        let chat = Bytes::from(format!(
+            r#"{{"messages":[{{"role":"user","content":"{long}"}}]}}"#
+        ));
+        let e = parse(ApiKind::Chat, chat, &RefusesToEncode, 400).expect_err("too long");
+        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        assert_eq!(e.param, Some("messages"));
+        assert!(
+            e.message.contains("maximum context length is 400 tokens"),
+            "{e:?}"
+        );
+        let body = Bytes::from(format!(r#"{{"prompt":"{long}"}}"#));
+        let e = parse(ApiKind::Completions, body, &RefusesToEncode, 400).expect_err("too long");
+        assert_eq!(e.param, Some("prompt"));
+        // Past the cap only once encoded: the exact count is checked too.
+        let body = Bytes::from(format!(r#"{{"prompt":"{long}"}}"#));
+        let e = parse(ApiKind::Completions, body, &ByteTokenizer, 999).expect_err("1000 > 999");
+        assert!(
+            e.message.contains("your request has 1000 input tokens"),
+            "{e:?}"
+        );
+        let body = Bytes::from(format!(r#"{{"prompt":"{long}"}}"#));
+        let r = parse(ApiKind::Completions, body, &ByteTokenizer, 1_000).expect("at the cap");
+        assert_eq!(r.tokens.len(), 1_000);
+        // Token ids: the list stops being read past the cap.
+        let ids: Vec<String> = (0..50).map(|i| i.to_string()).collect();
+        let body = Bytes::from(format!(r#"{{"prompt":[{}]}}"#, ids.join(",")));
+        let e = parse(ApiKind::Completions, body, &ByteTokenizer, 49).expect_err("50 ids");
+        assert_eq!(e.param, Some("prompt"));
     }
 }

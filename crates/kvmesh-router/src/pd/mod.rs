@@ -643,7 +643,8 @@ mod tests {
             .to_string(),
         );
         let parsed =
-            crate::http::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
+            crate::http::request::parse(ApiKind::Completions, raw, &ByteTokenizer, 1 << 20)
+                .unwrap();
         let hist = KvTransferParams {
             do_remote_decode: Some(true),
             remote_host: Some(json!("10.0.0.9")),
@@ -677,7 +678,8 @@ mod tests {
         let raw =
             Bytes::from(json!({"model": "m", "prompt": "x", "conversation_id": "c-1"}).to_string());
         let mut parsed =
-            crate::http::request::parse(ApiKind::Completions, raw, &ByteTokenizer).unwrap();
+            crate::http::request::parse(ApiKind::Completions, raw, &ByteTokenizer, 1 << 20)
+                .unwrap();
         let key = conversation_key(&mut parsed, &HeaderMap::new());
         assert_eq!(key.as_deref(), Some("c-1"));
         let v: Value = serde_json::from_slice(&parsed.body().unwrap()).unwrap();
