@@ -18,10 +18,11 @@
 
 mod hostile_common;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use hostile_common::{
-    closed_within, connect_from, host_port, metric, router, sim_engine, status_code,
+    Proc, closed_within, connect_from, host_port, metric, router, sim_engine, status_code,
 };
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
@@ -383,6 +384,20 @@ async fn bodies_past_the_memory_budget_get_503_with_retry_after() {
     router.assert_running("the budget");
 }
 
+/// A sim engine and a router in front of it, both with their default limits, answering.
+async fn default_pair(dir: &Path) -> (Proc, String, Proc, String) {
+    let (engine, engine_url) = sim_engine(&[], dir).await;
+    let (router, router_url) = router(
+        &format!(
+            "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\"}}\n"
+        ),
+        dir,
+    )
+    .await;
+    completion_ok(&router_url).await;
+    (engine, engine_url, router, router_url)
+}
+
 /// The amplification bound docs/reliability.md states, held: one 16 MiB chat body (past the
 /// router's default `max_prompt_tokens`) raises the router's peak RSS by at most 5x the body and
 /// the engine's by at most 4x, both answer vLLM's context-length 400, and both give the memory
@@ -391,15 +406,7 @@ async fn bodies_past_the_memory_budget_get_503_with_retry_after() {
 #[tokio::test]
 async fn a_large_body_costs_a_bounded_multiple_of_itself() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
-    let (mut router, router_url) = router(
-        &format!(
-            "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\"}}\n"
-        ),
-        dir.path(),
-    )
-    .await;
-    completion_ok(&router_url).await;
+    let (mut engine, engine_url, mut router, router_url) = default_pair(dir.path()).await;
     let body = serde_json::to_vec(&json!({
         "model": "sim", "max_tokens": 1,
         "messages": [{"role": "user", "content": "a".repeat(16 << 20)}],
@@ -438,15 +445,7 @@ async fn a_large_body_costs_a_bounded_multiple_of_itself() {
 #[ignore = "experiment-sized: ~1 GB of traffic; run with --release --ignored --nocapture"]
 async fn large_bodies_peak_rss() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
-    let (mut router, router_url) = router(
-        &format!(
-            "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\"}}\n"
-        ),
-        dir.path(),
-    )
-    .await;
-    completion_ok(&router_url).await;
+    let (mut engine, engine_url, mut router, router_url) = default_pair(dir.path()).await;
     let content = "a".repeat(60 << 20);
     let body = serde_json::to_vec(&json!({
         "model": "sim", "max_tokens": 1,
@@ -509,15 +508,7 @@ async fn large_bodies_peak_rss() {
 #[ignore = "experiment-sized: 16,000 connections for ~45 s; run with --ignored --nocapture"]
 async fn slow_body_flood_with_default_limits() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
-    let (mut router, router_url) = router(
-        &format!(
-            "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\"}}\n"
-        ),
-        dir.path(),
-    )
-    .await;
-    completion_ok(&router_url).await;
+    let (mut engine, _, mut router, router_url) = default_pair(dir.path()).await;
     let addr = host_port(&router_url);
     let baseline = router.rss_kib();
     router.reset_peak();
