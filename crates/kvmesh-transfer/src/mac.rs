@@ -20,9 +20,10 @@
 //!   0. It never travels, so a replayed, dropped or reordered record fails verification. Both
 //!   protections use the GCM nonce `0^32 | seq u64 BE`, unique per key.
 //! - **authenticate** (the default with a secret): AES-256-GMAC (NIST SP 800-38D: GCM with the
-//!   whole record as associated data and nothing encrypted): `tag = GHASH(H, record) XOR
-//!   AES-256(K, nonce | 1)`. A forgery succeeds with probability ≤ (len/16 + 2)/2^128 per try;
-//!   a failed record closes the connection. KV travels in clear.
+//!   whole record as associated data and nothing encrypted): `tag = GHASH(H, pad16(record) |
+//!   BE64(8·len) | 0^64) XOR AES-256(K, nonce | 1 u32 BE)`, `H = AES-256(K, 0^128)`. A forgery
+//!   succeeds with probability ≤ (len/16 + 2)/2^128 per try; a failed record closes the
+//!   connection. KV travels in clear.
 //! - **encrypt** (`ServerConfig::encrypt` / `ClientConfig::encrypt`, both ends alike): AES-256-GCM;
 //!   a record's clear part (the 5-byte `len | tag` header of the frame it starts) is its
 //!   associated data, the rest is ciphertext.
