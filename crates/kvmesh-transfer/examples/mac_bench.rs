@@ -14,10 +14,13 @@
 //! - AES-256-GCM and ChaCha20-Poly1305 from `ring`, sealing in place; AES-256-GCM opening; and
 //!   AES-256-GCM with the message as associated data (GMAC through ring);
 //! - RustCrypto `aes-gcm` with the message as associated data (standard GMAC);
+//! - AES-256-GCM from `aws-lc-rs` (AWS-LC: 512-bit VAES/VPCLMULQDQ where the CPU has them):
+//!   seal, open, and with the message as AAD (GMAC); AES-128-GCM seal (10 rounds, not 14);
+//! - protocol v3's POLYVAL-AES tag (RustCrypto `polyval` and `aes`), in 256 KiB records;
 //! - the protocol's own record protection (`kvmesh_transfer::mac::RecordKey`), in 256 KiB
-//!   records as the wire carries them: POLYVAL-AES tags in clear (authenticate), and AES-256-GCM
-//!   the way the producer runs it (copy each record into a staging buffer, seal there) and the
-//!   consumer runs it (open in place).
+//!   records as the wire carries them: AES-256-GMAC tags in clear (authenticate), and AES-256-GCM
+//!   the way the producer runs it (encrypt each record from the shared source into a staging
+//!   buffer) and the consumer runs it (open in place).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::hint::black_box;
@@ -86,6 +89,55 @@ fn nonce() -> ring::aead::Nonce {
     ring::aead::Nonce::assume_unique_for_key([0; 12])
 }
 
+fn aws_key() -> aws_lc_rs::aead::LessSafeKey {
+    aws_key_of(&aws_lc_rs::aead::AES_256_GCM)
+}
+
+fn aws_key_of(alg: &'static aws_lc_rs::aead::Algorithm) -> aws_lc_rs::aead::LessSafeKey {
+    let key = vec![7u8; alg.key_len()];
+    aws_lc_rs::aead::LessSafeKey::new(aws_lc_rs::aead::UnboundKey::new(alg, &key).unwrap())
+}
+
+fn aws_nonce() -> aws_lc_rs::aead::Nonce {
+    aws_lc_rs::aead::Nonce::assume_unique_for_key([0; 12])
+}
+
+/// Protocol v3's tag: `POLYVAL(H, pad16(record) | LE64(bits) | LE64(0)) XOR AES-256(K, LE64(seq)
+/// | 0^64)`.
+struct PolyvalAes {
+    polyval: polyval::Polyval,
+    mask: aes::Aes256,
+}
+
+impl PolyvalAes {
+    fn new(key: [u8; 32], h: [u8; 16]) -> Self {
+        use aes::cipher::KeyInit;
+        Self {
+            polyval: polyval::Polyval::new(&h.into()),
+            mask: aes::Aes256::new(&key.into()),
+        }
+    }
+
+    fn tag(&self, seq: u64, record: &[u8]) -> [u8; 16] {
+        use aes::cipher::BlockCipherEncrypt;
+        use polyval::universal_hash::UniversalHash;
+        let mut hash = self.polyval.clone();
+        hash.update_padded(record);
+        let mut lengths = [0u8; 16];
+        lengths[..8].copy_from_slice(&(record.len() as u64 * 8).to_le_bytes());
+        hash.update(&[lengths.into()]);
+        let mut pad = [0u8; 16];
+        pad[..8].copy_from_slice(&seq.to_le_bytes());
+        let mut pad = pad.into();
+        self.mask.encrypt_block(&mut pad);
+        let mut tag = [0u8; 16];
+        for ((t, h), p) in tag.iter_mut().zip(hash.finalize().iter()).zip(pad.iter()) {
+            *t = h ^ p;
+        }
+        tag
+    }
+}
+
 type Candidate = (&'static str, Box<dyn FnMut(&mut [u8])>);
 
 fn candidates(size: usize) -> Vec<Candidate> {
@@ -100,11 +152,12 @@ fn candidates(size: usize) -> Vec<Candidate> {
     let tag = aes_open
         .seal_in_place_separate_tag(nonce(), ring::aead::Aad::empty(), &mut sealed)
         .unwrap();
-    let auth = DirectionKey::from_material(Protection::Authenticate, [9; 48]);
-    let enc = DirectionKey::from_material(Protection::Encrypt, [9; 48]);
+    let auth = DirectionKey::from_material(Protection::Authenticate, [9; 32]);
+    let enc = DirectionKey::from_material(Protection::Encrypt, [9; 32]);
     let mut tagger = RecordKey::new(&auth);
     let mut sealer = RecordKey::new(&enc);
-    let mut staging = Vec::with_capacity(size + 1024);
+    let mut staging = vec![0u8; record::payload_wire_len(size, true)];
+    let polyval_aes = PolyvalAes::new([9; 32], [8; 16]);
     // Records sealed under consecutive sequence numbers, for the opening column.
     let mut wire = Vec::new();
     let mut wire_sealer = RecordKey::new(&enc);
@@ -112,6 +165,14 @@ fn candidates(size: usize) -> Vec<Candidate> {
         record::seal_record_into(&mut wire_sealer, &src[r], &mut wire);
     }
     let mut work = wire.clone();
+    let lc = aws_key();
+    let lc_aad = aws_key();
+    let lc_128 = aws_key_of(&aws_lc_rs::aead::AES_128_GCM);
+    let lc_open = aws_key();
+    let mut lc_sealed = src.clone();
+    let lc_tag = lc_open
+        .seal_in_place_separate_tag(aws_nonce(), aws_lc_rs::aead::Aad::empty(), &mut lc_sealed)
+        .unwrap();
     vec![
         (
             "memcpy",
@@ -167,6 +228,39 @@ fn candidates(size: usize) -> Vec<Candidate> {
             }),
         ),
         (
+            "aws-lc-rs AES-256-GCM seal",
+            Box::new(move |b: &mut [u8]| {
+                let t =
+                    lc.seal_in_place_separate_tag(aws_nonce(), aws_lc_rs::aead::Aad::empty(), b);
+                let _ = black_box(t.unwrap());
+            }),
+        ),
+        (
+            "aws-lc-rs AES-128-GCM seal",
+            Box::new(move |b: &mut [u8]| {
+                let aad = aws_lc_rs::aead::Aad::empty();
+                let t = lc_128.seal_in_place_separate_tag(aws_nonce(), aad, b);
+                let _ = black_box(t.unwrap());
+            }),
+        ),
+        (
+            "aws-lc-rs AES-256-GCM open (+copy)",
+            Box::new(move |b: &mut [u8]| {
+                b.copy_from_slice(&lc_sealed);
+                let aad = aws_lc_rs::aead::Aad::empty();
+                let p = lc_open.open_in_place_separate_tag(aws_nonce(), aad, lc_tag.as_ref(), b);
+                black_box(p.unwrap());
+            }),
+        ),
+        (
+            "aws-lc-rs AES-256-GCM, msg as AAD",
+            Box::new(move |b: &mut [u8]| {
+                let aad = aws_lc_rs::aead::Aad::from(&*b);
+                let t = lc_aad.seal_in_place_separate_tag(aws_nonce(), aad, &mut []);
+                let _ = black_box(t.unwrap());
+            }),
+        ),
+        (
             "RustCrypto GMAC (aes-gcm AAD)",
             Box::new(move |b: &mut [u8]| {
                 let empty: &mut [u8] = &mut [];
@@ -175,7 +269,15 @@ fn candidates(size: usize) -> Vec<Candidate> {
             }),
         ),
         (
-            "kvmesh authenticate (POLYVAL-AES)",
+            "v3 authenticate (POLYVAL-AES)",
+            Box::new(move |b: &mut [u8]| {
+                for (seq, r) in record::record_ranges(b.len()).enumerate() {
+                    black_box(polyval_aes.tag(seq as u64, &b[r]));
+                }
+            }),
+        ),
+        (
+            "kvmesh authenticate (AES-256-GMAC)",
             Box::new(move |b: &mut [u8]| {
                 for r in record::record_ranges(b.len()) {
                     black_box(tagger.tag(&b[r]));
@@ -185,9 +287,12 @@ fn candidates(size: usize) -> Vec<Candidate> {
         (
             "kvmesh encrypt: producer",
             Box::new(move |b: &mut [u8]| {
-                staging.clear();
+                let mut at = 0;
                 for r in record::record_ranges(b.len()) {
-                    record::seal_record_into(&mut sealer, &b[r], &mut staging);
+                    let len = r.len();
+                    let tag = sealer.seal_to(&b[r], &mut staging[at..at + len]);
+                    staging[at + len..at + len + 16].copy_from_slice(&tag);
+                    at += len + 16;
                 }
                 black_box(&staging);
             }),

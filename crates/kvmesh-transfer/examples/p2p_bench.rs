@@ -15,7 +15,7 @@
 //!    2.6 MB; four payload buffers shared through `Bytes` clones, so memory stays bounded) from a
 //!    `ProducerServer` with no secret, into a sink that hands out its own memory
 //!    (`BlockSink::destination`: a ring of four block buffers, as a KV cache's slots would be);
-//! 3. `authenticated`: the same with a shared secret (POLYVAL-AES tags, the default beyond
+//! 3. `authenticated`: the same with a shared secret (AES-256-GMAC tags, the default beyond
 //!    loopback); 4. `encrypted`: with a secret and `encrypt` on both ends (AES-256-GCM);
 //! 5. `auth ×2`, `auth ×4`: the authenticated pull striped over 2 and 4 connections.
 //!

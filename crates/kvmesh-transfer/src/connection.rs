@@ -12,8 +12,9 @@
 //! each payload byte once (the kernel's copy into the destination).
 //!
 //! Writes of block frames are vectored (head, payload[, tags]) so the payload `Bytes` is never
-//! copied into a staging buffer; only an encrypted connection copies each record into a reused
-//! staging buffer (about 1 MiB) and encrypts it there, since the source's buffer is shared.
+//! copied into a staging buffer; only an encrypted connection writes each record's ciphertext
+//! into a reused staging buffer (about 1 MiB), encrypting straight from the source's buffer (which
+//! is shared, so it cannot be encrypted in place) in one pass.
 //!
 //! Once [`Connection::protect`] is called (after a handshake with a shared secret) every frame is
 //! sent and received as records ([`crate::record`], [`crate::mac`]): outgoing records are tagged
@@ -436,22 +437,31 @@ impl Connection {
         let ranges: Vec<_> = record::record_ranges(payload.len()).collect();
         let batches = ranges.chunks(WRITE_BATCH / record::RECORD_LEN);
         if key.encrypts() {
-            // The source's buffer is shared: each record is copied into the staging buffer and
-            // encrypted there, a batch at a time, then written from it.
+            // The source's buffer is shared: each record is encrypted from it into the staging
+            // buffer (one pass: AES-GCM reads the plaintext and writes the ciphertext there), a
+            // batch at a time, then written from it. The buffer keeps its size across blocks, so
+            // it is zeroed once per connection, not per block.
             let staging = &mut self.staging;
-            staging.clear();
-            staging.extend_from_slice(&head);
-            staging.extend_from_slice(&head_tag);
+            let batch_wire =
+                record::head_wire_len(true) + record::payload_wire_len(WRITE_BATCH, true);
+            if staging.len() < batch_wire {
+                staging.resize(batch_wire, 0);
+            }
+            staging[..BLOCK_HEAD_LEN].copy_from_slice(&head);
+            staging[BLOCK_HEAD_LEN..BLOCK_HEAD_LEN + TAG_LEN].copy_from_slice(&head_tag);
+            let mut used = BLOCK_HEAD_LEN + TAG_LEN;
             for batch in batches {
                 for r in batch {
-                    record::seal_record_into(key, &payload[r.clone()], staging);
+                    let (out, rest) = staging[used..].split_at_mut(r.len());
+                    let tag = key.seal_to(&payload[r.clone()], out);
+                    rest[..TAG_LEN].copy_from_slice(&tag);
+                    used += r.len() + TAG_LEN;
                 }
-                self.stream.write_all(staging).await?;
-                staging.clear();
+                self.stream.write_all(&staging[..used]).await?;
+                used = 0;
             }
-            if !staging.is_empty() {
-                self.stream.write_all(staging).await?;
-                staging.clear();
+            if used > 0 {
+                self.stream.write_all(&staging[..used]).await?;
             }
             return Ok(());
         }

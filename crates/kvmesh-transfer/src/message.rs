@@ -13,14 +13,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::frame::{self, FrameError, HEADER_LEN, RawFrame, Tag};
 
-/// Bumped on any incompatible wire change; checked in `Hello`. Version 3: with a secret, records
-/// with 16-byte POLYVAL-AES tags or AES-256-GCM encryption ([`crate::mac`], [`crate::record`])
-/// instead of per-frame HMAC-SHA256; a block's CRC32 moved into its head; `Auth` may ask for
-/// encryption and `Refused` may say `Encryption`; `HelloOk` announces the producer's fetch-stream
-/// cap per peer. Version 2: frames after the handshake carry a MAC when a secret is set,
-/// handshake frames are bounded by [`frame::PREAUTH_MAX_FRAME`], `Refused` may say
-/// `TooManyConnections`.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Bumped on any incompatible wire change; checked in `Hello`. Version 4: records are
+/// authenticated with AES-256-GMAC instead of POLYVAL-AES (same layout, different tags and keys;
+/// [`crate::mac`]). Version 3: with a secret, records with 16-byte POLYVAL-AES tags or AES-256-GCM
+/// encryption ([`crate::mac`], [`crate::record`]) instead of per-frame HMAC-SHA256; a block's
+/// CRC32 moved into its head; `Auth` may ask for encryption and `Refused` may say `Encryption`;
+/// `HelloOk` announces the producer's fetch-stream cap per peer. Version 2: frames after the
+/// handshake carry a MAC when a secret is set, handshake frames are bounded by
+/// [`frame::PREAUTH_MAX_FRAME`], `Refused` may say `TooManyConnections`.
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Random bytes exchanged in the handshake so authentication proofs cannot be replayed.
 pub type Nonce = [u8; 16];
@@ -711,9 +712,9 @@ mod tests {
         assert_eq!(old.pending_wait_ms, 7);
     }
 
-    /// `HelloOk` of a version-3 producer: `promote` written only when true, `max_transfers`
-    /// always; a `HelloOk` without them decodes as a producer that does not promote and did not
-    /// announce its cap (0).
+    /// `HelloOk` of a version-4 producer (unchanged since version 3): `promote` written only when
+    /// true, `max_transfers` always; a `HelloOk` without them decodes as a producer that does not
+    /// promote and did not announce its cap (0).
     #[test]
     fn hello_ok_capabilities_on_the_wire() {
         let ok = HelloOk {
@@ -723,13 +724,13 @@ mod tests {
             max_transfers: 4,
         };
         let wire = Message::HelloOk(ok.clone()).encode(1024).unwrap().to_vec();
-        // {version: 3, proof: nil, max_transfers: 4}
+        // {version: 4, proof: nil, max_transfers: 4}
         let mut golden = vec![0, 0, 0, 33, Tag::HelloOk as u8, 0x83, 0xa7];
-        golden.extend_from_slice(b"version\x03\xa5proof\xc0\xadmax_transfers\x04");
+        golden.extend_from_slice(b"version\x04\xa5proof\xc0\xadmax_transfers\x04");
         assert_eq!(wire, golden);
         assert_eq!(parse_one(&golden), Message::HelloOk(ok.clone()));
         let mut minimal = vec![0, 0, 0, 18, Tag::HelloOk as u8, 0x82, 0xa7];
-        minimal.extend_from_slice(b"version\x03\xa5proof\xc0");
+        minimal.extend_from_slice(b"version\x04\xa5proof\xc0");
         assert_eq!(
             parse_one(&minimal),
             Message::HelloOk(HelloOk {

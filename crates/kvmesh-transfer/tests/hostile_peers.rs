@@ -19,7 +19,9 @@ use common::{
 use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint};
 use kvmesh_transfer::connection::Connection;
-use kvmesh_transfer::mac::{self, DirectionKey, Protection, RecordKey, Role, SessionKeys, TAG_LEN};
+use kvmesh_transfer::mac::{
+    self, DirectionKey, KEY_MATERIAL, Protection, RecordKey, Role, SessionKeys, TAG_LEN,
+};
 use kvmesh_transfer::message::{
     Auth, BlockFrame, BlockStatus, Fetch, Hello, HelloOk, Lookup, LookupReply, Message,
     PROTOCOL_VERSION, RefuseReason, Refused,
@@ -119,7 +121,7 @@ fn sealed_block(b: &BlockFrame, key: &DirectionKey, seq: u64) -> Vec<u8> {
 
 /// A key nobody derived: what a forger without the secret must guess.
 fn guessed_key() -> DirectionKey {
-    DirectionKey::from_material(Protection::Authenticate, [0x42; 48])
+    DirectionKey::from_material(Protection::Authenticate, [0x42; KEY_MATERIAL])
 }
 
 fn lookup(hs: &[BlockHash]) -> Message {
@@ -582,9 +584,9 @@ async fn a_producer_of_another_protocol_version_is_named_clearly() {
         let (stream, _) = listener.accept().await.unwrap();
         let mut conn = Connection::new(stream, 4096);
         let _ = conn.read_message().await;
-        // What a version-2 producer answers a version-3 Hello.
+        // What a version-3 producer answers a version-4 Hello.
         let reason = RefuseReason::Version {
-            ours: 2,
+            ours: 3,
             theirs: PROTOCOL_VERSION,
         };
         let _ = conn
@@ -598,23 +600,28 @@ async fn a_producer_of_another_protocol_version_is_named_clearly() {
         reason,
         PullReason::Version {
             ours: PROTOCOL_VERSION,
-            theirs: 2
+            theirs: 3
         }
     );
     let said = reason.to_string();
     assert!(
-        said.contains("peer speaks P2P protocol v2, we speak v3"),
+        said.contains("peer speaks P2P protocol v3, we speak v4"),
         "{said}"
     );
     assert!(reason.is_misconfiguration(), "logged as a fleet problem");
     assert_eq!(client.metrics().pulls("failed", "version"), 1);
 }
 
-/// A consumer still on protocol version 2 (whose `Hello` is the same map with `version: 2`) is
-/// refused before anything else, told both versions, and counted.
+/// A consumer still on protocol version 3 or 2 (whose `Hello` is the same map with an older
+/// `version`) is refused before anything else, told both versions, and counted.
 #[tokio::test]
-async fn a_consumer_of_protocol_v2_is_refused_naming_both_versions() {
-    for secret in [None, Some(Secret::from(SECRET))] {
+async fn a_consumer_of_an_older_protocol_is_refused_naming_both_versions() {
+    for (secret, theirs) in [
+        (None, 2),
+        (Some(Secret::from(SECRET)), 2),
+        (None, 3),
+        (Some(Secret::from(SECRET)), 3),
+    ] {
         let p = start_producer(
             &hashes(1),
             ServerConfig {
@@ -626,7 +633,7 @@ async fn a_consumer_of_protocol_v2_is_refused_naming_both_versions() {
         let stream = TcpStream::connect(p.addr).await.unwrap();
         let mut conn = Connection::new(stream, 4096);
         conn.write_message(&Message::Hello(Hello {
-            version: 2,
+            version: theirs,
             fingerprint: fp(),
             nonce: [3; 16],
         }))
@@ -636,7 +643,7 @@ async fn a_consumer_of_protocol_v2_is_refused_naming_both_versions() {
         assert_eq!(
             reply,
             Some(Message::Refused(Refused {
-                reason: RefuseReason::Version { ours: 3, theirs: 2 }
+                reason: RefuseReason::Version { ours: 4, theirs }
             }))
         );
         eventually("refusal counted", || p.metrics.refused("version") == 1).await;
@@ -771,7 +778,7 @@ async fn a_wrong_key_fails_on_the_first_encrypted_record() {
     assert_eq!(r.statuses, vec![BlockStatus::Hit; 2]);
     // A forged record under a guessed encryption key.
     let (mut conn, _) = handshake_with(p.addr, Protection::Encrypt, Protection::Encrypt).await;
-    let guessed = DirectionKey::from_material(Protection::Encrypt, [0x42; 48]);
+    let guessed = DirectionKey::from_material(Protection::Encrypt, [0x42; KEY_MATERIAL]);
     conn.write_raw(&sealed(&lookup(&hs), &guessed, 0))
         .await
         .unwrap();
