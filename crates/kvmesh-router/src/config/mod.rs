@@ -245,6 +245,11 @@ fn default_scrape() -> Duration {
 fn default_request_timeout() -> Duration {
     Duration::from_secs(600)
 }
+fn default_stream_idle_timeout() -> Duration {
+    // Far above any decode step, preemption included, yet a client learns of a frozen engine
+    // within a minute instead of never.
+    Duration::from_secs(60)
+}
 fn default_decisions() -> usize {
     1024
 }
@@ -285,9 +290,16 @@ pub struct RouterConfig {
     pub metrics_scrape_interval: Duration,
     #[serde(default)]
     pub health_check: HealthCheckConfig,
-    /// Maximum wait for an engine's response headers (not the whole stream).
+    /// Maximum wait for an engine's response headers and, counted from the same send, for the
+    /// first chunk of its body (not the whole stream).
     #[serde(default = "default_request_timeout", with = "duration_str")]
     pub request_timeout: Duration,
+    /// Longest gap between two chunks of an engine's response once its first chunk arrived. A
+    /// stream that stalls longer (a frozen engine) is ended with an SSE error event
+    /// (`data: {"error": {...}}`, which OpenAI clients raise) and counted
+    /// (`kvmesh_router_errors_total{kind="upstream_stalled"}`); a non-stream body is cut.
+    #[serde(default = "default_stream_idle_timeout", with = "duration_str")]
+    pub stream_idle_timeout: Duration,
     /// Seed of the scheduling rng (random tie-breaks, weighted picks); random if absent.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -477,6 +489,11 @@ impl RouterConfig {
         }
         if let Some(d) = &self.admission_queue {
             d.validate().map_err(ConfigError::Invalid)?;
+        }
+        if self.stream_idle_timeout.is_zero() {
+            return Err(ConfigError::Invalid(
+                "stream_idle_timeout must be > 0".into(),
+            ));
         }
         if self.max_in_flight == 0 {
             return Err(ConfigError::Invalid("max_in_flight must be > 0".into()));
