@@ -478,6 +478,8 @@ impl RouterConfig {
         if self.block_size == 0 {
             return Err(ConfigError::Invalid("block_size must be > 0".into()));
         }
+        self.validate_intervals()?;
+        validate_cost_model(&self.cost_model)?;
         validate_endpoints(&self.endpoints)?;
         if let Some(d) = &self.discovery {
             d.validate(!self.endpoints.is_empty() || self.endpoints_file.is_some())?;
@@ -489,11 +491,6 @@ impl RouterConfig {
         }
         if let Some(d) = &self.admission_queue {
             d.validate().map_err(ConfigError::Invalid)?;
-        }
-        if self.stream_idle_timeout.is_zero() {
-            return Err(ConfigError::Invalid(
-                "stream_idle_timeout must be > 0".into(),
-            ));
         }
         if self.max_in_flight == 0 {
             return Err(ConfigError::Invalid("max_in_flight must be > 0".into()));
@@ -508,7 +505,61 @@ impl RouterConfig {
     }
 }
 
-/// Names unique, URLs http(s), P2P addresses `host:port`.
+impl RouterConfig {
+    /// Every period and deadline is > 0: a zero scrape or health-check interval makes its loop
+    /// spin, a zero timeout fails every request. Thresholds count checks, at least one.
+    fn validate_intervals(&self) -> Result<(), ConfigError> {
+        let hc = &self.health_check;
+        let periods = [
+            ("metrics_scrape_interval", self.metrics_scrape_interval),
+            ("health_check.interval", hc.interval),
+            ("health_check.timeout", hc.timeout),
+            ("request_timeout", self.request_timeout),
+            ("stream_idle_timeout", self.stream_idle_timeout),
+            ("header_read_timeout", self.header_read_timeout),
+        ];
+        if let Some((key, _)) = periods.iter().find(|(_, d)| d.is_zero()) {
+            return Err(ConfigError::Invalid(format!("{key} must be > 0, got 0s")));
+        }
+        if hc.unhealthy_threshold == 0 || hc.healthy_threshold == 0 {
+            return Err(ConfigError::Invalid(
+                "health_check.unhealthy_threshold and health_check.healthy_threshold must be >= 1"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Rates are finite and > 0 (a zero or negative `prefill_tokens_per_second` predicted 3e15 ms
+/// and so placed nothing sensibly), the per-pull floor finite and >= 0, the EWMA weight in (0, 1].
+fn validate_cost_model(cm: &CostModelParams) -> Result<(), ConfigError> {
+    for (key, rate) in [
+        ("prefill_tokens_per_second", cm.prefill_tokens_per_second),
+        ("pull_tokens_per_second", cm.pull_tokens_per_second),
+    ] {
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "cost_model.{key} must be a finite number > 0, got {rate}"
+            )));
+        }
+    }
+    if !(cm.pull_floor_ms.is_finite() && cm.pull_floor_ms >= 0.0) {
+        return Err(ConfigError::Invalid(format!(
+            "cost_model.pull_floor_ms must be a finite number >= 0, got {}",
+            cm.pull_floor_ms
+        )));
+    }
+    if !(cm.ewma_alpha > 0.0 && cm.ewma_alpha <= 1.0) {
+        return Err(ConfigError::Invalid(format!(
+            "cost_model.ewma_alpha must be in (0, 1], got {}",
+            cm.ewma_alpha
+        )));
+    }
+    Ok(())
+}
+
+/// Names unique, URLs http(s), P2P addresses `host:port`, KV-event endpoints `tcp://` or `ipc://`.
 pub fn validate_endpoints(endpoints: &[EndpointSpec]) -> Result<(), ConfigError> {
     let mut names = std::collections::HashSet::new();
     for e in endpoints {
@@ -525,6 +576,20 @@ pub fn validate_endpoints(endpoints: &[EndpointSpec]) -> Result<(), ConfigError>
                 "endpoint {}: url must be http(s)",
                 e.name
             )));
+        }
+        if let Some(k) = &e.kv_events {
+            // A `udp://` endpoint used to be accepted and then silently never subscribed.
+            let endpoints = [
+                ("endpoint", Some(&k.endpoint)),
+                ("replay_endpoint", k.replay_endpoint.as_ref()),
+            ];
+            for (key, ep) in endpoints {
+                if let Some(ep) = ep {
+                    kvmesh_events::resolve_endpoint(ep).map_err(|err| {
+                        ConfigError::Invalid(format!("endpoint {}: kv_events.{key}: {err}", e.name))
+                    })?;
+                }
+            }
         }
         if let Some(list) = e.kv_events.as_ref().and_then(|k| k.allowed_peers.as_ref()) {
             kvmesh_events::AllowedPeers::parse(list).map_err(|err| {
@@ -739,6 +804,79 @@ scheduling_profiles:
         assert!(validate_endpoints(&[e("a", "ftp://x", None)]).is_err());
         assert!(validate_endpoints(&[e("a", "http://x:1", Some("nohost"))]).is_err());
         assert!(validate_endpoints(&[e("a", "http://x:1", Some("[::1]:7"))]).is_ok());
+    }
+
+    /// The error a config (YAML) is refused with by `validate`.
+    fn refusal(yaml: &str) -> String {
+        let cfg: RouterConfig = serde_norway::from_str(yaml).expect("parses");
+        cfg.validate().expect_err(yaml).to_string()
+    }
+
+    #[test]
+    fn zero_intervals_and_nonpositive_rates_are_refused_naming_the_key() {
+        let cases = [
+            (
+                "health_check: {interval: 0s}",
+                "health_check.interval must be > 0",
+            ),
+            (
+                "health_check: {timeout: 0ms}",
+                "health_check.timeout must be > 0",
+            ),
+            (
+                "health_check: {unhealthy_threshold: 0}",
+                "health_check.unhealthy_threshold",
+            ),
+            (
+                "metrics_scrape_interval: 0s",
+                "metrics_scrape_interval must be > 0",
+            ),
+            ("request_timeout: 0s", "request_timeout must be > 0"),
+            ("stream_idle_timeout: 0s", "stream_idle_timeout must be > 0"),
+            (
+                "cost_model: {prefill_tokens_per_second: 0}",
+                "cost_model.prefill_tokens_per_second",
+            ),
+            (
+                "cost_model: {prefill_tokens_per_second: -25000}",
+                "got -25000",
+            ),
+            (
+                "cost_model: {pull_tokens_per_second: .nan}",
+                "cost_model.pull_tokens_per_second",
+            ),
+            (
+                "cost_model: {pull_floor_ms: -1}",
+                "cost_model.pull_floor_ms",
+            ),
+            ("cost_model: {ewma_alpha: 0}", "cost_model.ewma_alpha"),
+        ];
+        for (yaml, named) in cases {
+            let err = refusal(yaml);
+            assert!(err.contains(named), "{yaml}: {err}");
+        }
+        let ok: RouterConfig = serde_norway::from_str("health_check: {interval: 1ms}").unwrap();
+        assert!(ok.validate().is_ok());
+    }
+
+    #[test]
+    fn a_kv_events_endpoint_that_is_not_tcp_or_ipc_is_refused_naming_the_endpoint() {
+        let err = refusal(
+            "endpoints: [{name: e0, url: \"http://127.0.0.1:8100\", kv_events: {endpoint: \"udp://127.0.0.1:5557\"}}]",
+        );
+        assert!(
+            err.contains("endpoint e0: kv_events.endpoint") && err.contains("udp://"),
+            "{err}"
+        );
+        let err = refusal(
+            "endpoints: [{name: e0, url: \"http://h:1\", kv_events: {endpoint: \"tcp://h:2\", replay_endpoint: \"h:3\"}}]",
+        );
+        assert!(err.contains("kv_events.replay_endpoint"), "{err}");
+        let ok: RouterConfig = serde_norway::from_str(
+            "endpoints: [{name: e0, url: \"http://h:1\", kv_events: {endpoint: \"ipc:///tmp/kv\"}}]",
+        )
+        .unwrap();
+        assert!(ok.validate().is_ok());
     }
 
     #[test]
