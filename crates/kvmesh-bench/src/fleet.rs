@@ -172,6 +172,7 @@ impl FleetSpec {
                     arm = arm.name()
                 )));
             }
+            check_block_sizes(&self.engines, router_block_size(arm, &self.engines)?)?;
             if !arm.is_pd() && disaggregated {
                 return Err(FleetError::Spec(format!(
                     "router profile {:?} does not disaggregate, but the fleet has prefill/decode \
@@ -192,6 +193,32 @@ impl FleetSpec {
             .and_then(|g| g.time_scale)
             .unwrap_or(1.0)
     }
+}
+
+/// The router's `block_size` in front of this fleet: its arm file's, or for a peer arm (which
+/// is handed the first group's) that.
+fn router_block_size(arm: Arm, engines: &[EngineGroup]) -> Result<usize, FleetError> {
+    match router_config::arm_file(arm) {
+        Some(yaml) => kvmesh_router::config::RouterConfig::from_yaml(yaml, Path::new(arm.name()))
+            .map(|c| c.block_size)
+            .map_err(|e| FleetError::Spec(e.to_string())),
+        None => Ok(engines.first().map_or(16, |g| g.block_size)),
+    }
+}
+
+/// Every engine group's block size is a multiple of the router's: otherwise the router's block
+/// hashes never match the engines' KV events and every prefix looks cold (issue 37: a router at
+/// 7 in front of engines at 16 was accepted).
+fn check_block_sizes(engines: &[EngineGroup], router_block_size: usize) -> Result<(), FleetError> {
+    for (i, g) in engines.iter().enumerate() {
+        if g.block_size == 0 || router_block_size == 0 || g.block_size % router_block_size != 0 {
+            return Err(FleetError::Spec(format!(
+                "engines[{i}].block_size {} is not a multiple of the router's block_size {router_block_size}",
+                g.block_size
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A running engine.
@@ -868,6 +895,22 @@ mod tests {
         assert!(FleetSpec::from_yaml("engines:\n  - cuont: 4\n").is_err());
         assert!(FleetSpec::from_yaml("engines: []\n").is_err());
         assert!(FleetSpec::from_yaml("engines:\n  - {}\nrouter:\n  profile: nope\n").is_err());
+    }
+
+    #[test]
+    fn engine_block_sizes_must_be_multiples_of_the_routers() {
+        let spec = |bs: usize| {
+            format!("engines:\n  - {{count: 2, block_size: {bs}}}\nrouter:\n  profile: load-p2p\n")
+        };
+        assert!(FleetSpec::from_yaml(&spec(16)).is_ok());
+        assert!(FleetSpec::from_yaml(&spec(32)).is_ok());
+        let err = FleetSpec::from_yaml(&spec(8)).unwrap_err().to_string();
+        assert!(
+            err.contains("engines[0].block_size 8") && err.contains("router's block_size 16"),
+            "{err}"
+        );
+        // Engines only: nothing to agree with.
+        assert!(FleetSpec::from_yaml("engines:\n  - {block_size: 8}\n").is_ok());
     }
 
     #[test]

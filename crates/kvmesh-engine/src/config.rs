@@ -239,6 +239,60 @@ pub struct EngineConfig {
     pub p2p: P2pConfig,
 }
 
+/// Checks that a GPU tier of `num_blocks` blocks of `bytes_per_block` KV bytes (plus the pool's
+/// bookkeeping per block) fits in `available` bytes of memory (`None`: unknown, not checked).
+/// Returns the tier's size in bytes. Without the check, a typo in `--num-gpu-blocks` aborts the
+/// engine with an allocation failure (SIGABRT) instead of naming the flag.
+pub fn check_gpu_tier_fits(
+    num_blocks: usize,
+    bytes_per_block: usize,
+    available: Option<u64>,
+) -> Result<u64, ConfigError> {
+    let per_block =
+        (bytes_per_block.div_ceil(16) * 16 + crate::pool::BOOKKEEPING_BYTES_PER_BLOCK) as u64;
+    let needed = (num_blocks as u64).checked_mul(per_block);
+    match (needed, available) {
+        (Some(n), Some(a)) if n <= a => Ok(n),
+        (Some(n), None) => Ok(n),
+        (needed, available) => Err(ConfigError::Invalid(format!(
+            "--num-gpu-blocks {num_blocks} needs {} for the GPU tier ({per_block} bytes per block), \
+             but {} of memory is available: lower --num-gpu-blocks",
+            needed.map_or_else(|| "more than 2^64 bytes".to_owned(), format_bytes),
+            available.map_or_else(|| "less".to_owned(), format_bytes),
+        ))),
+    }
+}
+
+fn format_bytes(b: u64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    format!("{:.1} GiB", b as f64 / GIB)
+}
+
+/// Memory this process can still take: the kernel's `MemAvailable` plus free swap, capped by the
+/// cgroup's `memory.max` less its current use when one is set (a container's limit). `None`
+/// where neither can be read (not Linux).
+pub fn available_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let field = |name: &str| {
+        meminfo.as_deref()?.lines().find_map(|l| {
+            let kib = l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim();
+            kib.parse::<u64>().ok().map(|k| k.saturating_mul(1024))
+        })
+    };
+    let host = field("MemAvailable:").map(|m| m.saturating_add(field("SwapFree:").unwrap_or(0)));
+    let read = |path: &str| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+    };
+    let cgroup = read("/sys/fs/cgroup/memory.max")
+        .map(|max| max.saturating_sub(read("/sys/fs/cgroup/memory.current").unwrap_or(0)));
+    match (host, cgroup) {
+        (Some(h), Some(c)) => Some(h.min(c)),
+        (h, c) => h.or(c),
+    }
+}
+
 /// `--max-model-len` when not given: a real model's context length, else this.
 pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
 
@@ -304,6 +358,13 @@ impl EngineConfig {
         }
         if self.num_gpu_blocks < 2 {
             return Err(ConfigError::Invalid("--num-gpu-blocks must be >= 2".into()));
+        }
+        let max_blocks = crate::compute::BlockId::MAX as usize;
+        if self.num_gpu_blocks > max_blocks {
+            return Err(ConfigError::Invalid(format!(
+                "--num-gpu-blocks {} is more blocks than the engine can address (at most {max_blocks})",
+                self.num_gpu_blocks
+            )));
         }
         if self.max_num_batched_tokens == 0 || self.max_num_seqs == 0 {
             return Err(ConfigError::Invalid(
@@ -540,6 +601,32 @@ mod tests {
         assert_eq!(parse_byte_size("4096").unwrap(), 4096);
         assert!(parse_byte_size("2 parsecs").is_err());
         assert!(parse_byte_size("").is_err());
+    }
+
+    #[test]
+    fn a_gpu_tier_that_cannot_be_addressed_or_allocated_is_refused_naming_the_flag() {
+        let mut c = EngineConfig {
+            num_gpu_blocks: 100_000_000_000,
+            ..EngineConfig::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("--num-gpu-blocks 100000000000"), "{err}");
+        c.num_gpu_blocks = 4096;
+        assert!(c.validate().is_ok());
+        // 4096 blocks of 512 KV bytes fit in 1 GiB; 4 M of them do not.
+        let gib = Some(1u64 << 30);
+        let bytes = check_gpu_tier_fits(4096, 512, gib).unwrap();
+        assert!((4096 * 512..4096 * 600).contains(&bytes), "{bytes}");
+        let err = check_gpu_tier_fits(4 << 20, 512, gib)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--num-gpu-blocks 4194304") && err.contains("1.0 GiB of memory"),
+            "{err}"
+        );
+        // A size past 2^64 bytes is refused too, and unknown memory is not checked.
+        assert!(check_gpu_tier_fits(usize::MAX, 1 << 20, gib).is_err());
+        assert!(check_gpu_tier_fits(1 << 30, 512, None).is_ok());
     }
 
     #[test]

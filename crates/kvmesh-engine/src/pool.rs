@@ -36,6 +36,10 @@ struct BlockMeta {
     lru_tick: Option<u64>,
 }
 
+/// Bytes the pool keeps per block besides its KV (its state and its place in the free list).
+pub const BOOKKEEPING_BYTES_PER_BLOCK: usize =
+    std::mem::size_of::<BlockMeta>() + std::mem::size_of::<BlockId>();
+
 /// Fixed-size, prefix-cached pool of GPU-tier KV blocks.
 #[derive(Debug)]
 pub struct BlockPool {
@@ -49,15 +53,29 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
+    #[cfg(test)]
     pub fn new(num_blocks: usize) -> Self {
-        Self {
-            blocks: vec![BlockMeta::default(); num_blocks],
-            free: (0..num_blocks as BlockId).collect(),
+        Self::try_new(num_blocks).expect("a test pool fits in memory")
+    }
+
+    /// A pool of `num_blocks` free blocks, or an error when its bookkeeping cannot be allocated
+    /// (instead of an abort). `num_blocks` must fit a [`BlockId`] (`EngineConfig::validate`).
+    pub fn try_new(num_blocks: usize) -> Result<Self, std::collections::TryReserveError> {
+        let ids = BlockId::try_from(num_blocks).unwrap_or(BlockId::MAX);
+        let mut blocks = Vec::new();
+        blocks.try_reserve_exact(num_blocks)?;
+        let mut free = VecDeque::new();
+        free.try_reserve_exact(num_blocks)?;
+        blocks.resize(num_blocks, BlockMeta::default());
+        free.extend(0..ids);
+        Ok(Self {
+            blocks,
+            free,
             lru: BTreeMap::new(),
             by_hash: HashMap::new(),
             tick: 0,
             evictions: 0,
-        }
+        })
     }
 
     pub fn num_blocks(&self) -> usize {

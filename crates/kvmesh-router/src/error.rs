@@ -88,9 +88,23 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The JSON body: `{"error": {"message", "type", "param", "code"}}`.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status.as_u16()}})
+    }
+
+    /// The error as the last event of an SSE stream already under way (its status line is long
+    /// sent): `data: <body>` and a blank line. OpenAI's clients raise an event with an `error`
+    /// field as an `APIError`, as they do vLLM's own mid-stream errors.
+    pub fn sse_event(&self) -> String {
+        format!("data: {}\n\n", self.body())
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status.as_u16()}});
+        let body = self.body();
         let mut resp = (self.status, axum::Json(body)).into_response();
         if let Some(secs) = self.retry_after_secs {
             resp.headers_mut()

@@ -68,6 +68,7 @@ pub struct RouterMetrics {
     kv_usage: Family<EndpointLabel, FloatGauge>,
     healthy: Family<EndpointLabel, Gauge>,
     events_silent: Family<EndpointLabel, Gauge>,
+    block_size_mismatch: Family<EndpointLabel, Gauge>,
     prefill_rate: Family<EndpointLabel, FloatGauge>,
     pull_rate: Family<PairLabel, FloatGauge>,
     pull_rate_into: Family<EndpointLabel, FloatGauge>,
@@ -122,6 +123,7 @@ impl RouterMetrics {
             kv_usage: Family::default(),
             healthy: Family::default(),
             events_silent: Family::default(),
+            block_size_mismatch: Family::default(),
             prefill_rate: Family::default(),
             pull_rate: Family::default(),
             pull_rate_into: Family::default(),
@@ -228,6 +230,11 @@ impl RouterMetrics {
             m.events_silent.clone(),
         );
         r.register(
+            "kvmesh_router_endpoint_block_size_mismatch",
+            "1 if the endpoint reports a block size (vllm:cache_config_info) that is not a multiple of the router's block_size: its KV events cannot match the router's block hashes",
+            m.block_size_mismatch.clone(),
+        );
+        r.register(
             "kvmesh_router_prefill_rate_tokens_per_second",
             "Cost model: learned prefill rate per endpoint",
             m.prefill_rate.clone(),
@@ -251,7 +258,7 @@ impl RouterMetrics {
 
     /// Refreshes the per-endpoint gauges from live state (called before each `/metrics` render), so
     /// removed endpoints disappear and the values are exact at scrape time.
-    pub fn refresh(&self, endpoints: &EndpointSet, cost: &CostModel) {
+    pub fn refresh(&self, endpoints: &EndpointSet, cost: &CostModel, block_size: usize) {
         let list = endpoints.list();
         for f in [
             &self.in_flight_requests,
@@ -260,6 +267,7 @@ impl RouterMetrics {
             &self.in_flight_context_blocks,
             &self.healthy,
             &self.events_silent,
+            &self.block_size_mismatch,
         ] {
             f.clear();
         }
@@ -309,6 +317,11 @@ impl RouterMetrics {
                 self.kv_usage.get_or_create(&l).set(m.kv_usage);
                 if let Some(cap) = m.gpu_capacity_tokens {
                     self.gpu_capacity.get_or_create(&l).set(cap as f64);
+                }
+                if let Some(agree) = m.block_size_agrees(block_size as u64) {
+                    self.block_size_mismatch
+                        .get_or_create(&l)
+                        .set(i64::from(!agree));
                 }
             }
             self.prefill_rate

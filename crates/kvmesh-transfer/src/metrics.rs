@@ -86,12 +86,14 @@ impl Default for TransferMetrics {
 }
 
 /// Why a producer refuses a peer (`kvmesh_p2p_refused_connections_total{reason}`): at accept
-/// (`not_allowed`, `connection_cap`), in the handshake (`version`, `fingerprint_mismatch`,
+/// (`not_allowed`, `max_connections`: the producer's total, `connection_cap`: the peer address's
+/// share), in the handshake (`version`, `fingerprint_mismatch`,
 /// `auth_failed`, `encryption_mismatch`, `oversized_frame`: a pre-authentication frame above its
 /// bound), after it (`mac_failed`: the connection closes) or per lookup (`pin_quota`: pins beyond
 /// the peer's quota refused, the connection stays open).
-pub const REFUSE_REASONS: [&str; 9] = [
+pub const REFUSE_REASONS: [&str; 10] = [
     "not_allowed",
+    "max_connections",
     "version",
     "fingerprint_mismatch",
     "auth_failed",

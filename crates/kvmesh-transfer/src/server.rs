@@ -1,7 +1,8 @@
 //! The producer: serves blocks from a [`BlockSource`] to consumers.
 //!
 //! One accept loop, one task per connection (tracked, so shutdown waits for them), a semaphore
-//! capping connections and one per peer IP capping concurrent fetch streams. On cancellation the
+//! capping connections (a peer past it is refused at once with `TooManyConnections`) and one per
+//! peer IP capping concurrent fetch streams. On cancellation the
 //! accept loop stops at once; connection tasks finish the request they are serving (an in-flight
 //! fetch is drained, not cut) and close when idle. Every pin a connection takes is released when
 //! its fetch ends, when the next lookup replaces it, and when the connection closes for any reason.
@@ -54,7 +55,8 @@ pub struct ServerConfig {
     pub max_pending_wait: Duration,
     /// Concurrent fetch streams per peer IP; more wait their turn.
     pub max_transfers_per_peer: usize,
-    /// Concurrent connections overall; further accepts wait.
+    /// Concurrent connections overall; a peer past it is refused with `TooManyConnections`
+    /// at accept (counted as `max_connections`) rather than left unanswered in the backlog.
     pub max_connections: usize,
     /// A connection that sends nothing for this long is closed.
     pub idle_timeout: Duration,
@@ -223,13 +225,6 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cancel: Cancell
     let tracker = TaskTracker::new();
     let limit = Arc::new(Semaphore::new(shared.config.max_connections.max(1)));
     loop {
-        let permit = tokio::select! {
-            p = Arc::clone(&limit).acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            _ = cancel.cancelled() => break,
-        };
         let accepted = tokio::select! {
             r = listener.accept() => r,
             _ = cancel.cancelled() => break,
@@ -252,6 +247,16 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cancel: Cancell
             tracker.spawn(refuse(conn, RefuseReason::NotAllowed));
             continue;
         }
+        let Ok(permit) = Arc::clone(&limit).try_acquire_owned() else {
+            let cap = shared.config.max_connections;
+            shared.refuse(
+                peer,
+                "max_connections",
+                &format_args!("the producer holds {cap} connections"),
+            );
+            tracker.spawn(refuse(conn, RefuseReason::TooManyConnections));
+            continue;
+        };
         let Some(slot) = shared.peers.admit(peer.ip()) else {
             let cap = shared.config.max_connections_per_ip;
             shared.refuse(

@@ -362,6 +362,74 @@ async fn a_second_connection_over_the_per_ip_cap_is_refused() {
     }
 }
 
+/// Issue 37, finding 7: with every one of the producer's connections held, a new peer used to
+/// wait unanswered (its connection sat in the listen backlog) until its own handshake timeout.
+#[tokio::test]
+async fn a_peer_past_the_global_connection_limit_is_refused_at_once() {
+    let hs = hashes(2);
+    let p = start_producer(
+        &hs,
+        ServerConfig {
+            max_connections: 2,
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let held = [handshake_raw(p.addr).await, handshake_raw(p.addr).await];
+    // A third peer is told why at once, before it says anything.
+    let start = Instant::now();
+    let stream = TcpStream::connect(p.addr).await.unwrap();
+    let mut third = Connection::new(stream, 4096);
+    let reply = tokio::time::timeout(Duration::from_secs(2), third.read_message())
+        .await
+        .expect("a peer past the connection limit was not refused within 2 s")
+        .unwrap();
+    let refused_after = start.elapsed();
+    println!("refused after {refused_after:?}");
+    assert_eq!(
+        reply,
+        Some(Message::Refused(Refused {
+            reason: RefuseReason::TooManyConnections
+        }))
+    );
+    assert!(
+        refused_after < Duration::from_millis(500),
+        "{refused_after:?}"
+    );
+    // A consumer's pull fails fast as `Busy` (it would try another source), not as a timeout.
+    let client = client_for(p.addr, |_| {});
+    let start = Instant::now();
+    let (report, _) = pull(&client, p.addr, &hs).await;
+    assert_eq!(
+        report.outcome,
+        PullOutcome::Failed {
+            reason: PullReason::Busy
+        }
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(p.metrics.refused("max_connections"), 2);
+    assert_eq!(
+        p.metrics.refused("connection_cap"),
+        0,
+        "not the per-address cap"
+    );
+    // A slot comes back when a held connection closes.
+    drop(held);
+    let start = Instant::now();
+    loop {
+        let (report, _) = pull(&client, p.addr, &hs).await;
+        if report.outcome == PullOutcome::Complete {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "{report:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn a_peer_over_its_pin_quota_gets_misses_not_pins() {
     let hs = hashes(10);

@@ -44,7 +44,37 @@ enum Command {
     Demo(cmd_bench::DemoCmd),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            std::process::ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+/// 2 for a configuration the engine or router refused (as clap exits 2 for a bad flag), so a
+/// supervisor can tell "fix the config" from a failure at run time (1).
+fn exit_code(e: &anyhow::Error) -> u8 {
+    use kvmesh_engine::server::ServerError;
+    use kvmesh_router::error::RouterError;
+    let refused_config = e.chain().any(|c| {
+        c.is::<kvmesh_engine::config::ConfigError>()
+            || c.is::<kvmesh_router::config::ConfigError>()
+            || matches!(
+                c.downcast_ref::<ServerError>(),
+                Some(ServerError::Config(_))
+            )
+            || matches!(
+                c.downcast_ref::<RouterError>(),
+                Some(RouterError::Config(_))
+            )
+    });
+    if refused_config { 2 } else { 1 }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing();
     match cli.command {

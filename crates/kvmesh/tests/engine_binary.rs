@@ -138,3 +138,30 @@ async fn model_engine_binary_answers_and_refuses_prompts_beyond_its_context() {
     .await
     .expect("test timed out");
 }
+
+/// Issue 37, finding 8: a GPU-block count no machine can hold used to abort the engine with an
+/// allocation failure (SIGABRT, exit 134); now it is a configuration error naming the flag.
+#[test]
+fn an_impossible_gpu_tier_is_a_clear_config_error_not_an_abort() {
+    for blocks in ["100000000000", "4000000000"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+            .args([
+                "engine",
+                "--port",
+                "0",
+                "--backend",
+                "sim",
+                "--num-gpu-blocks",
+                blocks,
+            ])
+            .args(["--sim-kv-bytes-per-token", "1048576"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{blocks}: {stderr}");
+        assert!(
+            stderr.contains(&format!("--num-gpu-blocks {blocks}")),
+            "{blocks}: {stderr}"
+        );
+    }
+}

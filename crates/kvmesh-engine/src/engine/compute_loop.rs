@@ -14,7 +14,7 @@ use kvmesh_core::{BlockDigest, BlockHash, BlockHasher, KvEvent, Medium, TokenId}
 use tokio::sync::mpsc;
 
 use crate::compute::{BlockId, ComputeBackend, HostRestoreCost, KvArena, SeqStep};
-use crate::config::EngineConfig;
+use crate::config::{ConfigError, EngineConfig};
 use crate::cpu_tier::{CpuTier, OffloadBlock};
 use crate::metrics::{EngineMetrics, SourceLabel};
 use crate::outbox::KvEventSink;
@@ -84,7 +84,8 @@ struct Planned {
 }
 
 impl Core {
-    /// The loop's state for a fresh engine (empty pool and queues).
+    /// The loop's state for a fresh engine (empty pool and queues); an error names
+    /// `--num-gpu-blocks` when the pool's bookkeeping cannot be allocated.
     pub(super) fn new(
         cfg: EngineConfig,
         backend: Box<dyn ComputeBackend>,
@@ -93,11 +94,17 @@ impl Core {
         hasher: BlockHasher,
         metrics: Arc<EngineMetrics>,
         counters: Arc<SharedCounters>,
-    ) -> Self {
+    ) -> Result<Self, ConfigError> {
         let layout = backend.kv_layout();
         let eos = backend.eos_token_ids();
-        Self {
-            pool: BlockPool::new(cfg.num_gpu_blocks),
+        let pool = BlockPool::try_new(cfg.num_gpu_blocks).map_err(|e| {
+            ConfigError::Invalid(format!(
+                "--num-gpu-blocks {}: cannot allocate the GPU tier's block pool: {e}",
+                cfg.num_gpu_blocks
+            ))
+        })?;
+        Ok(Self {
+            pool,
             arena: KvArena::new(cfg.num_gpu_blocks, layout.bytes_per_block),
             bytes_per_block: layout.bytes_per_block,
             backend,
@@ -114,7 +121,7 @@ impl Core {
             copies: CopyEngine::default(),
             stop: false,
             cfg,
-        }
+        })
     }
 
     /// Runs until shutdown or until every handle is gone. Borrows the loop's state and channel

@@ -339,6 +339,13 @@ pub fn build_engine(
             layout.block_size, config.block_size
         )));
     }
+    // The KV arena is zeroed lazily (its pages are taken as it fills), so an oversized tier
+    // would not fail at its allocation but later, under load: check it against memory first.
+    crate::config::check_gpu_tier_fits(
+        config.num_gpu_blocks,
+        layout.bytes_per_block,
+        crate::config::available_memory_bytes(),
+    )?;
     let hasher = BlockHasher::new(
         config.hash_algo,
         config.hash_seed.as_deref(),
@@ -390,7 +397,7 @@ pub fn build_engine(
     metrics
         .cpu_capacity_bytes
         .set(config.cpu_offload_bytes as f64);
-    let core = Core::new(config, backend, cpu, sink, hasher, metrics, counters);
+    let core = Core::new(config, backend, cpu, sink, hasher, metrics, counters)?;
     let stopped = Arc::clone(&inner.stopped);
     let thread = std::thread::Builder::new()
         .name("kvmesh-compute".into())

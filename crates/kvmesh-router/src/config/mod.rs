@@ -245,6 +245,11 @@ fn default_scrape() -> Duration {
 fn default_request_timeout() -> Duration {
     Duration::from_secs(600)
 }
+fn default_stream_idle_timeout() -> Duration {
+    // Far above any decode step, preemption included, yet a client learns of a frozen engine
+    // within a minute instead of never.
+    Duration::from_secs(60)
+}
 fn default_max_prompt_tokens() -> usize {
     1 << 20
 }
@@ -289,9 +294,16 @@ pub struct RouterConfig {
     pub metrics_scrape_interval: Duration,
     #[serde(default)]
     pub health_check: HealthCheckConfig,
-    /// Maximum wait for an engine's response headers (not the whole stream).
+    /// Maximum wait for an engine's response headers and, counted from the same send, for the
+    /// first chunk of its body (not the whole stream).
     #[serde(default = "default_request_timeout", with = "duration_str")]
     pub request_timeout: Duration,
+    /// Longest gap between two chunks of an engine's response once its first chunk arrived. A
+    /// stream that stalls longer (a frozen engine) is ended with an SSE error event
+    /// (`data: {"error": {...}}`, which OpenAI clients raise) and counted
+    /// (`kvmesh_router_errors_total{kind="upstream_stalled"}`); a non-stream body is cut.
+    #[serde(default = "default_stream_idle_timeout", with = "duration_str")]
+    pub stream_idle_timeout: Duration,
     /// Seed of the scheduling rng (random tie-breaks, weighted picks); random if absent.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -475,6 +487,8 @@ impl RouterConfig {
         if self.block_size == 0 {
             return Err(ConfigError::Invalid("block_size must be > 0".into()));
         }
+        self.validate_intervals()?;
+        validate_cost_model(&self.cost_model)?;
         validate_endpoints(&self.endpoints)?;
         if let Some(d) = &self.discovery {
             d.validate(!self.endpoints.is_empty() || self.endpoints_file.is_some())?;
@@ -503,7 +517,61 @@ impl RouterConfig {
     }
 }
 
-/// Names unique, URLs http(s), P2P addresses `host:port`.
+impl RouterConfig {
+    /// Every period and deadline is > 0: a zero scrape or health-check interval makes its loop
+    /// spin, a zero timeout fails every request. Thresholds count checks, at least one.
+    fn validate_intervals(&self) -> Result<(), ConfigError> {
+        let hc = &self.health_check;
+        let periods = [
+            ("metrics_scrape_interval", self.metrics_scrape_interval),
+            ("health_check.interval", hc.interval),
+            ("health_check.timeout", hc.timeout),
+            ("request_timeout", self.request_timeout),
+            ("stream_idle_timeout", self.stream_idle_timeout),
+            ("header_read_timeout", self.header_read_timeout),
+        ];
+        if let Some((key, _)) = periods.iter().find(|(_, d)| d.is_zero()) {
+            return Err(ConfigError::Invalid(format!("{key} must be > 0, got 0s")));
+        }
+        if hc.unhealthy_threshold == 0 || hc.healthy_threshold == 0 {
+            return Err(ConfigError::Invalid(
+                "health_check.unhealthy_threshold and health_check.healthy_threshold must be >= 1"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Rates are finite and > 0 (a zero or negative `prefill_tokens_per_second` predicted 3e15 ms
+/// and so placed nothing sensibly), the per-pull floor finite and >= 0, the EWMA weight in (0, 1].
+fn validate_cost_model(cm: &CostModelParams) -> Result<(), ConfigError> {
+    for (key, rate) in [
+        ("prefill_tokens_per_second", cm.prefill_tokens_per_second),
+        ("pull_tokens_per_second", cm.pull_tokens_per_second),
+    ] {
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "cost_model.{key} must be a finite number > 0, got {rate}"
+            )));
+        }
+    }
+    if !(cm.pull_floor_ms.is_finite() && cm.pull_floor_ms >= 0.0) {
+        return Err(ConfigError::Invalid(format!(
+            "cost_model.pull_floor_ms must be a finite number >= 0, got {}",
+            cm.pull_floor_ms
+        )));
+    }
+    if !(cm.ewma_alpha > 0.0 && cm.ewma_alpha <= 1.0) {
+        return Err(ConfigError::Invalid(format!(
+            "cost_model.ewma_alpha must be in (0, 1], got {}",
+            cm.ewma_alpha
+        )));
+    }
+    Ok(())
+}
+
+/// Names unique, URLs http(s), P2P addresses `host:port`, KV-event endpoints `tcp://` or `ipc://`.
 pub fn validate_endpoints(endpoints: &[EndpointSpec]) -> Result<(), ConfigError> {
     let mut names = std::collections::HashSet::new();
     for e in endpoints {
@@ -520,6 +588,20 @@ pub fn validate_endpoints(endpoints: &[EndpointSpec]) -> Result<(), ConfigError>
                 "endpoint {}: url must be http(s)",
                 e.name
             )));
+        }
+        if let Some(k) = &e.kv_events {
+            // A `udp://` endpoint used to be accepted and then silently never subscribed.
+            let endpoints = [
+                ("endpoint", Some(&k.endpoint)),
+                ("replay_endpoint", k.replay_endpoint.as_ref()),
+            ];
+            for (key, ep) in endpoints {
+                if let Some(ep) = ep {
+                    kvmesh_events::resolve_endpoint(ep).map_err(|err| {
+                        ConfigError::Invalid(format!("endpoint {}: kv_events.{key}: {err}", e.name))
+                    })?;
+                }
+            }
         }
         if let Some(list) = e.kv_events.as_ref().and_then(|k| k.allowed_peers.as_ref()) {
             kvmesh_events::AllowedPeers::parse(list).map_err(|err| {
@@ -734,6 +816,79 @@ scheduling_profiles:
         assert!(validate_endpoints(&[e("a", "ftp://x", None)]).is_err());
         assert!(validate_endpoints(&[e("a", "http://x:1", Some("nohost"))]).is_err());
         assert!(validate_endpoints(&[e("a", "http://x:1", Some("[::1]:7"))]).is_ok());
+    }
+
+    /// The error a config (YAML) is refused with by `validate`.
+    fn refusal(yaml: &str) -> String {
+        let cfg: RouterConfig = serde_norway::from_str(yaml).expect("parses");
+        cfg.validate().expect_err(yaml).to_string()
+    }
+
+    #[test]
+    fn zero_intervals_and_nonpositive_rates_are_refused_naming_the_key() {
+        let cases = [
+            (
+                "health_check: {interval: 0s}",
+                "health_check.interval must be > 0",
+            ),
+            (
+                "health_check: {timeout: 0ms}",
+                "health_check.timeout must be > 0",
+            ),
+            (
+                "health_check: {unhealthy_threshold: 0}",
+                "health_check.unhealthy_threshold",
+            ),
+            (
+                "metrics_scrape_interval: 0s",
+                "metrics_scrape_interval must be > 0",
+            ),
+            ("request_timeout: 0s", "request_timeout must be > 0"),
+            ("stream_idle_timeout: 0s", "stream_idle_timeout must be > 0"),
+            (
+                "cost_model: {prefill_tokens_per_second: 0}",
+                "cost_model.prefill_tokens_per_second",
+            ),
+            (
+                "cost_model: {prefill_tokens_per_second: -25000}",
+                "got -25000",
+            ),
+            (
+                "cost_model: {pull_tokens_per_second: .nan}",
+                "cost_model.pull_tokens_per_second",
+            ),
+            (
+                "cost_model: {pull_floor_ms: -1}",
+                "cost_model.pull_floor_ms",
+            ),
+            ("cost_model: {ewma_alpha: 0}", "cost_model.ewma_alpha"),
+        ];
+        for (yaml, named) in cases {
+            let err = refusal(yaml);
+            assert!(err.contains(named), "{yaml}: {err}");
+        }
+        let ok: RouterConfig = serde_norway::from_str("health_check: {interval: 1ms}").unwrap();
+        assert!(ok.validate().is_ok());
+    }
+
+    #[test]
+    fn a_kv_events_endpoint_that_is_not_tcp_or_ipc_is_refused_naming_the_endpoint() {
+        let err = refusal(
+            "endpoints: [{name: e0, url: \"http://127.0.0.1:8100\", kv_events: {endpoint: \"udp://127.0.0.1:5557\"}}]",
+        );
+        assert!(
+            err.contains("endpoint e0: kv_events.endpoint") && err.contains("udp://"),
+            "{err}"
+        );
+        let err = refusal(
+            "endpoints: [{name: e0, url: \"http://h:1\", kv_events: {endpoint: \"tcp://h:2\", replay_endpoint: \"h:3\"}}]",
+        );
+        assert!(err.contains("kv_events.replay_endpoint"), "{err}");
+        let ok: RouterConfig = serde_norway::from_str(
+            "endpoints: [{name: e0, url: \"http://h:1\", kv_events: {endpoint: \"ipc:///tmp/kv\"}}]",
+        )
+        .unwrap();
+        assert!(ok.validate().is_ok());
     }
 
     #[test]

@@ -27,8 +27,20 @@ pub struct EngineMetrics {
     /// Tokens the GPU tier holds (`num_gpu_blocks × block_size` of `vllm:cache_config_info`,
     /// summed over data-parallel ranks), when the engine reports it.
     pub gpu_capacity_tokens: Option<u64>,
+    /// Tokens per block (`vllm:cache_config_info{block_size}`), when the engine reports it.
+    pub block_size: Option<u64>,
     #[serde(skip)]
     pub scraped_at: Instant,
+}
+
+impl EngineMetrics {
+    /// Whether the engine's blocks line up with the router's blocks of `router_block_size`
+    /// tokens (the engine's block size must be a multiple of it); `None` when the engine does
+    /// not report its block size.
+    pub fn block_size_agrees(&self, router_block_size: u64) -> Option<bool> {
+        let bs = self.block_size?;
+        Some(router_block_size > 0 && bs % router_block_size == 0)
+    }
 }
 
 pub struct Endpoint {

@@ -25,6 +25,7 @@ use crate::metrics::{Kind, RouterMetrics};
 fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
     let (mut waiting, mut running, mut kv_sum, mut kv_n, mut seen) = (0.0, 0.0, 0.0, 0u32, false);
     let mut capacity: Option<u64> = None;
+    let mut block_size: Option<u64> = None;
     for s in samples(text) {
         match s.name.as_str() {
             "vllm:num_requests_waiting" => waiting += s.value,
@@ -35,6 +36,7 @@ fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
             }
             "vllm:cache_config_info" => {
                 let label = |k| s.label(k).and_then(|v| v.parse::<u64>().ok());
+                block_size = block_size.or(label("block_size").filter(|&bs| bs > 0));
                 if let (Some(blocks), Some(bs)) = (label("num_gpu_blocks"), label("block_size")) {
                     let tokens = blocks.saturating_mul(bs);
                     capacity = Some(capacity.unwrap_or(0).saturating_add(tokens));
@@ -54,6 +56,7 @@ fn parse_engine_metrics(text: &str, now: Instant) -> Option<EngineMetrics> {
             0.0
         },
         gpu_capacity_tokens: capacity.filter(|&c| c > 0),
+        block_size,
         scraped_at: now,
     })
 }
@@ -237,6 +240,20 @@ pub async fn scrape_loop(
                 let Some(m) = parse_engine_metrics(&text, Instant::now()) else {
                     return;
                 };
+                let before = e.metrics().and_then(|m| m.block_size);
+                if let Some(bs) = m.block_size
+                    && before != Some(bs)
+                    && m.block_size_agrees(block_tokens) == Some(false)
+                {
+                    tracing::warn!(
+                        endpoint = %e.name,
+                        engine_block_size = bs,
+                        router_block_size = block_tokens,
+                        "the engine's block size is not a multiple of the router's block_size: its \
+                         KV events cannot match the router's block hashes, so its cached prefixes \
+                         are never found (kvmesh_router_endpoint_block_size_mismatch)"
+                    );
+                }
                 e.set_metrics(m);
                 if let Some(id) = parse_fingerprint(&text) {
                     e.learn_fingerprint(&id);
@@ -376,6 +393,25 @@ mod tests {
                 Instant::now()
             )
             .is_none()
+        );
+    }
+
+    #[test]
+    fn an_engine_block_size_that_is_not_a_multiple_of_the_routers_is_seen() {
+        let text = "vllm:num_requests_waiting 0\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"100\"} 1.0\n";
+        let m = parse_engine_metrics(text, Instant::now()).unwrap();
+        assert_eq!(m.block_size, Some(16));
+        assert_eq!(m.block_size_agrees(16), Some(true));
+        assert_eq!(m.block_size_agrees(8), Some(true));
+        // Issue 37: a router at 7 in front of engines at 16 never matches their events.
+        assert_eq!(m.block_size_agrees(7), Some(false));
+        assert_eq!(m.block_size_agrees(32), Some(false));
+        let silent = parse_engine_metrics("vllm:num_requests_waiting 0\n", Instant::now()).unwrap();
+        assert_eq!(
+            silent.block_size_agrees(7),
+            None,
+            "not reported, not judged"
         );
     }
 

@@ -45,8 +45,8 @@ use crate::pd::config::Decider;
 use crate::pd::conversations::PdRouter;
 use crate::route::candidates::{by_id, candidates_of, with_role};
 use crate::route::forward::{
-    DECISION_HEADER, Failed, ParamsSink, Tap, engine_request, error_chain, forwarded_headers,
-    refused, request_id, send_to_engine, tap_body, wants_explanation,
+    DECISION_HEADER, Failed, ParamsSink, StallCut, Tap, engine_request, error_chain,
+    forwarded_headers, refused, request_id, send_to_engine, tap_body, wants_explanation,
 };
 use crate::route::remote_source::{NamedSource, name_source};
 use crate::state::{Placement, RouterState, outcome};
@@ -419,6 +419,7 @@ impl Legs<'_> {
         let id = self.ctx.request_id;
         let req = engine_request(s, &dep, self.kind, id, self.headers, payload, None);
         let leg = if reads { "decode" } else { "decode_only" };
+        let sent = Instant::now();
         let upstream = match send_to_engine(s, &dep, req).await {
             Ok(r) => r,
             Err(e) => {
@@ -432,6 +433,7 @@ impl Legs<'_> {
         let mut resp_headers = forwarded_headers(&upstream, &dep);
         self.decode_headers(&mut resp_headers, prefill, explain_decode);
         let tap = Tap {
+            stall: StallCut::new(s, &dep, sent, parsed.stream),
             guard,
             learn: None,
             admission_queue: None,

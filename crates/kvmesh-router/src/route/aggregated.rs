@@ -26,8 +26,8 @@ use crate::http::request::{ApiKind, ParsedRequest};
 use crate::route::admission_queue::{Exit, Ticket};
 use crate::route::candidates::{by_id, eligible, gather};
 use crate::route::forward::{
-    DECISION_HEADER, Failed, Learn, Tap, engine_request, forwarded_headers, refused, request_id,
-    send_to_engine, tap_body, wants_explanation,
+    DECISION_HEADER, Failed, Learn, StallCut, Tap, engine_request, forwarded_headers, refused,
+    request_id, send_to_engine, tap_body, wants_explanation,
 };
 use crate::route::remote_source::{NamedSource, name_source};
 use crate::state::{Arrival, Placed, Placement, RequestHook, RouterState, outcome};
@@ -330,6 +330,7 @@ impl Attempt<'_> {
             resp_headers.insert(HeaderName::from_static(DECISION_HEADER), v);
         }
         let tap = Tap {
+            stall: StallCut::new(s, &r.ep, dispatched, parsed.stream),
             learn: self.learn(parsed, &r, status, dispatched),
             guard: r.guard,
             admission_queue: s.admission_queue.clone(),

@@ -23,6 +23,7 @@ use crate::error::ApiError;
 use crate::fleet::endpoints::Endpoint;
 use crate::fleet::load::LoadGuard;
 use crate::http::request::ApiKind;
+use crate::metrics::RouterMetrics;
 use crate::route::admission_queue::AdmissionQueue;
 use crate::state::{RequestHook, RouterState};
 
@@ -233,8 +234,80 @@ pub(crate) struct Learn {
 /// Where captured `kv_transfer_params` go (P/D: the conversation cache).
 pub(crate) type ParamsSink = Box<dyn Fn(KvTransferParams) + Send + Sync>;
 
+/// How long the tap waits for an engine's next chunk, and how it ends a body that stalls: a
+/// frozen engine (SIGSTOP, a wedged GPU) keeps its connection open and sends nothing, and its
+/// health checks eject it for new requests but cannot end the streams already on it.
+pub(crate) struct StallCut {
+    /// The first chunk must arrive by then: `request_timeout` after the request was sent, the
+    /// same budget as the response headers (an engine answers a stream's headers at once and
+    /// its first chunk after the prefill, which may queue).
+    first_chunk_by: tokio::time::Instant,
+    /// The longest gap between later chunks (`stream_idle_timeout`).
+    idle: Duration,
+    /// The body is SSE: it ends with an error event rather than a cut connection.
+    sse: bool,
+    endpoint: Arc<str>,
+    metrics: Arc<RouterMetrics>,
+}
+
+impl StallCut {
+    /// The router's bounds for a request to `ep` sent at `sent`; `sse` when the client asked
+    /// for a stream.
+    pub(crate) fn new(s: &RouterState, ep: &Endpoint, sent: Instant, sse: bool) -> Self {
+        StallCut {
+            first_chunk_by: tokio::time::Instant::from_std(sent + s.config.request_timeout),
+            idle: s.config.stream_idle_timeout,
+            sse,
+            endpoint: Arc::clone(&ep.name),
+            metrics: Arc::clone(&s.metrics),
+        }
+    }
+
+    /// The next chunk, or `None` (the stall is counted) when it does not come in time.
+    async fn next<S: futures::Stream + Unpin>(
+        &self,
+        chunks: &mut S,
+        first: bool,
+    ) -> Option<Option<S::Item>> {
+        let next = chunks.next();
+        let got = if first {
+            tokio::time::timeout_at(self.first_chunk_by, next).await
+        } else {
+            tokio::time::timeout(self.idle, next).await
+        };
+        if got.is_err() {
+            self.metrics.error("upstream_stalled");
+            tracing::warn!(endpoint = %self.endpoint, first_chunk = first, "engine response stalled; ending it");
+        }
+        got.ok()
+    }
+
+    /// What ends a stalled body: an SSE error event (after a blank line unless the body so far
+    /// ended at an event boundary), or an I/O error that cuts a non-stream one.
+    fn ending(&self, at_event_boundary: bool) -> Result<Bytes, std::io::Error> {
+        if !self.sse {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("endpoint {} stalled", self.endpoint),
+            ));
+        }
+        let error = ApiError::gateway_timeout(format!(
+            "endpoint {} stalled: no data for longer than the router's stream_idle_timeout",
+            self.endpoint
+        ));
+        let event = error.sse_event();
+        Ok(Bytes::from(if at_event_boundary {
+            event
+        } else {
+            format!("\n\n{event}")
+        }))
+    }
+}
+
 /// What the tap does besides passing bytes through.
 pub(crate) struct Tap {
+    /// Bounds the waits for the engine's chunks.
+    pub stall: StallCut,
     /// Released when the body ends, however it ends.
     pub guard: LoadGuard,
     /// Learn rates from this response's first byte.
@@ -283,6 +356,7 @@ fn params_in(doc: &[u8]) -> Option<KvTransferParams> {
 /// The engine's body passed through unchanged, doing what `tap` asks (see the module docs).
 pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
     let Tap {
+        stall,
         mut guard,
         learn,
         admission_queue,
@@ -299,7 +373,19 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
     let out = async_stream::stream! {
         let mut chunks = upstream.bytes_stream();
         let (mut first, mut cut) = (true, false);
-        while let Some(chunk) = chunks.next().await {
+        // Whether the bytes passed on so far end between two SSE events.
+        let mut at_event_boundary = true;
+        loop {
+            let Some(next) = stall.next(&mut chunks, first).await else {
+                if let Some(prev) = capture.as_mut().and_then(Capturer::cut) {
+                    at_event_boundary = prev.ends_with(b"\n\n");
+                    yield Ok(prev);
+                }
+                cut = true;
+                yield stall.ending(at_event_boundary);
+                break;
+            };
+            let Some(chunk) = next else { break };
             match chunk {
                 Ok(bytes) => {
                     if first {
@@ -314,6 +400,9 @@ pub(crate) fn tap_body(upstream: reqwest::Response, tap: Tap) -> Body {
                         Some(c) => c.chunk(bytes),
                     };
                     if let Some(b) = now {
+                        if !b.is_empty() {
+                            at_event_boundary = b.ends_with(b"\n\n");
+                        }
                         yield Ok::<Bytes, std::io::Error>(b);
                     }
                 }
@@ -446,6 +535,7 @@ impl Drop for WakeOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prometheus_client::registry::Registry;
 
     #[test]
     fn errors_name_their_cause() {
@@ -459,6 +549,75 @@ mod tests {
         assert_eq!(
             error_chain(&e),
             "error sending request for url (http://p0/v1/completions): connection reset by peer"
+        );
+    }
+
+    fn stall_cut(sse: bool) -> (StallCut, Registry) {
+        let mut registry = Registry::default();
+        let metrics = Arc::new(RouterMetrics::register(&mut registry));
+        let cut = StallCut {
+            first_chunk_by: tokio::time::Instant::now() + Duration::from_secs(600),
+            idle: Duration::from_secs(60),
+            sse,
+            endpoint: "e0".into(),
+            metrics,
+        };
+        (cut, registry)
+    }
+
+    fn stalls_counted(registry: &Registry) -> bool {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text.contains(r#"kvmesh_router_errors_total{kind="upstream_stalled"} 1"#)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_chunk_may_take_the_request_timeout_later_ones_the_idle_timeout() {
+        let (cut, registry) = stall_cut(true);
+        let t0 = tokio::time::Instant::now();
+        // A prefill of 5 minutes is waited for.
+        let mut slow_first = Box::pin(futures::stream::once(async {
+            tokio::time::sleep(Duration::from_secs(300)).await;
+            1
+        }));
+        assert_eq!(cut.next(&mut slow_first, true).await, Some(Some(1)));
+        // A gap of 61 s after it is a stall, cut at 60 s.
+        let t1 = tokio::time::Instant::now();
+        let mut frozen = futures::stream::pending::<u8>();
+        assert_eq!(cut.next(&mut frozen, false).await, None);
+        assert_eq!(t1.elapsed(), Duration::from_secs(60));
+        assert!(stalls_counted(&registry));
+        // The first chunk too is bounded: by the request timeout.
+        let (cut, _) = stall_cut(true);
+        assert_eq!(cut.next(&mut frozen, true).await, None);
+        assert_eq!(t0.elapsed(), Duration::from_secs(300 + 60 + 600));
+    }
+
+    #[test]
+    fn a_stalled_stream_ends_with_an_error_event_openai_clients_raise() {
+        let (cut, _) = stall_cut(true);
+        let event = cut.ending(true).unwrap();
+        let text = std::str::from_utf8(&event).unwrap();
+        let doc: Value = serde_json::from_str(
+            text.strip_prefix("data: ")
+                .and_then(|t| t.strip_suffix("\n\n"))
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(doc["error"]["code"], 504);
+        assert!(
+            doc["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("e0 stalled")
+        );
+        // Mid-event, the event starts after a blank line, so it is not glued to the cut one.
+        assert!(cut.ending(false).unwrap().starts_with(b"\n\ndata: {"));
+        // A non-stream body is cut with an error (the client sees a truncated body).
+        let (cut, _) = stall_cut(false);
+        assert_eq!(
+            cut.ending(true).unwrap_err().kind(),
+            std::io::ErrorKind::TimedOut
         );
     }
 
