@@ -484,11 +484,7 @@ impl PullClient {
             }
         }
         drop(paced);
-        let outcome = match result {
-            Ok(()) => PullOutcome::Complete,
-            Err(reason) if progress.blocks > 0 => PullOutcome::Partial { reason },
-            Err(reason) => PullOutcome::Failed { reason },
-        };
+        let outcome = PullOutcome::after(result, progress.blocks);
         let duration = start.elapsed();
         let experienced = match &self.config.modelled_duration {
             Some(m) if progress.blocks > 0 => {
@@ -496,12 +492,7 @@ impl PullClient {
             }
             _ => duration,
         };
-        self.config
-            .metrics
-            .record_pull(&outcome, experienced.as_secs_f64());
-        if let Some(reason) = outcome.reason() {
-            self.report_stop(&peer, kv_request_id, reason, progress.blocks);
-        }
+        self.record_end(&peer, kv_request_id, &outcome, experienced, progress.blocks);
         PullReport {
             outcome,
             blocks: progress.blocks,
@@ -554,10 +545,7 @@ impl PullClient {
             let outcome = PullOutcome::Failed {
                 reason: reason.clone(),
             };
-            self.config
-                .metrics
-                .record_pull(&outcome, start.elapsed().as_secs_f64());
-            self.report_stop(&peer, kv_request_id, reason, 0);
+            self.record_end(&peer, kv_request_id, &outcome, start.elapsed(), 0);
         }
         result
     }
@@ -583,6 +571,22 @@ impl PullClient {
         match leading_usable(&reply.statuses) {
             0 => Err(PullReason::Miss),
             usable => Ok(usable),
+        }
+    }
+
+    /// Records a pull that ended (`blocks` delivered): its outcome and duration, and why it
+    /// stopped early if it did.
+    fn record_end(
+        &self,
+        peer: &PeerAddr,
+        kv_request_id: &str,
+        outcome: &PullOutcome,
+        took: Duration,
+        blocks: usize,
+    ) {
+        self.config.metrics.record_pull(outcome, took.as_secs_f64());
+        if let Some(reason) = outcome.reason() {
+            self.report_stop(peer, kv_request_id, reason, blocks);
         }
     }
 
@@ -914,18 +918,9 @@ impl PullClient {
                     .unwrap_or(Err(PullReason::Timeout)),
             }
         };
-        let outcome = match result {
-            Ok(()) => PullOutcome::Complete,
-            Err(reason) if progress.blocks > 0 => PullOutcome::Partial { reason },
-            Err(reason) => PullOutcome::Failed { reason },
-        };
+        let outcome = PullOutcome::after(result, progress.blocks);
         let duration = start.elapsed();
-        self.config
-            .metrics
-            .record_pull(&outcome, duration.as_secs_f64());
-        if let Some(reason) = outcome.reason() {
-            self.report_stop(&peer, kv_request_id, reason, progress.blocks);
-        }
+        self.record_end(&peer, kv_request_id, &outcome, duration, progress.blocks);
         LayerPullReport {
             outcome,
             blocks: progress.blocks,

@@ -140,6 +140,15 @@ pub enum PullOutcome {
 }
 
 impl PullOutcome {
+    /// The outcome of a pull that ended with `result` after delivering `blocks` leading blocks.
+    pub fn after(result: Result<(), PullReason>, blocks: usize) -> Self {
+        match result {
+            Ok(()) => PullOutcome::Complete,
+            Err(reason) if blocks > 0 => PullOutcome::Partial { reason },
+            Err(reason) => PullOutcome::Failed { reason },
+        }
+    }
+
     pub fn label(&self) -> &'static str {
         match self {
             PullOutcome::Complete => "complete",

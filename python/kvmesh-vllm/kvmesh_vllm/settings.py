@@ -69,6 +69,14 @@ def peer_list(v: Any, key: str) -> list[str]:
     raise ValueError(f"kvmesh connector: {key} must be a list of host[:port] strings, not {v!r}")
 
 
+def load_mode(v: Any) -> str:
+    """One of ``LOAD_MODES`` (see ``Settings.load_mode``)."""
+    if v not in LOAD_MODES:
+        raise ValueError(f"kvmesh connector: load_mode must be one of {list(LOAD_MODES)}, "
+                         f"not {v!r}")
+    return str(v)
+
+
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 
 # Every key of ``kv_connector_extra_config`` the connector reads (a misspelt key is refused,
@@ -134,12 +142,7 @@ class Settings:
         # layer's attention waits for that layer's KV (written straight into vLLM's KV
         # tensors), so the pull overlaps compute, but a slow pull stalls the whole step, every
         # request in the batch, up to `max_pull_ms`.
-        self.load_mode: str = str(extra.get("load_mode", "async"))
-        if self.load_mode not in LOAD_MODES:
-            raise ValueError(
-                f"kvmesh connector: load_mode must be one of {list(LOAD_MODES)}, "
-                f"not {self.load_mode!r}"
-            )
+        self.load_mode: str = load_mode(extra.get("load_mode", "async"))
         remote = [p for p in self.allowed_peers if not p.startswith(_LOOPBACK)]
         if self.p2p_host.startswith(_LOOPBACK) and remote:
             logger.warning(
