@@ -857,6 +857,24 @@ impl PullClient {
         }
     }
 
+    /// Looks a pull's `hashes` up on `conn`: the leading run the producer can serve (at least
+    /// one block; none is a clean `Miss`) and the index in it of the first pending block.
+    /// `replied` turns true once the producer answered.
+    async fn lookup_run(
+        &self,
+        conn: &mut Connection,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        replied: &mut bool,
+    ) -> Result<(usize, usize), Stop> {
+        let reply = session::lookup(conn, self.config.timeout, kv_request_id, hashes, true).await?;
+        *replied = true;
+        match leading_usable(&reply.statuses) {
+            0 => Err(Stop::clean(PullReason::Miss)),
+            usable => Ok((usable, first_pending(&reply.statuses[..usable]))),
+        }
+    }
+
     /// A plain pull's conversation on one connection: lookup, fetch of the leading run of
     /// blocks the producer holds (or is computing), each straight into the sink.
     async fn session(
@@ -869,15 +887,12 @@ impl PullClient {
         promote: Option<watch::Receiver<bool>>,
     ) -> Result<(), Stop> {
         let steps = self.steps();
-        let reply = session::lookup(conn, steps.timeout, kv_request_id, hashes, true).await?;
-        progress.replied = true;
-        let usable = leading_usable(&reply.statuses);
-        if usable == 0 {
-            return Err(Stop::clean(PullReason::Miss));
-        }
+        let (usable, first_pending) = self
+            .lookup_run(conn, kv_request_id, hashes, &mut progress.replied)
+            .await?;
         let plan = FetchPlan {
             hashes: &hashes[..usable],
-            first_pending: first_pending(&reply.statuses[..usable]),
+            first_pending,
             // Still a prefetch nobody waits for (a promotion before this point makes it demand).
             background: promote.as_ref().is_some_and(|rx| !*rx.borrow()),
         };
@@ -957,16 +972,12 @@ impl PullClient {
             progress.replied = false;
             let steps = self.steps();
             let result = async {
-                let reply =
-                    session::lookup(&mut conn, steps.timeout, kv_request_id, hashes, true).await?;
-                progress.replied = true;
-                let usable = leading_usable(&reply.statuses);
-                if usable == 0 {
-                    return Err(Stop::clean(PullReason::Miss));
-                }
+                let (usable, first_pending) = self
+                    .lookup_run(&mut conn, kv_request_id, hashes, &mut progress.replied)
+                    .await?;
                 let plan = FetchPlan {
                     hashes: &hashes[..usable],
-                    first_pending: first_pending(&reply.statuses[..usable]),
+                    first_pending,
                     background: false,
                 };
                 session::fetch_layers(&mut conn, &steps, plan, layout, sink, progress).await?;
