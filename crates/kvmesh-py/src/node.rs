@@ -6,23 +6,32 @@
 //! into vLLM's blocks); a lookup only asks a peer what it holds (vLLM's scheduler, deciding).
 //! Pulls and lookups run in the background, keyed by the caller (vLLM's request id), and are
 //! polled; nothing here blocks on Python.
+//!
+//! A layer-major pull ([`Node::start_layer_pull`]) instead lands straight in vLLM's KV tensors
+//! ([`crate::kv_memory`]) and can be waited for one layer at a time ([`Node::wait_layer`]),
+//! which is what vLLM's `wait_for_layer_load` needs; [`Node::end_layer_pull`] makes sure it no
+//! longer writes before its blocks are handed back to vLLM.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Condvar;
+
 use bytes::Bytes;
 use kvmesh_core::{BlockHash, Fingerprint};
 use kvmesh_transfer::{
-    AllowList, BlockSink, ClientConfig, IpNet, PeerAddr, ProducerServer, PullClient, PullOutcome,
-    PullReason, PullReport, Secret, ServerConfig, SinkError, TransferMetrics,
+    AllowList, BlockSink, ClientConfig, IpNet, LayerPullReport, PeerAddr, ProducerServer,
+    PullClient, PullOutcome, PullReason, PullReport, Secret, ServerConfig, SinkError,
+    TransferMetrics,
 };
 use parking_lot::Mutex;
 use prometheus_client::registry::Registry;
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
+use crate::kv_memory::{KvDestination, KvSink};
 use crate::pacer::ServeCap;
 use crate::tier::NodeTier;
 
@@ -110,6 +119,60 @@ pub struct Node {
     listen_addr: Option<SocketAddr>,
     cancel: CancellationToken,
     pulls: Arc<Mutex<HashMap<String, Option<PullDone>>>>,
+    layer_pulls: Mutex<HashMap<String, Arc<LayerPull>>>,
+    max_pull: Duration,
+}
+
+/// What [`Node::wait_layer`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerWait {
+    /// The layer is in (for the blocks the producer served: fewer than asked after a miss,
+    /// which the pull's end reports).
+    Ready,
+    /// The pull ended without it (or there is no such pull).
+    Failed,
+    /// Still on the wire at the timeout.
+    Pending,
+}
+
+/// A layer-major pull in flight: layers complete so far, and its report once it ended.
+#[derive(Debug, Default)]
+struct LayerPull {
+    state: Mutex<LayerPullState>,
+    changed: Condvar,
+    cancel: CancellationToken,
+}
+
+#[derive(Debug, Default)]
+struct LayerPullState {
+    layers: usize,
+    /// `None` while the pull may still write into its destination.
+    report: Option<LayerPullReport>,
+}
+
+impl LayerPull {
+    fn update(&self, f: impl FnOnce(&mut LayerPullState)) {
+        f(&mut self.state.lock());
+        self.changed.notify_all();
+    }
+
+    /// Waits until `done` holds of the state or `timeout` passes; the state then.
+    fn wait_for<T>(
+        &self,
+        timeout: Duration,
+        mut done: impl FnMut(&LayerPullState) -> Option<T>,
+    ) -> Option<T> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut g = self.state.lock();
+        loop {
+            if let Some(v) = done(&g) {
+                return Some(v);
+            }
+            if self.changed.wait_until(&mut g, deadline).timed_out() {
+                return done(&g);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Node {
@@ -186,6 +249,8 @@ impl Node {
             listen_addr,
             cancel,
             pulls: Arc::default(),
+            layer_pulls: Mutex::default(),
+            max_pull: config.max_pull,
         })
     }
 
@@ -227,6 +292,96 @@ impl Node {
                 data: sink.data,
             }
         });
+    }
+
+    /// Start a layer-major pull of `hashes` from `host:port` under `key`, straight into
+    /// `destination` (vLLM's KV tensors): the producer sends every block's layer 0, then layer
+    /// 1, …; [`Node::wait_layer`] waits for one layer. Bounded by the node's pull deadline. The
+    /// destination's memory is written until [`Node::end_layer_pull`] returns.
+    pub fn start_layer_pull(
+        &self,
+        key: &str,
+        host: &str,
+        port: u16,
+        kv_request_id: &str,
+        hashes: Vec<BlockHash>,
+        destination: KvDestination,
+    ) {
+        let pull = Arc::new(LayerPull::default());
+        if let Some(old) = self
+            .layer_pulls
+            .lock()
+            .insert(key.to_owned(), Arc::clone(&pull))
+        {
+            old.cancel.cancel();
+        }
+        let client = Arc::clone(&self.client);
+        let peer = PeerAddr::new(host, port);
+        let kv_request_id = kv_request_id.to_owned();
+        let deadline = tokio::time::Instant::now() + self.max_pull;
+        let started = std::time::Instant::now();
+        self.rt.spawn(async move {
+            let layout = destination.layout().clone();
+            let progress = Arc::clone(&pull);
+            let mut sink = KvSink {
+                destination,
+                on_layer: move |layers, _blocks| progress.update(|s| s.layers = layers),
+            };
+            let work = client.pull_layers(
+                peer,
+                &kv_request_id,
+                &hashes,
+                &layout,
+                &mut sink,
+                Some(deadline),
+            );
+            // Cancelled: the pull (and with it every write into the destination) is dropped here.
+            let report = tokio::select! {
+                r = work => r,
+                () = pull.cancel.cancelled() => LayerPullReport {
+                    outcome: PullOutcome::Failed { reason: PullReason::Timeout },
+                    blocks: 0,
+                    segments: 0,
+                    segment_blocks: 0,
+                    bytes: 0,
+                    duration: started.elapsed(),
+                },
+            };
+            drop(sink);
+            pull.update(|s| s.report = Some(report));
+        });
+    }
+
+    /// Waits (sleeping) up to `timeout` for layer `layer` of the layer-major pull under `key`.
+    pub fn wait_layer(&self, key: &str, layer: usize, timeout: Duration) -> LayerWait {
+        let Some(pull) = self.layer_pulls.lock().get(key).cloned() else {
+            return LayerWait::Failed;
+        };
+        pull.wait_for(timeout, |s| {
+            if s.layers > layer {
+                Some(LayerWait::Ready)
+            } else if s.report.is_some() {
+                Some(LayerWait::Failed)
+            } else {
+                None
+            }
+        })
+        .unwrap_or(LayerWait::Pending)
+    }
+
+    /// Ends the layer-major pull under `key`: waits up to `grace` for it to finish, then
+    /// cancels it, and returns only once it can no longer write into its destination. `None`
+    /// for an unknown key.
+    pub fn end_layer_pull(&self, key: &str, grace: Duration) -> Option<LayerPullReport> {
+        let pull = self.layer_pulls.lock().remove(key)?;
+        let report = |s: &LayerPullState| s.report.clone();
+        if let Some(r) = pull.wait_for(grace, report) {
+            return Some(r);
+        }
+        pull.cancel.cancel();
+        // The task drops the pull at its next poll; bounded so a wedged runtime cannot hang
+        // vLLM's step forever.
+        pull.wait_for(Duration::from_secs(30), report)
     }
 
     /// Start a lookup in the background under `key`, polled like a pull: `blocks` is the leading
@@ -377,6 +532,7 @@ mod tests {
     use kvmesh_transfer::{PullOutcome, PullReason};
 
     use super::*;
+    use crate::kv_memory::LayerTarget;
 
     fn fp(block_size: usize) -> Fingerprint {
         let hasher = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0"), block_size);
@@ -538,6 +694,79 @@ mod tests {
         assert_eq!(done.data_len(), 4000);
         assert!(took >= Duration::from_millis(380), "4 blocks in {took:?}");
         assert!(took < Duration::from_secs(3), "4 blocks in {took:?}");
+    }
+
+    /// A layer-major pull lands each block's layers in their own tensors at the block ids
+    /// given, layer by layer; a miss leaves a shorter prefix on every layer; an unreachable peer
+    /// fails every layer at once.
+    #[test]
+    #[allow(unsafe_code)]
+    fn a_layer_pull_writes_straight_into_kv_tensors() {
+        let a = node(fp(32), true, &[]);
+        let port = a.listen_addr().expect("listening").port();
+        // Blocks of 2 layers × 16 bytes: layer l of block h is bytes 16h + l.
+        for h in 1..=3u64 {
+            let block: Vec<u8> = (0..2).flat_map(|l| [(16 * h + l) as u8; 16]).collect();
+            a.tier().insert(BlockHash(h), Bytes::from(block));
+        }
+        let b = node(fp(32), false, &["127.0.0.1"]);
+        let mut tensors = vec![vec![0u8; 4 * 16]; 2];
+        let targets = |tensors: &mut Vec<Vec<u8>>| -> Vec<LayerTarget> {
+            tensors
+                .iter_mut()
+                .map(|t| LayerTarget {
+                    base: t.as_mut_ptr() as usize,
+                    len: t.len(),
+                    block_stride: 16,
+                    chunks: vec![(0, 16)],
+                })
+                .collect()
+        };
+        let hashes: Vec<_> = (1..=4).map(BlockHash).collect();
+        // SAFETY: `tensors` outlives the pull (ended below) and is not touched meanwhile.
+        let dest = unsafe { KvDestination::new(targets(&mut tensors), vec![2, 0, 3, 1]) }
+            .expect("in bounds");
+        b.start_layer_pull("r", "127.0.0.1", port, "r1", hashes.clone(), dest);
+        for layer in 0..2 {
+            assert_eq!(
+                b.wait_layer("r", layer, Duration::from_secs(5)),
+                LayerWait::Ready
+            );
+        }
+        let report = b
+            .end_layer_pull("r", Duration::from_secs(5))
+            .expect("known");
+        assert_eq!(
+            report.outcome,
+            PullOutcome::Partial {
+                reason: PullReason::Miss
+            }
+        );
+        assert_eq!((report.blocks, report.segments), (3, 2));
+        for (l, t) in tensors.iter().enumerate() {
+            // Block ids 2, 0, 3 hold hashes 1, 2, 3; id 1 (hash 4, missed) is untouched.
+            for (id, h) in [(2usize, 1u8), (0, 2), (3, 3)] {
+                assert_eq!(&t[16 * id..16 * id + 16], &[16 * h + l as u8; 16]);
+            }
+            assert_eq!(&t[16..32], &[0; 16]);
+        }
+        assert_eq!(b.end_layer_pull("r", Duration::ZERO), None, "ended once");
+
+        let stranger = node(fp(32), false, &["10.1.2.3"]);
+        // SAFETY: as above.
+        let dest = unsafe { KvDestination::new(targets(&mut tensors), vec![0]) }.expect("ok");
+        stranger.start_layer_pull("r", "127.0.0.1", port, "r2", hashes, dest);
+        assert_eq!(
+            stranger.wait_layer("r", 0, Duration::from_secs(5)),
+            LayerWait::Failed
+        );
+        let report = stranger.end_layer_pull("r", Duration::from_secs(5));
+        assert_eq!(
+            report.map(|r| r.outcome),
+            Some(PullOutcome::Failed {
+                reason: PullReason::NotAllowed
+            })
+        );
     }
 
     #[test]

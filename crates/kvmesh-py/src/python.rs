@@ -14,12 +14,17 @@ use pyo3::types::PyDict;
 
 use crate::buffers;
 
-use crate::node::{Node, NodeConfig, PullDone};
+use crate::kv_memory::{KvDestination, LayerTarget};
+use crate::node::{LayerWait, Node, NodeConfig, PullDone};
 use crate::tier::Inserted;
 
 fn hashes(v: &[u64]) -> Vec<BlockHash> {
     v.iter().copied().map(BlockHash).collect()
 }
+
+/// One KV tensor as Python describes it: `(data_ptr, bytes, block_stride, [(offset, len), …])`
+/// ([`LayerTarget`]).
+type PyLayerTarget = (usize, usize, usize, Vec<(usize, usize)>);
 
 /// `(blocks, outcome, reason)`: outcome `complete`/`partial`/`failed`, reason `None` when
 /// complete.
@@ -284,6 +289,76 @@ impl PyNode {
             self.inner
                 .start_pull(key, host, port, kv_request_id, hs, block_bytes);
         });
+    }
+
+    /// Start a layer-major pull under `key` of `hashes` from `host:port`, straight into vLLM's
+    /// KV tensors: block `i` lands in block `block_ids[i]` of every layer. `layers` gives, per
+    /// layer in the order the CPU tier stores a block's bytes, `(data_ptr, bytes, block_stride,
+    /// [(offset, len), …])`: the tensor's address and its bytes from there, the bytes between
+    /// two blocks, and each contiguous run of one block's bytes. Every byte is bounds-checked
+    /// against its layer; a bad destination is a `ValueError`.
+    ///
+    /// Pointer contract (what Rust cannot check): the tensors stay alive and nobody else reads
+    /// or writes the blocks `block_ids` until `end_layer_pull(key)` returned. The connector
+    /// keeps its KV tensors for the engine's lifetime and waits for every layer (or the pull's
+    /// failure) before vLLM's attention reads a layer.
+    #[allow(clippy::too_many_arguments, unsafe_code)]
+    fn start_layer_pull(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        host: &str,
+        port: u16,
+        kv_request_id: &str,
+        hashes_in: Vec<u64>,
+        layers: Vec<PyLayerTarget>,
+        block_ids: Vec<usize>,
+    ) -> PyResult<()> {
+        let targets = layers
+            .into_iter()
+            .map(|(base, len, block_stride, chunks)| LayerTarget {
+                base,
+                len,
+                block_stride,
+                chunks,
+            })
+            .collect();
+        // SAFETY: the pointer contract above, which the connector keeps.
+        let destination = unsafe { KvDestination::new(targets, block_ids) }
+            .map_err(|e| PyValueError::new_err(format!("layer pull destination: {e}")))?;
+        let hs = hashes(&hashes_in);
+        py.detach(|| {
+            self.inner
+                .start_layer_pull(key, host, port, kv_request_id, hs, destination);
+        });
+        Ok(())
+    }
+
+    /// Sleep (GIL released) up to `timeout_ms` for layer `layer` of the layer-major pull under
+    /// `key`: `"ready"` (it is in, for the blocks the peer served), `"failed"` (the pull ended
+    /// without it, or no such pull) or `"pending"` (still on the wire).
+    fn wait_layer(&self, py: Python<'_>, key: &str, layer: usize, timeout_ms: u64) -> &'static str {
+        match py.detach(|| {
+            self.inner
+                .wait_layer(key, layer, Duration::from_millis(timeout_ms))
+        }) {
+            LayerWait::Ready => "ready",
+            LayerWait::Failed => "failed",
+            LayerWait::Pending => "pending",
+        }
+    }
+
+    /// End the layer-major pull under `key` (GIL released): wait up to `grace_ms` for it, then
+    /// cancel it; returns once it no longer writes into the tensors. `(blocks, outcome,
+    /// reason)` with `blocks` the leading blocks that arrived whole (every layer); `None` for an
+    /// unknown key.
+    fn end_layer_pull(&self, py: Python<'_>, key: &str, grace_ms: u64) -> Option<PullTuple> {
+        let report = py.detach(|| {
+            self.inner
+                .end_layer_pull(key, Duration::from_millis(grace_ms))
+        })?;
+        let reason = report.outcome.reason().map(ToString::to_string);
+        Some((report.blocks, report.outcome.label(), reason))
     }
 
     /// Start a background lookup under `key`: how many leading blocks `host:port` holds, none

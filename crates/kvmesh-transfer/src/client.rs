@@ -30,6 +30,7 @@ use tokio::time::{Instant, timeout};
 use crate::auth::{self, Secret};
 use crate::connection::Connection;
 use crate::frame::{DEFAULT_MAX_FRAME, HEADER_LEN, PREAUTH_MAX_FRAME};
+use crate::layers::{SegmentLayout, SegmentSink};
 use crate::limits::IpNet;
 use crate::mac::{self, Protection, Role, SessionKeys};
 use crate::message::{
@@ -38,8 +39,8 @@ use crate::message::{
 use crate::metrics::{Direction, TransferMetrics};
 use crate::pacing::{LinkPacer, PacedTransfer, TrafficClass};
 use crate::reorder::StripeWindow;
-use crate::report::{Progress, PullOutcome, PullReason, PullReport};
-use crate::session::{self, FetchPlan, Landing, Steps, Stop, conn_reason, promoted};
+use crate::report::{LayerPullReport, Progress, PullOutcome, PullReason, PullReport};
+use crate::session::{self, FetchPlan, Landing, LayerProgress, Steps, Stop, conn_reason, promoted};
 use crate::source::BlockSink;
 
 /// A peer to pull from: an address, or a host name as given in `remote_host`.
@@ -483,11 +484,7 @@ impl PullClient {
             }
         }
         drop(paced);
-        let outcome = match result {
-            Ok(()) => PullOutcome::Complete,
-            Err(reason) if progress.blocks > 0 => PullOutcome::Partial { reason },
-            Err(reason) => PullOutcome::Failed { reason },
-        };
+        let outcome = PullOutcome::after(result, progress.blocks);
         let duration = start.elapsed();
         let experienced = match &self.config.modelled_duration {
             Some(m) if progress.blocks > 0 => {
@@ -495,12 +492,7 @@ impl PullClient {
             }
             _ => duration,
         };
-        self.config
-            .metrics
-            .record_pull(&outcome, experienced.as_secs_f64());
-        if let Some(reason) = outcome.reason() {
-            self.report_stop(&peer, kv_request_id, reason, progress.blocks);
-        }
+        self.record_end(&peer, kv_request_id, &outcome, experienced, progress.blocks);
         PullReport {
             outcome,
             blocks: progress.blocks,
@@ -553,10 +545,7 @@ impl PullClient {
             let outcome = PullOutcome::Failed {
                 reason: reason.clone(),
             };
-            self.config
-                .metrics
-                .record_pull(&outcome, start.elapsed().as_secs_f64());
-            self.report_stop(&peer, kv_request_id, reason, 0);
+            self.record_end(&peer, kv_request_id, &outcome, start.elapsed(), 0);
         }
         result
     }
@@ -582,6 +571,22 @@ impl PullClient {
         match leading_usable(&reply.statuses) {
             0 => Err(PullReason::Miss),
             usable => Ok(usable),
+        }
+    }
+
+    /// Records a pull that ended (`blocks` delivered): its outcome and duration, and why it
+    /// stopped early if it did.
+    fn record_end(
+        &self,
+        peer: &PeerAddr,
+        kv_request_id: &str,
+        outcome: &PullOutcome,
+        took: Duration,
+        blocks: usize,
+    ) {
+        self.config.metrics.record_pull(outcome, took.as_secs_f64());
+        if let Some(reason) = outcome.reason() {
+            self.report_stop(peer, kv_request_id, reason, blocks);
         }
     }
 
@@ -852,6 +857,24 @@ impl PullClient {
         }
     }
 
+    /// Looks a pull's `hashes` up on `conn`: the leading run the producer can serve (at least
+    /// one block; none is a clean `Miss`) and the index in it of the first pending block.
+    /// `replied` turns true once the producer answered.
+    async fn lookup_run(
+        &self,
+        conn: &mut Connection,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        replied: &mut bool,
+    ) -> Result<(usize, usize), Stop> {
+        let reply = session::lookup(conn, self.config.timeout, kv_request_id, hashes, true).await?;
+        *replied = true;
+        match leading_usable(&reply.statuses) {
+            0 => Err(Stop::clean(PullReason::Miss)),
+            usable => Ok((usable, first_pending(&reply.statuses[..usable]))),
+        }
+    }
+
     /// A plain pull's conversation on one connection: lookup, fetch of the leading run of
     /// blocks the producer holds (or is computing), each straight into the sink.
     async fn session(
@@ -864,15 +887,12 @@ impl PullClient {
         promote: Option<watch::Receiver<bool>>,
     ) -> Result<(), Stop> {
         let steps = self.steps();
-        let reply = session::lookup(conn, steps.timeout, kv_request_id, hashes, true).await?;
-        progress.replied = true;
-        let usable = leading_usable(&reply.statuses);
-        if usable == 0 {
-            return Err(Stop::clean(PullReason::Miss));
-        }
+        let (usable, first_pending) = self
+            .lookup_run(conn, kv_request_id, hashes, &mut progress.replied)
+            .await?;
         let plan = FetchPlan {
             hashes: &hashes[..usable],
-            first_pending: first_pending(&reply.statuses[..usable]),
+            first_pending,
             // Still a prefetch nobody waits for (a promotion before this point makes it demand).
             background: promote.as_ref().is_some_and(|rx| !*rx.borrow()),
         };
@@ -882,6 +902,108 @@ impl PullClient {
             return Err(Stop::clean(PullReason::Miss));
         }
         Ok(())
+    }
+
+    /// Pulls `hashes` layer-major ([`crate::layers`]): the producer sends segment 0 of every
+    /// block it serves, then segment 1, …, each read straight into the memory `sink` gives for it,
+    /// and the sink hears as each segment completes (so a consumer computing layer by layer can
+    /// start on layer 0 while the rest is on the wire). Over one connection (never striped), not
+    /// paced by an ingress model, bounded by `deadline`. Never fails: see the report, whose
+    /// outcome counts whole blocks. A producer that cannot serve the layout (its blocks are
+    /// another size) refuses it: `BadLayout`.
+    pub async fn pull_layers(
+        &self,
+        peer: impl Into<PeerAddr>,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        layout: &SegmentLayout,
+        sink: &mut dyn SegmentSink,
+        deadline: Option<Instant>,
+    ) -> LayerPullReport {
+        let peer = peer.into();
+        let start = Instant::now();
+        let mut progress = LayerProgress::default();
+        let result = {
+            let inner =
+                self.pull_layers_inner(&peer, kv_request_id, hashes, layout, sink, &mut progress);
+            match deadline {
+                None => inner.await,
+                Some(d) => tokio::time::timeout_at(d, inner)
+                    .await
+                    .unwrap_or(Err(PullReason::Timeout)),
+            }
+        };
+        let outcome = PullOutcome::after(result, progress.blocks);
+        let duration = start.elapsed();
+        self.record_end(&peer, kv_request_id, &outcome, duration, progress.blocks);
+        LayerPullReport {
+            outcome,
+            blocks: progress.blocks,
+            segments: progress.segments,
+            segment_blocks: progress.segment_blocks,
+            bytes: progress.bytes,
+            duration,
+        }
+    }
+
+    async fn pull_layers_inner(
+        &self,
+        peer: &PeerAddr,
+        kv_request_id: &str,
+        hashes: &[BlockHash],
+        layout: &SegmentLayout,
+        sink: &mut dyn SegmentSink,
+        progress: &mut LayerProgress,
+    ) -> Result<(), PullReason> {
+        if !self.config.allowed_peers.permits(peer) {
+            return Err(PullReason::NotAllowed);
+        }
+        if hashes.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = layout.check_positions(hashes.len()) {
+            tracing::warn!(error = %e, "p2p layer-major pull not started");
+            return Err(PullReason::BadLayout);
+        }
+        let addr = self.resolve(peer).await?;
+        let mut retried = false;
+        loop {
+            let (mut conn, reused) = self.acquire(addr).await?;
+            progress.replied = false;
+            let steps = self.steps();
+            let result = async {
+                let (usable, first_pending) = self
+                    .lookup_run(&mut conn, kv_request_id, hashes, &mut progress.replied)
+                    .await?;
+                let plan = FetchPlan {
+                    hashes: &hashes[..usable],
+                    first_pending,
+                    background: false,
+                };
+                session::fetch_layers(&mut conn, &steps, plan, layout, sink, progress).await?;
+                if usable < hashes.len() {
+                    return Err(Stop::clean(PullReason::Miss));
+                }
+                Ok(())
+            }
+            .await;
+            match result {
+                Ok(()) => {
+                    self.checkin(addr, conn);
+                    return Ok(());
+                }
+                Err(stop) => {
+                    if stop.reusable {
+                        self.checkin(addr, conn);
+                    }
+                    if reused && stop.stale && !progress.replied && !retried {
+                        retried = true;
+                        continue;
+                    }
+                    return Err(stop.reason);
+                }
+            }
+        }
     }
 
     /// A pull striped over `want` connections (the first one given): stripe `s` of `k` looks up

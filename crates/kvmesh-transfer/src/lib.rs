@@ -22,6 +22,7 @@ pub mod auth;
 pub mod client;
 pub mod connection;
 pub mod frame;
+pub mod layers;
 pub mod limits;
 pub mod mac;
 pub mod message;
@@ -39,10 +40,11 @@ pub use client::{
     AllowList, AllowListError, ClientConfig, DEFAULT_STRIPES, ModelledDuration, PeerAddr,
     PullClass, PullClient,
 };
+pub use layers::{LayoutError, SegmentLayout, SegmentSink};
 pub use limits::{IpNet, IpNetError};
 pub use mac::Protection;
 pub use metrics::{Direction, TransferMetrics};
 pub use pacing::{LinkPacer, PacedTransfer, TrafficClass};
-pub use report::{PullOutcome, PullReason, PullReport};
+pub use report::{LayerPullReport, PullOutcome, PullReason, PullReport};
 pub use server::{BindError, ProducerServer, ServerConfig};
 pub use source::{BlockSink, BlockSource, BlockStatus, MemorySource, SinkError, VecSink};

@@ -169,6 +169,12 @@ pub struct Fetch {
     /// true, so a demand `Fetch` is byte-for-byte the frame it always was.
     #[serde(default, skip_serializing_if = "is_false")]
     pub background: bool,
+    /// Layer-major streaming ([`crate::layers`]): the byte length of each segment of a block (they
+    /// sum to the block size). The producer then sends segment 0 of every block, then segment 1…,
+    /// each as a block frame numbered `segment × hashes.len() + block`. Empty (absent) = the
+    /// block-by-block stream; written only when set, so a plain `Fetch` is unchanged on the wire.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub segments: Vec<u32>,
 }
 
 /// Consumer → producer, only during a background fetch and only to a producer that announced
@@ -585,9 +591,14 @@ mod tests {
             ),
             (hashes, any::<u32>(), any::<bool>()).prop_map(
                 |(hashes, pending_wait_ms, background)| Message::Fetch(Fetch {
+                    segments: if background {
+                        vec![]
+                    } else {
+                        vec![pending_wait_ms | 1, 7]
+                    },
                     hashes,
                     pending_wait_ms,
-                    background
+                    background,
                 })
             ),
             Just(Message::Promote(Promote {})),
@@ -681,6 +692,7 @@ mod tests {
             hashes: vec![BlockHash(1), BlockHash(256)],
             pending_wait_ms: 7,
             background: false,
+            segments: Vec::new(),
         };
         let wire = Message::Fetch(demand.clone())
             .encode(1024)

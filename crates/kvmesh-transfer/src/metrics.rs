@@ -90,8 +90,9 @@ impl Default for TransferMetrics {
 /// share), in the handshake (`version`, `fingerprint_mismatch`,
 /// `auth_failed`, `encryption_mismatch`, `oversized_frame`: a pre-authentication frame above its
 /// bound), after it (`mac_failed`: the connection closes) or per lookup (`pin_quota`: pins beyond
-/// the peer's quota refused, the connection stays open).
-pub const REFUSE_REASONS: [&str; 10] = [
+/// the peer's quota refused, the connection stays open) or per fetch (`bad_layout`: a layer-major
+/// fetch's segment layout refused, the connection closes).
+pub const REFUSE_REASONS: [&str; 11] = [
     "not_allowed",
     "max_connections",
     "version",
@@ -102,6 +103,7 @@ pub const REFUSE_REASONS: [&str; 10] = [
     "oversized_frame",
     "mac_failed",
     "pin_quota",
+    "bad_layout",
 ];
 
 impl TransferMetrics {

@@ -38,6 +38,9 @@ pub enum PullReason {
     MacFailed,
     /// The two ends disagree on encrypting KV in transit (`ours`: whether we asked for it).
     EncryptionMismatch { ours: bool, theirs: bool },
+    /// A layer-major pull's segment layout was refused: malformed, or (said the producer) not
+    /// the size of its blocks ([`crate::layers::LayoutError`]).
+    BadLayout,
 }
 
 impl PullReason {
@@ -55,7 +58,7 @@ impl PullReason {
     }
 
     /// Every reason, for metric pre-registration and tests.
-    pub const ALL: [PullReason; 15] = [
+    pub const ALL: [PullReason; 16] = [
         PullReason::NotAllowed,
         PullReason::Connect,
         PullReason::FingerprintMismatch {
@@ -76,6 +79,7 @@ impl PullReason {
             ours: false,
             theirs: false,
         },
+        PullReason::BadLayout,
     ];
 
     /// Stable label for metrics and logs.
@@ -96,6 +100,7 @@ impl PullReason {
             PullReason::Busy => "busy",
             PullReason::MacFailed => "mac_failed",
             PullReason::EncryptionMismatch { .. } => "encryption_mismatch",
+            PullReason::BadLayout => "bad_layout",
         }
     }
 }
@@ -135,6 +140,15 @@ pub enum PullOutcome {
 }
 
 impl PullOutcome {
+    /// The outcome of a pull that ended with `result` after delivering `blocks` leading blocks.
+    pub fn after(result: Result<(), PullReason>, blocks: usize) -> Self {
+        match result {
+            Ok(()) => PullOutcome::Complete,
+            Err(reason) if blocks > 0 => PullOutcome::Partial { reason },
+            Err(reason) => PullOutcome::Failed { reason },
+        }
+    }
+
     pub fn label(&self) -> &'static str {
         match self {
             PullOutcome::Complete => "complete",
@@ -158,6 +172,24 @@ pub struct PullReport {
     /// Leading blocks accepted by the sink (indices `0..blocks` of the requested hashes).
     pub blocks: usize,
     /// Payload bytes accepted by the sink.
+    pub bytes: u64,
+    pub duration: Duration,
+}
+
+/// What a layer-major pull ([`crate::PullClient::pull_layers`]) did. Its outcome counts whole
+/// blocks: a block is delivered once every segment of it arrived.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerPullReport {
+    pub outcome: PullOutcome,
+    /// Leading blocks with every segment in the sink.
+    pub blocks: usize,
+    /// Segments complete, each for the same leading run of blocks (the producer's whole
+    /// prefix): `segments` = the layout's count when the pull delivered whole blocks; fewer
+    /// when it stopped mid-stream (then `blocks` = 0, and the first `segments` layers arrived).
+    pub segments: usize,
+    /// Blocks per completed segment (0 if none completed).
+    pub segment_blocks: usize,
+    /// Segment bytes written into the sink.
     pub bytes: u64,
     pub duration: Duration,
 }

@@ -34,6 +34,7 @@ use tracing::{debug, warn};
 use crate::auth::{self, Secret};
 use crate::connection::{Connection, ConnectionError};
 use crate::frame::{DEFAULT_MAX_FRAME, FrameError, PREAUTH_MAX_FRAME};
+use crate::layers::{LayoutError, SegmentLayout};
 use crate::limits::{IpNet, PeerSlot, PeerTable, RefusalLog};
 use crate::mac::{self, Protection, Role, SessionKeys};
 use crate::message::{
@@ -654,6 +655,9 @@ impl Handler {
         cfg.metrics.record_fetch_served();
         let wait = Duration::from_millis(u64::from(f.pending_wait_ms)).min(cfg.max_pending_wait);
         let deadline = Instant::now() + wait;
+        if !f.segments.is_empty() {
+            return self.fetch_layers(f, deadline).await;
+        }
         // Blocks pinned by the preceding lookup, in order.
         let looked_up: Vec<BlockHash> = self.pins.iter().map(|(h, _)| *h).collect();
         let (mut blocks, mut bytes) = (0u32, 0u64);
@@ -744,6 +748,78 @@ impl Handler {
             .write_message(&Message::Done(Done { blocks, bytes, end }))
             .await?;
         Ok(())
+    }
+
+    /// A layer-major fetch ([`crate::layers`]): resolves (pins and reads) the leading run of
+    /// blocks it can serve, then sends segment 0 of each, segment 1 of each, … A layout that is
+    /// malformed or does not match a block is refused (counted as `bad_layout`) and closes the
+    /// connection, nothing sent.
+    async fn fetch_layers(&mut self, f: Fetch, deadline: Instant) -> Result<(), HandlerError> {
+        let layout = SegmentLayout::new(f.segments)
+            .and_then(|l| l.check_positions(f.hashes.len()).map(|()| l))
+            .map_err(|e| self.bad_layout(e))?;
+        let looked_up: Vec<BlockHash> = self.pins.iter().map(|(h, _)| *h).collect();
+        let mut served = Vec::with_capacity(f.hashes.len());
+        let mut end = FetchEnd::Complete;
+        for (i, &hash) in f.hashes.iter().enumerate() {
+            let index = u32::try_from(i).unwrap_or(u32::MAX);
+            if looked_up.get(i) != Some(&hash)
+                && let Err(e) = self.pin_one(hash, deadline).await
+            {
+                end = e(index);
+                break;
+            }
+            let Some(payload) = self.shared.source.read(hash) else {
+                end = FetchEnd::Miss { index };
+                break;
+            };
+            layout
+                .check_block(payload.len())
+                .map_err(|e| self.bad_layout(e))?;
+            served.push((hash, payload));
+        }
+        let k = served.len();
+        let requested = f.hashes.len();
+        let block_len = layout.block_len().max(1);
+        let egress = self.shared.config.egress.clone();
+        let mut paced = egress
+            .as_ref()
+            .filter(|_| k > 0)
+            .map(|p| p.begin(k, TrafficClass::Demand));
+        let mut bytes = 0u64;
+        for (segment, (offset, len)) in layout.ranges().enumerate() {
+            for (block, (hash, payload)) in served.iter().enumerate() {
+                if let Some(p) = paced.as_mut() {
+                    // Each block-worth of bytes leaves when the pacer's link would carry it.
+                    let upto = (bytes + len as u64).div_ceil(block_len);
+                    p.reached((upto as usize).min(k)).await;
+                }
+                let part = payload.slice(offset..offset + len);
+                let position = segment * requested + block;
+                let index = u32::try_from(position).unwrap_or(u32::MAX);
+                let frame = BlockFrame::new(index, *hash, part);
+                self.conn.write_message(&Message::Block(frame)).await?;
+                bytes += len as u64;
+            }
+        }
+        drop(paced);
+        let metrics = &self.shared.config.metrics;
+        for (hash, payload) in &served {
+            self.shared.source.served(&self.kv_request_id, *hash);
+            metrics.record_block(Direction::Out, payload.len());
+        }
+        self.release_pins();
+        let blocks = u32::try_from(k).unwrap_or(u32::MAX);
+        self.conn
+            .write_message(&Message::Done(Done { blocks, bytes, end }))
+            .await?;
+        Ok(())
+    }
+
+    /// Counts a refused segment layout; the protocol error that closes the connection.
+    fn bad_layout(&self, e: LayoutError) -> HandlerError {
+        self.shared.refuse(self.peer, "bad_layout", &e);
+        HandlerError::Protocol(format!("{}: {e}", crate::session::BAD_LAYOUT))
     }
 
     /// Pin one block not covered by the lookup, waiting for it if pending; within the lookup

@@ -16,6 +16,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use crate::connection::{Connection, ConnectionError, Incoming};
+use crate::layers::{SegmentCursor, SegmentLayout, SegmentSink};
 use crate::message::{BlockHead, Fetch, FetchEnd, Lookup, LookupReply, Message, Promote};
 use crate::metrics::{Direction, TransferMetrics};
 use crate::pacing::LinkPacer;
@@ -282,6 +283,7 @@ pub(crate) async fn fetch(
         hashes: hashes.to_vec(),
         pending_wait_ms,
         background: plan.background,
+        segments: Vec::new(),
     };
     write(conn, steps.timeout, &Message::Fetch(fetch), false).await?;
     // Listen for a promotion during the stream only where a `Promote` can be sent: an older
@@ -354,6 +356,125 @@ pub(crate) async fn fetch(
                 };
             }
             Incoming::Message(_) => return Err(Stop::broken(PullReason::Protocol)),
+        }
+    }
+}
+
+/// A layer-major pull's progress so far (survives the pull being dropped at its deadline).
+#[derive(Debug, Default)]
+pub(crate) struct LayerProgress {
+    /// Leading blocks with every segment in.
+    pub blocks: usize,
+    /// Segments complete, and for how many blocks each.
+    pub segments: usize,
+    pub segment_blocks: usize,
+    pub bytes: u64,
+    /// Any reply arrived on this connection during this pull.
+    pub replied: bool,
+}
+
+/// Sends a layer-major `Fetch` ([`crate::layers`]) for the plan's hashes and receives the stream
+/// until `Done`, each segment straight into the sink's memory, telling the sink as each segment
+/// completes. `Ok` when every block arrived whole; a clean [`Stop`] when the producer served a
+/// shorter prefix (all its segments arrived).
+pub(crate) async fn fetch_layers(
+    conn: &mut Connection,
+    steps: &Steps<'_>,
+    plan: FetchPlan<'_>,
+    layout: &SegmentLayout,
+    sink: &mut dyn SegmentSink,
+    progress: &mut LayerProgress,
+) -> Result<(), Stop> {
+    let hashes = plan.hashes;
+    let fetch = Fetch {
+        hashes: hashes.to_vec(),
+        pending_wait_ms: u32::try_from(steps.pending_deadline.as_millis()).unwrap_or(u32::MAX),
+        background: false,
+        segments: layout.lens().to_vec(),
+    };
+    write(conn, steps.timeout, &Message::Fetch(fetch), false).await?;
+    let mut cursor = SegmentCursor::new(hashes.len(), layout.segments());
+    let mut first = true;
+    loop {
+        // The producer resolves every block (waiting for pending ones) before its first frame.
+        let limit = if first && plan.first_pending < hashes.len() {
+            steps.timeout + steps.pending_deadline
+        } else {
+            steps.timeout
+        };
+        first = false;
+        let deadline = Instant::now() + limit;
+        match read_frame(conn, deadline, false).await? {
+            Incoming::Block(head) => {
+                let placed = cursor
+                    .accept(head.index)
+                    .map_err(|_| Stop::broken(PullReason::Protocol))?;
+                if let Some((segment, blocks)) = placed.completed_before {
+                    segment_done(sink, (segment, blocks), progress, layout, steps);
+                }
+                let want_len = layout.lens()[placed.segment] as usize;
+                if hashes.get(placed.block) != Some(&head.hash) || head.payload_len != want_len {
+                    return Err(Stop::broken(PullReason::Protocol));
+                }
+                let Some(dest) = sink.destination(placed.block, placed.segment, want_len) else {
+                    return Err(Stop::broken(PullReason::SinkRejected));
+                };
+                match timeout_at(deadline, conn.read_payload_into(&head, dest)).await {
+                    Err(_) => return Err(Stop::broken(PullReason::Timeout)),
+                    Ok(Err(e)) => return Err(Stop::broken(conn_reason(&e))),
+                    Ok(Ok(())) => {}
+                }
+                progress.bytes += want_len as u64;
+                if let Some((segment, blocks)) = cursor.landed() {
+                    segment_done(sink, (segment, blocks), progress, layout, steps);
+                }
+            }
+            Incoming::Message(Message::Done(d)) => {
+                let completed = cursor
+                    .done(d.blocks as usize, &d.end)
+                    .map_err(|_| Stop::broken(PullReason::Protocol))?;
+                if d.bytes != progress.bytes {
+                    return Err(Stop::broken(PullReason::Protocol));
+                }
+                if let Some((segment, blocks)) = completed {
+                    segment_done(sink, (segment, blocks), progress, layout, steps);
+                }
+                return match d.end {
+                    FetchEnd::Complete => Ok(()),
+                    FetchEnd::Miss { .. } => Err(Stop::clean(PullReason::Miss)),
+                    FetchEnd::PendingDeadline { .. } => {
+                        Err(Stop::clean(PullReason::PendingDeadline))
+                    }
+                };
+            }
+            Incoming::Message(Message::Error(e)) if e.message.starts_with(BAD_LAYOUT) => {
+                tracing::warn!(error = %e.message, "p2p layer-major pull refused by the producer");
+                return Err(Stop::broken(PullReason::BadLayout));
+            }
+            Incoming::Message(_) => return Err(Stop::broken(PullReason::Protocol)),
+        }
+    }
+}
+
+/// How a producer's `Error` refusing a segment layout starts.
+pub(crate) const BAD_LAYOUT: &str = "bad segment layout";
+
+/// Segment `segment` is in for `blocks` blocks: the sink is told, and once the last segment is
+/// in, the blocks count as received.
+fn segment_done(
+    sink: &mut dyn SegmentSink,
+    (segment, blocks): (usize, usize),
+    progress: &mut LayerProgress,
+    layout: &SegmentLayout,
+    steps: &Steps<'_>,
+) {
+    sink.segment_complete(segment, blocks);
+    progress.segments = segment + 1;
+    progress.segment_blocks = blocks;
+    if segment + 1 == layout.segments() {
+        progress.blocks = blocks;
+        for _ in 0..blocks {
+            steps.count_block(layout.block_len() as usize);
         }
     }
 }

@@ -475,6 +475,7 @@ async fn a_peer_over_its_pin_quota_gets_misses_not_pins() {
         hashes: hs.clone(),
         pending_wait_ms: 0,
         background: false,
+        segments: Vec::new(),
     }))
     .await
     .unwrap();

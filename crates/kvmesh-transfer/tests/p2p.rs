@@ -111,6 +111,7 @@ async fn evicted_between_lookup_and_fetch_cannot_happen_while_pinned() {
         hashes: hs.clone(),
         pending_wait_ms: 0,
         background: false,
+        segments: Vec::new(),
     }))
     .await
     .unwrap();

@@ -688,6 +688,7 @@ async fn hostile_p2p(fleet: &mut Fleet) {
                 hashes: (0..60_000u64).map(kvmesh_core::BlockHash).collect(),
                 pending_wait_ms: u32::MAX,
                 background: false,
+                segments: Vec::new(),
             });
             msg.encode(64 << 20).unwrap().to_vec()
         }),

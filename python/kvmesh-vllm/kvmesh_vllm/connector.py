@@ -16,6 +16,17 @@ worker pulls those blocks straight from the peer and copies them into the block 
 allocated. Anything that did not arrive (evicted since the lookup, peer gone, checksum) is
 reported through ``get_block_ids_with_load_errors`` so vLLM recomputes it.
 
+With ``load_mode: layerwise`` a pull is instead a synchronous load that overlaps the step's
+compute: the request is scheduled at once, ``start_load_kv`` starts a layer-major pull written
+straight into vLLM's KV tensors (the peer sends every block's layer 0, then layer 1, ...), and
+``wait_for_layer_load`` lets each layer's attention wait only for its own layer. A pull that fails
+mid-stream reports the request's blocks through the same load-error path (vLLM drops the step's
+output for that request and recomputes).
+
+Saves go layer by layer: ``save_kv_layer`` copies each layer's part of the step's new full blocks
+into a staging buffer as the layer finishes; ``wait_for_save`` only hands the staged blocks to the
+CPU tier.
+
 Only the adaptation to vLLM lives here; the protocol, tier, checksums, pins, allow-list and
 secret are the Rust crate ``kvmesh-py`` (``kvmesh_vllm._native``) over ``kvmesh-transfer``.
 """
@@ -140,6 +151,32 @@ def _serve_metrics(port: int, texts: Any) -> None:
             "metrics_port and metrics_port + 1 must both be free"
         ) from e
     threading.Thread(target=server.serve_forever, name="kvmesh-metrics", daemon=True).start()
+
+
+def _layer_targets(
+    layers: list[tuple[torch.Tensor, int]],
+) -> list[tuple[int, int, int, list[tuple[int, int]]]] | None:
+    """Per layer, where a layer-major pull writes a block: ``(data_ptr, bytes from it, block
+    stride in bytes, [(offset, len) of each contiguous run of one block, in the order the tier
+    stores a block])``; ``None`` when a layer is not in CPU memory or a block's bytes of it are
+    not a few contiguous runs (the block dim first, or second behind a K/V dim)."""
+    targets = []
+    for kv, d in layers:
+        if kv.device.type != "cpu":
+            return None
+        es = kv.element_size()
+        per = kv.select(d, 0)
+        nbytes = per.numel() * es
+        if per.is_contiguous():
+            chunks = [(0, nbytes)]
+        elif d == 1 and all(per.select(0, i).is_contiguous() for i in range(per.shape[0])):
+            part = nbytes // per.shape[0]
+            chunks = [(i * kv.stride(0) * es, part) for i in range(per.shape[0])]
+        else:
+            return None
+        span = kv.untyped_storage().nbytes() - kv.storage_offset() * es
+        targets.append((kv.data_ptr(), span, kv.stride(d) * es, chunks))
+    return targets
 
 
 class KvmeshConnector(KVConnectorBase_V1):
@@ -282,7 +319,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         n = max(0, k) * self._block_size
         if n > 0:
             self._hit_source[rid] = CacheHitSource.P2P
-        return n, n > 0
+        # Layer-wise: a synchronous load, run inside the step that computes the suffix.
+        return n, n > 0 and self._s.load_mode == "async"
 
     def _local_hits(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """The run of the prompt's next blocks this server's CPU tier holds, as the worker last
@@ -427,8 +465,20 @@ class KvmeshConnector(KVConnectorBase_V1):
             serve_bytes_per_sec=s.serve_bytes_per_sec,
         )
         self._layers: list[tuple[torch.Tensor, int]] = []
+        self._layer_index: dict[str, int] = {}
+        # Per layer: its bytes' offset and length inside a tier block.
+        self._layer_bytes: list[tuple[int, int]] = []
+        # Per layer, what a layer-major pull needs to write into its tensor (None: the layout
+        # cannot be described, layer-wise loads then pull whole and copy).
+        self._layer_targets: list[tuple[int, int, int, list[tuple[int, int]]]] | None = None
         self._block_bytes = 0
         self._loading: dict[str, list[int]] = {}
+        # Layer-wise loads of this step: request -> block ids; those whose pull failed.
+        self._layer_loads: dict[str, list[int]] = {}
+        self._layer_failed: set[str] = set()
+        # This step's layer-by-layer save: (metadata it is for, hashes, block ids tensor,
+        # staging buffer, layers copied).
+        self._save_step: tuple[Any, list[int], torch.Tensor, torch.Tensor, set[int]] | None = None
         # Loads from this server's own tier, done in start_load_kv; reported at the next poll.
         self._loaded_locally: set[str] = set()
         self._load_errors: set[int] = set()
@@ -449,9 +499,18 @@ class KvmeshConnector(KVConnectorBase_V1):
                 dim = 1
             layers.append((kv, dim))
         self._layers = layers
-        self._block_bytes = sum(
-            kv.select(d, 0).numel() * kv.element_size() for kv, d in layers
-        )
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._layer_bytes = []
+        off = 0
+        for kv, d in layers:
+            nbytes = kv.select(d, 0).numel() * kv.element_size()
+            self._layer_bytes.append((off, nbytes))
+            off += nbytes
+        self._block_bytes = off
+        self._layer_targets = _layer_targets(layers)
+        if self._s.load_mode == "layerwise" and self._layer_targets is None:
+            logger.warning("kvmesh: load_mode layerwise, but the KV tensors' layout cannot be "
+                           "written block by block: pulls land whole, then are copied")
         kv0, d0 = layers[0]
         logger.info(
             "kvmesh: %d KV layers, layer shape %s (block dim %d, %s), %d bytes per block",
@@ -494,9 +553,50 @@ class KvmeshConnector(KVConnectorBase_V1):
             if not load.host:
                 self._load_locally(load)
                 continue
+            if self._s.load_mode == "layerwise":
+                self._start_layerwise(load)
+                continue
             self._loading[load.req_id] = load.block_ids
             self._node.start_pull(load.req_id, load.host, load.port, load.kv_request_id,
                                   load.hashes, self._block_bytes)
+
+    def _start_layerwise(self, load: _Load) -> None:
+        """A synchronous load: straight into the KV tensors, layer-major, waited for layer by
+        layer in ``wait_for_layer_load`` and ended in ``get_block_ids_with_load_errors``."""
+        if self._layer_targets is None:
+            self._load_whole_now(load)
+            return
+        try:
+            # The tensors in `_layer_targets` are `self._layers`, kept for the engine's life;
+            # the blocks are this request's, allocated for this load (the pointer contract of
+            # `start_layer_pull`). The pull ends before vLLM gets the blocks back.
+            self._node.start_layer_pull(load.req_id, load.host, load.port, load.kv_request_id,
+                                        load.hashes, self._layer_targets, load.block_ids)
+        except Exception:  # a bug here must cost a recompute, never the request
+            logger.exception("kvmesh: starting the layer-wise load of %s failed: recomputing",
+                             load.req_id)
+            self._load_errors.update(load.block_ids)
+            return
+        logger.info("kvmesh: layer-wise load of %d blocks for %s from %s:%d",
+                    len(load.block_ids), load.req_id, load.host, load.port)
+        self._layer_loads[load.req_id] = load.block_ids
+
+    def _load_whole_now(self, load: _Load) -> None:
+        """A synchronous load the tensors cannot take layer by layer: pull whole, then copy."""
+        self._node.start_pull(load.req_id, load.host, load.port, load.kv_request_id,
+                              load.hashes, self._block_bytes)
+        self._node.wait_pull(load.req_id, self._s.max_pull_ms + self._s.timeout_ms)
+        buf = self._blocks_buffer(len(load.block_ids))
+        res = self._node.poll_pull(load.req_id, buf.numpy())
+        blocks = res[0] if res is not None else 0
+        if blocks:
+            self._scatter(buf, load.block_ids[:blocks])
+        if blocks < len(load.block_ids):
+            logger.warning("kvmesh: load for %s got %d of %d blocks (%s): recomputing",
+                           load.req_id, blocks, len(load.block_ids),
+                           res[2] if res is not None else "unfinished")
+            self._load_errors.update(load.block_ids[blocks:])
+            self._node.forget(load.req_id)
 
     def _load_locally(self, load: _Load) -> None:
         buf = self._blocks_buffer(len(load.block_ids))
@@ -515,25 +615,104 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._loaded_locally.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        """Before layer ``layer_name``'s attention: wait for that layer of every layer-wise load
+        of this step, bounded by the pull's own deadline. A failed pull is not waited for again;
+        its blocks are reported as load errors when the step ends."""
+        if not self._layer_loads:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        bound = self._s.max_pull_ms + self._s.timeout_ms
+        for rid in self._layer_loads:
+            if rid in self._layer_failed:
+                continue
+            state = self._node.wait_layer(rid, layer, bound)
+            if state != "ready":
+                logger.warning("kvmesh: layer-wise load for %s: layer %d %s: recomputing", rid,
+                               layer, state)
+                self._layer_failed.add(rid)
+
+    def _end_layer_loads(self) -> None:
+        """Ends this step's layer-wise pulls (none writes into the KV tensors afterwards) and
+        reports what did not arrive whole as load errors."""
+        for rid, block_ids in self._layer_loads.items():
+            grace = 0 if rid in self._layer_failed else self._s.timeout_ms
+            try:
+                res = self._node.end_layer_pull(rid, grace)
+            except Exception:  # a bug here must cost a recompute, never the request
+                logger.exception("kvmesh: ending the layer-wise load of %s failed", rid)
+                res = None
+            blocks = res[0] if res is not None else 0
+            if blocks < len(block_ids):
+                logger.warning("kvmesh: layer-wise load for %s got %d of %d blocks (%s): "
+                               "recomputing", rid, blocks, len(block_ids),
+                               res[2] if res is not None else "unknown")
+                self._load_errors.update(block_ids[blocks:])
+        self._layer_loads.clear()
+        self._layer_failed.clear()
+
+    def _save_plan(self) -> tuple[Any, list[int], torch.Tensor, torch.Tensor, set[int]] | None:
+        """This step's blocks to save (those the tier lacks) and their staging buffer, made at
+        the step's first ``save_kv_layer``."""
+        meta = self._get_connector_metadata()
+        step = self._save_step
+        if step is not None and step[0] is meta:
+            return step
+        self._save_step = None
+        if not isinstance(meta, KvmeshConnectorMetadata) or not meta.saves:
+            return None
+        hashes = [h for sv in meta.saves for h in sv.hashes]
+        ids = [b for sv in meta.saves for b in sv.block_ids]
+        # Empty when the tier holds them all: remembered for the step all the same.
+        missing = self._node.missing(hashes)
+        kv0 = self._layers[0][0]
+        ids_t = torch.tensor([ids[i] for i in missing], dtype=torch.long, device=kv0.device)
+        staging = self._blocks_buffer(len(missing))
+        self._save_step = (meta, [hashes[i] for i in missing], ids_t, staging, set())
+        return self._save_step
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        # Whole blocks are copied once per step, in wait_for_save.
-        return
+        """After layer ``layer_name``'s attention wrote this step's KV: copy that layer's part of
+        the step's new full blocks into the staging buffer (the rest of the step's compute
+        follows; ``wait_for_save`` only hands the staged blocks to the tier)."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._layers:
+            return
+        step = self._save_plan()
+        if step is None:
+            return
+        _, _, ids_t, staging, done = step
+        done.add(layer)
+        if not len(ids_t):
+            return
+        kv, d = self._layers[layer]
+        off, nbytes = self._layer_bytes[layer]
+        sel = kv.index_select(d, ids_t).movedim(d, 0).reshape(len(ids_t), -1)
+        staging[:, off:off + nbytes].copy_(sel.view(torch.uint8).cpu())
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvmeshConnectorMetadata)
+        step, self._save_step = self._save_step, None
         if not meta.saves or not self._layers:
             return
-        hashes = [h for s in meta.saves for h in s.hashes]
-        ids = [b for s in meta.saves for b in s.block_ids]
-        missing = self._node.missing(hashes)
-        if not missing:
-            return
-        data = self._gather([ids[i] for i in missing])
-        stored, rejected = self._node.insert_blocks([hashes[i] for i in missing], data.numpy())
+        if step is not None and step[0] is meta and len(step[4]) == len(self._layers):
+            hashes, data = step[1], step[3]
+            if not hashes:
+                return
+        else:
+            # Not every layer went through save_kv_layer (e.g. a step without attention
+            # metadata): copy the blocks whole now.
+            hashes = [h for sv in meta.saves for h in sv.hashes]
+            ids = [b for sv in meta.saves for b in sv.block_ids]
+            missing = self._node.missing(hashes)
+            if not missing:
+                return
+            data = self._gather([ids[i] for i in missing])
+            hashes = [hashes[i] for i in missing]
+        stored, rejected = self._node.insert_blocks(hashes, data.numpy())
         self._stored.extend(stored)
         if rejected:
             logger.warning("kvmesh: cpu tier full of pinned blocks, %d blocks not kept", rejected)
@@ -572,6 +751,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # The step's forward is over: its layer-wise pulls end here, before vLLM reads the
+        # errors (it calls this after every step with a connector).
+        self._end_layer_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -581,4 +763,6 @@ class KvmeshConnector(KVConnectorBase_V1):
             publisher.shutdown()
         node = getattr(self, "_node", None)
         if node is not None:
+            if getattr(self, "_layer_loads", None):
+                self._end_layer_loads()
             node.shutdown()

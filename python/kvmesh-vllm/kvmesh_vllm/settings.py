@@ -69,6 +69,14 @@ def peer_list(v: Any, key: str) -> list[str]:
     raise ValueError(f"kvmesh connector: {key} must be a list of host[:port] strings, not {v!r}")
 
 
+def load_mode(v: Any) -> str:
+    """One of ``LOAD_MODES`` (see ``Settings.load_mode``)."""
+    if v not in LOAD_MODES:
+        raise ValueError(f"kvmesh connector: load_mode must be one of {list(LOAD_MODES)}, "
+                         f"not {v!r}")
+    return str(v)
+
+
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 
 # Every key of ``kv_connector_extra_config`` the connector reads (a misspelt key is refused,
@@ -77,8 +85,10 @@ KNOWN_KEYS = {
     "p2p_host", "p2p_port", "cpu_bytes", "allowed_peers", "allowed_consumers",
     "p2p_secret_file", "timeout_ms", "max_pull_ms", "poll_wait_ms", "serve_bytes_per_sec",
     "metrics_port", "model_id", "load_failure_policy", "events_endpoint", "events_topic",
-    "events_replay_endpoint", "local_reuse",
+    "events_replay_endpoint", "local_reuse", "load_mode",
 }
+
+LOAD_MODES = ("async", "layerwise")
 
 
 class Settings:
@@ -126,6 +136,13 @@ class Settings:
         self.events_replay_endpoint: str | None = extra.get("events_replay_endpoint") or None
         # Requests with no source named reuse this server's own CPU tier (default on).
         self.local_reuse: bool = bool(extra.get("local_reuse", True))
+        # How a pulled prefix reaches vLLM (docs/vllm.md#load-modes). `async` (default): the
+        # request waits outside the batch until the whole prefix arrived, then computes; a slow
+        # or dying peer delays only that request. `layerwise`: the request runs at once and each
+        # layer's attention waits for that layer's KV (written straight into vLLM's KV
+        # tensors), so the pull overlaps compute, but a slow pull stalls the whole step, every
+        # request in the batch, up to `max_pull_ms`.
+        self.load_mode: str = load_mode(extra.get("load_mode", "async"))
         remote = [p for p in self.allowed_peers if not p.startswith(_LOOPBACK)]
         if self.p2p_host.startswith(_LOOPBACK) and remote:
             logger.warning(

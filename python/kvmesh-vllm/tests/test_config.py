@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh_vllm.settings import KNOWN_KEYS, parse_bytes, peer_list
+from kvmesh_vllm.settings import KNOWN_KEYS, load_mode, parse_bytes, peer_list
 
 
 @pytest.mark.parametrize("text, want", [
@@ -36,3 +36,11 @@ def test_peers_are_a_list_or_one_comma_separated_string():
 def test_the_issue_s_keys_are_known():
     for key in ("p2p_port", "cpu_bytes", "allowed_peers", "events_endpoint"):
         assert key in KNOWN_KEYS
+
+
+def test_load_mode_is_async_or_layerwise():
+    assert load_mode("async") == "async"
+    assert load_mode("layerwise") == "layerwise"
+    for bad in ("layer", "", None, True):
+        with pytest.raises(ValueError, match="load_mode"):
+            load_mode(bad)

@@ -244,7 +244,9 @@ def assert_same_answer(got: dict, want: dict) -> None:
 def servers(tmp_path_factory):
     work = tmp_path_factory.mktemp("kvmesh-vllm")
     model = tiny_model.build(str(work / "tiny-llama"))
-    a = Server("A", model, str(work), allowed_peers=["127.0.0.1"])
+    # A loads pulled prefixes layer by layer (load_mode layerwise), B whole (the default).
+    a = Server("A", model, str(work), allowed_peers=["127.0.0.1"],
+               extra_config={"load_mode": "layerwise"})
     # B's tier holds 12 blocks, so the tests that make it compute evict from it; its CPU-tier
     # events also go to a publisher of their own (events_endpoint).
     b = Server("B", model, str(work), allowed_peers=["127.0.0.1"], extra_config={
@@ -577,33 +579,40 @@ def test_3_holder_killed_during_the_pull_recomputes(servers):
         n0 = {r: b.kvmesh_worker_metric("kvmesh_p2p_pulls_total", reason=r) for r in reasons}
         hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
         in0 = b.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="in")
+        a_n0 = a.kvmesh_worker_metric("kvmesh_p2p_pulls_total", reason="peer_closed")
         result: dict = {}
 
-        def ask() -> None:
+        def ask(server: Server, key: str) -> None:
             try:
-                result["got"] = b.complete(prompt, remote(h))
+                result[key] = server.complete(prompt, remote(h))
             except BaseException as e:  # noqa: BLE001 (reported by the main thread)
-                result["error"] = e
+                result[f"{key} error"] = e
 
         t0 = time.time()
-        asker = threading.Thread(target=ask, daemon=True)
-        asker.start()
-        # The pull is under way once H's producer has sent a block of it.
-        out, deadline = 0.0, time.time() + 60
-        while time.time() < deadline and asker.is_alive():
+        # B pulls whole (async), A layer by layer (layerwise), both from H at once.
+        askers = [threading.Thread(target=ask, args=(s, k), daemon=True)
+                  for s, k in ((b, "got"), (a, "layerwise"))]
+        for t in askers:
+            t.start()
+        # Both pulls are under way once H serves two fetches and has sent a block of B's (a
+        # layer-major fetch counts its blocks when it ends).
+        out, fetches, deadline = 0.0, 0.0, time.time() + 60
+        while time.time() < deadline and all(t.is_alive() for t in askers):
             out = h.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out")
-            if out >= 1:
+            fetches = h.kvmesh_worker_metric("kvmesh_p2p_fetches_served_total")
+            if out >= 1 and fetches >= 2:
                 break
             time.sleep(0.05)
-        fetches = h.kvmesh_worker_metric("kvmesh_p2p_fetches_served_total")
         h.kill()
         killed_at = time.time() - t0
         assert 1 <= out < 8, f"H had sent {out} blocks when killed (want mid-pull)"
-        assert fetches == 1
-        asker.join(REQUEST_S)
-        assert not asker.is_alive(), "B did not answer"
-        if "error" in result:
-            raise result["error"]
+        assert fetches == 2
+        for t in askers:
+            t.join(REQUEST_S)
+            assert not t.is_alive(), "B or A did not answer"
+        for key in ("got error", "layerwise error"):
+            if key in result:
+                raise result[key]
         took = time.time() - t0
 
         n1 = {r: b.kvmesh_worker_metric("kvmesh_p2p_pulls_total", reason=r) for r in reasons}
@@ -621,6 +630,15 @@ def test_3_holder_killed_during_the_pull_recomputes(servers):
         with open(b.log_path) as f:
             assert "recomputing" in f.read(), "B's worker reported no load error to vLLM"
         assert_same_answer(result["got"], cold)
+        # A's layer-wise load died mid-layer: its blocks went through the same load-error path
+        # (vLLM dropped that step's output and recomputed), counted by reason.
+        a_n1 = a.kvmesh_worker_metric("kvmesh_p2p_pulls_total", reason="peer_closed")
+        assert a_n1 == a_n0 + 1, (a_n0, a_n1)
+        with open(a.log_path) as f:
+            log = f.read()
+        assert "layer-wise load for" in log and "recomputing" in log, \
+            "A's worker reported no layer-wise load error to vLLM"
+        assert_same_answer(result["layerwise"], cold)
     finally:
         h.kill()
 
@@ -827,3 +845,32 @@ def test_7_evictions_from_a_full_tier_are_announced_on_events_endpoint(servers):
     assert stored >= 16 and removed >= 4, (stored, removed)
     assert b.kvmesh_worker_metric("kvmesh_cpu_tier_used_bytes") <= 12 * TINY_BLOCK_BYTES
     assert b.kvmesh_worker_metric("kvmesh_cpu_tier_blocks") <= 12
+
+
+def test_8_layerwise_pull_equals_recompute(servers):
+    """A (load_mode layerwise) pulls B's prefix layer-major straight into its KV tensors while
+    it computes the suffix: same greedy output and logprobs as A's own cold run."""
+    a, b = servers
+    prefix = tokens(140, 8 * BLOCK)
+    s1, s2 = tokens(141, 20), tokens(142, 20)
+    b.complete(prefix + s1)  # B computes and keeps the prefix
+    cold = a.complete(prefix + s2)
+    a.reset_prefix_cache()
+    hits0 = a.vllm_metric("vllm:external_prefix_cache_hits_total")
+    pulled0 = a.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="in")
+    served0 = b.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out")
+    complete0 = a.kvmesh_worker_metric("kvmesh_p2p_pulls_total", outcome="complete")
+    t0 = time.time()
+    warm = a.complete(prefix + s2, remote(b))
+    took = time.time() - t0
+    hits = a.vllm_metric("vllm:external_prefix_cache_hits_total") - hits0
+    pulled = a.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="in") - pulled0
+    served = b.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out") - served0
+    print(f"\nlayer-wise pull: {hits:.0f} external hit tokens, {pulled:.0f} blocks in on A, "
+          f"{served:.0f} out of B, request {took:.2f}s")
+    assert hits == 8 * BLOCK, f"external hits {hits}, want {8 * BLOCK}"
+    assert pulled == 8 and served == 8
+    assert a.kvmesh_worker_metric("kvmesh_p2p_pulls_total", outcome="complete") == complete0 + 1
+    with open(a.log_path) as f:
+        assert "layer-wise load of 8 blocks" in f.read(), "A did not load layer by layer"
+    assert_same_answer(warm, cold)
