@@ -9,7 +9,7 @@ mod hostile_common;
 
 use std::time::{Duration, Instant};
 
-use hostile_common::{Proc, metric, router, spawn};
+use hostile_common::{Proc, metric, router, sim_engine_args, spawn};
 use serde_json::json;
 
 /// The router's idle timeout between upstream chunks in this test.
@@ -58,21 +58,7 @@ async fn open_stream(base: &str, prompt: &str, max_tokens: u32) -> (String, reqw
 /// A sim engine at the modelled speed (time scale 1): a long completion streams for tens of
 /// seconds. Returns it and its HTTP base URL.
 async fn slow_sim_engine(dir: &std::path::Path) -> (Proc, String) {
-    let args: Vec<String> = [
-        "engine",
-        "--port",
-        "0",
-        "--backend",
-        "sim",
-        "--served-model-name",
-        "sim",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        "4096",
-    ]
-    .map(str::to_owned)
-    .to_vec();
+    let args = sim_engine_args("1");
     let (proc, found) = spawn("engine", &args, &["kvmesh engine listening on "], dir).await;
     (proc, found[0].clone())
 }

@@ -117,10 +117,10 @@ pub async fn spawn(
     (proc, found.into_iter().map(Option::unwrap).collect())
 }
 
-/// A sim engine (`--time-scale 100`, 16-token blocks) with `extra` arguments; returns it and its
-/// HTTP base URL.
-pub async fn sim_engine(extra: &[&str], dir: &Path) -> (Proc, String) {
-    let mut args: Vec<String> = [
+/// The arguments of a sim engine on port 0 with 16-token blocks at `time_scale` (`1` = the
+/// modelled speed, so a long completion streams for tens of seconds).
+pub fn sim_engine_args(time_scale: &str) -> Vec<String> {
+    [
         "engine",
         "--port",
         "0",
@@ -133,10 +133,16 @@ pub async fn sim_engine(extra: &[&str], dir: &Path) -> (Proc, String) {
         "--num-gpu-blocks",
         "4096",
         "--time-scale",
-        "100",
+        time_scale,
     ]
     .map(str::to_owned)
-    .to_vec();
+    .to_vec()
+}
+
+/// A sim engine (`--time-scale 100`, 16-token blocks) with `extra` arguments; returns it and its
+/// HTTP base URL.
+pub async fn sim_engine(extra: &[&str], dir: &Path) -> (Proc, String) {
+    let mut args = sim_engine_args("100");
     args.extend(extra.iter().map(|s| (*s).to_owned()));
     let (proc, found) = spawn("engine", &args, &["kvmesh engine listening on "], dir).await;
     (proc, found[0].clone())
@@ -155,25 +161,8 @@ pub async fn sim_engine_with_events(
     if let (Some(c), Some(e)) = (config.as_object_mut(), events.as_object()) {
         c.extend(e.clone());
     }
-    let args: Vec<String> = [
-        "engine",
-        "--port",
-        "0",
-        "--backend",
-        "sim",
-        "--served-model-name",
-        "sim",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        "4096",
-        "--time-scale",
-        "100",
-        "--kv-events-config",
-        &config.to_string(),
-    ]
-    .map(str::to_owned)
-    .to_vec();
+    let mut args = sim_engine_args("100");
+    args.extend(["--kv-events-config".to_owned(), config.to_string()]);
     let (proc, found) = spawn(
         "engine",
         &args,
