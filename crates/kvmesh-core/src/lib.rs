@@ -12,6 +12,7 @@ pub mod exposition;
 pub mod fingerprint;
 pub mod hashing;
 pub mod lax;
+pub mod load_report;
 pub mod prompt;
 pub mod sse;
 pub mod transfer_params;

@@ -6,16 +6,17 @@
 //! response stream (client gone) drops the [`SeqStream`], which aborts the request.
 
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvmesh_core::chat::Messages;
+use kvmesh_core::load_report::{ROUTER_MARK_HEADER, RouterMark};
 use kvmesh_core::prompt::{
     self, BoundedValue, BoundedVec, MAX_STOP, MAX_TRANSFER_VALUES, Prompt, PromptError,
     StringOrList,
@@ -29,6 +30,7 @@ use kvmesh_core::lax;
 
 use crate::compute::SamplingParams;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo, SeqOutput, SeqStream, SubmitError};
+use crate::load_report::{LoadTracker, RequestLoad};
 use crate::prefetch::{PrefetchRequest, Prefetcher};
 use crate::request_hook::RequestHook;
 
@@ -44,6 +46,8 @@ pub struct ApiState {
     pub max_token_bytes: usize,
     /// The HTTP server's own counters (`kvmesh_http_*`), appended to `/metrics`.
     pub http_stats: Option<kvmesh_http::HttpStats>,
+    /// The work in flight, as published to the routers (`crate::load_report`).
+    pub load: Arc<LoadTracker>,
 }
 
 impl ApiState {
@@ -56,6 +60,7 @@ impl ApiState {
             created: unix_now(),
             max_token_bytes,
             http_stats: None,
+            load: Arc::default(),
         }
     }
 }
@@ -863,18 +868,27 @@ fn check_text_fits(s: &ApiState, text: &str, param: &'static str) -> Result<(), 
     ))
 }
 
-async fn completions(State(s): State<ApiState>, body: Bytes) -> Response {
+async fn completions(State(s): State<ApiState>, headers: HeaderMap, body: Bytes) -> Response {
     match parse_off_thread(&s, body, parse_completion).await {
-        Ok(job) => run_job(s, job).await,
+        Ok(job) => run_job(s, job, &headers).await,
         Err(e) => fail(&s, e),
     }
 }
 
-async fn chat_completions(State(s): State<ApiState>, body: Bytes) -> Response {
+async fn chat_completions(State(s): State<ApiState>, headers: HeaderMap, body: Bytes) -> Response {
     match parse_off_thread(&s, body, parse_chat).await {
-        Ok(job) => run_job(s, job).await,
+        Ok(job) => run_job(s, job, &headers).await,
         Err(e) => fail(&s, e),
     }
+}
+
+/// The router replica's mark on a request, if it carries a valid one (a bad one only costs the
+/// replica its share of the load report: the request is served).
+fn router_mark(headers: &HeaderMap) -> Option<RouterMark> {
+    let value = headers.get(ROUTER_MARK_HEADER)?.to_str().ok()?;
+    RouterMark::parse(value)
+        .inspect_err(|e| tracing::debug!(error = %e, "ignoring a bad router mark"))
+        .ok()
 }
 
 /// Incremental detokenization with stop strings: text is released only when it can no longer
@@ -1057,15 +1071,22 @@ fn stopped_reason(engine: &EngineHandle) -> String {
         .unwrap_or_else(|| "engine compute loop stopped".to_owned())
 }
 
-async fn run_job(s: ApiState, job: Job) -> Response {
+async fn run_job(s: ApiState, job: Job, headers: &HeaderMap) -> Response {
+    // Counted from here, before any pull: a router deciding now must see this request.
+    let load = s.load.begin(
+        router_mark(headers).as_ref(),
+        job.prompt.len(),
+        job.req.max_tokens,
+        Instant::now(),
+    );
     let (job, stream) = match submit(&s, job).await {
         Ok(x) => x,
         Err(e) => return fail(&s, e),
     };
     if job.stream {
-        stream_response(s, job, stream)
+        stream_response(s, job, stream, load)
     } else {
-        full_response(s, job, stream).await
+        full_response(s, job, stream, load).await
     }
 }
 
@@ -1075,13 +1096,15 @@ async fn drive(
     engine: &EngineHandle,
     stream: &mut SeqStream,
     detok: &mut Detok,
+    load: &mut RequestLoad,
     mut on_text: impl FnMut(String),
 ) -> Result<(FinishInfo, usize), String> {
     let mut completion_tokens = 0usize;
     loop {
         match stream.recv().await {
-            Some(SeqOutput::Started { .. }) => {}
+            Some(SeqOutput::Started { cached_tokens, .. }) => load.started(cached_tokens),
             Some(SeqOutput::Token(t)) => {
+                load.first_token();
                 completion_tokens += 1;
                 let text = detok.push(engine.tokenizer().as_ref(), t);
                 if !text.is_empty() {
@@ -1117,11 +1140,20 @@ async fn drive(
     }
 }
 
-async fn full_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
+async fn full_response(
+    s: ApiState,
+    job: Job,
+    mut stream: SeqStream,
+    mut load: RequestLoad,
+) -> Response {
     let mut detok = Detok::new(job.stop.clone());
     let mut text = String::new();
     let (mut info, completion_tokens) =
-        match drive(&s.engine, &mut stream, &mut detok, |t| text.push_str(&t)).await {
+        match drive(&s.engine, &mut stream, &mut detok, &mut load, |t| {
+            text.push_str(&t)
+        })
+        .await
+        {
             Ok(x) => x,
             Err(e) => return fail(&s, ApiError::unavailable(e)),
         };
@@ -1170,7 +1202,12 @@ fn fix_stop_info(info: &mut FinishInfo, job: &Job, stream: &SeqStream) {
     }
 }
 
-fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
+fn stream_response(
+    s: ApiState,
+    job: Job,
+    mut stream: SeqStream,
+    mut load: RequestLoad,
+) -> Response {
     let engine = s.engine.clone();
     let hook = s.request_hook.clone();
     let events = async_stream::stream! {
@@ -1190,8 +1227,9 @@ fn stream_response(s: ApiState, job: Job, mut stream: SeqStream) -> Response {
         let mut completion_tokens = 0usize;
         let result: Result<FinishInfo, String> = loop {
             match stream.recv().await {
-                Some(SeqOutput::Started { .. }) => {}
+                Some(SeqOutput::Started { cached_tokens, .. }) => load.started(cached_tokens),
                 Some(SeqOutput::Token(t)) => {
+                    load.first_token();
                     completion_tokens += 1;
                     let text = detok.push(engine.tokenizer().as_ref(), t);
                     if detok.matched.is_some() {

@@ -13,6 +13,7 @@ pub mod cpu_tier;
 pub mod engine;
 pub mod link;
 pub mod link_pacer;
+pub mod load_report;
 pub mod metrics;
 pub mod outbox;
 pub mod p2p;

@@ -44,6 +44,8 @@ pub struct EventPublishing {
     /// Whether the PUB socket bound `endpoint` or connects to it (vLLM's rule: only `*` binds).
     pub mode: Option<EndpointMode>,
     pub replay_endpoint: Option<String>,
+    /// The publisher, for side messages (load reports); None when events are off.
+    pub handle: Option<PublisherHandle>,
 }
 
 /// The endpoint subscribers should connect to, for a PUB socket that bound `bound`
@@ -74,6 +76,7 @@ pub async fn start_event_publisher(
             endpoint: None,
             mode: None,
             replay_endpoint: None,
+            handle: None,
         });
     };
     let mut pc = PublisherConfig::new(cfg.endpoint.clone(), cfg.topic.clone());
@@ -93,10 +96,13 @@ pub async fn start_event_publisher(
     let replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
     let handle = publisher.spawn(cancel);
     Ok(EventPublishing {
-        sink: Arc::new(PublisherSink { handle }),
+        sink: Arc::new(PublisherSink {
+            handle: handle.clone(),
+        }),
         endpoint,
         mode,
         replay_endpoint,
+        handle: Some(handle),
     })
 }
 

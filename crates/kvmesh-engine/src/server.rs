@@ -20,6 +20,7 @@ use crate::compute::sim::{SimBackend, SimConfig, SimH2d};
 use crate::compute::sim_link::SimLink;
 use crate::config::{AdvertisedAddr, ConfigError, EngineConfig, host_port};
 use crate::engine::{Engine, EngineHandle, build_engine};
+use crate::load_report::spawn_reporter;
 use crate::p2p::{Handoffs, P2pConsumer, P2pHook, start_producer};
 use crate::pd::PdHook;
 use crate::prefetch::Prefetcher;
@@ -194,6 +195,7 @@ pub async fn start_server(
         start_event_publisher(config.kv_events.as_ref(), background.child_token()).await?;
     let p2p_port = config.p2p.port;
     let host = config.host.clone();
+    let reports = publishing.handle.clone();
     let core = build_engine(config, backend, tokenizer, publishing.sink)?;
     let engine = core.handle.clone();
     // Which P/D reader each retained block is kept for: the P/D hook records, the producer
@@ -250,6 +252,9 @@ pub async fn start_server(
     };
     state.request_hook = Some(options.request_hook.unwrap_or_else(default_hook));
     state.http_stats = Some(options.http_stats.clone());
+    if let Some(publisher) = reports {
+        spawn_reporter(Arc::clone(&state.load), publisher, background.child_token());
+    }
     let app = router(state);
     let (stop, after) = (cancel.clone(), background.clone());
     let http = tokio::spawn(async move {

@@ -109,7 +109,10 @@ struct Hub {
 }
 
 impl Hub {
-    fn deliver(&mut self, topic: &Bytes, wire: Bytes) {
+    /// Hands `wire` to every peer subscribed to `topic`; with no such peer, a connect-mode
+    /// publisher keeps it for the first subscriber if `buffer` (KV events), or drops it (side
+    /// messages, stale by then).
+    fn deliver(&mut self, topic: &Bytes, wire: Bytes, buffer: bool) {
         let mut wanted = false;
         for peer in self.peers.iter().filter(|p| p.wants(topic)) {
             wanted = true;
@@ -120,7 +123,7 @@ impl Hub {
                     .fetch_add(1, Ordering::Relaxed);
             }
         }
-        if !wanted && self.buffer_when_alone {
+        if !wanted && self.buffer_when_alone && buffer {
             self.pending_bytes += wire.len();
             self.pending.push_back((topic.clone(), wire));
             while self.pending.len() > CONNECT_BUFFER_MESSAGES
@@ -381,7 +384,7 @@ impl Publisher {
             Bytes::copy_from_slice(&seq.to_be_bytes()),
             payload,
         ]);
-        self.hub.lock().deliver(&self.topic, wire);
+        self.hub.lock().deliver(&self.topic, wire, true);
         Ok(seq)
     }
 
@@ -395,7 +398,7 @@ impl Publisher {
             });
         };
         let wire = encode_message(&parts);
-        self.hub.lock().deliver(&topic, wire);
+        self.hub.lock().deliver(&topic, wire, true);
         Ok(())
     }
 
@@ -407,6 +410,8 @@ impl Publisher {
             tx,
             skipped: self.skipped.clone(),
             refused: Arc::new(AtomicU64::new(0)),
+            hub: self.hub.clone(),
+            side_seq: Arc::new(AtomicU64::new(0)),
         };
         let errors = handle.refused.clone();
         tokio::spawn(async move {
@@ -722,6 +727,9 @@ pub struct PublisherHandle {
     tx: mpsc::Sender<EventBatch>,
     skipped: Arc<AtomicU64>,
     refused: Arc<AtomicU64>,
+    /// Side messages go straight to the peers' queues (see [`Self::send_side`]).
+    hub: Arc<Mutex<Hub>>,
+    side_seq: Arc<AtomicU64>,
 }
 
 impl PublisherHandle {
@@ -742,6 +750,26 @@ impl PublisherHandle {
     /// Batches dropped because the queue was full or the socket failed.
     pub fn dropped(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Sends `[topic, seq, payload]` now to the subscribers of `topic` connected now, with its
+    /// own sequence numbers (from 0, shared by every side topic of this publisher). A side
+    /// message is state that the next one replaces (a load report), so it is never kept for
+    /// replay nor buffered for a subscriber that is not there yet, and it never takes a KV-event
+    /// sequence number. False when it was not sent (larger than the message bound).
+    pub fn send_side(&self, topic: &str, payload: Bytes) -> bool {
+        if payload.len() + topic.len() + 8 > MAX_EVENT_MESSAGE {
+            return false;
+        }
+        let seq = self.side_seq.fetch_add(1, Ordering::Relaxed);
+        let topic = Bytes::copy_from_slice(topic.as_bytes());
+        let wire = encode_message(&[
+            topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ]);
+        self.hub.lock().deliver(&topic, wire, false);
+        true
     }
 }
 

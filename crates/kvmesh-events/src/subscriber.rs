@@ -43,6 +43,10 @@ pub struct SubscriberConfig {
     pub bind: bool,
     /// Topic prefix to subscribe to (`""` = everything), ZMQ prefix semantics.
     pub topic: String,
+    /// Topics of side messages (e.g. load reports) to subscribe to as well: a message whose
+    /// topic is exactly one of these is handed over undecoded as [`SubscriberItem::Side`],
+    /// outside the KV events' sequence checks.
+    pub side_topics: Vec<String>,
     /// The publisher's replay endpoint; when set, gaps are filled from it before being reported.
     pub replay_endpoint: Option<String>,
     /// When bound: the source networks publishers may connect from (`None`: any address, within
@@ -57,6 +61,7 @@ impl SubscriberConfig {
             endpoint: endpoint.into(),
             bind: false,
             topic: String::new(),
+            side_topics: Vec::new(),
             replay_endpoint: None,
             allowed_peers: None,
         }
@@ -95,6 +100,9 @@ pub enum SubscriberItem {
         last_seq: u64,
         new_seq: u64,
     },
+    /// A message on one of [`SubscriberConfig::side_topics`], as sent (bounded by the frame
+    /// limits of every message).
+    Side { topic: String, payload: Bytes },
     /// A message that could not be parsed or decoded; skipped.
     Malformed { seq: Option<u64>, error: String },
     /// A socket-level problem; the task keeps retrying.
@@ -259,14 +267,17 @@ async fn run(
             Incoming::Error(error) => vec![SubscriberItem::Error { error }],
             Incoming::Message(parts, _permit) => {
                 stats.inner.messages.fetch_add(1, Ordering::Relaxed);
-                if !parts
+                if let Some(side) = side_item(&config, &parts) {
+                    vec![side]
+                } else if !parts
                     .first()
                     .is_some_and(|t| t.starts_with(config.topic.as_bytes()))
                 {
                     stats.inner.filtered.fetch_add(1, Ordering::Relaxed);
                     continue;
+                } else {
+                    handle_message(parts, &config, &mut tracker, &stats).await
                 }
-                handle_message(parts, &config, &mut tracker, &stats).await
             }
         };
         for item in items {
@@ -278,6 +289,26 @@ async fn run(
             }
         }
     }
+}
+
+/// The message as a [`SubscriberItem::Side`] if its topic is one of the side topics: `[topic,
+/// seq, payload]` (a message of another shape is malformed).
+fn side_item(config: &SubscriberConfig, parts: &[Bytes]) -> Option<SubscriberItem> {
+    let topic = parts.first()?;
+    let name = config
+        .side_topics
+        .iter()
+        .find(|t| t.as_bytes() == topic.as_ref())?;
+    Some(match parts {
+        [_, seq, payload] if seq.len() == 8 => SubscriberItem::Side {
+            topic: name.clone(),
+            payload: payload.clone(),
+        },
+        _ => SubscriberItem::Malformed {
+            seq: None,
+            error: format!("{name} message of {} parts", parts.len()),
+        },
+    })
 }
 
 /// Owns the socket: binds and accepts publishers, or connects and reconnects.
@@ -460,6 +491,16 @@ async fn read_publisher(
         .await
     {
         return Ended::Refused(e.into());
+    }
+    // A side topic the main subscription already covers (a prefix of it) needs no subscription.
+    for side in config
+        .side_topics
+        .iter()
+        .filter(|t| !t.starts_with(config.topic.as_str()))
+    {
+        if let Err(e) = stream.write_all(&subscribe_message(side.as_bytes())).await {
+            return Ended::Refused(e.into());
+        }
     }
     let limits = Limits {
         max_frame: MAX_EVENT_FRAME,

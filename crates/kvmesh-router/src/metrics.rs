@@ -39,6 +39,12 @@ pub struct EndpointLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointOutcome {
+    pub endpoint: String,
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PairLabel {
     pub source: String,
     pub dest: String,
@@ -61,6 +67,9 @@ pub struct RouterMetrics {
     in_flight_uncached: Family<EndpointLabel, Gauge>,
     in_flight_decode: Family<EndpointLabel, Gauge>,
     in_flight_context_blocks: Family<EndpointLabel, Gauge>,
+    /// Engine load reports received, by endpoint and outcome (accepted, malformed, flood).
+    pub load_reports: Family<EndpointOutcome, Counter>,
+    load_shared: Family<EndpointLabel, Gauge>,
     gpu_capacity: Family<EndpointLabel, FloatGauge>,
     decode_seconds: Family<EndpointLabel, FloatGauge>,
     waiting: Family<EndpointLabel, FloatGauge>,
@@ -116,6 +125,8 @@ impl RouterMetrics {
             in_flight_uncached: Family::default(),
             in_flight_decode: Family::default(),
             in_flight_context_blocks: Family::default(),
+            load_reports: Family::default(),
+            load_shared: Family::default(),
             gpu_capacity: Family::default(),
             decode_seconds: Family::default(),
             waiting: Family::default(),
@@ -195,6 +206,16 @@ impl RouterMetrics {
             m.in_flight_context_blocks.clone(),
         );
         r.register(
+            "kvmesh_router_load_reports",
+            "Engine load reports (kvmesh.load on the KV-event socket) by endpoint and outcome: accepted, malformed, flood (closer than 2 ms to the last)",
+            m.load_reports.clone(),
+        );
+        r.register(
+            "kvmesh_router_endpoint_load_shared",
+            "1 while the endpoint's in-flight figures include every router replica's work (a fresh engine load report), 0 when this replica falls back to its own view",
+            m.load_shared.clone(),
+        );
+        r.register(
             "kvmesh_router_endpoint_gpu_capacity_tokens",
             "Scraped vllm:cache_config_info num_gpu_blocks x block_size",
             m.gpu_capacity.clone(),
@@ -265,6 +286,7 @@ impl RouterMetrics {
             &self.in_flight_uncached,
             &self.in_flight_decode,
             &self.in_flight_context_blocks,
+            &self.load_shared,
             &self.healthy,
             &self.events_silent,
             &self.block_size_mismatch,
@@ -301,6 +323,11 @@ impl RouterMetrics {
             self.in_flight_context_blocks
                 .get_or_create(&l)
                 .set(clamp(load.context_blocks));
+            if e.spec.kv_events.is_some() {
+                self.load_shared
+                    .get_or_create(&l)
+                    .set(i64::from(load.shared));
+            }
             if let Some(ms) = e.load.decode_ms_per_token() {
                 self.decode_seconds.get_or_create(&l).set(ms / 1000.0);
             }

@@ -53,6 +53,63 @@ pub struct RouterOptions {
     pub discovery: DiscoveryOverrides,
 }
 
+/// This replica's id in the marks it puts on requests: `prefix` (the pod name under Kubernetes)
+/// cut to the characters and length a mark allows, and a random suffix, so a restarted replica
+/// never inherits the sequence numbers of the one before it.
+pub(crate) fn replica_id(prefix: Option<&str>) -> String {
+    let prefix: String = prefix
+        .unwrap_or("router")
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        .take(40)
+        .collect();
+    let prefix = if prefix.is_empty() { "router" } else { &prefix };
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}-{}", &suffix[..8])
+}
+
+/// Takes engines' load reports (see `crate::fleet::load`): decoded and bounded, counted per
+/// endpoint and outcome; an accepted one wakes the admission queue (capacity may have freed).
+fn load_report_sink(
+    endpoints: Arc<EndpointSet>,
+    metrics: Arc<RouterMetrics>,
+    admission_queue: Option<Arc<crate::route::admission_queue::AdmissionQueue>>,
+    replica_id: Arc<str>,
+) -> crate::fleet::indexer::LoadReportSink {
+    Arc::new(move |id, payload| {
+        let Some(e) = endpoints.list().iter().find(|e| e.id == id).cloned() else {
+            return;
+        };
+        let outcome = match kvmesh_core::load_report::LoadReport::decode(payload) {
+            Err(err) => {
+                tracing::debug!(endpoint = %e.name, error = %err, "load report refused");
+                "malformed"
+            }
+            Ok(report) => {
+                match e
+                    .load
+                    .accept_report(&report, &replica_id, std::time::Instant::now())
+                {
+                    Ok(()) => {
+                        if let Some(q) = &admission_queue {
+                            q.wake();
+                        }
+                        "accepted"
+                    }
+                    Err(crate::fleet::load::ReportRefused::Flood) => "flood",
+                }
+            }
+        };
+        metrics
+            .load_reports
+            .get_or_create(&crate::metrics::EndpointOutcome {
+                endpoint: e.name.to_string(),
+                outcome,
+            })
+            .inc();
+    })
+}
+
 /// A running router.
 pub struct RouterHandle {
     pub addr: SocketAddr,
@@ -165,6 +222,15 @@ pub async fn start(
     let metrics = Arc::new(RouterMetrics::register(&mut registry));
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
+    let endpoints = Arc::new(EndpointSet::default());
+    let admission_queue = config.admission_queue.clone().map(|c| {
+        Arc::new(crate::route::admission_queue::AdmissionQueue::new(
+            c,
+            &mut registry,
+        ))
+    });
+    let replica_id: Arc<str> = Arc::from(replica_id(std::env::var("HOSTNAME").ok().as_deref()));
+    tracing::info!(replica = %replica_id, "router replica id (marks every forwarded request)");
     let (prefix, feed): (Arc<dyn PrefixLookup>, Arc<dyn EventFeed>) = match opts.prefix {
         Some(p) => (p, Arc::new(NoEvents)),
         None => {
@@ -180,6 +246,12 @@ pub async fn start(
                     max_blocks_per_second: config.index.max_blocks_per_second,
                     ..crate::fleet::indexer::IndexerConfig::default()
                 },
+                load_report_sink(
+                    Arc::clone(&endpoints),
+                    Arc::clone(&metrics),
+                    admission_queue.clone(),
+                    Arc::clone(&replica_id),
+                ),
                 &mut registry,
                 cancel.clone(),
             );
@@ -196,7 +268,6 @@ pub async fn start(
         .pool_idle_timeout(Duration::from_secs(4))
         .build()
         .map_err(|e| RouterError::Http(e.to_string()))?;
-    let endpoints = Arc::new(EndpointSet::default());
     let pd = match &config.pd {
         Some(c) => Some(Arc::new(PdRouter::new(
             c.clone(),
@@ -205,12 +276,6 @@ pub async fn start(
         )?)),
         None => None,
     };
-    let admission_queue = config.admission_queue.clone().map(|c| {
-        Arc::new(crate::route::admission_queue::AdmissionQueue::new(
-            c,
-            &mut registry,
-        ))
-    });
     let hooks = hooks(&config, &scheduler, &mut registry)?;
     let state = Arc::new(RouterState {
         pd,
@@ -228,6 +293,8 @@ pub async fn start(
         tokenizer,
         in_flight: Default::default(),
         feed: Arc::clone(&feed),
+        replica_id,
+        started_at: std::time::Instant::now(),
     });
     apply_endpoints(&state, &*feed, specs);
 

@@ -47,7 +47,17 @@ pub struct RouterState {
     pub feed: Arc<dyn EventFeed>,
     /// The features hooked into the aggregated route (`prefetch:`, `replication:`), in order.
     pub hooks: Vec<Arc<dyn Hook>>,
+    /// This replica's id in the marks on forwarded requests (`kvmesh_core::load_report`).
+    pub replica_id: Arc<str>,
+    /// When the router started: `/health` reports ready once the feed caught up or
+    /// [`CATCH_UP_TIMEOUT`] after this.
+    pub started_at: std::time::Instant,
 }
+
+/// The longest a starting router waits for its KV-event sources to catch up before it reports
+/// ready anyway (an engine whose replay endpoint does not answer must not hold a replica out of
+/// its Service for ever).
+pub const CATCH_UP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A feature around the aggregated route (prefetch, hot-prefix replication), registered at start
 /// in [`RouterState::hooks`]. The route calls every hook at fixed points of each request and knows

@@ -77,6 +77,8 @@ async fn listen(args: ListenArgs) -> anyhow::Result<()> {
         endpoint: args.endpoint.clone(),
         bind: args.bind,
         topic: args.topic.clone(),
+        // Engines' load reports share the socket: shown, not mistaken for malformed events.
+        side_topics: vec![kvmesh_core::load_report::LOAD_TOPIC.to_owned()],
         replay_endpoint: args.replay.clone(),
         allowed_peers: None,
     };
@@ -121,6 +123,9 @@ async fn listen(args: ListenArgs) -> anyhow::Result<()> {
                 if args.count.is_some_and(|c| counts.events >= c) {
                     break Ok(());
                 }
+            }
+            SubscriberItem::Side { topic, payload } => {
+                eprintln!("events: {topic} {}", String::from_utf8_lossy(&payload));
             }
             SubscriberItem::Gap {
                 topic,

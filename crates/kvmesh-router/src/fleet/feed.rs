@@ -8,7 +8,7 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KvEventsSpec;
-use crate::fleet::indexer::{EventSource, Indexer, IndexerConfig, PeerFilter};
+use crate::fleet::indexer::{EventSource, Indexer, IndexerConfig, LoadReportSink, PeerFilter};
 
 /// Subscribes the prefix index to endpoints' KV events (the indexer implements it).
 pub trait EventFeed: Send + Sync {
@@ -21,6 +21,11 @@ pub trait EventFeed: Send + Sync {
     /// Whether the endpoint's stream delivered nothing since the previous call and has been
     /// quiet a while (or never spoke); None when it has no event source.
     fn events_silent(&self, endpoint: EndpointId) -> Option<bool>;
+    /// Whether every source has caught up on what its engine published before it joined (or
+    /// tried to): the router is placement-ready.
+    fn caught_up(&self) -> bool {
+        true
+    }
 }
 
 /// A feed that subscribes to nothing (tests with a fake index).
@@ -90,17 +95,23 @@ impl EventFeed for Indexer {
     fn events_silent(&self, endpoint: EndpointId) -> Option<bool> {
         Indexer::events_silent(self, endpoint)
     }
+
+    fn caught_up(&self) -> bool {
+        Indexer::caught_up(self)
+    }
 }
 
 /// Starts the KV-event feeder for `index` and registers its metrics; sources are added as
-/// endpoints appear.
+/// endpoints appear. Engines' load reports go to `load_sink`.
 pub fn start(
     index: Arc<PrefixIndex>,
     config: IndexerConfig,
+    load_sink: LoadReportSink,
     registry: &mut Registry,
     cancel: CancellationToken,
 ) -> Arc<dyn EventFeed> {
     let indexer = Indexer::start_with_config(index, Vec::new(), config, cancel);
+    indexer.set_load_sink(load_sink);
     indexer.register_metrics(registry);
     Arc::new(indexer)
 }

@@ -17,8 +17,15 @@
 //!   the endpoint's entries are cleared.
 //! - **Malformed** frames are counted and skipped; events the index refuses (orphans, bad token
 //!   counts, unknown hashes) are counted per kind and skipped.
-//! - The first batch seen needs no special case: earlier batches were published before we
-//!   subscribed, so at worst the index under-estimates until those blocks are stored again.
+//! - **Joining**: a source with a replay endpoint asks it for everything its ring holds as soon
+//!   as the source starts, not when the engine next publishes (an idle engine may not publish
+//!   for minutes); live batches the replay already covered are skipped. [`Indexer::caught_up`]
+//!   says when every source has made that attempt, which the router's readiness waits for.
+//!   Without a replay endpoint, earlier batches were published before we subscribed, so at worst
+//!   the index under-estimates until those blocks are stored again.
+//!
+//! Engines also publish their load on the same socket (topic [`LOAD_TOPIC`]); those messages are
+//! handed, undecoded, to the [`LoadReportSink`] the router installs, outside the sequence checks.
 //!
 //! Trust (issue 37):
 //! - A **bound** source (`bind: true`, the engine connects to us) admits publishers only from its
@@ -38,6 +45,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvmesh_core::events::{EventBatch, KvEvent};
 use kvmesh_core::exposition::FloatGauge;
+use kvmesh_core::load_report::LOAD_TOPIC;
 use kvmesh_events::{
     AllowedPeers, SubscriberConfig, SubscriberItem, SubscriberStats, request_replay_outcome,
     subscribe_with_stats,
@@ -234,6 +242,8 @@ struct SourceState {
     last_batch_at: Option<Instant>,
     /// `batches` at the previous [`Indexer::events_silent`] check.
     batches_at_check: u64,
+    /// The source made its first catch-up attempt (or has nothing to catch up from).
+    caught_up: bool,
 }
 
 impl SourceMetrics {
@@ -383,9 +393,14 @@ struct Running {
     cancel: CancellationToken,
 }
 
+/// Where the engines' load reports go: the endpoint and the raw payload (the router decodes,
+/// bounds and counts it).
+pub type LoadReportSink = Arc<dyn Fn(EndpointId, &[u8]) + Send + Sync>;
+
 struct Shared {
     index: Arc<PrefixIndex>,
     config: IndexerConfig,
+    load_sink: std::sync::OnceLock<LoadReportSink>,
     families: Families,
     runtime: Handle,
     cancel: CancellationToken,
@@ -418,6 +433,7 @@ impl Indexer {
         let shared = Arc::new(Shared {
             index,
             config,
+            load_sink: std::sync::OnceLock::new(),
             families: Families::default(),
             runtime: Handle::current(),
             cancel,
@@ -450,6 +466,21 @@ impl Indexer {
         indexer
     }
 
+    /// Hands engines' load reports to `sink` from now on (sources added later; set it before
+    /// adding any). Only the first call counts.
+    pub fn set_load_sink(&self, sink: LoadReportSink) {
+        let _ = self.shared.load_sink.set(sink);
+    }
+
+    /// Whether every source has made its first catch-up attempt (see the module header).
+    pub fn caught_up(&self) -> bool {
+        self.shared
+            .sources
+            .lock()
+            .values()
+            .all(|r| r.metrics.state.lock().caught_up)
+    }
+
     /// The index this feeder fills.
     pub fn index(&self) -> &Arc<PrefixIndex> {
         &self.shared.index
@@ -479,6 +510,7 @@ impl Indexer {
             gap_grace: self.shared.config.gap_grace,
             rate: Mutex::new(StoreRate::new(self.shared.config.max_blocks_per_second)),
             rate_limited_logged: Default::default(),
+            load_sink: self.shared.load_sink.get().cloned(),
         };
         self.shared.runtime.spawn(task.run(filter, cancel.clone()));
         self.shared.sources.lock().insert(
@@ -694,6 +726,8 @@ fn publish_index_stats(f: &Families, st: &IndexStats) {
 struct StreamState {
     /// A first batch has been seen (a later first batch with seq > 0 means catching up).
     joined: bool,
+    /// Catching up on connect applied every batch below this; the live stream resumes there.
+    replayed_below: Option<u64>,
     /// When the suspect entries age out, if a gap could not be filled.
     expire_at: Option<Instant>,
 }
@@ -708,6 +742,7 @@ struct SourceTask {
     rate: Mutex<StoreRate>,
     /// `rate_limited` when last logged.
     rate_limited_logged: std::sync::atomic::AtomicU64,
+    load_sink: Option<LoadReportSink>,
 }
 
 /// How often a source's subscriber counters are copied into its metrics.
@@ -726,12 +761,25 @@ impl SourceTask {
             endpoint: self.source.zmq_endpoint.clone(),
             bind: self.source.bind,
             topic: self.source.topic.clone(),
+            side_topics: match self.load_sink {
+                Some(_) => vec![LOAD_TOPIC.to_owned()],
+                None => Vec::new(),
+            },
             // Replay is driven here, so it can be counted and the loss policy applied.
             replay_endpoint: None,
             allowed_peers,
         };
         let (mut rx, stats) = subscribe_with_stats(config, cancel.child_token());
         let mut stream = StreamState::default();
+        // Subscribed first, so nothing published after the replay's snapshot is missed.
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            below = self.catch_up_on_connect() => {
+                stream.replayed_below = below;
+                stream.joined = below.is_some();
+            }
+        }
+        self.metrics.state.lock().caught_up = true;
         let mut sync_stats = tokio::time::interval(SUBSCRIBER_STATS_INTERVAL);
         loop {
             let item = tokio::select! {
@@ -804,10 +852,23 @@ impl SourceTask {
     async fn handle(&self, item: SubscriberItem, stream: &mut StreamState) {
         match item {
             SubscriberItem::Batch { seq, batch, .. } => {
-                if !std::mem::replace(&mut stream.joined, true) && seq > 0 {
+                if let Some(below) = stream.replayed_below {
+                    if seq < below {
+                        return; // applied from the replay already
+                    }
+                    stream.replayed_below = None;
+                    if seq > below && !self.fill_gap(below, seq).await {
+                        self.suspect(stream);
+                    }
+                } else if !std::mem::replace(&mut stream.joined, true) && seq > 0 {
                     self.catch_up(seq).await;
                 }
                 self.apply_batch(seq, &batch);
+            }
+            SubscriberItem::Side { payload, .. } => {
+                if let Some(sink) = &self.load_sink {
+                    sink(self.source.endpoint, &payload);
+                }
             }
             SubscriberItem::Gap { expected, got, .. } => {
                 stream.joined = true;
@@ -839,13 +900,16 @@ impl SourceTask {
                 self.metrics.socket_errors.inc();
             }
             // Handled by `handle` (they need replay).
-            SubscriberItem::Batch { .. } | SubscriberItem::Gap { .. } => {}
+            SubscriberItem::Batch { .. }
+            | SubscriberItem::Gap { .. }
+            | SubscriberItem::Side { .. } => {}
         }
     }
 
     /// The publisher restarted (its sequence went backwards): everything it said before is void.
     fn restarted(&self, last_seq: u64, new_seq: u64, stream: &mut StreamState) {
         stream.joined = true;
+        stream.replayed_below = None;
         tracing::info!(endpoint = %self.source.name, last_seq, new_seq, "KV-event publisher restarted; clearing its entries");
         self.metrics.restarts.inc();
         self.index.clear_endpoint(self.source.endpoint);
@@ -934,6 +998,31 @@ impl SourceTask {
             Err(e) => {
                 self.metrics.catch_ups_failed.inc();
                 tracing::warn!(endpoint = %self.source.name, error = %e, "KV-event catch-up replay failed; starting from the live stream");
+            }
+        }
+    }
+
+    /// Joining: applies everything the engine's replay ring holds now. Returns the sequence
+    /// number the live stream should resume at, or None when there is no replay endpoint, it did
+    /// not answer, or its ring is empty (the first live batch then catches up as before).
+    async fn catch_up_on_connect(&self) -> Option<u64> {
+        let replay = self.source.replay_endpoint.as_ref()?;
+        self.metrics.catch_ups.inc();
+        match request_replay_outcome(replay, 0).await {
+            Ok(outcome) => {
+                self.metrics.malformed.inc_by(outcome.malformed);
+                let mut next = None;
+                for (seq, batch) in &outcome.batches {
+                    self.apply_batch(*seq, batch);
+                    next = Some(seq + 1);
+                }
+                tracing::info!(endpoint = %self.source.name, batches = outcome.batches.len(), "caught up on the engine's KV events on connect");
+                next
+            }
+            Err(e) => {
+                self.metrics.catch_ups_failed.inc();
+                tracing::warn!(endpoint = %self.source.name, error = %e, "KV-event catch-up on connect failed; catching up on the first live batch instead");
+                None
             }
         }
     }

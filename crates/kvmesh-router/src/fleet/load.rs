@@ -21,19 +21,54 @@
 //! tier must hold for everything this router sent it. Past the tier's capacity a request waits for
 //! running ones to finish, so the router also learns how fast requests decode there (first byte to
 //! end, per requested output token: requests ask for very different lengths).
+//!
+//! With several router replicas, each sees only the work it sent. Every request therefore carries
+//! a mark (this replica's sequence number for the endpoint, see [`kvmesh_core::load_report`]), and
+//! the engine reports what it holds from every replica and which marks it has received. While
+//! such a report is fresh (younger than [`REPORT_STALE_AFTER`]) a snapshot is the report plus this
+//! replica's requests it does not cover yet, and never less than this replica's own count (an
+//! engine under-reporting cannot hide work this replica knows it sent); without one it is this
+//! replica's own view, as with a single router.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvmesh_core::ChainKey;
+use kvmesh_core::load_report::LoadReport;
 use parking_lot::Mutex;
 use serde::Serialize;
 
 /// Weight of a new decode-time sample in the running average.
 const DECODE_EWMA_ALPHA: f64 = 0.1;
+
+/// An engine's load report older than this no longer counts: the engine heartbeats every 200 ms,
+/// so five missed reports mean the channel is down and this replica falls back to its own view.
+pub const REPORT_STALE_AFTER: Duration = Duration::from_secs(1);
+
+/// Reports closer together than this are dropped (an engine sends at most one per 5 ms): a
+/// flood costs a timestamp comparison each.
+pub const MIN_REPORT_SPACING: Duration = Duration::from_millis(2);
+
+/// What an engine last said about itself, as it concerns this replica.
+#[derive(Debug, Clone, Copy)]
+struct Reported {
+    requests: u64,
+    prefill_tokens: u64,
+    decode_tokens: u64,
+    /// This replica's marks below this are counted in the report.
+    covers_below: u64,
+    at: Instant,
+}
+
+/// Why a load report was not taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportRefused {
+    /// It came sooner than [`MIN_REPORT_SPACING`] after the last one.
+    Flood,
+}
 
 /// Atomic counters; read without locks on the scheduling path.
 #[derive(Debug, Default)]
@@ -60,6 +95,13 @@ pub struct EndpointLoad {
     /// Running average of decode time per requested output token here (ms, f64 bits; 0 = no
     /// sample yet).
     decode_ms_per_token_bits: AtomicU64,
+    /// The mark the next request gets.
+    next_mark: AtomicU64,
+    /// Requests in flight by mark: the uncached tokens (0 after the first byte) and decode
+    /// tokens each adds until the engine's report covers it.
+    marked: Mutex<BTreeMap<u64, (u64, u64)>>,
+    /// The engine's last report (see the module header).
+    reported: Mutex<Option<Reported>>,
 }
 
 /// A point-in-time copy of [`EndpointLoad`].
@@ -76,6 +118,9 @@ pub struct LoadSnapshot {
     pub pulls_landing_uncached_tokens: u64,
     /// Distinct prompt blocks in-flight requests hold (see [`LoadGuard::hold_context`]).
     pub context_blocks: u64,
+    /// `requests`, `uncached_tokens` and `decode_tokens` include other replicas' work, from a
+    /// fresh engine report.
+    pub shared: bool,
 }
 
 impl EndpointLoad {
@@ -83,8 +128,41 @@ impl EndpointLoad {
         self.snapshot_at(Instant::now())
     }
 
-    /// [`Self::snapshot`] as of `now` (which pulls are still landing depends on the time).
+    /// [`Self::snapshot`] as of `now` (which pulls are still landing, and whether the engine's
+    /// report is fresh, depend on the time).
     fn snapshot_at(&self, now: Instant) -> LoadSnapshot {
+        let own = self.own_snapshot_at(now);
+        let Some(r) = *self.reported.lock() else {
+            return own;
+        };
+        if now.saturating_duration_since(r.at) > REPORT_STALE_AFTER {
+            return own;
+        }
+        let (mut requests, mut uncached, mut decode) = (0u64, 0u64, 0u64);
+        for (u, d) in self.marked.lock().range(r.covers_below..).map(|(_, v)| v) {
+            requests += 1;
+            uncached += u;
+            decode += d;
+        }
+        LoadSnapshot {
+            requests: own.requests.max(r.requests.saturating_add(requests)),
+            uncached_tokens: own
+                .uncached_tokens
+                .max(r.prefill_tokens.saturating_add(uncached)),
+            decode_tokens: own
+                .decode_tokens
+                .max(r.decode_tokens.saturating_add(decode)),
+            shared: true,
+            ..own
+        }
+    }
+
+    /// What this replica alone has in flight here.
+    pub fn own_snapshot(&self) -> LoadSnapshot {
+        self.own_snapshot_at(Instant::now())
+    }
+
+    fn own_snapshot_at(&self, now: Instant) -> LoadSnapshot {
         let (pulls_landing_in, pulls_landing_uncached_tokens) = self
             .landing
             .lock()
@@ -100,7 +178,29 @@ impl EndpointLoad {
             pulls_landing_in,
             pulls_landing_uncached_tokens,
             context_blocks: self.context_blocks.load(Ordering::Relaxed),
+            shared: false,
         }
+    }
+
+    /// Takes the engine's load report, received at `now`, as it concerns replica `replica_id`.
+    pub fn accept_report(
+        &self,
+        report: &LoadReport,
+        replica_id: &str,
+        now: Instant,
+    ) -> Result<(), ReportRefused> {
+        let mut last = self.reported.lock();
+        if last.is_some_and(|l| now.saturating_duration_since(l.at) < MIN_REPORT_SPACING) {
+            return Err(ReportRefused::Flood);
+        }
+        *last = Some(Reported {
+            requests: report.requests,
+            prefill_tokens: report.prefill_tokens,
+            decode_tokens: report.decode_tokens,
+            covers_below: report.routers.get(replica_id).copied().unwrap_or(0),
+            at: now,
+        });
+        Ok(())
     }
 
     /// Pulls ever named into this endpoint and the sum of their `1 + sharing` (see
@@ -159,8 +259,12 @@ impl EndpointLoad {
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.uncached_tokens.fetch_add(uncached, Ordering::Relaxed);
         self.decode_tokens.fetch_add(decode, Ordering::Relaxed);
+        let mark = self.next_mark.fetch_add(1, Ordering::Relaxed);
+        self.marked.lock().insert(mark, (uncached, decode));
         LoadGuard {
             load: Arc::clone(self),
+            mark,
+            marked_uncached: uncached,
             uncached,
             decode,
             pull_source: None,
@@ -176,6 +280,9 @@ impl EndpointLoad {
 #[derive(Debug)]
 pub struct LoadGuard {
     load: Arc<EndpointLoad>,
+    /// This request's mark (see the module header), and the uncached tokens it was sent with.
+    mark: u64,
+    marked_uncached: u64,
     uncached: u64,
     decode: u64,
     /// The source of a pull this request's engine makes, until the pull is over.
@@ -190,6 +297,12 @@ pub struct LoadGuard {
 }
 
 impl LoadGuard {
+    /// The request's mark for the engine: this replica's sequence number for the endpoint and
+    /// the uncached prompt tokens it expects the engine to compute.
+    pub fn mark(&self) -> (u64, u64) {
+        (self.mark, self.marked_uncached)
+    }
+
     /// Counts a pull from `source` into this request's endpoint until the first byte. Returns
     /// the transfers already on the busier end (the source's egress or this endpoint's
     /// ingress), the sharing the pull was priced with; 0 when this guard already tracks one.
@@ -260,6 +373,9 @@ impl LoadGuard {
         self.load
             .uncached_tokens
             .fetch_sub(std::mem::take(&mut self.uncached), Ordering::Relaxed);
+        if let Some(entry) = self.load.marked.lock().get_mut(&self.mark) {
+            entry.0 = 0;
+        }
         self.pull_done();
     }
 
@@ -302,6 +418,7 @@ impl Drop for LoadGuard {
     fn drop(&mut self) {
         self.pull_done();
         self.release_context();
+        self.load.marked.lock().remove(&self.mark);
         self.load.requests.fetch_sub(1, Ordering::Relaxed);
         self.load
             .uncached_tokens
@@ -443,6 +560,62 @@ mod tests {
         drop(b);
         drop(plain);
         assert_eq!(dest.snapshot_at(t0), LoadSnapshot::default());
+    }
+
+    fn report(requests: u64, prefill: u64, decode: u64, ours: Option<u64>) -> LoadReport {
+        LoadReport {
+            v: 1,
+            requests,
+            prefill_tokens: prefill,
+            decode_tokens: decode,
+            routers: ours.map(|b| ("me".to_owned(), b)).into_iter().collect(),
+        }
+    }
+
+    #[test]
+    fn a_fresh_engine_report_adds_other_replicas_work_and_our_requests_it_has_not_seen() {
+        let load = Arc::new(EndpointLoad::default());
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut a = load.acquire(1000, 10); // mark 0
+        let b = load.acquire(500, 20); // mark 1
+        assert_eq!(a.mark(), (0, 1000));
+        assert_eq!(b.mark(), (1, 500));
+        // No report: our own view.
+        let own = load.snapshot_at(t0);
+        assert_eq!(
+            (own.requests, own.uncached_tokens, own.shared),
+            (2, 1500, false)
+        );
+        // The engine has mark 0 (and another replica's 3 requests, 9000 tokens); mark 1 is on
+        // its way, so it is added.
+        load.accept_report(&report(4, 10_000, 100, Some(1)), "me", t0)
+            .unwrap();
+        let s = load.snapshot_at(ms(1));
+        assert_eq!(
+            (s.requests, s.uncached_tokens, s.decode_tokens, s.shared),
+            (5, 10_500, 120, true)
+        );
+        // Our first byte arrives before the engine's next report: nothing is counted twice
+        // beyond what the report still says.
+        a.prefill_done();
+        assert_eq!(load.snapshot_at(ms(1)).uncached_tokens, 10_500);
+        // An engine reporting less than we know we sent cannot hide our work.
+        load.accept_report(&report(0, 0, 0, Some(2)), "me", ms(10))
+            .unwrap();
+        let s = load.snapshot_at(ms(11));
+        assert_eq!((s.requests, s.uncached_tokens), (2, 500));
+        // A flood: a report within the spacing is refused.
+        assert_eq!(
+            load.accept_report(&report(9, 9, 9, None), "me", ms(11)),
+            Err(ReportRefused::Flood)
+        );
+        // Stale: back to our own view.
+        let s = load.snapshot_at(ms(10) + REPORT_STALE_AFTER + Duration::from_millis(1));
+        assert_eq!((s.requests, s.uncached_tokens, s.shared), (2, 500, false));
+        drop(a);
+        drop(b);
+        assert!(load.marked.lock().is_empty());
     }
 
     #[test]

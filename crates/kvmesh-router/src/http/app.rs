@@ -21,7 +21,7 @@ use crate::fleet::prefix::match_of;
 use crate::http::request::{self, ApiKind};
 use crate::pd::route_pd;
 use crate::route::aggregated::route_aggregated;
-use crate::state::{InFlight, RouterState, enter};
+use crate::state::{CATCH_UP_TIMEOUT, InFlight, RouterState, enter};
 
 /// Request header selecting a scheduling profile by name.
 pub const PROFILE_HEADER: &str = "x-kvmesh-profile";
@@ -186,12 +186,15 @@ async fn models(State(s): State<Arc<RouterState>>) -> Response {
 async fn health(State(s): State<Arc<RouterState>>) -> Response {
     let list = s.endpoints.list();
     let healthy = list.iter().filter(|e| e.is_healthy()).count();
-    let status = if healthy > 0 {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
+    // A replica that has not caught up on the engines' KV events would place blind: not ready
+    // yet, within a bound.
+    let caught_up = s.feed.caught_up() || s.started_at.elapsed() >= CATCH_UP_TIMEOUT;
+    let (status, word) = match (healthy > 0, caught_up) {
+        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "no healthy endpoint"),
+        (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "catching up"),
+        (true, true) => (StatusCode::OK, "ok"),
     };
-    let mut body = json!({"status": if healthy > 0 {"ok"} else {"no healthy endpoint"}, "healthy_endpoints": healthy, "endpoints": list.len()});
+    let mut body = json!({"status": word, "healthy_endpoints": healthy, "endpoints": list.len(), "caught_up": caught_up, "replica": &*s.replica_id});
     if let Some(pd) = &s.pd {
         // vLLM's multi-turn proxy reports these two.
         let (cached, evicted) = pd.health();

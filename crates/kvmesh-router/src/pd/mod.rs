@@ -39,6 +39,7 @@ use serde_json::Value;
 use crate::config::Role;
 use crate::error::ApiError;
 use crate::fleet::endpoints::Endpoint;
+use crate::fleet::load::LoadGuard;
 use crate::fleet::prefix::match_of;
 use crate::http::request::{ApiKind, ParsedRequest};
 use crate::pd::config::Decider;
@@ -318,7 +319,10 @@ impl Legs<'_> {
             let _ = src.track(&mut guard, &self.s.cost_model, pep.id);
         }
         let source_hp = source.as_ref().map(NamedSource::host_port);
-        match self.run_prefill(pep, body, source_hp.as_deref()).await {
+        match self
+            .run_prefill(pep, body, &guard, source_hp.as_deref())
+            .await
+        {
             Ok(params) => {
                 self.pd.leg("prefill", "ok");
                 out.decode_params = Some(params);
@@ -417,7 +421,7 @@ impl Legs<'_> {
             .acquire(prompt.saturating_sub(read), parsed.max_tokens.unwrap_or(16));
         guard.hold_context(self.keys);
         let id = self.ctx.request_id;
-        let req = engine_request(s, &dep, self.kind, id, self.headers, payload, None);
+        let req = engine_request(s, &dep, self.kind, id, self.headers, payload, &guard, None);
         let leg = if reads { "decode" } else { "decode_only" };
         let sent = Instant::now();
         let upstream = match send_to_engine(s, &dep, req).await {
@@ -554,6 +558,7 @@ impl Legs<'_> {
         &self,
         ep: &Endpoint,
         body: ParsedRequest,
+        guard: &LoadGuard,
         source_host_port: Option<&str>,
     ) -> Result<Value, String> {
         let s = self.s;
@@ -565,6 +570,7 @@ impl Legs<'_> {
             self.ctx.request_id,
             self.headers,
             payload,
+            guard,
             source_host_port,
         );
         let fut = async {

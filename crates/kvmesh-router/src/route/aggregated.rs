@@ -309,6 +309,7 @@ impl Attempt<'_> {
             self.request_id,
             self.headers,
             payload,
+            &r.guard,
             source_hp.as_deref(),
         );
         let dispatched = Instant::now();

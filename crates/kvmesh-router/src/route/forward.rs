@@ -14,6 +14,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use futures::StreamExt;
 use kvmesh_core::KvTransferParams;
+use kvmesh_core::load_report::{ROUTER_MARK_HEADER, RouterMark};
 use kvmesh_core::sse::SseDataReader;
 use kvmesh_index::EndpointId;
 use kvmesh_sched::cost_model::{CostModel, Observation};
@@ -53,7 +54,10 @@ pub(crate) fn wants_explanation(headers: &HeaderMap) -> bool {
 }
 
 /// The engine-bound POST of one client request: its body re-encoded, its id and its
-/// credentials passed on, and llm-d's source header when configured and a source was named.
+/// credentials passed on, this replica's mark from the request's load `guard` (so the engine's
+/// load report can tell every replica what it holds), and llm-d's source header when configured
+/// and a source was named.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn engine_request(
     s: &RouterState,
     ep: &Endpoint,
@@ -61,13 +65,21 @@ pub(crate) fn engine_request(
     request_id: &str,
     client_headers: &HeaderMap,
     payload: Bytes,
+    guard: &LoadGuard,
     source_host_port: Option<&str>,
 ) -> reqwest::RequestBuilder {
+    let (seq, uncached_tokens) = guard.mark();
+    let mark = RouterMark {
+        router: s.replica_id.to_string(),
+        seq,
+        uncached_tokens,
+    };
     let mut req = s
         .client
         .post(ep.url(kind.path()))
         .header(header::CONTENT_TYPE, "application/json")
         .header("x-request-id", request_id)
+        .header(ROUTER_MARK_HEADER, mark.to_header())
         .body(payload);
     if let Some(auth) = client_headers.get(header::AUTHORIZATION) {
         req = req.header(header::AUTHORIZATION, auth);
