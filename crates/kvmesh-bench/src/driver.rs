@@ -40,7 +40,9 @@ pub fn request_id(seed: u64, session: usize, step: usize) -> String {
 /// Where and how to drive.
 #[derive(Clone)]
 pub struct DriveConfig {
-    pub base_url: String,
+    /// Where requests go: one router, or several replicas taken in turn, request by request in
+    /// the order they are sent (as a Kubernetes Service spreads connections).
+    pub base_urls: Vec<String>,
     pub model: String,
     /// Model-time divisor (1.0 = real time).
     pub time_scale: f64,
@@ -69,6 +71,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
         .map(|k| Arc::new(Semaphore::new(k.max(1))));
     let start = Instant::now();
     let timeout = scale(workload.request_timeout);
+    let turn = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // Which steps' answers feed a later turn (ask the server for their token ids).
     let mut tasks = Vec::with_capacity(n);
     for (si, (session, done)) in workload.sessions.iter().cloned().zip(done_tx).enumerate() {
@@ -81,6 +84,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
         let http = http.clone();
         let cfg = cfg.clone();
         let slots = slots.clone();
+        let turn = Arc::clone(&turn);
         let seed = workload.seed;
         tasks.push(tokio::spawn(async move {
             match session.start {
@@ -114,10 +118,15 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
                 let next_uses_history = session.steps.get(i + 1).is_some_and(|s| s.history);
                 let session_id = (session.steps.len() > 1).then(|| format!("conv-{seed:x}-{si}"));
                 let sent = start.elapsed().as_secs_f64();
+                let k = turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let base_url = cfg
+                    .base_urls
+                    .get(k % cfg.base_urls.len().max(1))
+                    .map_or("", String::as_str);
                 let c = client::complete(
                     &http,
                     CompletionRequest {
-                        base_url: &cfg.base_url,
+                        base_url,
                         model: &cfg.model,
                         prompt: &prompt,
                         prompt_format: cfg.prompt_format,
@@ -273,7 +282,7 @@ mod tests {
         };
         // Time scale 2: the 200 ms start becomes 100 ms.
         let cfg = DriveConfig {
-            base_url: base,
+            base_urls: vec![base],
             model: "m".into(),
             time_scale: 2.0,
             prompt_format: PromptFormat::Text,
@@ -332,7 +341,7 @@ mod tests {
             min_cached_token_delta: 1,
         };
         let cfg = DriveConfig {
-            base_url: base,
+            base_urls: vec![base],
             model: "m".into(),
             time_scale: 1.0,
             prompt_format: PromptFormat::Tokens,
@@ -343,7 +352,7 @@ mod tests {
         let last = recs.iter().map(|r| r.sent_s).fold(0.0, f64::max);
         assert!(last >= 0.035, "{last}");
         let bad = DriveConfig {
-            base_url: "http://127.0.0.1:9".into(),
+            base_urls: vec!["http://127.0.0.1:9".into()],
             model: "m".into(),
             time_scale: 1.0,
             prompt_format: PromptFormat::Tokens,

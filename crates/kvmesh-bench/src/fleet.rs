@@ -112,6 +112,10 @@ pub struct RouterSpec {
     /// [`peers::venv_candidates`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer_venv: Option<PathBuf>,
+    /// How many replicas of the router run, each with the same config (clients take them in
+    /// turn, as a Kubernetes Service would).
+    #[serde(default = "one")]
+    pub replicas: usize,
 }
 
 fn default_profile() -> String {
@@ -257,7 +261,10 @@ pub struct RouterProc {
 #[derive(Debug)]
 pub struct Fleet {
     pub engines: Vec<EngineProc>,
+    /// The router (the first replica when there are several).
     pub router: Option<RouterProc>,
+    /// The other replicas of the router.
+    pub more_routers: Vec<RouterProc>,
     pub log_dir: PathBuf,
     pub served_model_name: String,
 }
@@ -386,6 +393,7 @@ impl Fleet {
         let mut fleet = Fleet {
             engines: Vec::new(),
             router: None,
+            more_routers: Vec::new(),
             log_dir: log_dir.to_owned(),
             served_model_name: spec.served_model_name.clone(),
         };
@@ -412,11 +420,45 @@ impl Fleet {
         for (i, (e, group)) in fleet.engines.iter_mut().zip(groups).enumerate() {
             wait_ready_or_respawn(&http, exe, group, &spec.served_model_name, i, e, ready).await?;
         }
-        if let Some((arm, install)) = peer {
-            fleet.router = Some(fleet.launch_peer(spec, arm, install, &http, ready).await?);
-        } else if let Some(r) = &spec.router {
-            let config = log_dir.join("router.yaml");
-            std::fs::write(&config, fleet.render_router_config(spec, r)?)?;
+        let replicas = spec.router.as_ref().map_or(0, |r| r.replicas.max(1));
+        for replica in 0..replicas {
+            let router = match (&peer, &spec.router) {
+                (Some((arm, install)), _) => {
+                    fleet
+                        .launch_peer(spec, *arm, install, &http, ready, replica)
+                        .await?
+                }
+                (None, Some(r)) => {
+                    fleet
+                        .launch_router(spec, r, exe, &http, ready, replica)
+                        .await?
+                }
+                (None, None) => break,
+            };
+            if fleet.router.is_none() {
+                fleet.router = Some(router);
+            } else {
+                fleet.more_routers.push(router);
+            }
+        }
+        Ok(fleet)
+    }
+
+    /// Starts replica `replica` of `kvmesh router` (0 is the first; its files carry no number).
+    async fn launch_router(
+        &self,
+        spec: &FleetSpec,
+        r: &RouterSpec,
+        exe: &Path,
+        http: &reqwest::Client,
+        ready: Duration,
+        replica: usize,
+    ) -> Result<RouterProc, FleetError> {
+        let log_dir = &self.log_dir;
+        let suffix = replica_suffix(replica);
+        {
+            let config = log_dir.join(format!("router{suffix}.yaml"));
+            std::fs::write(&config, self.render_router_config(spec, r)?)?;
             let port = free_port()?;
             let mut args: Vec<String> = vec![
                 "router".into(),
@@ -428,11 +470,11 @@ impl Fleet {
                 config.display().to_string(),
             ];
             args.extend(r.extra_args.iter().cloned());
-            let log = log_dir.join("router.log");
+            let log = log_dir.join(format!("router{suffix}.log"));
             let mut child = spawn(exe, &args, &log)?;
             let url = format!("http://127.0.0.1:{port}");
-            wait_ready(&http, &url, &mut child, "router", &log, ready).await?;
-            fleet.router = Some(RouterProc {
+            wait_ready(http, &url, &mut child, "router", &log, ready).await?;
+            Ok(RouterProc {
                 metrics_url: format!("{url}/metrics"),
                 url,
                 port,
@@ -441,9 +483,8 @@ impl Fleet {
                 peer: None,
                 version: None,
                 child,
-            });
+            })
         }
-        Ok(fleet)
     }
 
     /// The router YAML for the current engines: the arm's file with the fleet's endpoints (the
@@ -576,9 +617,10 @@ impl Fleet {
         &self,
         spec: &FleetSpec,
         arm: peers::PeerArm,
-        install: peers::PeerInstall,
+        install: &peers::PeerInstall,
         http: &reqwest::Client,
         ready: Duration,
+        replica: usize,
     ) -> Result<RouterProc, FleetError> {
         let engines: Vec<PeerEngine> = self
             .engines
@@ -601,8 +643,9 @@ impl Fleet {
             served_model_name: &spec.served_model_name,
             block_size,
         });
-        let log = self.log_dir.join("router.log");
-        let config = self.log_dir.join("router-command.txt");
+        let suffix = replica_suffix(replica);
+        let log = self.log_dir.join(format!("router{suffix}.log"));
+        let config = self.log_dir.join(format!("router{suffix}-command.txt"));
         let mut child = peers::spawn(&install.binary, &args, &log, &config)?;
         let url = format!("http://127.0.0.1:{port}");
         peers::wait_ready(http, &url, engines.len(), &mut child, &log, ready).await?;
@@ -613,12 +656,23 @@ impl Fleet {
             log,
             metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
             peer: Some(arm),
-            version: install.version,
+            version: install.version.clone(),
             child,
         })
     }
 
-    /// Where clients should send requests: the router, else the first engine.
+    /// Where clients should send requests, in turn: every router replica, else the first engine.
+    pub fn entry_urls(&self) -> Vec<String> {
+        match &self.router {
+            Some(r) => std::iter::once(r)
+                .chain(&self.more_routers)
+                .map(|r| r.url.clone())
+                .collect(),
+            None => vec![self.entry_url().to_owned()],
+        }
+    }
+
+    /// Where clients should send requests: the (first) router, else the first engine.
     pub fn entry_url(&self) -> &str {
         match &self.router {
             Some(r) => &r.url,
@@ -629,7 +683,7 @@ impl Fleet {
     /// A human summary of where everything is.
     pub fn describe(&self) -> String {
         let mut s = String::new();
-        if let Some(r) = &self.router {
+        for r in self.router.iter().chain(&self.more_routers) {
             match r.peer {
                 Some(p) => s.push_str(&format!(
                     "router   {}  peer {p} ({})  command {}  metrics {}  log {}\n",
@@ -665,10 +719,10 @@ impl Fleet {
 
     /// Returns the first child that has exited, if any (a crashed engine invalidates an arm).
     pub fn check_alive(&mut self) -> Option<String> {
-        if let Some(r) = &mut self.router
-            && let Ok(Some(st)) = r.child.try_wait()
-        {
-            return Some(format!("router exited with {st} (log {})", r.log.display()));
+        for r in self.router.iter_mut().chain(&mut self.more_routers) {
+            if let Ok(Some(st)) = r.child.try_wait() {
+                return Some(format!("router exited with {st} (log {})", r.log.display()));
+            }
         }
         for e in &mut self.engines {
             if let Ok(Some(st)) = e.child.try_wait() {
@@ -684,12 +738,22 @@ impl Fleet {
 
     /// Stops the router first (no new work), then the engines; waits for each to exit.
     pub async fn shutdown(mut self) {
-        if let Some(r) = &mut self.router {
+        for r in self.router.iter_mut().chain(&mut self.more_routers) {
             stop(&mut r.child).await;
         }
         for e in &mut self.engines {
             stop(&mut e.child).await;
         }
+    }
+}
+
+/// What the files of router replica `replica` carry after `router`: nothing for the first,
+/// `-2`, `-3`, … for the others.
+fn replica_suffix(replica: usize) -> String {
+    if replica == 0 {
+        String::new()
+    } else {
+        format!("-{}", replica + 1)
     }
 }
 

@@ -37,6 +37,8 @@ pub struct FleetOptions {
     pub extra_router_args: Vec<String>,
     /// Where peer arms find their router (see [`crate::peers::venv_candidates`]).
     pub peer_venv: Option<PathBuf>,
+    /// Router replicas per arm (the client takes them in turn).
+    pub router_replicas: usize,
 }
 
 impl Default for FleetOptions {
@@ -53,6 +55,7 @@ impl Default for FleetOptions {
             extra_engine_args: Vec::new(),
             extra_router_args: Vec::new(),
             peer_venv: None,
+            router_replicas: 1,
         }
     }
 }
@@ -107,6 +110,7 @@ pub fn fleet_for(w: &Workload, arm: Arm, o: &FleetOptions) -> FleetSpec {
             ),
             extra_args: o.extra_router_args.clone(),
             peer_venv: o.peer_venv.clone(),
+            replicas: o.router_replicas.max(1),
         }),
         log_dir: None,
         ready_timeout_s: Some(120.0),
@@ -237,7 +241,7 @@ async fn run_arm(plan: &Plan, w: &Workload, arm: Arm, run: u32) -> Result<ArmRes
         bar(w, &prefix)
     });
     let cfg = DriveConfig {
-        base_url: fleet.entry_url().to_owned(),
+        base_urls: fleet.entry_urls(),
         model: fleet.served_model_name.clone(),
         time_scale: plan.fleet.time_scale,
         prompt_format: plan.prompt_format,

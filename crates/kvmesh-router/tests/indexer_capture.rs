@@ -583,7 +583,8 @@ async fn gaps_are_filled_from_the_replay_endpoint() {
 }
 
 /// A router that joins a stream already running (started after the engine, or restarted) fills
-/// its index from what the engine's replay ring still holds — without calling that a gap.
+/// its index from what the engine's replay ring still holds — at once, while the engine is idle,
+/// not when it next publishes — without calling that a gap, and only then says it caught up.
 ///
 /// The restart case: a publisher that connects holds early batches until its first subscriber
 /// comes, so a first router takes them live; the router that replaces it joins mid-stream.
@@ -601,30 +602,33 @@ async fn a_late_joiner_catches_up_from_the_replay_ring() {
             gpu_blocks(&first, &a) == 2 && gpu_blocks(&first, &b) == 2
         })
         .await;
-        assert_eq!(
-            source_metrics(&first).catch_ups,
-            0,
-            "it was there from seq 0"
-        );
-        // The router restarts: only the engine's ring still has the early batches.
+        assert!(first.caught_up());
+        // It asked on connect, when the ring was still empty.
+        assert_eq!(source_metrics(&first).catch_ups, 1);
+        // The router restarts while the engine is idle: only its ring has the early batches.
         first_cancel.cancel();
         drop(first);
         tokio::time::sleep(Duration::from_millis(100)).await;
         let indexer = replay_indexer(&bind, &publisher, &cancel);
-        // Live batches (empty) until one reaches the subscriber: its seq is past 0.
+        eventually(
+            10,
+            "both early batches indexed with nothing published",
+            || gpu_blocks(&indexer, &a) == 2 && gpu_blocks(&indexer, &b) == 2,
+        )
+        .await;
+        eventually(10, "caught up", || indexer.caught_up()).await;
+        // The stream resumes where the replay ended: live batches are neither gaps nor doubles.
+        let c: Vec<u32> = (200..208).collect();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while source_metrics(&indexer).last_seq.is_none() {
+        publisher.publish_payload(store(&c, 30)).await.unwrap();
+        while gpu_blocks(&indexer, &c) < 2 {
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "publisher never reached the subscriber"
+                "live batch never arrived"
             );
             publisher.publish_payload(empty_batch()).await.unwrap();
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        eventually(10, "both early batches indexed", || {
-            gpu_blocks(&indexer, &a) == 2 && gpu_blocks(&indexer, &b) == 2
-        })
-        .await;
         let m = source_metrics(&indexer);
         assert_eq!((m.catch_ups, m.gaps, m.suspect), (1, 0, false), "{m:?}");
         cancel.cancel();
@@ -665,12 +669,17 @@ async fn a_failed_catch_up_is_counted() {
             gpu_blocks(&indexer, &a) == 2
         })
         .await;
-        eventually(10, "the failed catch-up counted", || {
-            source_metrics(&indexer).catch_up_failures == 1
+        // Once on connect, once more when the first live batch shows the stream ran before.
+        eventually(10, "the failed catch-ups counted", || {
+            source_metrics(&indexer).catch_up_failures == 2
         })
         .await;
+        assert!(
+            indexer.caught_up(),
+            "a failed attempt does not hold readiness"
+        );
         let m = source_metrics(&indexer);
-        assert_eq!((m.catch_ups, m.gaps, m.suspect), (1, 0, false), "{m:?}");
+        assert_eq!((m.catch_ups, m.gaps, m.suspect), (2, 0, false), "{m:?}");
         cancel.cancel();
     })
     .await

@@ -63,6 +63,10 @@ pub struct BenchCmd {
     /// `.venv-peers/` in the working directory or above, as `scripts/peer-routers.sh` makes it).
     #[arg(long)]
     pub peer_venv: Option<PathBuf>,
+    /// Run N replicas of each arm's router (kvmesh and peers alike), each with the same config;
+    /// the client sends its requests to them in turn, as a Kubernetes Service would.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=8))]
+    pub router_replicas: u64,
     /// How the client sends prompts: `text` (default; the same characters as the token ids on
     /// the byte-tokenizer sim engines, and what cache-aware peers match on) or `tokens` (id
     /// lists; smg rejects them).
@@ -342,6 +346,7 @@ pub async fn run_bench(args: BenchCmd) -> anyhow::Result<()> {
             extra_engine_args: args.engine_args.clone(),
             sim_link: args.sim_link.clone(),
             peer_venv: args.peer_venv.clone(),
+            router_replicas: args.router_replicas as usize,
             ..Default::default()
         },
         command: std::env::args().collect::<Vec<_>>().join(" "),

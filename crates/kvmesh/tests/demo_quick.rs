@@ -38,7 +38,7 @@ async fn fleet_launch_drive_scrape_shutdown_with_real_engines() {
         .unwrap()
         .remove(0);
     let cfg = DriveConfig {
-        base_url: fleet.entry_url().to_owned(),
+        base_urls: fleet.entry_urls(),
         model: fleet.served_model_name.clone(),
         time_scale: 20.0,
         prompt_format: PromptFormat::Text,
