@@ -49,6 +49,15 @@ pub struct KvEventsConfig {
     pub buffer_steps: usize,
     #[serde(default)]
     pub topic: String,
+    /// kvmesh extension: also publish the engine's load (topic `kvmesh.load`, see
+    /// `kvmesh_core::load_report`) so router replicas share one view of it. Off for a socket
+    /// whose other subscribers take every topic (`""`) and cannot skip one they do not know.
+    #[serde(default = "yes")]
+    pub load_reports: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_publisher() -> String {

@@ -26,7 +26,7 @@ pub const MISSING_GRACE: Duration = Duration::from_secs(1);
 /// The shortest time between two reports (a burst of arrivals makes one report).
 pub const MIN_REPORT_INTERVAL: Duration = Duration::from_millis(5);
 /// A report goes out at least this often.
-pub const HEARTBEAT: Duration = Duration::from_millis(200);
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
 /// Out-of-order arrivals remembered per replica; past it the oldest gap is skipped at once.
 const MAX_OUT_OF_ORDER: usize = 1024;
 /// Replicas remembered (the most recently seen); twice what a report lists.

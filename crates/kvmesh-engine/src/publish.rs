@@ -44,7 +44,7 @@ pub struct EventPublishing {
     /// Whether the PUB socket bound `endpoint` or connects to it (vLLM's rule: only `*` binds).
     pub mode: Option<EndpointMode>,
     pub replay_endpoint: Option<String>,
-    /// The publisher, for side messages (load reports); None when events are off.
+    /// The publisher, for load reports; None when events or load reports are off.
     pub handle: Option<PublisherHandle>,
 }
 
@@ -102,7 +102,7 @@ pub async fn start_event_publisher(
         endpoint,
         mode,
         replay_endpoint,
-        handle: Some(handle),
+        handle: cfg.load_reports.then_some(handle),
     })
 }
 

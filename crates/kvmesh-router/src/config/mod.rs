@@ -715,6 +715,9 @@ pub struct DnsDiscovery {
     pub p2p_port: Option<u16>,
     #[serde(default)]
     pub kv_events_port: Option<u16>,
+    /// The engines' KV-event replay port (catch-up on join; see `KvEventsSpec::replay_endpoint`).
+    #[serde(default)]
+    pub kv_replay_port: Option<u16>,
     #[serde(default)]
     pub role: Role,
     /// KV group of every address behind the name (see [`EndpointSpec::kv_group`]).
@@ -732,6 +735,8 @@ pub struct PortNames {
     pub http: String,
     pub p2p: String,
     pub kv_events: String,
+    /// The KV-event replay port (a pod without it is indexed from the live stream only).
+    pub kv_replay: String,
 }
 
 impl Default for PortNames {
@@ -740,6 +745,7 @@ impl Default for PortNames {
             http: "http".to_owned(),
             p2p: "p2p".to_owned(),
             kv_events: "kv-events".to_owned(),
+            kv_replay: "kv-replay".to_owned(),
         }
     }
 }

@@ -44,9 +44,9 @@ use serde::Serialize;
 /// Weight of a new decode-time sample in the running average.
 const DECODE_EWMA_ALPHA: f64 = 0.1;
 
-/// An engine's load report older than this no longer counts: the engine heartbeats every 200 ms,
-/// so five missed reports mean the channel is down and this replica falls back to its own view.
-pub const REPORT_STALE_AFTER: Duration = Duration::from_secs(1);
+/// An engine's load report older than this no longer counts: the engine heartbeats every 500 ms,
+/// so four missed reports mean the channel is down and this replica falls back to its own view.
+pub const REPORT_STALE_AFTER: Duration = Duration::from_secs(2);
 
 /// Reports closer together than this are dropped (an engine sends at most one per 5 ms): a
 /// flood costs a timestamp comparison each.

@@ -38,6 +38,7 @@ fn endpoints_of(addrs: &[IpAddr], cfg: &DnsDiscovery) -> Vec<Discovered> {
         http: cfg.http_port,
         p2p: cfg.p2p_port,
         kv_events: cfg.kv_events_port,
+        kv_replay: cfg.kv_replay_port,
     };
     addrs
         .into_iter()

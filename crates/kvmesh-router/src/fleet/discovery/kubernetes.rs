@@ -33,6 +33,7 @@ pub const KV_GROUP_KEY: &str = "kvmesh.dev/kv-group";
 pub const HTTP_PORT_ANNOTATION: &str = "kvmesh.dev/http-port";
 pub const P2P_PORT_ANNOTATION: &str = "kvmesh.dev/p2p-port";
 pub const KV_EVENTS_PORT_ANNOTATION: &str = "kvmesh.dev/kv-events-port";
+pub const KV_REPLAY_PORT_ANNOTATION: &str = "kvmesh.dev/kv-replay-port";
 
 /// Why a pod maps to no endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -146,6 +147,7 @@ pub fn pod_endpoint(pod: &Pod, cfg: &KubernetesDiscovery) -> Result<Discovered, 
         http,
         p2p: port(pod, P2P_PORT_ANNOTATION, &cfg.ports.p2p)?,
         kv_events: port(pod, KV_EVENTS_PORT_ANNOTATION, &cfg.ports.kv_events)?,
+        kv_replay: port(pod, KV_REPLAY_PORT_ANNOTATION, &cfg.ports.kv_replay)?,
     };
     let spec = spec_at(
         pod_key(pod),

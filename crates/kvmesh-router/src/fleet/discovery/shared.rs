@@ -41,6 +41,9 @@ pub struct Ports {
     pub http: u16,
     pub p2p: Option<u16>,
     pub kv_events: Option<u16>,
+    /// The KV-event replay socket (vLLM's `replay_endpoint`): a router that joins catches up
+    /// from it at once instead of when the engine next publishes.
+    pub kv_replay: Option<u16>,
 }
 
 /// The endpoint spec of an engine at `ip` in KV group `kv_group`; KV events use the static
@@ -59,7 +62,9 @@ pub fn spec_at(
             endpoint: format!("tcp://{}", host_port(ip, p)),
             bind: false,
             topic: String::new(),
-            replay_endpoint: None,
+            replay_endpoint: ports
+                .kv_replay
+                .map(|r| format!("tcp://{}", host_port(ip, r))),
             allowed_peers: None,
         }),
         p2p: ports.p2p.map(|p| host_port(ip, p)),
@@ -131,15 +136,18 @@ mod tests {
                 http: 8000,
                 p2p: Some(7100),
                 kv_events: Some(5557),
+                kv_replay: Some(5558),
             },
             Role::Both,
             None,
         );
         assert_eq!(s.url, "http://[fd00::7]:8000");
         assert_eq!(s.p2p.as_deref(), Some("[fd00::7]:7100"));
+        let events = s.kv_events.expect("events");
+        assert_eq!(events.endpoint, "tcp://[fd00::7]:5557");
         assert_eq!(
-            s.kv_events.map(|k| k.endpoint).as_deref(),
-            Some("tcp://[fd00::7]:5557")
+            events.replay_endpoint.as_deref(),
+            Some("tcp://[fd00::7]:5558")
         );
         crate::config::validate_endpoints(&[spec_at(
             "y".into(),
@@ -148,6 +156,7 @@ mod tests {
                 http: 1,
                 p2p: Some(2),
                 kv_events: None,
+                kv_replay: None,
             },
             Role::Decode,
             Some("g".into()),
