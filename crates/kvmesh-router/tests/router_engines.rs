@@ -253,8 +253,10 @@ async fn malformed_request_never_reaches_the_engine_and_disconnect_cancels() {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             let running = engine_metric(&engines[0].url, "vllm:num_requests_running").await;
-            let load = r.state.endpoints.list()[0].load.snapshot();
-            if running == 0.0 && load == Default::default() {
+            // What this router counts itself, and the engine's report merged in.
+            let load = r.state.endpoints.list()[0].load.own_snapshot();
+            let merged = r.state.endpoints.list()[0].load.snapshot();
+            if running == 0.0 && load == Default::default() && (merged.requests, merged.uncached_tokens) == (0, 0) {
                 break;
             }
             assert!(tokio::time::Instant::now() < deadline, "running {running}, router load {load:?}");

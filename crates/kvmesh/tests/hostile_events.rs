@@ -388,6 +388,121 @@ async fn a_stream_that_goes_quiet_is_reported_silent() {
     router.assert_running("quiet stream");
 }
 
+/// Publishes `payload` as a load report message numbered `seq`.
+async fn send_load(publisher: &mut Publisher, seq: u64, payload: Vec<u8>) {
+    let parts = vec![
+        bytes::Bytes::from_static(kvmesh_core::load_report::LOAD_TOPIC.as_bytes()),
+        bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
+        bytes::Bytes::from(payload),
+    ];
+    publisher.send_raw_parts(parts).await.unwrap();
+}
+
+/// What an engine publishes on the load topic: garbage, a flood and a lie are each bounded and
+/// counted (issue 35); a report that stops coming leaves the router on its own view, and its
+/// metrics say so.
+#[tokio::test]
+async fn load_reports_that_are_garbage_a_flood_or_a_lie_are_bounded_and_counted() {
+    use kvmesh_core::load_report::LoadReport;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
+    let mut publisher = fake_publisher().await;
+    let yaml = format!(
+        "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\", kv_events: {{endpoint: \"{}\", topic: kv-events}}}}\n",
+        publisher.local_endpoint()
+    );
+    let (mut router, router_url) = router(&yaml, dir.path()).await;
+    let metrics_url = format!("{router_url}/metrics");
+    let reports = |text: &str, outcome: &str| {
+        metric(
+            text,
+            "kvmesh_router_load_reports",
+            &format!("endpoint=\"e0\",outcome=\"{outcome}\""),
+        )
+    };
+    // Garbage, until the router is connected and has counted some.
+    let mut seq = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut counted = false;
+    while !counted && Instant::now() < deadline {
+        seq += 1;
+        send_load(&mut publisher, seq, b"\x93\x00not a report".to_vec()).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        counted = reports(&get_text(&metrics_url).await, "malformed") > 0.0;
+    }
+    assert!(counted, "garbage on the load topic was not counted");
+    // A lie: an engine claiming a trillion tokens queued. It is believed (it only keeps work
+    // away from that engine), shown, and forgotten once the reports stop.
+    let lie = LoadReport {
+        v: 1,
+        requests: 1,
+        prefill_tokens: 1_000_000_000_000,
+        decode_tokens: 0,
+        routers: Default::default(),
+    };
+    send_load(&mut publisher, seq + 1, lie.encode()).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let text = get_text(&metrics_url).await;
+    assert_eq!(
+        metric(
+            &text,
+            "kvmesh_router_endpoint_load_shared",
+            "endpoint=\"e0\""
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "kvmesh_router_endpoint_in_flight_uncached_tokens",
+            "endpoint=\"e0\""
+        ),
+        1e12
+    );
+    // The only endpoint still serves.
+    post_json(
+        &format!("{router_url}/v1/completions"),
+        &json!({"model": "sim", "prompt": "still served", "max_tokens": 1}),
+    )
+    .await;
+    // A flood: 20,000 reports as fast as the socket takes them. Most are dropped unread.
+    let rss_before = router.rss_kib();
+    for i in 0..20_000u64 {
+        send_load(&mut publisher, seq + 2 + i, lie.encode()).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let text = get_text(&metrics_url).await;
+    let (accepted, flood) = (reports(&text, "accepted"), reports(&text, "flood"));
+    eprintln!(
+        "flood of 20,000 reports: accepted {accepted}, refused as flood {flood}, router RSS {} -> {} KiB",
+        rss_before,
+        router.rss_kib()
+    );
+    assert!(flood > 0.0, "{text}");
+    assert!(router.rss_kib() < rss_before + 64 * 1024);
+    // Silence: after the staleness bound the router is back on its own view, and says so.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let text = get_text(&metrics_url).await;
+    assert_eq!(
+        metric(
+            &text,
+            "kvmesh_router_endpoint_load_shared",
+            "endpoint=\"e0\""
+        ),
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "kvmesh_router_endpoint_in_flight_uncached_tokens",
+            "endpoint=\"e0\""
+        ),
+        0.0
+    );
+    engine.assert_running("load reports");
+    router.assert_running("load reports");
+}
+
 /// Four 4,096-token documents the honest engine computes.
 fn documents() -> Vec<String> {
     (0..4)
