@@ -22,6 +22,9 @@ pub struct ArmResult {
     pub time_scale: f64,
     pub fleet: FleetSpec,
     pub stats: ArmStats,
+    /// TTFT of the physical bound for the requests this arm sent ([`crate::bound`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_ttft: Option<crate::stats::Latency>,
     pub evidence: Evidence,
     /// Tokens pulled into prefill engines (P/D: session history moved).
     pub prefill_external_hit_tokens: f64,

@@ -23,6 +23,9 @@ pub struct RequestRecord {
     pub step: usize,
     pub kind: StepKind,
     pub prompt_tokens: usize,
+    /// Prompt tokens no earlier request of the run began with (see [`crate::bound`]).
+    #[serde(default)]
+    pub novel_tokens: Option<usize>,
     pub sent_s: f64,
     pub ttft_s: Option<f64>,
     pub e2e_s: f64,
@@ -72,6 +75,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
     let start = Instant::now();
     let timeout = scale(workload.request_timeout);
     let turn = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = Arc::new(crate::bound::PrefixesSeen::default());
     // Which steps' answers feed a later turn (ask the server for their token ids).
     let mut tasks = Vec::with_capacity(n);
     for (si, (session, done)) in workload.sessions.iter().cloned().zip(done_tx).enumerate() {
@@ -85,6 +89,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
         let cfg = cfg.clone();
         let slots = slots.clone();
         let turn = Arc::clone(&turn);
+        let seen = Arc::clone(&seen);
         let seed = workload.seed;
         tasks.push(tokio::spawn(async move {
             match session.start {
@@ -117,6 +122,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
                 }
                 let next_uses_history = session.steps.get(i + 1).is_some_and(|s| s.history);
                 let session_id = (session.steps.len() > 1).then(|| format!("conv-{seed:x}-{si}"));
+                let novel_tokens = Some(seen.novel_tokens(&prompt));
                 let sent = start.elapsed().as_secs_f64();
                 let k = turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let base_url = cfg
@@ -148,6 +154,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
                     step: i,
                     kind: step.kind,
                     prompt_tokens: prompt.len(),
+                    novel_tokens,
                     sent_s: sent,
                     ttft_s: c.ttft_s,
                     e2e_s: c.e2e_s,

@@ -10,6 +10,7 @@
 pub mod agentic;
 pub mod arm_result;
 pub mod audit;
+pub mod bound;
 pub mod calibrate;
 pub mod catalog;
 pub mod client;

@@ -340,6 +340,7 @@ mod tests {
             step,
             kind: StepKind::Turn,
             prompt_tokens: 100,
+            novel_tokens: None,
             sent_s: 0.0,
             ttft_s: ttft,
             e2e_s: 1.0,

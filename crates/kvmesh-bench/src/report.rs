@@ -165,14 +165,18 @@ fn per_engine(r: &ArmResult) -> String {
 }
 
 /// How the routers-side-by-side table names an arm: peers by router and policy (with the
-/// installed version), kvmesh profiles as `kvmesh <profile>`.
+/// installed version), kvmesh profiles as `kvmesh <profile>`, and how many replicas ran.
 fn router_label(r: &ArmResult) -> String {
-    match r.arm.split_once(':') {
+    let name = match r.arm.split_once(':') {
         Some((router, policy)) => format!(
             "{} `{policy}`",
             r.router_version.as_deref().unwrap_or(router)
         ),
         None => format!("kvmesh `{}`", r.arm),
+    };
+    match r.fleet.router.as_ref().map_or(1, |s| s.replicas) {
+        n if n > 1 => format!("{name} × {n} replicas"),
+        _ => name,
     }
 }
 
@@ -382,13 +386,41 @@ impl BenchReport {
         let mut s = String::new();
         for (workload, arms) in self.by_workload() {
             let _ = writeln!(s, "\n**{workload}: routers side by side**\n");
-            s.push_str("| router (policy) | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | local prefix hit rate | pulled tokens | requests per engine | TTFT outside the engines (wall, mean) |\n");
-            s.push_str("|---|---|---|---|---|---|---|---|---|\n");
-            for r in &arms {
-                let st = &r.stats;
+            s.push_str("| router (policy) | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | p50 / p99 ÷ bound | local prefix hit rate | pulled tokens | requests per engine | TTFT outside the engines (wall, mean) |\n");
+            s.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+            // The same prompts for every arm: the first arm's bound stands for the workload.
+            let bound = arms.iter().find_map(|r| r.bound_ttft);
+            if let Some(b) = &bound {
                 let _ = writeln!(
                     s,
-                    "| {}{} | {} / {} | {} | {} | {} | {} | {:.0} | {} | {} |",
+                    "| *physical bound: novel tokens computed alone* | — | {} | {} | {} | 1.00 / 1.00 | — | — | — | — |",
+                    secs(b.p50),
+                    secs(b.p90),
+                    secs(b.p99)
+                );
+            }
+            let ratio = |v: f64, b: f64| {
+                if b > 0.0 {
+                    format!("{:.2}", v / b)
+                } else {
+                    "—".into()
+                }
+            };
+            for r in &arms {
+                let st = &r.stats;
+                let gap = bound.map_or_else(
+                    || "—".to_owned(),
+                    |b| {
+                        format!(
+                            "{} / {}",
+                            ratio(st.ttft.p50, b.p50),
+                            ratio(st.ttft.p99, b.p99)
+                        )
+                    },
+                );
+                let _ = writeln!(
+                    s,
+                    "| {}{} | {} / {} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
                     router_label(r),
                     self.run_suffix(r),
                     st.succeeded,
@@ -396,6 +428,7 @@ impl BenchReport {
                     secs(st.ttft.p50),
                     secs(st.ttft.p90),
                     secs(st.ttft.p99),
+                    gap,
                     r.evidence
                         .local_hit_rate()
                         .map(percent)
@@ -889,6 +922,7 @@ mod tests {
             step: 0,
             kind: StepKind::Parent,
             prompt_tokens: 8192,
+            novel_tokens: None,
             sent_s: 0.0,
             ttft_s: Some(1.0),
             e2e_s: 1.1,
@@ -926,6 +960,7 @@ mod tests {
             time_scale: 1.0,
             fleet: FleetSpec::from_yaml("engines:\n  - count: 4\n").unwrap(),
             flags: flags_for(pulls, false, &stats, &ev),
+            bound_ttft: None,
             stats,
             evidence: ev,
             prefill_external_hit_tokens: 0.0,

@@ -380,6 +380,7 @@ mod tests {
             step,
             kind: StepKind::Turn,
             prompt_tokens: 1000,
+            novel_tokens: None,
             sent_s,
             ttft_s: Some(ttft_s),
             e2e_s: ttft_s,

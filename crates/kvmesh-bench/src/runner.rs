@@ -189,6 +189,7 @@ fn failed_arm(plan: &Plan, w: &Workload, arm: Arm, run: u32, e: &RunError) -> Ar
         time_scale: plan.fleet.time_scale,
         fleet: fleet_for(w, arm, &plan.fleet),
         stats: Default::default(),
+        bound_ttft: None,
         evidence: Default::default(),
         prefill_external_hit_tokens: 0.0,
         flags: vec![format!("FAILED TO RUN: {e}")],
@@ -372,6 +373,10 @@ async fn run_arm(plan: &Plan, w: &Workload, arm: Arm, run: u32) -> Result<ArmRes
         run,
         pulls: arm.pulls(),
         time_scale: plan.fleet.time_scale,
+        bound_ttft: crate::bound::bound_ttft(
+            &records,
+            spec.engines.first().and_then(|g| g.profile.as_deref()),
+        ),
         fleet: spec,
         stats,
         evidence,

@@ -663,6 +663,7 @@ mod tests {
             step: 0,
             kind: StepKind::Turn,
             prompt_tokens: 8320,
+            novel_tokens: None,
             sent_s,
             ttft_s: Some(ttft),
             e2e_s: ttft + 0.1,

@@ -186,6 +186,7 @@ mod tests {
             step: 0,
             kind,
             prompt_tokens: 100,
+            novel_tokens: None,
             sent_s: sent,
             ttft_s: Some(ttft),
             e2e_s: e2e,

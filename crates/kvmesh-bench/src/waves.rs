@@ -157,6 +157,7 @@ mod tests {
             step: 0,
             kind: StepKind::Child,
             prompt_tokens: 8192 + 256,
+            novel_tokens: None,
             sent_s: 0.0,
             ttft_s: Some(0.1),
             e2e_s: 0.2,
