@@ -4,33 +4,8 @@
 //! needed and moves nothing), alone on an idle engine of the fleet's modelled GPU. No placement
 //! can beat it on the same engines; TTFT ÷ bound is what placement still leaves on the table.
 
-use std::collections::HashSet;
-use std::sync::Mutex;
-
-use kvmesh_core::chain::chain_keys;
-use kvmesh_core::{ChainKey, TokenId};
-
 use crate::driver::RequestRecord;
 use crate::stats::Latency;
-
-/// The block size prefixes are matched at (the bench fleets' engines use 16).
-pub const BOUND_BLOCK: usize = 16;
-
-/// Every prompt block sent so far in a run (shared by its sessions, in send order).
-#[derive(Debug, Default)]
-pub struct PrefixesSeen(Mutex<HashSet<ChainKey>>);
-
-impl PrefixesSeen {
-    /// The tokens of `prompt` past its longest leading run of blocks some earlier prompt also
-    /// began with; records `prompt`'s blocks for the prompts after it.
-    pub fn novel_tokens(&self, prompt: &[TokenId]) -> usize {
-        let keys = chain_keys(prompt, BOUND_BLOCK);
-        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let cached = keys.iter().take_while(|k| seen.contains(k)).count();
-        seen.extend(keys);
-        prompt.len() - cached * BOUND_BLOCK
-    }
-}
 
 /// The bound's TTFT percentiles (model seconds) for the requests `records` sent, on engines of
 /// the sim profile `profile`; None for an unknown profile (a real model backend has no modelled
@@ -46,20 +21,6 @@ pub fn bound_ttft(records: &[RequestRecord], profile: Option<&str>) -> Option<La
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_what_no_earlier_prompt_began_with_is_novel() {
-        let seen = PrefixesSeen::default();
-        let a: Vec<TokenId> = (0..100).collect();
-        assert_eq!(seen.novel_tokens(&a), 100);
-        // The same 6 whole blocks, then 60 new tokens.
-        let mut b: Vec<TokenId> = (0..96).collect();
-        b.extend(1000..1060);
-        assert_eq!(seen.novel_tokens(&b), 60);
-        // A prompt that shares a later block but not the first shares nothing.
-        let c: Vec<TokenId> = (16..200).collect();
-        assert_eq!(seen.novel_tokens(&c), 184);
-    }
 
     #[test]
     fn the_bound_prices_novel_tokens_after_their_cached_prefix() {

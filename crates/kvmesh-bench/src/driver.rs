@@ -4,11 +4,13 @@
 //! arrivals, `Start::After` for forks, a semaphore for closed-loop concurrency). Model times are
 //! divided by the time scale so a sped-up sim fleet sees the same shape.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
-use kvmesh_core::TokenId;
+use kvmesh_core::chain::chain_keys;
+use kvmesh_core::{ChainKey, TokenId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, watch};
 
@@ -38,6 +40,26 @@ pub struct RequestRecord {
 /// router's decision records join with [`RequestRecord`]s).
 pub fn request_id(seed: u64, session: usize, step: usize) -> String {
     format!("bench-{seed:x}-{session}-{step}")
+}
+
+/// The block size [`PrefixesSeen`] matches prefixes at (the bench fleets' engines use 16).
+pub const BOUND_BLOCK: usize = 16;
+
+/// Every prompt block sent so far in a run (shared by its sessions, in send order): what the
+/// physical bound ([`crate::bound`]) counts as cached somewhere.
+#[derive(Debug, Default)]
+pub struct PrefixesSeen(Mutex<HashSet<ChainKey>>);
+
+impl PrefixesSeen {
+    /// The tokens of `prompt` past its longest leading run of blocks some earlier prompt also
+    /// began with; records `prompt`'s blocks for the prompts after it.
+    pub fn novel_tokens(&self, prompt: &[TokenId]) -> usize {
+        let keys = chain_keys(prompt, BOUND_BLOCK);
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let cached = keys.iter().take_while(|k| seen.contains(k)).count();
+        seen.extend(keys);
+        prompt.len() - cached * BOUND_BLOCK
+    }
 }
 
 /// Where and how to drive.
@@ -75,7 +97,7 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
     let start = Instant::now();
     let timeout = scale(workload.request_timeout);
     let turn = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let seen = Arc::new(crate::bound::PrefixesSeen::default());
+    let seen = Arc::new(PrefixesSeen::default());
     // Which steps' answers feed a later turn (ask the server for their token ids).
     let mut tasks = Vec::with_capacity(n);
     for (si, (session, done)) in workload.sessions.iter().cloned().zip(done_tx).enumerate() {
@@ -203,6 +225,21 @@ pub async fn drive(workload: &Workload, cfg: &DriveConfig) -> Vec<RequestRecord>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_what_no_earlier_prompt_began_with_is_novel() {
+        let seen = PrefixesSeen::default();
+        let a: Vec<TokenId> = (0..100).collect();
+        assert_eq!(seen.novel_tokens(&a), 100);
+        // The same 6 whole blocks, then 60 new tokens.
+        let mut b: Vec<TokenId> = (0..96).collect();
+        b.extend(1000..1060);
+        assert_eq!(seen.novel_tokens(&b), 60);
+        // A prompt that shares a later block but not the first shares nothing.
+        let c: Vec<TokenId> = (16..200).collect();
+        assert_eq!(seen.novel_tokens(&c), 184);
+    }
+
     use crate::tokens::TokenSpace;
     use crate::workload::{FleetShape, Session, Step};
     use axum::response::IntoResponse;
