@@ -24,6 +24,7 @@ use crate::http::request::{ApiKind, ParsedRequest};
 use crate::metrics::RouterMetrics;
 use crate::pd::conversations::PdRouter;
 use crate::route::admission_queue::AdmissionQueue;
+use crate::route::reputation::SourceReputations;
 
 /// Everything the handlers share.
 pub struct RouterState {
@@ -47,6 +48,8 @@ pub struct RouterState {
     pub feed: Arc<dyn EventFeed>,
     /// The features hooked into the aggregated route (`prefetch:`, `replication:`), in order.
     pub hooks: Vec<Arc<dyn Hook>>,
+    /// How each P2P source's pulls have gone lately (`p2p_reputation:`).
+    pub reputation: SourceReputations,
 }
 
 /// A feature around the aggregated route (prefetch, hot-prefix replication), registered at start

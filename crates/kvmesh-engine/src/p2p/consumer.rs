@@ -372,6 +372,7 @@ impl P2pConsumer {
             external: sink.external,
             pinned: sink.pinned,
             started,
+            rejected: sink.rejected,
         }
     }
 }
@@ -426,7 +427,12 @@ fn feedback(
                 PullOutcome::Partial { .. } => PullFeedbackOutcome::Partial,
                 PullOutcome::Failed { .. } => PullFeedbackOutcome::Failed,
             };
-            (kind, pull.report.outcome.reason().map(|r| r.label()))
+            // Our own full tier is no fault of the source's: say so apart.
+            let reason = match pull.rejected {
+                Some("cpu_tier_hard_pinned") => Some("sink_full"),
+                _ => pull.report.outcome.reason().map(|r| r.label()),
+            };
+            (kind, reason)
         }
         ReadOutcome::WaitedOut => (PullFeedbackOutcome::WaitedOut, Some("timeout")),
         ReadOutcome::Expired => (PullFeedbackOutcome::NotNeeded, Some("expired")),

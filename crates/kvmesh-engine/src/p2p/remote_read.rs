@@ -137,6 +137,9 @@ pub struct PrefixPull {
     pub pinned: Vec<BlockHash>,
     /// When the pull started (a modelled pull time runs from here).
     pub started: tokio::time::Instant,
+    /// Why our sink refused a block, if it did (`cpu_tier_hard_pinned` is our tier's fault,
+    /// the others the peer's blocks').
+    pub rejected: Option<&'static str>,
 }
 
 /// What a read did.
