@@ -112,6 +112,8 @@ fn candidate_of(i: usize, c: &Value, block_size: u64) -> Candidate {
         // Recorded decisions name the group when the endpoint had one; pricing a replayed
         // placement must keep pulls inside it as the router did.
         kv_group: c.get("kv_group").and_then(Value::as_str).map(Arc::from),
+        // Decision records do not carry reputations: replayed as a fleet with none.
+        source_standing: Default::default(),
     }
 }
 

@@ -14,6 +14,7 @@ pub mod hashing;
 pub mod lax;
 pub mod load_report;
 pub mod prompt;
+pub mod pull_feedback;
 pub mod sse;
 pub mod transfer_params;
 
@@ -27,6 +28,7 @@ pub use events::{
 };
 pub use fingerprint::{Fingerprint, FingerprintDecodeError, FingerprintMismatch};
 pub use hashing::{BlockDigest, BlockHash, BlockHasher, HashAlgo};
+pub use pull_feedback::{PULL_FEEDBACK_HEADER, PullFeedback, PullFeedbackOutcome};
 pub use transfer_params::{
     KvTransferParams, RemoteDecoder, RemoteKvSource, RemotePrefiller, TransferParamsError,
 };

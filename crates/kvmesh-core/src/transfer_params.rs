@@ -78,6 +78,12 @@ pub struct KvTransferParams {
     pub remote_decoder: Option<RemoteDecoder>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_prefiller: Option<RemotePrefiller>,
+    /// kvmesh: the router's predicted time (ms) for the pull `remote_kv_source` names, link
+    /// sharing included. The engine derives the pull's deadline from it (a multiple, between a
+    /// floor and its flat budget), so a stalling source costs about the prediction, not the flat
+    /// timeout. Untrusted like every key here: the engine clamps it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvmesh_predicted_pull_ms: Option<f64>,
     /// Keys kvmesh does not interpret, passed through unchanged.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,

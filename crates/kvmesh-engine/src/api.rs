@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -21,7 +21,7 @@ use kvmesh_core::prompt::{
     self, BoundedValue, BoundedVec, MAX_STOP, MAX_TRANSFER_VALUES, Prompt, PromptError,
     StringOrList,
 };
-use kvmesh_core::{KvTransferParams, TokenId};
+use kvmesh_core::{KvTransferParams, PULL_FEEDBACK_HEADER, TokenId};
 use kvmesh_text::{ChatMessage, Tokenizer};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -678,6 +678,7 @@ fn build_job(
         external_hashes: Vec::new(),
         pull_pinned_hashes: Vec::new(),
         external_query_tokens: 0,
+        pull_feedback: None,
     };
     Ok(Job {
         chat,
@@ -1083,11 +1084,23 @@ async fn run_job(s: ApiState, job: Job, headers: &HeaderMap) -> Response {
         Ok(x) => x,
         Err(e) => return fail(&s, e),
     };
-    if job.stream {
+    // The pull, if any, ended before submission: its outcome goes out as a header, before the
+    // first token, streamed or not (`kvmesh_core::pull_feedback`).
+    let feedback = job
+        .req
+        .pull_feedback
+        .as_ref()
+        .and_then(|f| HeaderValue::from_str(&f.to_string()).ok());
+    let mut resp = if job.stream {
         stream_response(s, job, stream, load)
     } else {
         full_response(s, job, stream, load).await
+    };
+    if let Some(v) = feedback {
+        resp.headers_mut()
+            .insert(HeaderName::from_static(PULL_FEEDBACK_HEADER), v);
     }
+    resp
 }
 
 /// Drives one sequence to the end, calling `on_text` for released text. Returns the finish info

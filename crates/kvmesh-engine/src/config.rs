@@ -151,6 +151,14 @@ impl std::str::FromStr for Role {
     }
 }
 
+/// Default `--p2p-deadline-factor`: a priced pull gets 4× its predicted time. The prediction is
+/// the router's, link sharing included; 4× leaves room for a learned rate that is still wrong by
+/// half and for a busy host, while a stall costs a few predictions instead of seconds.
+pub const DEFAULT_P2P_DEADLINE_FACTOR: f64 = 4.0;
+
+/// Default `--p2p-deadline-floor-ms`.
+pub const DEFAULT_P2P_DEADLINE_FLOOR_MS: u64 = 200;
+
 /// Settings reserved for the P2P transfer service and P/D roles; the engine stores them, the
 /// P2P integrator reads them.
 #[derive(Debug, Clone, PartialEq)]
@@ -164,6 +172,14 @@ pub struct P2pConfig {
     /// How long a pull may wait, beyond `timeout`, for blocks the producer is computing right
     /// now (`PENDING`) before the consumer computes them itself.
     pub pending_deadline: Duration,
+    /// A pull the router priced (`kv_transfer_params.kvmesh_predicted_pull_ms`) gets this many
+    /// times the prediction, at least `deadline_floor` and at most `timeout + pending_deadline`:
+    /// a stalling source then costs about the prediction, not the flat budget
+    /// (`--p2p-deadline-factor`).
+    pub deadline_factor: f64,
+    /// The least a priced pull gets, whatever the prediction (`--p2p-deadline-floor-ms`): room
+    /// for scheduling noise on a busy host.
+    pub deadline_floor: Duration,
     /// Share (0..=1) of the CPU tier that blocks landed by pulls for requests not yet scheduled
     /// may hold pinned; beyond it pulled blocks land evictable (`--p2p-pull-pin-fraction`).
     pub pull_pin_fraction: f64,
@@ -203,6 +219,8 @@ impl Default for P2pConfig {
             allowed_peers: Vec::new(),
             timeout: Duration::from_millis(5_000),
             pending_deadline: Duration::from_millis(2_000),
+            deadline_factor: DEFAULT_P2P_DEADLINE_FACTOR,
+            deadline_floor: Duration::from_millis(DEFAULT_P2P_DEADLINE_FLOOR_MS),
             pull_pin_fraction: crate::cpu_tier::DEFAULT_PULL_PIN_FRACTION,
             secret: None,
             encrypt: false,
@@ -397,6 +415,12 @@ impl EngineConfig {
         }
         if self.p2p.stripes == 0 {
             return Err(ConfigError::Invalid("--p2p-stripes must be > 0".into()));
+        }
+        if !(self.p2p.deadline_factor.is_finite() && self.p2p.deadline_factor >= 1.0) {
+            return Err(ConfigError::Invalid(format!(
+                "--p2p-deadline-factor must be a finite number >= 1, got {}",
+                self.p2p.deadline_factor
+            )));
         }
         self.validate_producer()?;
         self.advertised_host().map(drop)

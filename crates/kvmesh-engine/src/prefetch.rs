@@ -230,6 +230,7 @@ impl Prefetcher {
             external_hashes: Vec::new(),
             pull_pinned_hashes: Vec::new(),
             external_query_tokens: 0,
+            pull_feedback: None,
         };
         let opts = ReadOptions {
             threshold_tokens: 0,

@@ -53,6 +53,7 @@ fn request(prompt: &[TokenId]) -> EngineRequest {
         external_hashes: Vec::new(),
         pull_pinned_hashes: Vec::new(),
         external_query_tokens: 0,
+        pull_feedback: None,
     }
 }
 
@@ -68,7 +69,7 @@ async fn generate(
         let src = kvp.remote_kv_source.clone().unwrap();
         req.kv_transfer_params = Some(kvp);
         s.p2p
-            .prepare_request(&s.engine, &mut req, &src)
+            .prepare_request(&s.engine, &mut req, &src, None)
             .await
             .expect("something to pull");
     }

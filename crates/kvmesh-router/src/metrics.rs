@@ -45,6 +45,17 @@ pub struct EndpointOutcome {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    pub source: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceReason {
+    pub source: String,
+    pub reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PairLabel {
     pub source: String,
     pub dest: String,
@@ -81,6 +92,12 @@ pub struct RouterMetrics {
     prefill_rate: Family<EndpointLabel, FloatGauge>,
     pull_rate: Family<PairLabel, FloatGauge>,
     pull_rate_into: Family<EndpointLabel, FloatGauge>,
+    /// Pulls that fell short of what their source advertised, by source and reason.
+    pub p2p_source_penalties: Family<SourceReason, Counter>,
+    /// Pulls that reached what their source advertised, by source.
+    pub p2p_source_served: Family<SourceLabel, Counter>,
+    p2p_source_failure_probability: Family<SourceLabel, FloatGauge>,
+    p2p_source_excluded: Family<SourceLabel, Gauge>,
 }
 
 impl RouterMetrics {
@@ -138,6 +155,10 @@ impl RouterMetrics {
             prefill_rate: Family::default(),
             pull_rate: Family::default(),
             pull_rate_into: Family::default(),
+            p2p_source_penalties: Family::default(),
+            p2p_source_served: Family::default(),
+            p2p_source_failure_probability: Family::default(),
+            p2p_source_excluded: Family::default(),
         };
         let r = registry;
         r.register(
@@ -270,7 +291,57 @@ impl RouterMetrics {
             "Cost model: learned P2P pull rate per destination, from the engine's own pull counters (used for pairs without their own rate)",
             m.pull_rate_into.clone(),
         );
+        r.register(
+            "kvmesh_router_p2p_source_penalties",
+            "P2P pulls that fell short of the prefix their named source advertised, by source and reason (miss, stall, verify_failure, error), as the consuming engine reported them (x-kvmesh-pull)",
+            m.p2p_source_penalties.clone(),
+        );
+        r.register(
+            "kvmesh_router_p2p_source_served",
+            "P2P pulls that reached the prefix their named source advertised, by source",
+            m.p2p_source_served.clone(),
+        );
+        r.register(
+            "kvmesh_router_p2p_source_failure_probability",
+            "Estimated probability that a pull from the source fails (decaying reputation; placement discounts a pull's saving by it)",
+            m.p2p_source_failure_probability.clone(),
+        );
+        r.register(
+            "kvmesh_router_p2p_source_excluded",
+            "1 while the source's failure probability is at or above p2p_reputation.exclude_at: it is not named as a P2P source",
+            m.p2p_source_excluded.clone(),
+        );
         m
+    }
+
+    /// Refreshes the source-reputation gauges: one series per endpoint (0 when nothing counts
+    /// against it), so a recovered source reads 0 rather than vanishing.
+    pub fn refresh_reputation(
+        &self,
+        endpoints: &EndpointSet,
+        standings: &[(
+            kvmesh_index::EndpointId,
+            kvmesh_sched::reputation::SourceStanding,
+        )],
+    ) {
+        self.p2p_source_failure_probability.clear();
+        self.p2p_source_excluded.clear();
+        for e in endpoints.list().iter().filter(|e| e.spec.p2p.is_some()) {
+            let standing = standings
+                .iter()
+                .find(|(id, _)| *id == e.id)
+                .map(|(_, s)| *s)
+                .unwrap_or_default();
+            let l = SourceLabel {
+                source: e.name.to_string(),
+            };
+            self.p2p_source_failure_probability
+                .get_or_create(&l)
+                .set(standing.failure_probability);
+            self.p2p_source_excluded
+                .get_or_create(&l)
+                .set(i64::from(standing.excluded));
+        }
     }
 
     pub fn error(&self, kind: &'static str) {

@@ -38,6 +38,7 @@ use crate::metrics::{Kind, RouterMetrics};
 use crate::pd::conversations::PdRouter;
 use crate::prefetch::Prefetch;
 use crate::replication::Replicate;
+use crate::route::reputation::SourceReputations;
 use crate::state::{Hook, RouterState};
 
 /// Optional overrides, mostly for tests.
@@ -277,6 +278,7 @@ pub async fn start(
         None => None,
     };
     let hooks = hooks(&config, &scheduler, &mut registry)?;
+    let p2p_reputation = config.p2p_reputation.clone();
     let state = Arc::new(RouterState {
         pd,
         admission_queue,
@@ -295,6 +297,7 @@ pub async fn start(
         feed: Arc::clone(&feed),
         replica_id,
         started_at: std::time::Instant::now(),
+        reputation: SourceReputations::new(p2p_reputation),
     });
     apply_endpoints(&state, &*feed, specs);
 
@@ -402,6 +405,7 @@ pub fn apply_discovered(state: &RouterState, feed: &dyn EventFeed, found: Vec<Di
         feed.remove_source(e.id);
         state.prefix.remove_endpoint(e.id);
         state.cost_model.forget_endpoint(e.id);
+        state.reputation.retain(|id| id != e.id);
         state
             .metrics
             .endpoint_changes

@@ -24,6 +24,7 @@ use crate::http::request::{ApiKind, ParsedRequest};
 use crate::metrics::RouterMetrics;
 use crate::pd::conversations::PdRouter;
 use crate::route::admission_queue::AdmissionQueue;
+use crate::route::reputation::SourceReputations;
 
 /// Everything the handlers share.
 pub struct RouterState {
@@ -52,6 +53,8 @@ pub struct RouterState {
     /// When the router started: `/health` reports ready once the feed caught up or
     /// [`CATCH_UP_TIMEOUT`] after this.
     pub started_at: std::time::Instant,
+    /// How each P2P source's pulls have gone lately (`p2p_reputation:`).
+    pub reputation: SourceReputations,
 }
 
 /// The longest a starting router waits for its KV-event sources to catch up before it reports

@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use kvmesh_index::EndpointId;
 
+use crate::reputation::SourceStanding;
+
 /// What the scheduler knows about one endpoint for one request.
 #[derive(Debug, Clone)]
 pub struct Candidate {
@@ -58,6 +60,9 @@ pub struct Candidate {
     /// implicit group of every endpoint without one. Blocks only move within a group: another
     /// group's blocks differ in model, layout, dtype or block size and a pull would be refused.
     pub kv_group: Option<Arc<str>>,
+    /// How its pulls have gone lately, as a P2P source ([`crate::reputation`]): placement
+    /// discounts a pull from it by the failure probability and never names it when excluded.
+    pub source_standing: SourceStanding,
 }
 
 impl Candidate {
@@ -92,6 +97,7 @@ impl Candidate {
             pulls_landing_in: 0,
             pulls_landing_uncached_tokens: 0,
             kv_group: None,
+            source_standing: SourceStanding::default(),
         }
     }
 
@@ -100,10 +106,10 @@ impl Candidate {
         self.kv_group == other.kv_group
     }
 
-    /// Whether this candidate may serve a pull into `dest`: it has a P2P address and its blocks
-    /// are usable on `dest`.
+    /// Whether this candidate may serve a pull into `dest`: it has a P2P address, its blocks
+    /// are usable on `dest`, and its reputation does not exclude it.
     pub fn can_source_for(&self, dest: &Candidate) -> bool {
-        self.has_p2p && self.same_kv_group(dest)
+        self.has_p2p && self.same_kv_group(dest) && !self.source_standing.excluded
     }
 }
 

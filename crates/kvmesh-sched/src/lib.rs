@@ -5,7 +5,8 @@
 //! [`candidate`] (inputs) → [`plugin`] (the filter / scorer / picker traits) → [`plugins`] (one
 //! plugin per file, and the factory from config) → [`scheduler`] (profiles run the pipeline into a
 //! [`scheduler::Decision`]) → [`decisions`] (the bounded log `/debug/decisions` shows).
-//! [`cost_model`] and [`predict`] price recompute against pulls; [`admission_queue`] orders requests
+//! [`cost_model`] and [`predict`] price recompute against pulls, discounted by each source's
+//! [`reputation`]; [`admission_queue`] orders requests
 //! held for admission; [`config`] holds the YAML shapes of all of it.
 //!
 //! Nothing here does I/O, reads a clock (times are arguments) or draws randomness it was not
@@ -19,6 +20,7 @@ pub mod decisions;
 pub mod plugin;
 pub mod plugins;
 pub mod predict;
+pub mod reputation;
 pub mod scheduler;
 
 pub use candidate::{Backlog, Candidate, SchedulingContext};

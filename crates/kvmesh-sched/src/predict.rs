@@ -165,6 +165,17 @@ pub struct PullPlan {
     pub sharing: u64,
     /// What the pull had to win by (the scorer's `margin_ms`).
     pub margin_ms: f64,
+    /// The source's estimated failure probability ([`crate::reputation`]): with it the tokens
+    /// are recomputed after the pull, so the pull is priced at `pull_ms + p × recompute_ms`.
+    pub failure_probability: f64,
+}
+
+impl PullPlan {
+    /// The recompute the pull is expected to leave over: the delta's recompute time, times the
+    /// chance the source does not serve it.
+    pub fn expected_recompute_ms(&self) -> f64 {
+        self.failure_probability * self.recompute_ms
+    }
 }
 
 /// The prediction for one candidate.
@@ -263,6 +274,9 @@ pub fn predict(
                     + delta as f64 / cm.params().pull_tokens_per_second.max(1e-9) * 1000.0
             };
             let pull_ms = contended_pull_ms(base, cm.params().pull_floor_ms, sharing);
+            // A source that has been missing or stalling lately is priced by what a pull from it
+            // is expected to cost: the pull, then, with its failure probability, the recompute.
+            let failure_probability = s.source_standing.failure_probability.clamp(0.0, 1.0);
             let plan = PullPlan {
                 source: s.endpoint,
                 source_endpoint: s.name.to_string(),
@@ -272,6 +286,7 @@ pub fn predict(
                 recompute_ms: ms(delta, rate),
                 sharing,
                 margin_ms: p.margin_ms,
+                failure_probability,
             };
             let better = best_pull.as_ref().is_none_or(|b| {
                 pull_path_ms(&plan, prompt as u64, cpu_only, rate, restore)
@@ -292,7 +307,8 @@ pub fn predict(
         .map(|b| pull_path_ms(b, prompt as u64, cpu_only, rate, restore));
     let pulls = match (&best_pull, pull_ms) {
         (Some(b), Some(path)) => {
-            b.pull_ms + p.margin_ms < b.recompute_ms && path + overtaken_ms + p.margin_ms < local_ms
+            b.pull_ms + b.expected_recompute_ms() + p.margin_ms < b.recompute_ms
+                && path + overtaken_ms + p.margin_ms < local_ms
         }
         _ => false,
     };
@@ -386,10 +402,12 @@ pub fn contended_pull_ms(base: f64, floor: f64, sharing: u64) -> f64 {
     floor + (base - floor) * (1 + sharing) as f64
 }
 
-/// Pull, compute what the source did not have, restore everything that came through the CPU tier.
+/// Pull, compute what the source did not have, restore everything that came through the CPU tier;
+/// plus the recompute a failing source is expected to leave ([`PullPlan::expected_recompute_ms`]).
 fn pull_path_ms(plan: &PullPlan, prompt: u64, cpu_only: u64, rate: f64, restore: f64) -> f64 {
     let suffix = prompt.saturating_sub(plan.source_tokens);
     plan.pull_ms
+        + plan.expected_recompute_ms()
         + suffix as f64 / rate * 1000.0
         + (cpu_only + plan.delta_tokens) as f64 / restore * 1000.0
 }

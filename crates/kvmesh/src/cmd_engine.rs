@@ -108,6 +108,14 @@ pub struct EngineCmd {
     /// 2000 ms, divided by --time-scale on the sim backend.
     #[arg(long)]
     p2p_pending_deadline_ms: Option<u64>,
+    /// A pull the router priced gets this many times its predicted time (at least
+    /// --p2p-deadline-floor-ms, at most --p2p-timeout-ms plus the pending deadline), so a
+    /// stalling source costs about the prediction instead of the flat timeout.
+    #[arg(long, default_value_t = kvmesh_engine::config::DEFAULT_P2P_DEADLINE_FACTOR)]
+    p2p_deadline_factor: f64,
+    /// The least time a priced pull gets, whatever the prediction (wall time, not scaled).
+    #[arg(long, default_value_t = kvmesh_engine::config::DEFAULT_P2P_DEADLINE_FLOOR_MS)]
+    p2p_deadline_floor_ms: u64,
     /// Share (0..=1) of the CPU tier that pulled blocks may keep pinned until their request is
     /// scheduled; beyond it they land evictable (a pull never stalls on a full tier).
     #[arg(long, default_value_t = kvmesh_engine::cpu_tier::DEFAULT_PULL_PIN_FRACTION)]
@@ -238,6 +246,8 @@ impl EngineCmd {
                     }
                     None => Duration::from_millis(2000),
                 },
+                deadline_factor: self.p2p_deadline_factor,
+                deadline_floor: Duration::from_millis(self.p2p_deadline_floor_ms),
                 pull_pin_fraction: self.p2p_pull_pin_fraction,
                 secret: self
                     .p2p_secret_file

@@ -8,7 +8,14 @@
 //! The raw-bytes helpers are small copies of the crate-level suites'
 //! (`kvmesh-events/tests/hostile.rs`, `kvmesh-transfer/tests/length_bombs.rs`): test files of
 //! other crates are not a dependency of this one.
+//!
+//! Also lying P2P sources (issue 37, finding 6): a source whose advertised blocks its producer
+//! does not serve (misses) or whose producer stalls, named by a real router for requests on a
+//! real engine (`a_lying_p2p_source_stops_being_named_and_a_stall_costs_the_predicted_time`,
+//! on `hostile_common`'s helpers).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod hostile_common;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -1318,4 +1325,256 @@ async fn millions_of_top_level_fields_stay_within_the_rss_bound() {
     fleet
         .assert_healthy("millions of top-level fields", 1)
         .await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lying P2P sources (issue 37, finding 6).
+
+/// A document of `tokens` byte-tokens no other document shares a block with.
+fn lying_doc(i: usize, tokens: usize) -> String {
+    let head = format!("document {i:04}: ");
+    let mut d = head.clone();
+    while d.len() < tokens {
+        d.push_str(&format!("{i} lorem ipsum dolor sit amet {} ", d.len()));
+    }
+    d.truncate(tokens);
+    d
+}
+
+/// What one request through the router did.
+struct Placed {
+    endpoint: String,
+    source: Option<String>,
+    /// Request sent → response headers (the pull, if any, ends before them).
+    headers_s: f64,
+}
+
+/// Sends `prompt` through the router (streamed when `stream`), reads it to the end, and says
+/// where it went and which source was named (`x-kvmesh-explain`).
+async fn place(http: &reqwest::Client, base: &str, prompt: &str, stream: bool) -> Placed {
+    let t = Instant::now();
+    let resp = http
+        .post(format!("{base}/v1/completions"))
+        .header("x-kvmesh-explain", "1")
+        .json(&json!({"model": "sim", "prompt": prompt, "max_tokens": 2, "stream": stream}))
+        .send()
+        .await
+        .unwrap();
+    let headers_s = t.elapsed().as_secs_f64();
+    assert!(resp.status().is_success(), "{}", resp.status());
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let endpoint = header("x-kvmesh-endpoint").unwrap_or_default();
+    let decision: serde_json::Value =
+        serde_json::from_str(&header("x-kvmesh-decision").unwrap_or_default()).unwrap();
+    let source = decision["p2p_source"].as_str().map(str::to_owned);
+    resp.bytes().await.unwrap();
+    Placed {
+        endpoint,
+        source,
+        headers_s,
+    }
+}
+
+/// One run: engine `a` (a consumer) and the liar behind a router whose `liar` endpoint is
+/// engine `b`'s HTTP and KV events (it really computed the documents: they are in its CPU tier)
+/// but whose advertised P2P address is `liar_p2p`, which does not serve them. Placement is
+/// round-robin (the default `predicted-ttft-scorer` would place every request on the holder),
+/// and the P2P step is the default one (`mode: predicted`), so every request placed on `a`
+/// prices a pull from the liar. Documents `docs` are used, one per request, so `a` never holds
+/// one before its request. Returns the requests placed on `a` (the first 19).
+async fn lying_source_run(
+    dir: &Path,
+    a_url: &str,
+    b: (&str, &str),
+    liar_p2p: &str,
+    docs: std::ops::Range<usize>,
+) -> (hostile_common::Proc, String, Vec<Placed>) {
+    const DOC_TOKENS: usize = 2048;
+    let (b_url, b_pub) = b;
+    let yaml = format!(
+        "block_size: 16\ntokenizer: byte\nmetrics_scrape_interval: 200ms\n\
+         endpoints:\n  - {{name: a, url: \"{a_url}\"}}\n  \
+         - {{name: liar, url: \"{b_url}\", p2p: \"{liar_p2p}\", kv_events: {{endpoint: \"{b_pub}\", topic: kv-events}}}}\n\
+         plugins:\n  - {{type: predicted-ttft-scorer, name: ttft, parameters: {{p2p: true, min_pull_tokens: 256}}}}\n  \
+         - {{type: round-robin-picker, name: rr}}\n  \
+         - {{type: p2p-source-producer, name: p2p, parameters: {{mode: predicted}}}}\n\
+         scheduling_profiles:\n  - name: rr\n    plugins:\n      - {{plugin_ref: ttft, weight: 1}}\n      \
+         - {{plugin_ref: rr}}\n      - {{plugin_ref: p2p}}\n"
+    );
+    let (router, base) = hostile_common::router(&yaml, dir).await;
+    let http = reqwest::Client::new();
+    // The liar computes every document (straight to its engine): its events tell the router it
+    // holds them in its CPU tier. Wait until the router's index says so for the last one.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for i in docs.clone() {
+        let body = json!({"model": "sim", "prompt": format!("{} warm", lying_doc(i, DOC_TOKENS)), "max_tokens": 1});
+        let r = http
+            .post(format!("{b_url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+    }
+    let last = lying_doc(docs.end - 1, DOC_TOKENS);
+    let indexed = async {
+        loop {
+            let v: serde_json::Value = http
+                .post(format!("{base}/debug/prefix"))
+                .json(&json!({"prompt": format!("{last} ?")}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if v["endpoints"]["liar"]["cpu_tokens"].as_u64() >= Some(DOC_TOKENS as u64) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), indexed)
+        .await
+        .expect("the router never indexed the liar's documents");
+    let mut on_a = Vec::new();
+    for (k, i) in docs.enumerate() {
+        let prompt = format!("{} question {k}?", lying_doc(i, DOC_TOKENS));
+        let p = place(&http, &base, &prompt, k % 2 == 0).await;
+        if p.endpoint == "a" {
+            on_a.push(p);
+            if on_a.len() == 19 {
+                break;
+            }
+        }
+    }
+    assert_eq!(on_a.len(), 19, "round-robin placed too few requests on a");
+    (router, base, on_a)
+}
+
+async fn router_text(base: &str, path: &str) -> String {
+    reqwest::get(format!("{base}{path}"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lying_p2p_source_stops_being_named_and_a_stall_costs_the_predicted_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_a, a_url) =
+        hostile_common::sim_engine(&["--p2p-allowed-peers", "127.0.0.1"], dir.path()).await;
+    let (_b, b_url, b_pub, _) = hostile_common::sim_engine_with_events(json!({}), dir.path()).await;
+    // A producer that holds none of the documents: the liar's P2P address in the miss run.
+    let mut args = hostile_common::sim_engine_args("100");
+    args.extend(["--p2p-port", "0"].map(str::to_owned));
+    let (_c, found) = hostile_common::spawn(
+        "engine",
+        &args,
+        &["kvmesh engine p2p advertised as "],
+        dir.path(),
+    )
+    .await;
+    let empty_producer = found[0].clone();
+
+    // 1. Misses: the liar advertises 2,048 tokens per document that its producer never has.
+    let (router, base, on_a) =
+        lying_source_run(dir.path(), &a_url, (&b_url, &b_pub), &empty_producer, 0..40).await;
+    let named = on_a
+        .iter()
+        .filter(|p| p.source.as_deref() == Some("liar"))
+        .count();
+    let metrics = router_text(&base, "/metrics").await;
+    let misses = hostile_common::metric(
+        &metrics,
+        "kvmesh_router_p2p_source_penalties_total",
+        "reason=\"miss\"",
+    );
+    let decisions = router_text(&base, "/debug/decisions?last=100").await;
+    println!(
+        "lying source (misses): named {named} of 19 requests placed on the consumer; {misses} misses counted"
+    );
+    assert!(
+        (1..=3).contains(&named),
+        "named the lying source {named} of 19 times"
+    );
+    assert!(misses >= 1.0, "{metrics}");
+    assert!(
+        hostile_common::metric(
+            &metrics,
+            "kvmesh_router_p2p_source_excluded",
+            "source=\"liar\""
+        ) == 1.0,
+        "{metrics}"
+    );
+    assert!(
+        decisions.contains("\"penalised_sources\"") && decisions.contains("\"excluded\":true"),
+        "/debug/decisions shows no penalised source"
+    );
+    drop(router);
+
+    // 2. Stalls: the liar's producer accepts connections and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stall_addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    let (router, base, on_a) =
+        lying_source_run(dir.path(), &a_url, (&b_url, &b_pub), &stall_addr, 100..140).await;
+    let stalled: Vec<f64> = on_a
+        .iter()
+        .filter(|p| p.source.as_deref() == Some("liar"))
+        .map(|p| p.headers_s)
+        .collect();
+    let others: Vec<f64> = on_a
+        .iter()
+        .filter(|p| p.source.is_none())
+        .map(|p| p.headers_s)
+        .collect();
+    let metrics = router_text(&base, "/metrics").await;
+    let stalls = hostile_common::metric(
+        &metrics,
+        "kvmesh_router_p2p_source_penalties_total",
+        "reason=\"stall\"",
+    );
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    println!(
+        "stalling source: named {} of 19; those requests' headers after {:?} s (deadline from the \
+         prediction), the others' median {:.3} s; {stalls} stalls counted",
+        stalled.len(),
+        stalled
+            .iter()
+            .map(|s| (s * 1000.0).round() / 1000.0)
+            .collect::<Vec<_>>(),
+        median(&others)
+    );
+    assert!(
+        (1..=3).contains(&stalled.len()),
+        "named the stalling source {} of 19 times",
+        stalled.len()
+    );
+    assert!(stalls >= 1.0, "{metrics}");
+    // The flat budget is 5 s (+ the pending deadline); the prediction for 2,048 tokens is about
+    // 35 ms, so the engine's deadline is its floor, 200 ms. Room for a loaded 2-core machine.
+    for s in &stalled {
+        assert!(
+            *s < 1.5,
+            "a stalled pull cost {s:.2} s: the flat timeout, not the prediction"
+        );
+    }
+    drop(router);
 }

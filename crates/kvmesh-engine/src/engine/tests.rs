@@ -56,6 +56,7 @@ fn request(prompt: Vec<TokenId>, max_tokens: usize) -> EngineRequest {
         external_hashes: Vec::new(),
         pull_pinned_hashes: Vec::new(),
         external_query_tokens: 0,
+        pull_feedback: None,
     }
 }
 

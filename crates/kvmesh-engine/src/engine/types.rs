@@ -3,7 +3,7 @@
 use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
-use kvmesh_core::{BlockDigest, BlockHash, KvTransferParams, TokenId};
+use kvmesh_core::{BlockDigest, BlockHash, KvTransferParams, PullFeedback, TokenId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::compute::SamplingParams;
@@ -51,6 +51,10 @@ pub struct EngineRequest {
     /// Prompt tokens that were queried against an external source (P2P), for
     /// `vllm:external_prefix_cache_queries`.
     pub external_query_tokens: usize,
+    /// What this request's remote read did (set by [`crate::p2p::P2pConsumer::read`]): the
+    /// engine sends it back as the `x-kvmesh-pull` response header, so the router can judge the
+    /// source it named.
+    pub pull_feedback: Option<PullFeedback>,
 }
 
 /// Final accounting of a sequence.

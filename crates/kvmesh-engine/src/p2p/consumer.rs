@@ -13,9 +13,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvmesh_core::{BlockHash, RemoteKvSource, TokenId};
+use kvmesh_core::{BlockHash, PullFeedback, PullFeedbackOutcome, RemoteKvSource, TokenId};
 use kvmesh_transfer::{
-    AllowList, ClientConfig, ModelledDuration, PeerAddr, PullClass, PullClient, TrafficClass,
+    AllowList, ClientConfig, ModelledDuration, PeerAddr, PullClass, PullClient, PullOutcome,
+    TrafficClass,
 };
 
 use super::error::P2pConfigError;
@@ -39,6 +40,8 @@ pub struct P2pConsumer {
     client: PullClient,
     timeout: Duration,
     pending_deadline: Duration,
+    deadline_factor: f64,
+    deadline_floor: Duration,
     inflight: PullsInFlight,
 }
 
@@ -78,6 +81,8 @@ impl P2pConsumer {
             client,
             timeout: cfg.timeout,
             pending_deadline: cfg.pending_deadline,
+            deadline_factor: cfg.deadline_factor,
+            deadline_floor: cfg.deadline_floor,
             inflight: PullsInFlight::default(),
         })
     }
@@ -87,9 +92,18 @@ impl P2pConsumer {
         self.inflight.len()
     }
 
-    /// The budget of one read: a pull's timeout plus the pending deadline, from now.
-    pub(crate) fn read_deadline(&self) -> tokio::time::Instant {
-        tokio::time::Instant::now() + self.timeout + self.pending_deadline
+    /// The budget of one read whose pull the router predicted at `predicted_ms`:
+    /// `--p2p-deadline-factor` × the prediction, at least `--p2p-deadline-floor-ms`, at most the
+    /// flat budget (timeout + pending deadline), which is also what an unpriced read gets. The
+    /// prediction is untrusted input: anything not a finite positive number is ignored.
+    pub fn read_budget(&self, predicted_ms: Option<f64>) -> Duration {
+        let flat = self.timeout + self.pending_deadline;
+        budget(
+            flat,
+            self.deadline_factor,
+            self.deadline_floor,
+            predicted_ms,
+        )
     }
 
     /// Waits (until `deadline` at most) while any of `hashes` belongs to a pull in flight, which
@@ -116,23 +130,26 @@ impl P2pConsumer {
         engine: &EngineHandle,
         req: &mut EngineRequest,
         source: &RemoteKvSource,
+        predicted_pull_ms: Option<f64>,
     ) -> Option<PrefixPull> {
         let opts = ReadOptions {
             threshold_tokens: 0,
             share_inflight: true,
             background: false,
         };
-        match self
-            .read(engine, req, &RemoteRead::from_source(source), opts)
-            .await
-        {
+        let read = RemoteRead {
+            predicted_pull_ms,
+            ..RemoteRead::from_source(source)
+        };
+        match self.read(engine, req, &read, opts).await {
             ReadOutcome::Pulled { pull, .. } => Some(pull),
             _ => None,
         }
     }
 
     /// The one remote-read path (see the module docs). Sets `req.external_hashes`,
-    /// `req.pull_pinned_hashes` and `req.external_query_tokens` for what it read; never fails.
+    /// `req.pull_pinned_hashes`, `req.external_query_tokens` and `req.pull_feedback` for what it
+    /// read; never fails.
     pub async fn read(
         &self,
         engine: &EngineHandle,
@@ -140,6 +157,26 @@ impl P2pConsumer {
         read: &RemoteRead,
         opts: ReadOptions,
     ) -> ReadOutcome {
+        let started = tokio::time::Instant::now();
+        let budget = self.read_budget(read.predicted_pull_ms);
+        let bs = engine.kv_layout().block_size.max(1);
+        let outcome = self
+            .read_within(engine, req, read, opts, started + budget)
+            .await;
+        req.pull_feedback = Some(feedback(&outcome, bs, started.elapsed(), budget));
+        outcome.0
+    }
+
+    /// [`P2pConsumer::read`] by `deadline`; with the outcome, the prefix blocks held locally
+    /// after it and the blocks it could have read at most.
+    async fn read_within(
+        &self,
+        engine: &EngineHandle,
+        req: &mut EngineRequest,
+        read: &RemoteRead,
+        opts: ReadOptions,
+        deadline: tokio::time::Instant,
+    ) -> (ReadOutcome, usize, usize) {
         let peer = PeerAddr::from(&read.source);
         if let Some(ago) = read.expired_ago() {
             tracing::info!(
@@ -148,29 +185,31 @@ impl P2pConsumer {
                 expired_s_ago = ago,
                 "Declining expired remote read"
             );
-            return ReadOutcome::Expired;
+            return (ReadOutcome::Expired, 0, 0);
         }
         let bs = engine.kv_layout().block_size.max(1);
         let (hashes, mismatch) = read.readable_hashes(engine, req);
         let mut local = local_prefix_blocks(engine, &hashes).await;
-        if local >= hashes.len() {
-            return ReadOutcome::NothingMissing { mismatch };
+        let readable = hashes.len();
+        if local >= readable {
+            return (ReadOutcome::NothingMissing { mismatch }, local, readable);
         }
-        if (hashes.len() - local) * bs < opts.threshold_tokens {
-            return ReadOutcome::BelowThreshold;
+        if (readable - local) * bs < opts.threshold_tokens {
+            return (ReadOutcome::BelowThreshold, local, readable);
         }
         req.external_query_tokens = req.prompt.len();
-        // One budget (timeout + pending deadline) for waiting on another pull and pulling, so
-        // waits never compound.
-        let deadline = self.read_deadline();
+        // One budget (`deadline`: the prediction's multiple or the flat budget) for waiting on
+        // another pull and pulling, so waits never compound.
         let claim = if opts.share_inflight {
             match self
                 .join_inflight(engine, req, &hashes, &mut local, deadline, opts.class())
                 .await
             {
                 Some(claim) => claim,
-                None if local >= hashes.len() => return ReadOutcome::NothingMissing { mismatch },
-                None => return ReadOutcome::WaitedOut,
+                None if local >= readable => {
+                    return (ReadOutcome::NothingMissing { mismatch }, local, readable);
+                }
+                None => return (ReadOutcome::WaitedOut, local, readable),
             }
         } else {
             None
@@ -218,11 +257,13 @@ impl P2pConsumer {
         {
             tokio::time::sleep_until(pull.started + modelled).await;
         }
-        ReadOutcome::Pulled {
+        let reached = local + pull.report.blocks;
+        let outcome = ReadOutcome::Pulled {
             pull,
             wanted,
             mismatch,
-        }
+        };
+        (outcome, reached, readable)
     }
 
     /// One pull per prefix at a time: claims `hashes[*local..]` for this request's pull, or,
@@ -331,6 +372,7 @@ impl P2pConsumer {
             external: sink.external,
             pinned: sink.pinned,
             started,
+            rejected: sink.rejected,
         }
     }
 }
@@ -356,6 +398,60 @@ async fn local_prefix_blocks(engine: &EngineHandle, hashes: &[BlockHash]) -> usi
     (gpu + tier.lookup_prefix(&hashes[gpu..])).max(cpu_only)
 }
 
+/// [`P2pConsumer::read_budget`] with its settings as arguments.
+fn budget(flat: Duration, factor: f64, floor: Duration, predicted_ms: Option<f64>) -> Duration {
+    match predicted_ms.filter(|ms| ms.is_finite() && *ms > 0.0) {
+        Some(ms) => {
+            // Capped before the conversion: a hostile 1e300 must not overflow a Duration.
+            let scaled = (ms * factor / 1000.0).min(flat.as_secs_f64());
+            Duration::from_secs_f64(scaled.max(0.0))
+                .max(floor)
+                .min(flat)
+        }
+        None => flat,
+    }
+}
+
+/// What a read did, as the router is told (`x-kvmesh-pull`): `reached` and `readable` are
+/// blocks of `block_size` tokens (the prefix held after the read, and the most it could hold).
+fn feedback(
+    (outcome, reached, readable): &(ReadOutcome, usize, usize),
+    block_size: usize,
+    elapsed: Duration,
+    budget: Duration,
+) -> PullFeedback {
+    let (kind, reason) = match outcome {
+        ReadOutcome::Pulled { pull, .. } => {
+            let kind = match &pull.report.outcome {
+                PullOutcome::Complete => PullFeedbackOutcome::Complete,
+                PullOutcome::Partial { .. } => PullFeedbackOutcome::Partial,
+                PullOutcome::Failed { .. } => PullFeedbackOutcome::Failed,
+            };
+            // Our own full tier is no fault of the source's: say so apart.
+            let reason = match pull.rejected {
+                Some("cpu_tier_hard_pinned") => Some("sink_full"),
+                _ => pull.report.outcome.reason().map(|r| r.label()),
+            };
+            (kind, reason)
+        }
+        ReadOutcome::WaitedOut => (PullFeedbackOutcome::WaitedOut, Some("timeout")),
+        ReadOutcome::Expired => (PullFeedbackOutcome::NotNeeded, Some("expired")),
+        ReadOutcome::NothingMissing { .. } | ReadOutcome::BelowThreshold => {
+            (PullFeedbackOutcome::NotNeeded, None)
+        }
+    };
+    let tokens = |blocks: usize| (blocks * block_size) as u64;
+    PullFeedback {
+        outcome: kind,
+        reason: reason.map(str::to_owned),
+        reached_tokens: tokens(*reached),
+        readable_tokens: tokens(*readable),
+        block_size: block_size as u64,
+        elapsed_ms: elapsed.as_secs_f64() * 1000.0,
+        deadline_ms: budget.as_secs_f64() * 1000.0,
+    }
+}
+
 /// Releases the pins a pull took on the blocks it landed for `req` (its
 /// `pull_pinned_hashes`: not the blocks that landed unpinned at the pull-pin cap, whose release
 /// would drop another request's pin on the same block). Call when the request finished
@@ -365,5 +461,26 @@ pub fn release_pulled(engine: &EngineHandle, req: &EngineRequest) {
         engine
             .cpu_tier()
             .unpin(PinKind::Pull, &req.pull_pinned_hashes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_priced_read_gets_a_multiple_of_the_prediction_within_floor_and_flat_budget() {
+        let flat = Duration::from_millis(7000);
+        let floor = Duration::from_millis(200);
+        let b = |p| budget(flat, 4.0, floor, p);
+        assert_eq!(b(None), flat);
+        assert_eq!(b(Some(150.0)), Duration::from_millis(600));
+        assert_eq!(b(Some(10.0)), floor, "never under the floor");
+        assert_eq!(b(Some(60_000.0)), flat, "never over the flat budget");
+        for hostile in [f64::NAN, f64::INFINITY, -5.0, 0.0, 1e300] {
+            let got = b(Some(hostile));
+            assert!(got == flat || got == floor, "{hostile}: {got:?}");
+        }
+        assert_eq!(b(Some(1e300)), flat);
     }
 }

@@ -26,20 +26,25 @@ impl RequestHook for P2pHook {
         req: &'a mut EngineRequest,
     ) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let Some(source) = req
-                .kv_transfer_params
-                .as_ref()
-                .and_then(|p| p.remote_kv_source.clone())
-            else {
+            let Some(params) = req.kv_transfer_params.as_ref() else {
                 return;
             };
+            let Some(source) = params.remote_kv_source.clone() else {
+                return;
+            };
+            // The router's price of this pull bounds it (and the wait below), so a stalling
+            // source costs about the prediction rather than the flat budget.
+            let predicted = params.kvmesh_predicted_pull_ms;
             if engine.capabilities().models_pull_time && self.consumer.inflight_pulls() > 0 {
                 let hashes = engine.cacheable_block_hashes(&req.prompt);
+                let deadline = tokio::time::Instant::now() + self.consumer.read_budget(predicted);
                 self.consumer
-                    .wait_for_pulls_in_flight(&hashes, self.consumer.read_deadline())
+                    .wait_for_pulls_in_flight(&hashes, deadline)
                     .await;
             }
-            self.consumer.prepare_request(engine, req, &source).await;
+            self.consumer
+                .prepare_request(engine, req, &source, predicted)
+                .await;
         })
     }
 

@@ -22,6 +22,9 @@ pub struct RemoteRead {
     /// Unix time after which the peer no longer keeps the blocks (P/D
     /// `remote_blocks_expiry_time`): the read is declined.
     pub expiry_unix: Option<f64>,
+    /// The router's predicted pull time (ms, `kvmesh_predicted_pull_ms`), from which the read's
+    /// deadline derives ([`super::P2pConsumer::read_budget`]); None: the flat budget.
+    pub predicted_pull_ms: Option<f64>,
 }
 
 impl RemoteRead {
@@ -32,6 +35,7 @@ impl RemoteRead {
             block_ids: None,
             num_tokens: None,
             expiry_unix: None,
+            predicted_pull_ms: None,
         }
     }
 
@@ -55,6 +59,7 @@ impl RemoteRead {
             block_ids,
             num_tokens: p.remote_num_tokens,
             expiry_unix: p.remote_blocks_expiry_time,
+            predicted_pull_ms: None,
         })
     }
 
@@ -132,6 +137,9 @@ pub struct PrefixPull {
     pub pinned: Vec<BlockHash>,
     /// When the pull started (a modelled pull time runs from here).
     pub started: tokio::time::Instant,
+    /// Why our sink refused a block, if it did (`cpu_tier_hard_pinned` is our tier's fault,
+    /// the others the peer's blocks').
+    pub rejected: Option<&'static str>,
 }
 
 /// What a read did.

@@ -31,6 +31,7 @@ use kvmesh_sched::admission_queue::AdmissionQueueConfig;
 use kvmesh_sched::config::duration_str;
 pub use kvmesh_sched::config::{PluginRef, PluginSpec, ProfileSpec};
 use kvmesh_sched::cost_model::CostModelParams;
+use kvmesh_sched::reputation::ReputationParams;
 use serde::{Deserialize, Serialize};
 
 pub use self::error::ConfigError;
@@ -341,6 +342,11 @@ pub struct RouterConfig {
     /// release them shortest work first (`kvmesh_sched::admission_queue`). Absent = place on arrival.
     #[serde(default)]
     pub admission_queue: Option<AdmissionQueueConfig>,
+    /// How P2P sources whose pulls miss, stall or fail verification are penalised
+    /// (`kvmesh_sched::reputation`): decaying per source and reason; the defaults apply when
+    /// absent.
+    #[serde(default)]
+    pub p2p_reputation: ReputationParams,
     /// Prefetch ahead of arrival: follow sessions and, when a turn ends, have a second engine
     /// pull the history during the client's gap (`docs/architecture.md#prefetch`). Absent = off.
     #[serde(default)]
@@ -504,6 +510,9 @@ impl RouterConfig {
         if let Some(d) = &self.admission_queue {
             d.validate().map_err(ConfigError::Invalid)?;
         }
+        self.p2p_reputation
+            .validate()
+            .map_err(ConfigError::Invalid)?;
         if self.max_in_flight == 0 {
             return Err(ConfigError::Invalid("max_in_flight must be > 0".into()));
         }

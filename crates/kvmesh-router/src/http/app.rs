@@ -207,6 +207,8 @@ async fn health(State(s): State<Arc<RouterState>>) -> Response {
 async fn metrics(State(s): State<Arc<RouterState>>) -> Response {
     s.metrics
         .refresh(&s.endpoints, &s.cost_model, s.config.block_size);
+    s.metrics
+        .refresh_reputation(&s.endpoints, &s.reputation.standings());
     let mut text = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &s.registry) {
         return ApiError::service_unavailable(format!("encoding metrics: {e}")).into_response();

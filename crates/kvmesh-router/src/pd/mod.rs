@@ -297,6 +297,7 @@ impl Legs<'_> {
             self.keys,
             self.ctx.block_size,
         ));
+        self.s.reputation.fill(&mut all);
         decision.p2p = profile.select_source(self.ctx, &all, chosen.endpoint);
         let source = name_source(decision.p2p.as_mut(), self.list, self.ctx.request_id);
         (None, source)
@@ -631,6 +632,7 @@ fn history_read(h: &KvTransferParams, list: &[Arc<Endpoint>]) -> P2pDecision {
         predicted_recompute_ms: None,
         predicted_pull_ms: None,
         band: Vec::new(),
+        penalised_sources: Vec::new(),
         why: format!("conversation history held by its decoder at {host_port}"),
     }
 }

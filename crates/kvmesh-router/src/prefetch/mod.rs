@@ -418,6 +418,7 @@ impl Restore<'_> {
                     predicted_recompute_ms: None,
                     predicted_pull_ms: None,
                     band: Vec::new(),
+                    penalised_sources: Vec::new(),
                     why,
                 }),
             },

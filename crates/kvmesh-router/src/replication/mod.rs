@@ -318,6 +318,7 @@ fn record(s: &RouterState, e: &Entry<'_>, outcome: &'static str, why: String) {
             predicted_recompute_ms: None,
             predicted_pull_ms: None,
             band: Vec::new(),
+            penalised_sources: Vec::new(),
             why,
         }),
     };

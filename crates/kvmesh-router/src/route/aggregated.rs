@@ -30,6 +30,7 @@ use crate::route::forward::{
     request_id, send_to_engine, tap_body, wants_explanation,
 };
 use crate::route::remote_source::{NamedSource, name_source};
+use crate::route::reputation::judge_pull;
 use crate::state::{Arrival, Placed, Placement, RequestHook, RouterState, outcome};
 
 /// Decode tokens assumed for load accounting when a request does not say (vLLM's completions default).
@@ -203,7 +204,10 @@ impl Attempt<'_> {
             &admitted.fleet.eligible,
             self.request_id,
         )
-        .filter(|src| attach_source(parsed, src));
+        .filter(|src| {
+            let predicted = predicted_pull_ms(s, src, &chosen, &admitted.fleet.candidates);
+            attach_source(parsed, src, predicted)
+        });
         let reserved = self.reserve(parsed, &chosen, ep, source, admitted.fleet);
         drop(admitted.ticket);
         Ok(self.report(&ctx, decision, admitted.held, reserved))
@@ -320,6 +324,9 @@ impl Attempt<'_> {
         let status = upstream.status();
         if status.is_server_error() || status.is_client_error() {
             s.metrics.error("upstream_status");
+        }
+        if let Some(src) = &r.source {
+            judge_pull(s, src, upstream.headers());
         }
         for h in hooks.iter_mut() {
             h.on_answer(s, &r.ep, status);
@@ -440,11 +447,27 @@ async fn admit<'a>(
     })
 }
 
-/// Puts `remote_kv_source` into the request's `kv_transfer_params` (keeping any other keys).
-/// False (and nothing pulled) when the parameters cannot be encoded.
-fn attach_source(parsed: &mut ParsedRequest, src: &NamedSource) -> bool {
+/// The pull time the engine is told for `src` into `chosen` (see [`NamedSource::predicted_ms`]),
+/// with the transfers the router has on the pull's links now.
+fn predicted_pull_ms(
+    s: &RouterState,
+    src: &NamedSource,
+    chosen: &Candidate,
+    candidates: &[Candidate],
+) -> Option<f64> {
+    let out = candidates
+        .iter()
+        .find(|c| c.endpoint == src.endpoint.id)
+        .map_or(0, |c| c.pulls_out);
+    src.predicted_ms(&s.cost_model, chosen.endpoint, out.max(chosen.pulls_in))
+}
+
+/// Puts `remote_kv_source` and the predicted pull time into the request's `kv_transfer_params`
+/// (keeping any other keys). False (and nothing pulled) when the parameters cannot be encoded.
+fn attach_source(parsed: &mut ParsedRequest, src: &NamedSource, predicted_ms: Option<f64>) -> bool {
     let mut params: KvTransferParams = parsed.field("kv_transfer_params").unwrap_or_default();
     params.remote_kv_source = Some(src.params.clone());
+    params.kvmesh_predicted_pull_ms = predicted_ms;
     match parsed.set_field("kv_transfer_params", &params) {
         Ok(()) => true,
         Err(e) => {

@@ -80,6 +80,8 @@ pub(crate) fn candidate(
         pulls_landing_in: load.pulls_landing_in,
         pulls_landing_uncached_tokens: load.pulls_landing_uncached_tokens,
         kv_group: e.kv_group(),
+        // Filled from the router's reputation by whoever decides a pull (`gather`, P/D).
+        source_standing: Default::default(),
     }
 }
 
@@ -106,6 +108,7 @@ pub(crate) fn gather(
     let matches = s.prefix.find_matches(keys);
     let mut eligible = eligible(&s.endpoints.list());
     eligible.retain(|e| Some(e.id) != excluded);
-    let candidates = candidates_of(&eligible, &matches, keys, s.config.block_size);
+    let mut candidates = candidates_of(&eligible, &matches, keys, s.config.block_size);
+    s.reputation.fill(&mut candidates);
     (eligible, candidates)
 }

@@ -25,6 +25,11 @@ pub(crate) struct NamedSource {
     pub params: RemoteKvSource,
     /// Tokens the decision expects the pull to bring (the source's lead over the computing end).
     pub delta_tokens: u64,
+    /// The prefix the source advertised in its CPU tier (tokens): what a pull from it should
+    /// reach, which its reputation is judged by.
+    pub advertised_tokens: u64,
+    /// The decision's predicted pull time (ms), when its policy priced the pull.
+    pub predicted_pull_ms: Option<f64>,
 }
 
 /// How much longer than predicted a pull may take before the router stops counting it as
@@ -49,6 +54,34 @@ impl NamedSource {
         sharing
     }
 
+    /// The cost model's time (ms) for this pull into `dest` with `sharing` transfers already on
+    /// its links.
+    pub fn cost_model_pull_ms(
+        &self,
+        cost_model: &CostModel,
+        dest: EndpointId,
+        sharing: u64,
+    ) -> f64 {
+        let alone = cost_model.predict_pull_ms(self.endpoint.id, dest, self.delta_tokens);
+        contended_pull_ms(alone, cost_model.params().pull_floor_ms, sharing)
+    }
+
+    /// The pull time the engine is told (`kvmesh_predicted_pull_ms`, from which it derives the
+    /// pull's deadline): the decision's own price when its policy made one, else the cost
+    /// model's for the transfers (`sharing`) already on the pull's links. None when neither is
+    /// a finite positive number: the engine then keeps its flat budget.
+    pub fn predicted_ms(
+        &self,
+        cost_model: &CostModel,
+        dest: EndpointId,
+        sharing: u64,
+    ) -> Option<f64> {
+        let ms = self
+            .predicted_pull_ms
+            .unwrap_or_else(|| self.cost_model_pull_ms(cost_model, dest, sharing));
+        (ms.is_finite() && ms > 0.0).then_some(ms)
+    }
+
     /// When the pull into `dest`, named at `now`, should have landed: the cost model's time for
     /// its tokens stretched by the `sharing` transfers already on its links, with slack.
     fn landing_deadline(
@@ -58,9 +91,7 @@ impl NamedSource {
         sharing: u64,
         now: Instant,
     ) -> Instant {
-        let alone = cost_model.predict_pull_ms(self.endpoint.id, dest, self.delta_tokens);
-        let ms =
-            contended_pull_ms(alone, cost_model.params().pull_floor_ms, sharing) * LANDING_SLACK;
+        let ms = self.cost_model_pull_ms(cost_model, dest, sharing) * LANDING_SLACK;
         // A non-finite or absurd prediction must not pin the pull as landing forever.
         let ms = if ms.is_finite() {
             ms.clamp(0.0, 60_000.0)
@@ -91,6 +122,8 @@ pub(crate) fn name_source(
                 remote_port: port,
             },
             delta_tokens: d.delta_tokens.max(0) as u64,
+            advertised_tokens: d.source_tokens,
+            predicted_pull_ms: d.predicted_pull_ms,
         })
     });
     if named.is_none() {
@@ -135,6 +168,7 @@ mod tests {
             predicted_recompute_ms: None,
             predicted_pull_ms: None,
             band: Vec::new(),
+            penalised_sources: Vec::new(),
             why: "pull".to_owned(),
         }
     }

@@ -50,12 +50,18 @@ impl SourcePolicy for PricedByCostModel {
         // recomputing, and a fan-out ends no faster than recomputing everywhere (measured:
         // docs/benchmarks.md, hot prefixes). Recompute adds nothing to the link.
         let joined = sharing as f64 * (alone - floor.min(alone));
+        // A source that failed pulls lately leaves its tokens to recompute after the pull with
+        // its failure probability: that much of the saving is not expected.
+        let p_fail = source.source_standing.failure_probability.clamp(0.0, 1.0);
+        let expected = p_fail * recompute;
         d.predicted_recompute_ms = Some(recompute);
         d.predicted_pull_ms = Some(pull);
-        if recompute <= pull + joined + self.margin_ms {
+        if recompute <= pull + joined + expected + self.margin_ms {
             let why = format!(
                 "recompute {recompute:.1} ms <= pull {pull:.1} ms ({sharing} transfers already on \
-                 the link) + {joined:.1} ms it adds to them + margin {:.1} ms",
+                 the link) + {joined:.1} ms it adds to them + {expected:.1} ms expected recompute \
+                 (source fails {:.0} %) + margin {:.1} ms",
+                p_fail * 100.0,
                 self.margin_ms
             );
             return d.skip(SkipReason::Cost, why);

@@ -31,7 +31,9 @@ use crate::candidate::{Candidate, SchedulingContext};
 use crate::cost_model::CostModel;
 use crate::predict::Prediction;
 
-pub use self::policy::{P2pDecision, P2pMode, SkipReason, SourcePolicy, SourceQuery};
+pub use self::policy::{
+    P2pDecision, P2pMode, PenalisedSource, SkipReason, SourcePolicy, SourceQuery,
+};
 
 pub const TYPE: &str = "p2p-source-producer";
 
@@ -137,8 +139,23 @@ impl P2pSourceProducer {
             computing,
             placement,
         };
-        self.policy.select(&q, d)
+        let mut d = self.policy.select(&q, d);
+        d.penalised_sources = penalised(candidates, computing);
+        d
     }
+}
+
+/// The possible sources of a pull into `candidates[computing]` that have failed pulls lately,
+/// as the decision record shows them.
+fn penalised(candidates: &[&Candidate], computing: usize) -> Vec<PenalisedSource> {
+    let dest = candidates.get(computing);
+    candidates
+        .iter()
+        .enumerate()
+        .filter(|&(i, c)| i != computing && c.has_p2p && c.source_standing.is_penalised())
+        .filter(|(_, c)| dest.is_none_or(|d| c.same_kv_group(d)))
+        .map(|(_, c)| PenalisedSource::of(c))
+        .collect()
 }
 
 #[cfg(test)]
@@ -187,6 +204,7 @@ mod tests {
     use super::test_util::*;
     use super::*;
     use crate::cost_model::CostModelParams;
+    use crate::reputation::{PenaltyReason, Reputation, ReputationParams};
 
     #[test]
     fn no_source_is_named_for_a_request_that_may_not_pull_in_any_mode() {
@@ -204,6 +222,74 @@ mod tests {
             );
             let d = p.select(&held, &refs, 0, None);
             assert_eq!((d.source, d.skipped), (None, Some(SkipReason::PullsOff)));
+        }
+    }
+
+    /// Each mode, 19 requests in a row whose named pull from e1 misses (e1 advertises 3,200
+    /// tokens it does not serve), its failures fed back as the router does. Returns the times
+    /// e1 was named and the last decision.
+    fn lying_source_run(mode: P2pMode, rep: &mut Reputation, t0: f64) -> (usize, P2pDecision) {
+        use crate::predict::{TtftParams, predict};
+        let cm = CostModel::new(CostModelParams::default());
+        let p = if mode == P2pMode::Predicted {
+            let params = P2pParams {
+                mode,
+                ..P2pParams::default()
+            };
+            P2pSourceProducer::new(params, Arc::new(CostModel::new(CostModelParams::default())))
+                .expect("valid")
+        } else {
+            producer(16, mode)
+        };
+        let ttft = TtftParams {
+            p2p: true,
+            min_pull_tokens: 16,
+            ..TtftParams::default()
+        };
+        let mut named = 0;
+        let mut last = None;
+        for k in 0..19 {
+            let now = t0 + f64::from(k) * 0.1;
+            let mut c = [cand(0, 0, 0, 0.0), cand(1, 200, 200, 0.0)];
+            c[1].source_standing = rep.standing(EndpointId(1), now);
+            let refs: Vec<&Candidate> = c.iter().collect();
+            let id = format!("req-{k}");
+            let ctx = ctx(&id);
+            let pred = predict(&ctx, &refs, 0, &cm, &ttft);
+            let d = p.select(&ctx, &refs, 0, Some(&pred));
+            if d.source == Some(EndpointId(1)) {
+                named += 1;
+                rep.record_failure(EndpointId(1), PenaltyReason::Miss, now);
+            }
+            last = Some(d);
+        }
+        (named, last.expect("ran"))
+    }
+
+    #[test]
+    fn a_lying_source_stops_being_named_in_every_mode_and_is_tried_again_after_decay() {
+        for mode in [P2pMode::Threshold, P2pMode::CostModel, P2pMode::Predicted] {
+            let mut rep = Reputation::new(ReputationParams::default());
+            let (named, last) = lying_source_run(mode, &mut rep, 0.0);
+            assert!((1..=3).contains(&named), "{mode:?}: named {named} of 19");
+            // The record says who was passed over and why.
+            assert_eq!(last.source, None, "{mode:?}: {last:?}");
+            let pen = &last.penalised_sources;
+            assert_eq!(pen.len(), 1, "{last:?}");
+            assert_eq!(pen[0].endpoint, "e1");
+            assert!(
+                pen[0].excluded && pen[0].failure_probability >= 0.45,
+                "{pen:?}"
+            );
+            assert!(
+                pen[0].failures.get("miss").is_some_and(|m| *m > 1.9),
+                "{pen:?}"
+            );
+            assert!(last.why.contains("e1 excluded"), "{mode:?}: {}", last.why);
+            // Two half-lives later its failures weigh a quarter: it is probed again, and
+            // excluded again once those pulls miss too.
+            let (again, _) = lying_source_run(mode, &mut rep, 62.0);
+            assert!((1..=2).contains(&again), "{mode:?}: {again}");
         }
     }
 

@@ -1,11 +1,14 @@
 //! What a source policy sees ([`SourceQuery`]) and returns ([`P2pDecision`]), and the trait the
 //! three policies implement ([`SourcePolicy`]).
 
+use std::collections::BTreeMap;
+
 use kvmesh_index::EndpointId;
 use serde::{Deserialize, Serialize};
 
 use crate::candidate::{Candidate, SchedulingContext};
 use crate::predict::Prediction;
+use crate::reputation::PenaltyReason;
 
 /// The source policy (`mode:`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -69,6 +72,42 @@ pub struct P2pDecision {
     /// Sources considered (names), in sampling order.
     pub band: Vec<String>,
     pub why: String,
+    /// Every possible source with pulls held against it at decision time
+    /// ([`crate::reputation`]): its failure probability, whether it was excluded, and the
+    /// decayed failures per reason. Empty when no source is penalised.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub penalised_sources: Vec<PenalisedSource>,
+}
+
+/// A source's reputation as one decision saw it (`/debug/decisions`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PenalisedSource {
+    pub endpoint: String,
+    pub failure_probability: f64,
+    pub excluded: bool,
+    /// Decayed failures by reason (`miss`, `stall`, `verify_failure`, `error`), non-zero only.
+    pub failures: BTreeMap<&'static str, f64>,
+    /// Decayed served pulls.
+    pub successes: f64,
+}
+
+impl PenalisedSource {
+    pub fn of(c: &Candidate) -> PenalisedSource {
+        let st = &c.source_standing;
+        // Rounded: the record is for reading, and decayed values have no meaningful 15th digit.
+        let round = |v: f64| (v * 1000.0).round() / 1000.0;
+        PenalisedSource {
+            endpoint: c.name.to_string(),
+            failure_probability: round(st.failure_probability),
+            excluded: st.excluded,
+            failures: PenaltyReason::ALL
+                .iter()
+                .filter(|r| st.failures_of(**r) > 0.0)
+                .map(|&r| (r.label(), round(st.failures_of(r))))
+                .collect(),
+            successes: round(st.successes),
+        }
+    }
 }
 
 impl P2pDecision {
@@ -85,6 +124,7 @@ impl P2pDecision {
             predicted_pull_ms: None,
             band: Vec::new(),
             why: String::new(),
+            penalised_sources: Vec::new(),
         }
     }
 
@@ -133,6 +173,18 @@ pub(super) fn no_source_why(candidates: &[&Candidate], computing: usize, what: &
         why.push_str(&format!(
             " in KV group {} ({other_group} holder(s) in other groups are never sources)",
             dest.kv_group.as_deref().unwrap_or("(default)")
+        ));
+    }
+    let excluded: Vec<&str> = candidates
+        .iter()
+        .filter(|c| c.has_p2p && c.cpu_blocks > 0 && c.same_kv_group(dest))
+        .filter(|c| c.source_standing.excluded)
+        .map(|c| c.name.as_ref())
+        .collect();
+    if !excluded.is_empty() {
+        why.push_str(&format!(
+            " that its reputation allows ({} excluded: its pulls missed, stalled or failed lately)",
+            excluded.join(", ")
         ));
     }
     why

@@ -36,9 +36,19 @@ impl SourcePolicy for Predicted {
         d.predicted_pull_ms = Some(plan.pull_ms);
         d.predicted_recompute_ms = Some(plan.recompute_ms);
         if !pred.pulls {
-            let why = if plan.pull_ms + plan.margin_ms >= plan.recompute_ms {
+            let expected = plan.expected_recompute_ms();
+            let why = if plan.pull_ms + expected + plan.margin_ms >= plan.recompute_ms {
+                let failing = if expected > 0.0 {
+                    format!(
+                        " + {expected:.1} ms expected recompute ({} fails {:.0} % of pulls lately)",
+                        plan.source_endpoint,
+                        plan.failure_probability * 100.0
+                    )
+                } else {
+                    String::new()
+                };
                 format!(
-                    "recompute {:.1} ms <= pull {:.1} ms ({} transfers sharing the link) + \
+                    "recompute {:.1} ms <= pull {:.1} ms ({} transfers sharing the link){failing} + \
                      margin {:.1} ms",
                     plan.recompute_ms, plan.pull_ms, plan.sharing, plan.margin_ms
                 )
@@ -58,6 +68,13 @@ impl SourcePolicy for Predicted {
             "pull {} tokens from {}: {:.1} ms vs recompute {:.1} ms",
             plan.delta_tokens, plan.source_endpoint, plan.pull_ms, plan.recompute_ms
         );
+        if plan.failure_probability > 0.0 {
+            d.why.push_str(&format!(
+                " (its pulls fail {:.0} % lately: {:.1} ms of recompute expected)",
+                plan.failure_probability * 100.0,
+                plan.expected_recompute_ms()
+            ));
+        }
         d
     }
 }

@@ -4,7 +4,9 @@
 //! Source tokens = CPU-tier blocks × block size (pulls are served from the CPU tier); the band is
 //! the endpoints whose CPU-tier prefix is within one block of the best; weight `1/(1 + waiting)`;
 //! one is sampled at `fnv1a32(request_id) / 2^32 × Σw` along the cumulative weights
-//! (deterministic per request id, in endpoint-id order). The computing endpoint's cached tokens
+//! (deterministic per request id, in endpoint-id order), each weight times `1 − p` for a holder
+//! whose pulls fail with estimated probability `p` ([`crate::reputation`]; an excluded holder is
+//! not in the band). The computing endpoint's cached tokens
 //! are counted tier-blind. No source when the sample is the computing endpoint itself or when
 //! `source − computing < min_cached_token_delta` (≥ 1).
 
@@ -55,7 +57,9 @@ pub(super) fn sample<'a>(
     let usable = |c: &Candidate| {
         candidates
             .get(computing)
-            .map_or(c.has_p2p, |dest| c.can_source_for(dest))
+            .map_or(c.has_p2p && !c.source_standing.excluded, |dest| {
+                c.can_source_for(dest)
+            })
     };
     let max_cached = candidates
         .iter()
@@ -89,9 +93,15 @@ pub(super) fn sample<'a>(
         .iter()
         .map(|&i| candidates[i].name.to_string())
         .collect();
+    // A holder that failed pulls lately (not yet excluded) is sampled as much less often as it
+    // is likely to fail: its expected share of served pulls.
     let weights: Vec<f64> = band
         .iter()
-        .map(|&i| 1.0 / (1.0 + candidates[i].waiting.unwrap_or(0.0).max(0.0)))
+        .map(|&i| {
+            let c = candidates[i];
+            let serves = 1.0 - c.source_standing.failure_probability.clamp(0.0, 0.99);
+            serves / (1.0 + c.waiting.unwrap_or(0.0).max(0.0))
+        })
         .collect();
     let total: f64 = weights.iter().sum();
     let x = f64::from(fnv1a32(q.ctx.request_id.as_bytes())) / 4_294_967_296.0 * total;
