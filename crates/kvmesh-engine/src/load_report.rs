@@ -31,6 +31,9 @@ pub const HEARTBEAT: Duration = Duration::from_millis(500);
 const MAX_OUT_OF_ORDER: usize = 1024;
 /// Replicas remembered (the most recently seen); twice what a report lists.
 const MAX_ROUTERS: usize = 2 * MAX_REPORTED_ROUTERS;
+/// A report lists only the replicas that sent a request this recently (a replica that died or
+/// went idle drops out, so the others stop thinking they share the engine).
+pub const ACTIVE_WITHIN: Duration = Duration::from_secs(30);
 
 /// The sums of every request in flight, and the replicas' watermarks.
 #[derive(Default)]
@@ -129,6 +132,7 @@ impl LoadTracker {
         recent.sort_by_key(|(_, a)| std::cmp::Reverse(a.last_seen));
         let routers = recent
             .into_iter()
+            .filter(|(_, a)| now.saturating_duration_since(a.last_seen) <= ACTIVE_WITHIN)
             .take(MAX_REPORTED_ROUTERS)
             .map(|(id, a)| {
                 a.settle(now);

@@ -228,7 +228,7 @@ impl RouterMetrics {
         );
         r.register(
             "kvmesh_router_load_reports",
-            "Engine load reports (kvmesh.load on the KV-event socket) by endpoint and outcome: accepted, malformed, flood (closer than 2 ms to the last)",
+            "Engine load reports (kvmesh.load on the KV-event socket) by endpoint and outcome: accepted, malformed, flood (beyond 50 per 100 ms)",
             m.load_reports.clone(),
         );
         r.register(

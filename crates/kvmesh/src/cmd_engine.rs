@@ -57,6 +57,11 @@ pub struct EngineCmd {
     /// vLLM's KV-events JSON, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events"}'.
     #[arg(long)]
     kv_events_config: Option<String>,
+    /// Do not publish the engine's load on the KV-event socket (topic `kvmesh.load`); router
+    /// replicas then each see only their own work. The same as `"load_reports": false` in
+    /// `--kv-events-config`.
+    #[arg(long)]
+    no_load_reports: bool,
     #[arg(long, default_value_t = 8192)]
     max_num_batched_tokens: usize,
     #[arg(long, default_value_t = 256)]
@@ -212,7 +217,11 @@ impl EngineCmd {
             .kv_events_config
             .as_deref()
             .map(KvEventsConfig::parse)
-            .transpose()?;
+            .transpose()?
+            .map(|mut k| {
+                k.load_reports &= !self.no_load_reports;
+                k
+            });
         let cfg = EngineConfig {
             host: self.host.clone(),
             advertise_host: self.advertise_host.clone(),

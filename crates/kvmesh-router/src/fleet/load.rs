@@ -48,9 +48,11 @@ const DECODE_EWMA_ALPHA: f64 = 0.1;
 /// so four missed reports mean the channel is down and this replica falls back to its own view.
 pub const REPORT_STALE_AFTER: Duration = Duration::from_secs(2);
 
-/// Reports closer together than this are dropped (an engine sends at most one per 5 ms): a
-/// flood costs a timestamp comparison each.
-pub const MIN_REPORT_SPACING: Duration = Duration::from_millis(2);
+/// At most this many reports are taken per endpoint per [`REPORT_WINDOW`] (an engine sends at
+/// most 20: one per 5 ms; the slack absorbs reports that queued up on the way and arrive
+/// together); past it a report is dropped unread but counted, so a flood costs a comparison each.
+pub const MAX_REPORTS_PER_WINDOW: u32 = 50;
+pub const REPORT_WINDOW: Duration = Duration::from_millis(100);
 
 /// What an engine last said about itself, as it concerns this replica.
 #[derive(Debug, Clone, Copy)]
@@ -60,13 +62,15 @@ struct Reported {
     decode_tokens: u64,
     /// This replica's marks below this are counted in the report.
     covers_below: u64,
+    /// The report names a replica other than this one (several replicas place on this engine).
+    others: bool,
     at: Instant,
 }
 
 /// Why a load report was not taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReportRefused {
-    /// It came sooner than [`MIN_REPORT_SPACING`] after the last one.
+    /// More than [`MAX_REPORTS_PER_WINDOW`] arrived within [`REPORT_WINDOW`].
     Flood,
 }
 
@@ -102,6 +106,8 @@ pub struct EndpointLoad {
     marked: Mutex<BTreeMap<u64, (u64, u64)>>,
     /// The engine's last report (see the module header).
     reported: Mutex<Option<Reported>>,
+    /// The current flood window's start and the reports taken in it.
+    report_window: Mutex<(Option<Instant>, u32)>,
 }
 
 /// A point-in-time copy of [`EndpointLoad`].
@@ -157,6 +163,13 @@ impl EndpointLoad {
         }
     }
 
+    /// Whether, by the engine's fresh report, other router replicas also send work here.
+    pub fn other_replicas(&self) -> bool {
+        self.reported.lock().is_some_and(|r| {
+            r.others && Instant::now().saturating_duration_since(r.at) <= REPORT_STALE_AFTER
+        })
+    }
+
     /// What this replica alone has in flight here.
     pub fn own_snapshot(&self) -> LoadSnapshot {
         self.own_snapshot_at(Instant::now())
@@ -189,15 +202,24 @@ impl EndpointLoad {
         replica_id: &str,
         now: Instant,
     ) -> Result<(), ReportRefused> {
-        let mut last = self.reported.lock();
-        if last.is_some_and(|l| now.saturating_duration_since(l.at) < MIN_REPORT_SPACING) {
-            return Err(ReportRefused::Flood);
+        {
+            let mut window = self.report_window.lock();
+            match window.0 {
+                Some(start) if now.saturating_duration_since(start) < REPORT_WINDOW => {
+                    if window.1 >= MAX_REPORTS_PER_WINDOW {
+                        return Err(ReportRefused::Flood);
+                    }
+                    window.1 += 1;
+                }
+                _ => *window = (Some(now), 1),
+            }
         }
-        *last = Some(Reported {
+        *self.reported.lock() = Some(Reported {
             requests: report.requests,
             prefill_tokens: report.prefill_tokens,
             decode_tokens: report.decode_tokens,
             covers_below: report.routers.get(replica_id).copied().unwrap_or(0),
+            others: report.routers.keys().any(|id| id != replica_id),
             at: now,
         });
         Ok(())
@@ -605,13 +627,20 @@ mod tests {
             .unwrap();
         let s = load.snapshot_at(ms(11));
         assert_eq!((s.requests, s.uncached_tokens), (2, 500));
-        // A flood: a report within the spacing is refused.
+        // A flood: past the window's allowance reports are refused until the next window.
+        let t = ms(500);
+        for _ in 0..MAX_REPORTS_PER_WINDOW {
+            load.accept_report(&report(2, 500, 0, Some(2)), "me", t)
+                .unwrap();
+        }
         assert_eq!(
-            load.accept_report(&report(9, 9, 9, None), "me", ms(11)),
+            load.accept_report(&report(9, 9, 9, None), "me", t),
             Err(ReportRefused::Flood)
         );
+        load.accept_report(&report(0, 0, 0, Some(2)), "me", t + REPORT_WINDOW)
+            .unwrap();
         // Stale: back to our own view.
-        let s = load.snapshot_at(ms(10) + REPORT_STALE_AFTER + Duration::from_millis(1));
+        let s = load.snapshot_at(t + REPORT_WINDOW + REPORT_STALE_AFTER + Duration::from_millis(1));
         assert_eq!((s.requests, s.uncached_tokens, s.shared), (2, 500, false));
         drop(a);
         drop(b);

@@ -293,6 +293,10 @@ async fn debug_endpoints(State(s): State<Arc<RouterState>>) -> Response {
                 "event_batches_received": s.feed.batches_received(e.id),
                 "placed": e.placed.load(std::sync::atomic::Ordering::Relaxed),
                 "events_silent": e.events_silent.load(std::sync::atomic::Ordering::Relaxed),
+                // What placement reads (every replica's work while the engine's load reports
+                // are fresh: `shared`), and what this replica alone sent.
+                "load": e.load.snapshot(),
+                "own_load": e.load.own_snapshot(),
             })
         })
         .collect();

@@ -4,6 +4,14 @@
 //! A held request whose client goes away leaves the queue (the entry is removed on drop). A
 //! request let through holds a [`Ticket`] until the gateway has counted its load, so capacity is
 //! not handed out twice.
+//!
+//! With several router replicas each holds its own queue, and all of them see capacity free up
+//! in the same engine load report; releasing at once, every replica would send its head into the
+//! one free slot. A held request therefore waits, once it is next and capacity is free, a
+//! *stagger* that grows with its predicted work ([`stagger`]) before it goes: the replica whose
+//! head is shortest releases first, and the others see that request in the engines' next report
+//! (a few ms) before their own stagger ends. A single router (no other replica in the engines'
+//! reports) releases at once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -73,6 +81,20 @@ impl Drop for Ticket<'_> {
 /// How often a held request re-checks without being woken (aging and `max_hold` move with time).
 const RECHECK: Duration = Duration::from_millis(20);
 
+/// The longest a released request staggers (see the module header).
+pub const MAX_STAGGER: Duration = Duration::from_millis(40);
+
+/// How long a held request of `work_ms` predicted prefill (the router's clock) waits before it
+/// takes free capacity when other replicas may be releasing too: an eighth of its work, at most
+/// [`MAX_STAGGER`]. Two heads 60 ms of work apart release ~8 ms apart, about an engine report's
+/// round trip.
+pub fn stagger(work_ms: f64) -> Duration {
+    if !(work_ms.is_finite() && work_ms > 0.0) {
+        return Duration::ZERO;
+    }
+    Duration::from_secs_f64(work_ms / 8.0 / 1000.0).min(MAX_STAGGER)
+}
+
 impl AdmissionQueue {
     pub fn new(config: AdmissionQueueConfig, registry: &mut Registry) -> Self {
         let d = AdmissionQueue {
@@ -122,8 +144,15 @@ impl AdmissionQueue {
     /// right now.
     /// Keep the returned [`Ticket`] until the request's load is counted on its endpoint: until
     /// then nobody else is let through, since `has_capacity` cannot see that request yet.
-    pub async fn admit(&self, work: Work, has_capacity: impl Fn() -> bool) -> (Exit, Ticket<'_>) {
-        let how = self.wait_turn(work, has_capacity).await;
+    /// `replicas` says whether other router replicas may be releasing into the same engines
+    /// (a released request then staggers).
+    pub async fn admit(
+        &self,
+        work: Work,
+        replicas: bool,
+        has_capacity: impl Fn() -> bool,
+    ) -> (Exit, Ticket<'_>) {
+        let how = self.wait_turn(work, replicas, has_capacity).await;
         self.in_transit.fetch_add(1, Ordering::SeqCst);
         (how, Ticket { owner: self })
     }
@@ -132,7 +161,7 @@ impl AdmissionQueue {
         self.in_transit.load(Ordering::SeqCst) == 0 && has_capacity()
     }
 
-    async fn wait_turn(&self, work: Work, has_capacity: impl Fn() -> bool) -> Exit {
+    async fn wait_turn(&self, work: Work, replicas: bool, has_capacity: impl Fn() -> bool) -> Exit {
         {
             let q = self.queue.lock();
             if q.is_empty() && self.free(&has_capacity) {
@@ -147,6 +176,13 @@ impl AdmissionQueue {
         self.held_total.inc();
         self.held_now.inc();
         let _leave = Leave { owner: self, id };
+        let stagger = if replicas {
+            stagger(work.ms)
+        } else {
+            Duration::ZERO
+        };
+        // When this request, next and with capacity free, may go (after its stagger).
+        let mut go_at: Option<Instant> = None;
         loop {
             // Register for the wake-up before checking, so a wake between check and wait is kept.
             let woken = self.wake.notified();
@@ -158,12 +194,21 @@ impl AdmissionQueue {
                     return Exit::Expired;
                 }
                 if q.next(now, self.config.aging) == Some(id) && self.free(&has_capacity) {
-                    return Exit::Released;
+                    match go_at {
+                        Some(at) if now >= at => return Exit::Released,
+                        None if stagger.is_zero() => return Exit::Released,
+                        None => go_at = Some(now + stagger),
+                        Some(_) => {}
+                    }
+                } else {
+                    // Someone else took the capacity meanwhile: stagger again next time.
+                    go_at = None;
                 }
             }
+            let wait = go_at.map_or(RECHECK, |at| at.saturating_duration_since(now).min(RECHECK));
             tokio::select! {
                 _ = woken => {}
-                _ = tokio::time::sleep(RECHECK) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
         }
     }
@@ -193,7 +238,7 @@ mod tests {
             };
             let (d, free, order) = (Arc::clone(&d), Arc::clone(&free), Arc::clone(&order));
             tasks.push(tokio::spawn(async move {
-                let (how, ticket) = d.admit(work, || free.load(Ordering::SeqCst)).await;
+                let (how, ticket) = d.admit(work, false, || free.load(Ordering::SeqCst)).await;
                 order.lock().push(name);
                 // Taking the capacity again: the next one waits for the next wake.
                 free.store(false, Ordering::SeqCst);
@@ -217,6 +262,51 @@ mod tests {
         assert_eq!(d.held_now.get(), 0);
     }
 
+    #[tokio::test]
+    async fn replicas_release_the_shortest_head_first_into_one_free_slot() {
+        assert_eq!(stagger(80.0), Duration::from_millis(10));
+        assert_eq!(stagger(1e9), MAX_STAGGER);
+        assert_eq!(stagger(f64::NAN), Duration::ZERO);
+        // Two replicas' queues, one slot the engines' report says is free: the replica holding
+        // the shorter request takes it; the other sees it taken before its stagger ends.
+        let mut reg = Registry::default();
+        let (a, b) = (
+            Arc::new(AdmissionQueue::new(
+                AdmissionQueueConfig::default(),
+                &mut reg,
+            )),
+            Arc::new(AdmissionQueue::new(
+                AdmissionQueueConfig::default(),
+                &mut reg,
+            )),
+        );
+        let free = Arc::new(AtomicBool::new(false));
+        let work = |ms: f64| Work {
+            ms,
+            tokens: (ms * 25.0) as u64,
+            cold: true,
+        };
+        let hold = |q: Arc<AdmissionQueue>, w: Work| {
+            let free = Arc::clone(&free);
+            tokio::spawn(async move {
+                let (how, _ticket) = q.admit(w, true, || free.load(Ordering::SeqCst)).await;
+                // Placed: the slot is taken.
+                free.store(false, Ordering::SeqCst);
+                how
+            })
+        };
+        let long = hold(Arc::clone(&a), work(400.0));
+        let short = hold(Arc::clone(&b), work(40.0));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        free.store(true, Ordering::SeqCst);
+        a.wake();
+        b.wake();
+        assert_eq!(short.await.expect("task"), Exit::Released);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!long.is_finished(), "both replicas released into one slot");
+        long.abort();
+    }
+
     const SHORT: Work = Work {
         ms: 5.0,
         tokens: 125,
@@ -233,18 +323,19 @@ mod tests {
             },
             &mut reg,
         );
-        let (how, ticket) = d.admit(SHORT, || true).await;
+        let (how, ticket) = d.admit(SHORT, false, || true).await;
         assert_eq!(how, Exit::Direct);
         // Until the first request's load is counted, capacity is not handed out again.
         let blocked =
-            tokio::time::timeout(Duration::from_millis(30), d.admit(SHORT, || true)).await;
+            tokio::time::timeout(Duration::from_millis(30), d.admit(SHORT, false, || true)).await;
         assert!(blocked.is_err());
         drop(ticket);
-        assert_eq!(d.admit(SHORT, || true).await.0, Exit::Direct);
-        let gone = tokio::time::timeout(Duration::from_millis(10), d.admit(SHORT, || false)).await;
+        assert_eq!(d.admit(SHORT, false, || true).await.0, Exit::Direct);
+        let gone =
+            tokio::time::timeout(Duration::from_millis(10), d.admit(SHORT, false, || false)).await;
         assert!(gone.is_err());
         assert_eq!(d.queue.lock().len(), 0);
-        assert_eq!(d.admit(SHORT, || false).await.0, Exit::Expired);
+        assert_eq!(d.admit(SHORT, false, || false).await.0, Exit::Expired);
         assert!(
             AdmissionQueueConfig {
                 aging: f64::NAN,

@@ -431,7 +431,8 @@ async fn admit<'a>(
         tokens: work,
         cold: best_cached == 0,
     };
-    let (how, ticket) = d.admit(work, has_capacity).await;
+    let replicas = fleet_endpoints_have_other_replicas(s);
+    let (how, ticket) = d.admit(work, replicas, has_capacity).await;
     if how == Exit::Direct {
         return Some(direct(fleet, Some(ticket)));
     }
@@ -460,6 +461,14 @@ fn predicted_pull_ms(
         .find(|c| c.endpoint == src.endpoint.id)
         .map_or(0, |c| c.pulls_out);
     src.predicted_ms(&s.cost_model, chosen.endpoint, out.max(chosen.pulls_in))
+}
+
+/// Whether another router replica places on any eligible endpoint (its engine's load report says
+/// so): held requests then stagger their release (`AdmissionQueue`).
+fn fleet_endpoints_have_other_replicas(s: &RouterState) -> bool {
+    eligible(&s.endpoints.list())
+        .iter()
+        .any(|e| e.load.other_replicas())
 }
 
 /// Puts `remote_kv_source` and the predicted pull time into the request's `kv_transfer_params`
