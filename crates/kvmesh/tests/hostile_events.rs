@@ -324,16 +324,31 @@ async fn fake_publisher() -> Publisher {
     Publisher::start(config).await.unwrap()
 }
 
-#[tokio::test]
-async fn a_stream_that_goes_quiet_is_reported_silent() {
-    let dir = tempfile::tempdir().unwrap();
-    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
-    let mut publisher = fake_publisher().await;
+/// An engine `e0` whose KV events come from a [`fake_publisher`], and a router in front of it:
+/// the engine, the publisher, the router and its URL.
+async fn fed_by_fake_publisher(
+    dir: &std::path::Path,
+) -> (
+    hostile_common::Proc,
+    Publisher,
+    hostile_common::Proc,
+    String,
+) {
+    let (engine, engine_url) = sim_engine(&[], dir).await;
+    let publisher = fake_publisher().await;
     let yaml = format!(
         "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\", kv_events: {{endpoint: \"{}\", topic: kv-events}}}}\n",
         publisher.local_endpoint()
     );
-    let (mut router, router_url) = router(&yaml, dir.path()).await;
+    let (router, router_url) = router(&yaml, dir).await;
+    (engine, publisher, router, router_url)
+}
+
+#[tokio::test]
+async fn a_stream_that_goes_quiet_is_reported_silent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut engine, mut publisher, mut router, router_url) =
+        fed_by_fake_publisher(dir.path()).await;
     let endpoints = format!("{router_url}/debug/endpoints");
     let e0 = |v: Value| v.as_array().unwrap()[0].clone();
     // The stream speaks once (connected and delivering)...
@@ -405,13 +420,8 @@ async fn send_load(publisher: &mut Publisher, seq: u64, payload: Vec<u8>) {
 async fn load_reports_that_are_garbage_a_flood_or_a_lie_are_bounded_and_counted() {
     use kvmesh_core::load_report::LoadReport;
     let dir = tempfile::tempdir().unwrap();
-    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
-    let mut publisher = fake_publisher().await;
-    let yaml = format!(
-        "block_size: 16\ntokenizer: byte\nendpoints:\n  - {{name: e0, url: \"{engine_url}\", kv_events: {{endpoint: \"{}\", topic: kv-events}}}}\n",
-        publisher.local_endpoint()
-    );
-    let (mut router, router_url) = router(&yaml, dir.path()).await;
+    let (mut engine, mut publisher, mut router, router_url) =
+        fed_by_fake_publisher(dir.path()).await;
     let metrics_url = format!("{router_url}/metrics");
     let reports = |text: &str, outcome: &str| {
         metric(

@@ -10,7 +10,7 @@ mod hostile_common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hostile_common::{Proc, metric, router, sim_engine_args, spawn};
+use hostile_common::{Proc, metric, router, sim_engine_with_events_at};
 use serde_json::{Value, json};
 
 fn client() -> reqwest::Client {
@@ -23,30 +23,10 @@ fn client() -> reqwest::Client {
 /// A sim engine at `time_scale` publishing KV events (bound PUB and replay sockets on loopback);
 /// returns it, its HTTP URL, and the router's `kv_events` entry for it.
 async fn engine(time_scale: &str, dir: &Path) -> (Proc, String, String) {
-    let events = json!({
-        "enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv-events",
-        "endpoint": "tcp://127.0.0.1:0", "bind": true, "replay_endpoint": "tcp://127.0.0.1:0",
-    });
-    let mut args = sim_engine_args(time_scale);
-    args.extend(["--kv-events-config".to_owned(), events.to_string()]);
-    let (proc, found) = spawn(
-        "engine",
-        &args,
-        &[
-            "kvmesh engine listening on ",
-            "kvmesh engine kv events bound on ",
-            "kvmesh engine kv events replay bound on ",
-        ],
-        dir,
-    )
-    .await;
-    let first = |s: &str| s.split_whitespace().next().unwrap_or(s).to_owned();
-    let kv_events = format!(
-        "{{endpoint: \"{}\", replay_endpoint: \"{}\", topic: kv-events}}",
-        first(&found[1]),
-        first(&found[2])
-    );
-    (proc, found[0].clone(), kv_events)
+    let (proc, url, events, replay) = sim_engine_with_events_at(time_scale, json!({}), dir).await;
+    let kv_events =
+        format!("{{endpoint: \"{events}\", replay_endpoint: \"{replay}\", topic: kv-events}}");
+    (proc, url, kv_events)
 }
 
 /// Two engines and the router YAML in front of them (the embedded default placement).

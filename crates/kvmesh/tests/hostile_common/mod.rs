@@ -154,6 +154,15 @@ pub async fn sim_engine_with_events(
     events: serde_json::Value,
     dir: &Path,
 ) -> (Proc, String, String, String) {
+    sim_engine_with_events_at("100", events, dir).await
+}
+
+/// [`sim_engine_with_events`] at `time_scale` (`1`: the modelled speed).
+pub async fn sim_engine_with_events_at(
+    time_scale: &str,
+    events: serde_json::Value,
+    dir: &Path,
+) -> (Proc, String, String, String) {
     let mut config = serde_json::json!({
         "enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv-events",
         "endpoint": "tcp://127.0.0.1:0", "bind": true, "replay_endpoint": "tcp://127.0.0.1:0",
@@ -161,7 +170,7 @@ pub async fn sim_engine_with_events(
     if let (Some(c), Some(e)) = (config.as_object_mut(), events.as_object()) {
         c.extend(e.clone());
     }
-    let mut args = sim_engine_args("100");
+    let mut args = sim_engine_args(time_scale);
     args.extend(["--kv-events-config".to_owned(), config.to_string()]);
     let (proc, found) = spawn(
         "engine",
