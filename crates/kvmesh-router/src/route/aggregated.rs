@@ -29,8 +29,7 @@ use crate::route::forward::{
     DECISION_HEADER, Failed, Learn, StallCut, Tap, engine_request, forwarded_headers, refused,
     request_id, send_to_engine, tap_body, wants_explanation,
 };
-use crate::route::remote_source::{NamedSource, name_source};
-use crate::route::reputation::judge_pull;
+use crate::route::remote_source::{NamedSource, judge_pull, name_source};
 use crate::state::{Arrival, Placed, Placement, RequestHook, RouterState, outcome};
 
 /// Decode tokens assumed for load accounting when a request does not say (vLLM's completions default).

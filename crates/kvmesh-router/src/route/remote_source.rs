@@ -3,12 +3,14 @@
 //!
 //! The decision names its source by endpoint id ([`P2pDecision::source`]); here it becomes that
 //! endpoint's P2P address plus the request id the producer logs (`docs/protocols.md`, keys as in
-//! vLLM's P2P tier and llm-d).
+//! vLLM's P2P tier and llm-d); and, once the engine answered, what its `x-kvmesh-pull` report says
+//! about the source ([`judge_pull`], the verdict itself in `route::reputation`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_core::RemoteKvSource;
+use axum::http::HeaderMap;
+use kvmesh_core::{PULL_FEEDBACK_HEADER, PullFeedback, RemoteKvSource};
 use kvmesh_index::EndpointId;
 use kvmesh_sched::cost_model::CostModel;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
@@ -16,7 +18,10 @@ use kvmesh_sched::predict::contended_pull_ms;
 
 use crate::fleet::endpoints::Endpoint;
 use crate::fleet::load::LoadGuard;
+use crate::metrics::{SourceLabel, SourceReason};
 use crate::route::candidates::by_id;
+use crate::route::reputation::{Verdict, verdict};
+use crate::state::RouterState;
 
 /// A pull the router names: the source endpoint and what the computing engine receives.
 #[derive(Clone)]
@@ -136,6 +141,51 @@ pub(crate) fn name_source(
         d.source_endpoint = None;
     }
     named
+}
+
+/// Reads the engine's report on the pull `src` was named for (the `x-kvmesh-pull` response
+/// header, sent before the first byte, streamed or not) and records the verdict against `src`:
+/// reputation, `kvmesh_router_p2p_source_penalties_total` / `_served_total`, and a log line when
+/// the source becomes excluded.
+pub(crate) fn judge_pull(s: &RouterState, src: &NamedSource, headers: &HeaderMap) {
+    let Some(fb) = headers
+        .get(PULL_FEEDBACK_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(PullFeedback::parse)
+    else {
+        return;
+    };
+    let Some(v) = verdict(&fb, src.advertised_tokens, s.config.block_size as u64) else {
+        return;
+    };
+    let source = src.endpoint.name.to_string();
+    match v {
+        Verdict::Served => {
+            s.metrics
+                .p2p_source_served
+                .get_or_create(&SourceLabel { source })
+                .inc();
+        }
+        Verdict::Failed(reason) => {
+            s.metrics
+                .p2p_source_penalties
+                .get_or_create(&SourceReason {
+                    source,
+                    reason: reason.label(),
+                })
+                .inc();
+        }
+    }
+    let was = s.reputation.standing(src.endpoint.id);
+    let now = s.reputation.record(src.endpoint.id, v);
+    if now.excluded && !was.excluded {
+        tracing::warn!(
+            source = %src.endpoint.name,
+            failure_probability = now.failure_probability,
+            last = %fb,
+            "P2P source excluded: its pulls keep falling short of what it advertises"
+        );
+    }
 }
 
 #[cfg(test)]

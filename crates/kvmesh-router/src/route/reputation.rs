@@ -1,6 +1,7 @@
 //! The router's side of P2P source reputation (issue 37, finding 6): the one
 //! [`kvmesh_sched::reputation::Reputation`] behind a mutex, the clock it is read with, and the
-//! verdict on each pull from the engine's `x-kvmesh-pull` header.
+//! verdict on each pull from the engine's `x-kvmesh-pull` header (read by
+//! `route::remote_source::judge_pull`).
 //!
 //! The engine reports what its read reached ([`PullFeedback`]); the router alone knows what the
 //! source advertised (the decision's source tokens), so the verdict is made here: a pull that
@@ -12,16 +13,11 @@
 
 use std::time::Instant;
 
-use axum::http::HeaderMap;
-use kvmesh_core::{PULL_FEEDBACK_HEADER, PullFeedback, PullFeedbackOutcome};
+use kvmesh_core::{PullFeedback, PullFeedbackOutcome};
 use kvmesh_index::EndpointId;
 use kvmesh_sched::Candidate;
 use kvmesh_sched::reputation::{PenaltyReason, Reputation, ReputationParams, SourceStanding};
 use parking_lot::Mutex;
-
-use crate::metrics::{SourceLabel, SourceReason};
-use crate::route::remote_source::NamedSource;
-use crate::state::RouterState;
 
 /// What one pull says about its source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,51 +58,6 @@ pub(crate) fn verdict(
         _ => PenaltyReason::Error,
     };
     Some(Verdict::Failed(reason))
-}
-
-/// Reads the engine's report on the pull `src` was named for (the `x-kvmesh-pull` response
-/// header, sent before the first byte, streamed or not) and records the verdict against `src`:
-/// reputation, `kvmesh_router_p2p_source_penalties_total` / `_served_total`, and a log line when
-/// the source becomes excluded.
-pub(crate) fn judge_pull(s: &RouterState, src: &NamedSource, headers: &HeaderMap) {
-    let Some(fb) = headers
-        .get(PULL_FEEDBACK_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(PullFeedback::parse)
-    else {
-        return;
-    };
-    let Some(v) = verdict(&fb, src.advertised_tokens, s.config.block_size as u64) else {
-        return;
-    };
-    let source = src.endpoint.name.to_string();
-    match v {
-        Verdict::Served => {
-            s.metrics
-                .p2p_source_served
-                .get_or_create(&SourceLabel { source })
-                .inc();
-        }
-        Verdict::Failed(reason) => {
-            s.metrics
-                .p2p_source_penalties
-                .get_or_create(&SourceReason {
-                    source,
-                    reason: reason.label(),
-                })
-                .inc();
-        }
-    }
-    let was = s.reputation.standing(src.endpoint.id);
-    let now = s.reputation.record(src.endpoint.id, v);
-    if now.excluded && !was.excluded {
-        tracing::warn!(
-            source = %src.endpoint.name,
-            failure_probability = now.failure_probability,
-            last = %fb,
-            "P2P source excluded: its pulls keep falling short of what it advertises"
-        );
-    }
 }
 
 /// Every source's reputation and the monotonic clock it is kept in (seconds since the router
