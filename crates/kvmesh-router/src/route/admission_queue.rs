@@ -164,7 +164,10 @@ impl AdmissionQueue {
     async fn wait_turn(&self, work: Work, replicas: bool, has_capacity: impl Fn() -> bool) -> Exit {
         {
             let q = self.queue.lock();
-            if q.is_empty() && self.free(&has_capacity) {
+            // With other replicas, free capacity is contended by their arrivals too: a request
+            // takes it only after its stagger, like a held one (see the module header).
+            if q.is_empty() && self.free(&has_capacity) && (!replicas || stagger(work.ms).is_zero())
+            {
                 return Exit::Direct;
             }
             if q.len() >= self.config.max_held {
