@@ -6,12 +6,13 @@
 //! not handed out twice.
 //!
 //! With several router replicas each holds its own queue, and all of them see capacity free up
-//! in the same engine load report; releasing at once, every replica would send its head into the
-//! one free slot. A held request therefore waits, once it is next and capacity is free, a
-//! *stagger* that grows with its predicted work ([`stagger`]) before it goes: the replica whose
-//! head is shortest releases first, and the others see that request in the engines' next report
-//! (a few ms) before their own stagger ends. A single router (no other replica in the engines'
-//! reports) releases at once.
+//! in the same engine load report; releasing at once, every replica would send its head (or a
+//! new arrival) into the one free slot. A request that may take free capacity, held and next or
+//! just arrived, therefore first waits a *stagger* that grows with its predicted work
+//! ([`stagger`]) and goes only if the capacity is still free: the replica with the shortest
+//! request goes first, and the others see that request in the engines' next report (a few ms)
+//! before their own stagger ends. Such an arrival counts as held. A single router (no other
+//! replica in the engines' reports) places at once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -109,7 +110,7 @@ impl AdmissionQueue {
         };
         registry.register(
             "kvmesh_router_admission_queue_held",
-            "Requests held by the admission queue (every endpoint had its prefill share queued)",
+            "Requests held by the admission queue (every endpoint had its prefill share queued, or other router replicas share the engines and the request staggered)",
             d.held_total.clone(),
         );
         registry.register(
