@@ -52,6 +52,20 @@ async fn replica(yaml: &str, dir: &Path, name: &str) -> (Proc, String) {
     router(yaml, &sub).await
 }
 
+/// Two engines at `time_scale` and two ready replicas of the router in front of them: the
+/// engines, the router YAML, and each replica with its URL.
+async fn two_replicas(
+    time_scale: &str,
+    dir: &Path,
+) -> (Vec<Proc>, String, (Proc, String), (Proc, String)) {
+    let (engines, yaml) = fleet(time_scale, dir).await;
+    let first = replica(&yaml, dir, "r1").await;
+    let second = replica(&yaml, dir, "r2").await;
+    ready(&first.1).await;
+    ready(&second.1).await;
+    (engines, yaml, first, second)
+}
+
 /// Waits until `router`'s `/health` says ready (healthy endpoints, caught up).
 async fn ready(router: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -117,11 +131,8 @@ async fn complete(router: &str, prompt: &[u32], max_tokens: u32) -> Result<(), S
 async fn a_replica_sees_and_avoids_the_prefill_work_another_replica_sent() {
     let dir = tempfile::tempdir().unwrap();
     // The modelled speed: a 60K-token prefill takes long enough to be seen.
-    let (mut engines, yaml) = fleet("1", dir.path()).await;
-    let (mut first, first_url) = replica(&yaml, dir.path(), "r1").await;
-    let (mut second, second_url) = replica(&yaml, dir.path(), "r2").await;
-    ready(&first_url).await;
-    ready(&second_url).await;
+    let (mut engines, _, (mut first, first_url), (mut second, second_url)) =
+        two_replicas("1", dir.path()).await;
     let long = prompt_ids(1, 60_000);
     let busy = {
         let url = first_url.clone();
@@ -194,11 +205,8 @@ async fn a_replica_sees_and_avoids_the_prefill_work_another_replica_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replica_fails_only_its_own_requests_and_a_restarted_one_converges() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut engines, yaml) = fleet("20", dir.path()).await;
-    let (mut doomed, doomed_url) = replica(&yaml, dir.path(), "r1").await;
-    let (mut survivor, survivor_url) = replica(&yaml, dir.path(), "r2").await;
-    ready(&doomed_url).await;
-    ready(&survivor_url).await;
+    let (mut engines, yaml, (mut doomed, doomed_url), (mut survivor, survivor_url)) =
+        two_replicas("20", dir.path()).await;
     // 8 conversations sharing a 1,024-token system prompt each, 6 turns, 4 clients in
     // parallel taking the replicas in turn; the first replica is killed a third of the way in.
     let prompts: Vec<Vec<u32>> = (0..48u32)
