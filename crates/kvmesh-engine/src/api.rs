@@ -679,6 +679,7 @@ fn build_job(
         pull_pinned_hashes: Vec::new(),
         external_query_tokens: 0,
         pull_feedback: None,
+        layered_pull: None,
     };
     Ok(Job {
         chat,
@@ -1086,11 +1087,13 @@ async fn run_job(s: ApiState, job: Job, headers: &HeaderMap) -> Response {
     };
     // The pull, if any, ended before submission: its outcome goes out as a header, before the
     // first token, streamed or not (`kvmesh_core::pull_feedback`).
-    let feedback = job
-        .req
-        .pull_feedback
-        .as_ref()
-        .and_then(|f| HeaderValue::from_str(&f.to_string()).ok());
+    // A layer-wise pull ends before the first token too (the first step waits for every
+    // layer), so waiting for its outcome here delays nothing the client sees.
+    let feedback = match &job.req.layered_pull {
+        Some(pull) => pull.feedback().await,
+        None => job.req.pull_feedback.clone(),
+    };
+    let feedback = feedback.and_then(|f| HeaderValue::from_str(&f.to_string()).ok());
     let mut resp = if job.stream {
         stream_response(s, job, stream, load)
     } else {

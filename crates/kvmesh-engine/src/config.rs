@@ -210,6 +210,37 @@ pub struct P2pConfig {
     pub decoder_kv_blocks_ttl: Duration,
     /// Minimum reusable tokens before a remote read is worth it (vLLM default 64).
     pub kv_recompute_threshold: usize,
+    /// How a request's pulled prefix reaches compute (`--p2p-load-mode`).
+    pub load_mode: P2pLoadMode,
+}
+
+/// How a pulled prefix reaches compute (`--p2p-load-mode`, like the vLLM connector's
+/// `load_mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum P2pLoadMode {
+    /// The whole prefix lands in the CPU tier before the request is scheduled: a slow peer
+    /// delays that request only.
+    #[default]
+    Async,
+    /// The request is scheduled at once and its first step waits for each layer as it
+    /// computes (backends with layered blocks; others pull whole): the pull overlaps the
+    /// suffix's compute, but a slow peer stalls that step for the whole batch, up to the pull's
+    /// deadline.
+    Layerwise,
+}
+
+impl std::str::FromStr for P2pLoadMode {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "async" => Ok(Self::Async),
+            "layerwise" => Ok(Self::Layerwise),
+            other => Err(ConfigError::Invalid(format!(
+                "--p2p-load-mode must be async or layerwise, got {other:?}"
+            ))),
+        }
+    }
 }
 
 impl Default for P2pConfig {
@@ -234,6 +265,7 @@ impl Default for P2pConfig {
             bidirectional_kv_xfer: false,
             decoder_kv_blocks_ttl: Duration::from_secs(480),
             kv_recompute_threshold: 64,
+            load_mode: P2pLoadMode::Async,
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod compute;
 pub mod config;
 pub mod cpu_tier;
 pub mod engine;
+pub mod layered_pull;
 pub mod link;
 pub mod link_pacer;
 pub mod load_report;
@@ -24,7 +25,7 @@ pub mod publish;
 pub mod request_hook;
 pub mod server;
 
-pub use config::{EngineConfig, KvEventsConfig, P2pConfig, Role};
+pub use config::{EngineConfig, KvEventsConfig, P2pConfig, P2pLoadMode, Role};
 pub use cpu_tier::{BlockStatus, CpuTier, CpuTierStats, OffloadBlock};
 pub use engine::{
     Engine, EngineHandle, EngineRequest, FinishInfo, FinishReason, SeqOutput, SeqStream,

@@ -74,6 +74,13 @@ pub struct EngineMetrics {
     pub cpu_evicted_blocks: FloatGauge,
     pub cpu_rejected_blocks: FloatGauge,
     pub cpu_restored_blocks: Counter,
+    /// Layer-wise pulls that ended short after their request's step began: the blocks that
+    /// did not arrive on every layer were recomputed.
+    pub p2p_layerwise_short: Counter,
+    /// Layer-wise pulls dropped at admission because the local prefix had changed meanwhile.
+    pub p2p_layerwise_unused: Counter,
+    /// Layer-wise pulls that could not stage (the staging budget was full): pulled whole.
+    pub p2p_layerwise_no_staging: Counter,
     /// Modelled host-to-device time of every CPU-tier restore (unscaled; time-modelled backends).
     pub cpu_restore_modelled_seconds: Counter<f64, AtomicU64>,
     /// Wall seconds requests spent admitted but waiting for their restored blocks to land
@@ -137,6 +144,9 @@ impl EngineMetrics {
             cpu_evicted_blocks: FloatGauge::default(),
             cpu_rejected_blocks: FloatGauge::default(),
             cpu_restored_blocks: Counter::default(),
+            p2p_layerwise_short: Counter::default(),
+            p2p_layerwise_unused: Counter::default(),
+            p2p_layerwise_no_staging: Counter::default(),
             cpu_restore_modelled_seconds: Counter::default(),
             cpu_restore_wait_seconds: Counter::default(),
             cpu_retained_evicted_blocks: FloatGauge::default(),
@@ -279,6 +289,21 @@ impl EngineMetrics {
             "kvmesh_engine_cpu_restored_blocks",
             "Blocks restored from the CPU tier into the GPU tier",
             m.cpu_restored_blocks.clone(),
+        );
+        r.register(
+            "kvmesh_engine_p2p_layerwise_short",
+            "Layer-wise pulls that ended short during their request's step (the rest recomputed)",
+            m.p2p_layerwise_short.clone(),
+        );
+        r.register(
+            "kvmesh_engine_p2p_layerwise_unused",
+            "Layer-wise pulls dropped at admission (the local prefix had changed)",
+            m.p2p_layerwise_unused.clone(),
+        );
+        r.register(
+            "kvmesh_engine_p2p_layerwise_no_staging",
+            "Layer-wise pulls taken whole because the staging budget was full",
+            m.p2p_layerwise_no_staging.clone(),
         );
         r.register(
             "kvmesh_engine_cpu_restore_modelled_seconds",

@@ -231,6 +231,7 @@ impl Prefetcher {
             pull_pinned_hashes: Vec::new(),
             external_query_tokens: 0,
             pull_feedback: None,
+            layered_pull: None,
         };
         let opts = ReadOptions {
             threshold_tokens: 0,

@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvmesh_core::TokenId;
-use kvmesh_engine::compute::{ComputeBackend, ComputeError, KvArena, KvLayout, SeqStep};
+use kvmesh_engine::compute::{
+    BackendCapabilities, ComputeBackend, ComputeError, KvArena, KvLayout, SeqStep,
+};
 use kvmesh_text::{ByteTokenizer, HfTokenizer, Tokenizer};
 
 use crate::load::{self, splitmix64};
@@ -181,7 +183,9 @@ impl ModelBackend {
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let inputs = model_inputs(seqs);
         let want = vec![true; seqs.len()];
-        let out = self.model.forward(&inputs, &self.geo, kv, &want)?;
+        let out = self
+            .model
+            .forward(&inputs, &self.geo, kv, &want, &mut |_, _| {})?;
         Ok(out.into_iter().map(Option::unwrap_or_default).collect())
     }
 
@@ -191,9 +195,22 @@ impl ModelBackend {
         seqs: &[SeqStep<'_>],
         kv: &mut KvArena,
     ) -> Result<Vec<Option<TokenId>>, ModelError> {
+        self.run_step_layered(seqs, kv, &mut |_, _| {})
+    }
+
+    /// [`ModelBackend::run_step`] with a hook before each layer
+    /// ([`ComputeBackend::step_layered`]).
+    pub fn run_step_layered(
+        &mut self,
+        seqs: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        before_layer: &mut dyn FnMut(usize, &mut KvArena),
+    ) -> Result<Vec<Option<TokenId>>, ModelError> {
         let inputs = model_inputs(seqs);
         let want: Vec<bool> = seqs.iter().map(|s| s.sample.is_some()).collect();
-        let logits = self.model.forward(&inputs, &self.geo, kv, &want)?;
+        let logits = self
+            .model
+            .forward(&inputs, &self.geo, kv, &want, before_layer)?;
         Ok(seqs
             .iter()
             .zip(logits)
@@ -217,6 +234,14 @@ impl ComputeBackend for ModelBackend {
         Some(self.model.cfg.max_position)
     }
 
+    fn capabilities(&self) -> BackendCapabilities {
+        // paged.rs: a block is `[layer][K|V][kv_head][slot][head_dim]`, one run per layer.
+        BackendCapabilities {
+            layered_blocks: true,
+            ..BackendCapabilities::default()
+        }
+    }
+
     fn kv_layout(&self) -> KvLayout {
         KvLayout {
             block_size: self.geo.block_size,
@@ -235,6 +260,16 @@ impl ComputeBackend for ModelBackend {
         kv: &mut KvArena,
     ) -> Result<Vec<Option<TokenId>>, ComputeError> {
         self.run_step(seqs, kv)
+            .map_err(|e| ComputeError::Backend(e.to_string()))
+    }
+
+    fn step_layered(
+        &mut self,
+        seqs: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        before_layer: &mut dyn FnMut(usize, &mut KvArena),
+    ) -> Result<Vec<Option<TokenId>>, ComputeError> {
+        self.run_step_layered(seqs, kv, before_layer)
             .map_err(|e| ComputeError::Backend(e.to_string()))
     }
 

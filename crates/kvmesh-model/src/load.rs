@@ -368,7 +368,7 @@ mod tests {
             start_pos: 0,
             table: &table,
         };
-        m.forward(&[seq], &geo, &mut arena, &[true])
+        m.forward(&[seq], &geo, &mut arena, &[true], &mut |_, _| {})
             .unwrap()
             .remove(0)
             .unwrap()

@@ -173,6 +173,7 @@ impl Llama {
         geo: &BlockGeometry,
         arena: &mut KvArena,
         want_logits: &[bool],
+        before_layer: &mut dyn FnMut(usize, &mut KvArena),
     ) -> Result<Vec<Option<Vec<f32>>>, ModelError> {
         let cfg = &self.cfg;
         // Validate everything derived from requests before touching memory.
@@ -216,6 +217,9 @@ impl Llama {
             .index_select(&Tensor::from_vec(ids, total, dev)?, 0)?;
         let mut kbuf = vec![0f32; kvh * d];
         for (li, layer) in self.layers.iter().enumerate() {
+            // A prefix still arriving from a peer gets this layer's KV in place now, before
+            // anything of the layer is read: earlier layers computed while it was on the wire.
+            before_layer(li, arena);
             let hn = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let qkv = hn.matmul(&layer.wqkv)?;
             let to_heads = |start: usize, heads: usize| -> Result<Tensor, ModelError> {

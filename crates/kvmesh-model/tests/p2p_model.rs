@@ -9,12 +9,18 @@ use std::time::{Duration, Instant};
 use kvmesh_core::{KvTransferParams, TokenId};
 use kvmesh_engine::compute::SamplingParams;
 use kvmesh_engine::server::{RunningServer, ServerOptions, start_server};
-use kvmesh_engine::{EngineConfig, EngineRequest, SeqOutput};
+use kvmesh_engine::layered_pull::{LayeredPull, StagingBudget};
+use kvmesh_engine::{EngineConfig, EngineRequest, P2pLoadMode, SeqOutput};
+use kvmesh_transfer::{LayerPullReport, PullOutcome, PullReason, SegmentSink};
 use kvmesh_model::tiny_random_llama;
 use kvmesh_text::ByteTokenizer;
 use tokio::time::timeout;
 
 async fn start() -> RunningServer {
+    start_with(P2pLoadMode::Async).await
+}
+
+async fn start_with(load_mode: P2pLoadMode) -> RunningServer {
     let mut cfg = EngineConfig {
         port: 0,
         served_model_name: "tiny".into(),
@@ -26,6 +32,7 @@ async fn start() -> RunningServer {
     };
     cfg.p2p.port = Some(0);
     cfg.p2p.allowed_peers = vec!["127.0.0.1".into()];
+    cfg.p2p.load_mode = load_mode;
     start_server(
         cfg,
         Box::new(tiny_random_llama(7)),
@@ -54,6 +61,21 @@ fn request(prompt: &[TokenId]) -> EngineRequest {
         pull_pinned_hashes: Vec::new(),
         external_query_tokens: 0,
         pull_feedback: None,
+        layered_pull: None,
+    }
+}
+
+/// Runs `req` on `s` as it is: tokens and cached.
+async fn run(s: &RunningServer, req: EngineRequest) -> (Vec<TokenId>, usize) {
+    let mut stream = s.engine.submit(req).unwrap();
+    let mut toks = Vec::new();
+    loop {
+        match stream.recv().await.unwrap() {
+            SeqOutput::Started { .. } => {}
+            SeqOutput::Token(t) => toks.push(t),
+            SeqOutput::Finished(f) => return (toks, f.cached_tokens),
+            SeqOutput::Error(e) => panic!("{e}"),
+        }
     }
 }
 
@@ -107,6 +129,110 @@ async fn pulled_real_kv_gives_the_same_greedy_output_as_recompute() {
             assert_eq!(a.engine.cpu_tier().get(*hash), b.engine.cpu_tier().get(*hash));
         }
         for s in [a, b, c] {
+            s.shutdown().await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+const TEXT: &str =
+    "Peer-to-peer KV: move the KV, not the work. The quick brown fox jumps over the lazy dog. ";
+
+fn prefix_and_prompt() -> (Vec<TokenId>, Vec<TokenId>) {
+    let prefix: Vec<TokenId> = TEXT.bytes().cycle().take(160).map(TokenId::from).collect();
+    let mut prompt = prefix.clone();
+    prompt.extend("And then it asked a question?".bytes().map(TokenId::from));
+    (prefix, prompt)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_wise_pull_gives_the_same_greedy_output_as_recompute() {
+    timeout(Duration::from_secs(120), async {
+        let (a, c) = (start().await, start().await);
+        let b = start_with(P2pLoadMode::Layerwise).await;
+        let (prefix, prompt) = prefix_and_prompt();
+        run(&a, request(&prefix)).await;
+
+        // B asks for 11 blocks; A holds the first 10 (a MISS past them): the layers of those
+        // 10 arrive while B's first step computes.
+        let mut req = request(&prompt);
+        let kvp = KvTransferParams::pull_from("kv-1", "127.0.0.1", a.p2p_addr.unwrap().port());
+        let src = kvp.remote_kv_source.clone().unwrap();
+        req.kv_transfer_params = Some(kvp);
+        assert!(b.p2p.start_layered_read(&b.engine, &mut req, &src, None).await);
+        let pull = req.layered_pull.clone().expect("a layer-wise pull is attached");
+        assert_eq!(pull.served(), 10, "A serves its 10 blocks of the 11 asked");
+        let (pulled, cached) = run(&b, req).await;
+        assert_eq!(cached, 160, "all ten prefix blocks came from A");
+        let m = b.engine.metrics();
+        assert_eq!(m.external_prefix_cache_hits.get(), 160);
+        assert_eq!(m.p2p_layerwise_short.get(), 0);
+        let (recomputed, _) = run(&c, request(&prompt)).await;
+        assert_eq!(pulled, recomputed, "layer-wise pulled KV must decode exactly like recomputed KV");
+        // The blocks became B's own: cached and offloaded like computed ones, so a second
+        // request hits them locally.
+        let (again, cached_again) = run(&b, request(&prompt)).await;
+        assert_eq!((again, cached_again), (recomputed, 176));
+        for s in [a, b, c] {
+            s.shutdown().await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_wise_pull_that_dies_mid_stream_is_recomputed_with_the_same_output() {
+    timeout(Duration::from_secs(120), async {
+        let a = start().await;
+        let b = start_with(P2pLoadMode::Layerwise).await;
+        let (prefix, prompt) = prefix_and_prompt();
+        run(&a, request(&prefix)).await;
+        let (expected, _) = run(&a, request(&prompt)).await;
+
+        // Layer 0 of A's ten blocks arrives, then the peer is gone.
+        let hashes = a.engine.block_hashes(&prefix);
+        let layout = b.engine.kv_layout();
+        let seg = layout.bytes_per_block / layout.num_layers as usize;
+        let budget = StagingBudget::new(64 << 20);
+        let give_up = std::time::Instant::now() + Duration::from_secs(2);
+        let pull = LayeredPull::new(0, hashes.clone(), 2, seg, &budget, give_up).unwrap();
+        let mut sink = pull.sink();
+        for (i, h) in hashes.iter().enumerate() {
+            let block = a.engine.cpu_tier().get(*h).unwrap();
+            sink.destination(i, 0, seg).unwrap().copy_from_slice(&block[..seg]);
+        }
+        sink.segment_complete(0, hashes.len());
+        sink.destination(0, 1, seg).unwrap();
+        let report = LayerPullReport {
+            outcome: PullOutcome::Failed { reason: PullReason::PeerClosed },
+            blocks: 0,
+            segments: 1,
+            segment_blocks: hashes.len(),
+            bytes: (seg * hashes.len()) as u64,
+            duration: Duration::from_millis(1),
+        };
+        let feedback = kvmesh_core::PullFeedback {
+            outcome: kvmesh_core::PullFeedbackOutcome::Failed,
+            reason: Some("peer_closed".into()),
+            reached_tokens: 0,
+            readable_tokens: 176,
+            block_size: 16,
+            elapsed_ms: 1.0,
+            deadline_ms: 2000.0,
+        };
+        pull.end(report, feedback);
+
+        let mut req = request(&prompt);
+        req.layered_pull = Some(pull);
+        let (out, cached) = run(&b, req).await;
+        assert_eq!(out, expected, "a pull that died mid-layer costs a recompute, never the output");
+        assert_eq!(cached, 0, "nothing arrived on every layer");
+        let m = b.engine.metrics();
+        assert_eq!(m.p2p_layerwise_short.get(), 1, "counted");
+        assert_eq!(m.external_prefix_cache_hits.get(), 0);
+        for s in [a, b] {
             s.shutdown().await;
         }
     })

@@ -121,6 +121,12 @@ pub struct EngineCmd {
     /// The least time a priced pull gets, whatever the prediction (wall time, not scaled).
     #[arg(long, default_value_t = kvmesh_engine::config::DEFAULT_P2P_DEADLINE_FLOOR_MS)]
     p2p_deadline_floor_ms: u64,
+    /// How a pulled prefix reaches compute: `async` lands it whole before the request is
+    /// scheduled; `layerwise` schedules the request at once and waits for each layer as the
+    /// step computes it (the `model` backend; a stalled peer then stalls that step for the
+    /// whole batch, up to the pull's deadline).
+    #[arg(long, default_value = "async")]
+    p2p_load_mode: String,
     /// Share (0..=1) of the CPU tier that pulled blocks may keep pinned until their request is
     /// scheduled; beyond it they land evictable (a pull never stalls on a full tier).
     #[arg(long, default_value_t = kvmesh_engine::cpu_tier::DEFAULT_PULL_PIN_FRACTION)]
@@ -258,6 +264,7 @@ impl EngineCmd {
                 deadline_factor: self.p2p_deadline_factor,
                 deadline_floor: Duration::from_millis(self.p2p_deadline_floor_ms),
                 pull_pin_fraction: self.p2p_pull_pin_fraction,
+                load_mode: self.p2p_load_mode.parse()?,
                 secret: self
                     .p2p_secret_file
                     .as_deref()

@@ -126,6 +126,11 @@ pub struct BackendCapabilities {
     /// A block's KV payload is a function of its hash (the `sim` backend's synthetic KV), so a
     /// receiver verifies the content of a pulled block, not only its size and transport CRC.
     pub hash_derived_payloads: bool,
+    /// The backend computes layer by layer, calling [`ComputeBackend::step_layered`]'s hook
+    /// before each layer, and a block's bytes are `num_layers` equal runs, layer 0 first: a
+    /// pulled prefix can then arrive layer by layer while the step computes
+    /// (`--p2p-load-mode layerwise`).
+    pub layered_blocks: bool,
 }
 
 /// What a host-to-device restore copy costs ([`ComputeBackend::on_host_restore`]).
@@ -179,6 +184,21 @@ pub trait ComputeBackend: Send {
         seqs: &[SeqStep<'_>],
         kv: &mut KvArena,
     ) -> Result<Vec<Option<TokenId>>, ComputeError>;
+    /// [`ComputeBackend::step`], calling `before_layer(l, kv)` before the step reads or writes
+    /// any KV of layer `l`, for every layer in order: the engine copies layers of a prefix still
+    /// arriving from a peer into the arena there. Backends that do not compute layer by layer
+    /// keep the default (every layer first, then the step).
+    fn step_layered(
+        &mut self,
+        seqs: &[SeqStep<'_>],
+        kv: &mut KvArena,
+        before_layer: &mut dyn FnMut(usize, &mut KvArena),
+    ) -> Result<Vec<Option<TokenId>>, ComputeError> {
+        for layer in 0..self.kv_layout().num_layers as usize {
+            before_layer(layer, kv);
+        }
+        self.step(seqs, kv)
+    }
     /// End-of-sequence token ids (generation stops on them unless `ignore_eos`).
     fn eos_token_ids(&self) -> Vec<TokenId>;
     /// The longest sequence (prompt + output) the model can process, when it has such a limit

@@ -201,6 +201,7 @@ impl ComputeBackend for SimBackend {
         BackendCapabilities {
             models_pull_time: true,
             hash_derived_payloads: true,
+            layered_blocks: false,
         }
     }
 

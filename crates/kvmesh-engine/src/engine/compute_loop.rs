@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use crate::compute::{BlockId, ComputeBackend, HostRestoreCost, KvArena, SeqStep};
 use crate::config::{ConfigError, EngineConfig};
 use crate::cpu_tier::{CpuTier, OffloadBlock};
+use crate::layered_pull::LayeredPull;
 use crate::metrics::{EngineMetrics, SourceLabel};
 use crate::outbox::KvEventSink;
 use crate::pool::BlockPool;
@@ -45,7 +46,31 @@ struct Seq {
     /// blocks and is not scheduled (other requests run meanwhile).
     kv_ready_at: Option<Instant>,
     external: HashSet<BlockHash>,
+    /// A layer-major pull of the prefix not yet used (`--p2p-load-mode layerwise`).
+    layered_pull: Option<Arc<LayeredPull>>,
+    /// The pulled blocks its next step loads layer by layer (set at admission).
+    window: Option<PulledWindow>,
+    /// Blocks below this index were pulled, not created here (`created_cache_tokens`).
+    pulled_until: usize,
     tx: mpsc::UnboundedSender<SeqOutput>,
+}
+
+/// Pulled blocks a sequence's first step loads layer by layer, and what its admission would
+/// have reported had they been local (reported once the step shows what arrived).
+struct PulledWindow {
+    pull: Arc<LayeredPull>,
+    /// Index of the first pulled block in the sequence's block table.
+    first: usize,
+    blocks: usize,
+    /// The first scheduling's report, when this is the first scheduling.
+    deferred_start: Option<DeferredStart>,
+}
+
+/// What a first admission would report, waiting for its layer-wise pull's step.
+struct DeferredStart {
+    local_cached: usize,
+    local_external: usize,
+    queue_time: Duration,
 }
 
 impl Seq {
@@ -177,10 +202,11 @@ impl Core {
             Command::Add(ns) => {
                 let NewSeq {
                     id,
-                    req,
+                    mut req,
                     digests,
                     tx,
                 } = *ns;
+                let layered_pull = req.layered_pull.take();
                 let prompt_len = req.prompt.len();
                 let external = req.external_hashes.iter().copied().collect();
                 let seq = Seq {
@@ -196,6 +222,9 @@ impl Core {
                     first_token_at: None,
                     kv_ready_at: None,
                     external,
+                    layered_pull,
+                    window: None,
+                    pulled_until: 0,
                     tx,
                     req,
                 };
@@ -303,6 +332,9 @@ impl Core {
             seq.resident = false;
             // Readmission looks its blocks up again (and waits for any still landing).
             seq.kv_ready_at = None;
+            if let Some(w) = seq.window.take() {
+                seq.layered_pull = Some(w.pull);
+            }
         }
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
@@ -333,7 +365,8 @@ impl Core {
         self.cpu.touch_prefix(&hashes[..gpu_hit]);
         let cpu_hit = self.cpu.lookup_prefix(&hashes[gpu_hit..]);
         let hit_blocks = gpu_hit + cpu_hit;
-        let hit_tokens = hit_blocks * bs;
+        let layered = layered_blocks(seq.layered_pull.as_deref(), &hashes, hit_blocks);
+        let hit_tokens = (hit_blocks + layered) * bs;
         let n = (total - hit_tokens).min(budget);
         if n == 0 {
             return None;
@@ -384,6 +417,8 @@ impl Core {
         }
         let hit_blocks = gpu_hit + restored;
         let hit_tokens = hit_blocks * bs;
+        // The pulled blocks continue the local prefix where it ends, or are not used.
+        let layered = if restored == cpu_hit { layered } else { 0 };
         let first_time = seq.cached_tokens.is_none();
         let prompt_len = seq.prompt_len;
         let pending: Vec<BlockHash> = if first_time {
@@ -413,13 +448,29 @@ impl Core {
         }
         let seq = self.seqs.get_mut(&id)?;
         seq.blocks = blocks;
-        seq.num_computed = hit_tokens;
+        seq.num_computed = hit_tokens + layered * bs;
         seq.num_finalized = hit_blocks;
         seq.resident = true;
         seq.kv_ready_at = kv_ready_at;
+        let pull = seq.layered_pull.take();
+        let window = match pull {
+            Some(pull) if layered > 0 => {
+                seq.pulled_until = hit_blocks + layered;
+                Some((pull, hit_blocks, layered))
+            }
+            Some(pull) => {
+                // The local prefix changed since the pull started (evicted, or computed here
+                // meanwhile): what it brings no longer continues it.
+                pull.release();
+                self.metrics.p2p_layerwise_unused.inc();
+                None
+            }
+            None => None,
+        };
+        let mut deferred_start = None;
         if first_time {
             let cached = hit_tokens.min(prompt_len);
-            seq.cached_tokens = Some(cached);
+            seq.cached_tokens = Some((hit_tokens + layered * bs).min(prompt_len));
             // External exactly once: the hit blocks this request pulled (or waited for) that
             // still carry the tier's external flag — whether restored from the CPU tier or
             // already in the GPU tier because another request restored them first. The first
@@ -431,44 +482,33 @@ impl Core {
                 .collect();
             let external_blocks = self.cpu.take_external(&claimed);
             let external_tokens = (external_blocks * bs).min(cached);
-            let local = cached - external_tokens;
-            let m = &self.metrics;
-            m.prefix_cache_queries.inc_by(prompt_len as u64);
-            m.prefix_cache_hits.inc_by(local as u64);
-            m.prompt_tokens.inc_by(prompt_len as u64);
-            if seq.req.external_query_tokens > 0 {
-                m.external_prefix_cache_queries
-                    .inc_by(seq.req.external_query_tokens as u64);
-            }
-            m.external_prefix_cache_hits.inc_by(external_tokens as u64);
-            m.prompt_tokens_by_source
-                .get_or_create(&SourceLabel {
-                    source: "local_cache_hit",
-                })
-                .inc_by(local as u64);
-            m.prompt_tokens_by_source
-                .get_or_create(&SourceLabel {
-                    source: "external_kv_transfer",
-                })
-                .inc_by(external_tokens as u64);
-            m.prompt_tokens_by_source
-                .get_or_create(&SourceLabel {
-                    source: "local_compute",
-                })
-                .inc_by((prompt_len - cached) as u64);
             let queue_time = seq.req.arrival.elapsed();
-            m.request_queue_time.observe(queue_time.as_secs_f64());
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
-            let _ = seq.tx.send(SeqOutput::Started {
-                cached_tokens: cached,
-                queue_time,
-            });
+            if window.is_some() {
+                // Reported after the first step, when it is known what arrived.
+                deferred_start = Some(DeferredStart {
+                    local_cached: cached,
+                    local_external: external_tokens,
+                    queue_time,
+                });
+            } else {
+                report_start(&self.metrics, seq, cached, external_tokens, queue_time);
+            }
             // Blocks this request will compute: a peer asking for them now gets PENDING.
             self.cpu.mark_pending(&pending);
         }
-        let remaining = seq.tokens.len() - seq.num_computed;
+        if let Some((pull, first, blocks)) = window {
+            seq.window = Some(PulledWindow {
+                pull,
+                first,
+                blocks,
+                deferred_start,
+            });
+        }
+        let start = seq.num_computed;
+        let remaining = seq.tokens.len() - start;
         let n = remaining.min(budget);
-        if !self.ensure_blocks(id, hit_tokens + n) {
+        if !self.ensure_blocks(id, start + n) {
             // Cannot happen after the capacity check above; undo to stay consistent.
             self.release_blocks(id);
             return None;
@@ -732,6 +772,16 @@ impl Core {
 
     fn execute(&mut self, plan: &[Planned]) {
         let t0 = Instant::now();
+        // Prefixes arriving layer by layer: each layer lands right before the step uses it.
+        let feeds: Vec<(Arc<LayeredPull>, Vec<BlockId>)> = plan
+            .iter()
+            .filter_map(|p| {
+                let seq = self.seqs.get(&p.id)?;
+                let w = seq.window.as_ref()?;
+                let blocks = seq.blocks.get(w.first..w.first + w.blocks)?.to_vec();
+                Some((Arc::clone(&w.pull), blocks))
+            })
+            .collect();
         let result = {
             let mut steps = Vec::with_capacity(plan.len());
             for p in plan {
@@ -748,7 +798,17 @@ impl Core {
                     num_generated: seq.output_len(),
                 });
             }
-            self.backend.step(&steps, &mut self.arena)
+            if feeds.is_empty() {
+                self.backend.step(&steps, &mut self.arena)
+            } else {
+                let mut load = |layer: usize, arena: &mut KvArena| {
+                    for (pull, blocks) in &feeds {
+                        pull.load_layer(layer, blocks, arena);
+                    }
+                };
+                self.backend
+                    .step_layered(&steps, &mut self.arena, &mut load)
+            }
         };
         self.metrics
             .step_seconds
@@ -767,9 +827,18 @@ impl Core {
             }
         };
         let mut offloads: Vec<Vec<OffloadBlock>> = Vec::new();
+        let mut discarded: HashSet<u64> = HashSet::new();
         for p in plan {
+            let short = !feeds.is_empty() && self.close_window(p.id);
             if let Some(seq) = self.seqs.get_mut(&p.id) {
-                seq.num_computed = p.start + p.n;
+                if short {
+                    // Computed over layers that never arrived: the step's output for this
+                    // sequence is void, and what it needs is computed from the last block that
+                    // arrived whole (`close_window` moved `num_computed` there).
+                    discarded.insert(p.id);
+                } else {
+                    seq.num_computed = p.start + p.n;
+                }
             } else {
                 continue;
             }
@@ -784,10 +853,54 @@ impl Core {
             self.cpu.insert_run(&off);
         }
         for (p, tok) in plan.iter().zip(sampled) {
-            if let Some(t) = tok {
+            if let Some(t) = tok
+                && !discarded.contains(&p.id)
+            {
                 self.on_token(p.id, t);
             }
         }
+    }
+
+    /// After the step that loaded `id`'s layer-wise pull: keeps the pulled blocks that arrived
+    /// on every layer, reports the first scheduling with them, and frees the staging. True
+    /// when the pull fell short, so the step's output for `id` must be dropped (its KV from
+    /// the first missing block on is recomputed from there).
+    fn close_window(&mut self, id: u64) -> bool {
+        let bs = self.block_size();
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        let Some(w) = seq.window.take() else {
+            return false;
+        };
+        let complete = w.pull.complete_blocks().min(w.blocks);
+        w.pull.release();
+        let short = complete < w.blocks;
+        if short {
+            seq.num_computed = (w.first + complete) * bs;
+            seq.pulled_until = w.first + complete;
+            self.metrics.p2p_layerwise_short.inc();
+            tracing::info!(
+                request_id = %seq.req.request_id,
+                pulled_blocks = w.blocks,
+                arrived_whole = complete,
+                report = ?w.pull.report().map(|r| r.outcome),
+                "layer-wise pull ended short; recomputing the rest"
+            );
+        }
+        if let Some(d) = w.deferred_start {
+            let pulled = complete * bs;
+            let cached = (d.local_cached + pulled).min(seq.prompt_len);
+            seq.cached_tokens = Some(cached);
+            report_start(
+                &self.metrics,
+                seq,
+                cached,
+                d.local_external + pulled,
+                d.queue_time,
+            );
+        }
+        short
     }
 
     /// Hashes, publishes and prepares for offload every block that became full.
@@ -816,7 +929,7 @@ impl Core {
                 let r = run.get_or_insert_with(|| gpu_stored(parent, bs));
                 r.block_hashes.push(hash);
                 r.token_ids.extend_from_slice(tokens);
-                if (i + 1) * bs <= seq.prompt_len {
+                if (i + 1) * bs <= seq.prompt_len && i >= seq.pulled_until {
                     seq.created_cache_tokens += bs;
                 }
                 off.push(OffloadBlock {
@@ -876,6 +989,10 @@ impl Core {
         let Some(seq) = self.seqs.remove(&id) else {
             return;
         };
+        // A layer-wise pull it never used: stop it and give its staging back.
+        if let Some(pull) = seq.layered_pull.as_ref().or(seq.window.as_ref().map(|w| &w.pull)) {
+            pull.release();
+        }
         if seq.cached_tokens.is_none() && was_waiting {
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
         }
@@ -913,6 +1030,57 @@ impl Core {
         };
         let _ = seq.tx.send(SeqOutput::Finished(Box::new(info)));
     }
+}
+
+/// Blocks of a layer-wise pull an admission can use: the pull must start where the local
+/// prefix (`hit_blocks` of `hashes`, the prompt's hit-eligible blocks) ends and carry the same
+/// blocks; it is cut at the last hit-eligible block.
+fn layered_blocks(pull: Option<&LayeredPull>, hashes: &[BlockHash], hit_blocks: usize) -> usize {
+    let Some(pull) = pull.filter(|p| p.first_block() == hit_blocks) else {
+        return 0;
+    };
+    let rest = hashes.get(hit_blocks..).unwrap_or_default();
+    pull.hashes()
+        .iter()
+        .take(pull.served())
+        .zip(rest)
+        .take_while(|(a, b)| a == b)
+        .count()
+}
+
+/// A sequence's first scheduling: the prefix-cache metrics and `Started`.
+fn report_start(
+    m: &EngineMetrics,
+    seq: &Seq,
+    cached: usize,
+    external_tokens: usize,
+    queue_time: Duration,
+) {
+    let prompt_len = seq.prompt_len;
+    let local = cached - external_tokens.min(cached);
+    m.prefix_cache_queries.inc_by(prompt_len as u64);
+    m.prefix_cache_hits.inc_by(local as u64);
+    m.prompt_tokens.inc_by(prompt_len as u64);
+    if seq.req.external_query_tokens > 0 {
+        m.external_prefix_cache_queries
+            .inc_by(seq.req.external_query_tokens as u64);
+    }
+    m.external_prefix_cache_hits
+        .inc_by(external_tokens.min(cached) as u64);
+    for (source, tokens) in [
+        ("local_cache_hit", local),
+        ("external_kv_transfer", external_tokens.min(cached)),
+        ("local_compute", prompt_len - cached),
+    ] {
+        m.prompt_tokens_by_source
+            .get_or_create(&SourceLabel { source })
+            .inc_by(tokens as u64);
+    }
+    m.request_queue_time.observe(queue_time.as_secs_f64());
+    let _ = seq.tx.send(SeqOutput::Started {
+        cached_tokens: cached,
+        queue_time,
+    });
 }
 
 fn gpu_stored(parent: Option<BlockHash>, bs: usize) -> BlockStored {

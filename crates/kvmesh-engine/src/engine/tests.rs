@@ -57,6 +57,7 @@ fn request(prompt: Vec<TokenId>, max_tokens: usize) -> EngineRequest {
         pull_pinned_hashes: Vec::new(),
         external_query_tokens: 0,
         pull_feedback: None,
+        layered_pull: None,
     }
 }
 

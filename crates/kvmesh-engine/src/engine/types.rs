@@ -1,5 +1,6 @@
 //! What goes in and out of the compute loop.
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
@@ -7,6 +8,7 @@ use kvmesh_core::{BlockDigest, BlockHash, KvTransferParams, PullFeedback, TokenI
 use tokio::sync::{mpsc, oneshot};
 
 use crate::compute::SamplingParams;
+use crate::layered_pull::LayeredPull;
 use crate::pool::BlockPool;
 
 /// Why a sequence finished.
@@ -55,6 +57,9 @@ pub struct EngineRequest {
     /// engine sends it back as the `x-kvmesh-pull` response header, so the router can judge the
     /// source it named.
     pub pull_feedback: Option<PullFeedback>,
+    /// A layer-major pull of this request's missing prefix still arriving
+    /// (`--p2p-load-mode layerwise`): its first step waits for each layer as it computes.
+    pub layered_pull: Option<Arc<LayeredPull>>,
 }
 
 /// Final accounting of a sequence.

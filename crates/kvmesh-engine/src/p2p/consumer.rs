@@ -11,12 +11,13 @@
 //! outcome and reason in `kvmesh_p2p_pulls_total` (the engine's
 //! [`crate::metrics::EngineMetrics::p2p`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_core::{BlockHash, PullFeedback, PullFeedbackOutcome, RemoteKvSource, TokenId};
 use kvmesh_transfer::{
-    AllowList, ClientConfig, ModelledDuration, PeerAddr, PullClass, PullClient, PullOutcome,
-    TrafficClass,
+    AllowList, ClientConfig, LayerPullReport, ModelledDuration, PeerAddr, PullClass, PullClient,
+    PullOutcome, SegmentLayout, TrafficClass,
 };
 
 use super::error::P2pConfigError;
@@ -25,10 +26,14 @@ use super::landing::TierSink;
 use super::remote_read::{PrefixPull, ReadOptions, ReadOutcome, RemoteRead};
 use crate::cpu_tier::PinKind;
 use crate::engine::{EngineHandle, EngineRequest};
+use crate::layered_pull::{LayeredPull, StagingBudget};
 
 /// How long blocks a pull landed stay pinned in our CPU tier if the request never finishes
 /// normally (client gone before scheduling); normally they are unpinned at finish.
 const LANDED_LEASE: Duration = Duration::from_secs(60);
+
+/// Least staging layer-wise pulls get, whatever the CPU tier's size.
+const MIN_STAGING_BYTES: usize = 64 << 20;
 
 /// How long to wait for the compute loop to report the GPU-tier prefix before using the CPU
 /// tier's alone (a long step can hold the loop; a stale answer only costs a redundant pull).
@@ -37,7 +42,9 @@ const GPU_LOOKUP_WAIT: Duration = Duration::from_millis(50);
 /// The engine's P2P consumer (see the module docs).
 #[derive(Debug)]
 pub struct P2pConsumer {
-    client: PullClient,
+    client: Arc<PullClient>,
+    /// Staging of layer-wise pulls (`--p2p-load-mode layerwise`), bounded like the CPU tier.
+    staging: Arc<StagingBudget>,
     timeout: Duration,
     pending_deadline: Duration,
     deadline_factor: f64,
@@ -57,7 +64,7 @@ impl P2pConsumer {
     pub fn new(engine: &EngineHandle) -> Result<Self, P2pConfigError> {
         let cfg = &engine.config().p2p;
         let allowed = AllowList::parse(cfg.allowed_peers.iter().filter(|s| !s.trim().is_empty()))?;
-        let client = PullClient::new(
+        let client = Arc::new(PullClient::new(
             engine.fingerprint(),
             ClientConfig {
                 allowed_peers: allowed,
@@ -76,9 +83,14 @@ impl P2pConsumer {
                 ingress: engine.link_pacer(),
                 ..ClientConfig::default()
             },
-        );
+        ));
         Ok(Self {
             client,
+            staging: StagingBudget::new(
+                usize::try_from(engine.config().cpu_offload_bytes)
+                    .unwrap_or(usize::MAX)
+                    .max(MIN_STAGING_BYTES),
+            ),
             timeout: cfg.timeout,
             pending_deadline: cfg.pending_deadline,
             deadline_factor: cfg.deadline_factor,
@@ -145,6 +157,87 @@ impl P2pConsumer {
             ReadOutcome::Pulled { pull, .. } => Some(pull),
             _ => None,
         }
+    }
+
+    /// `--p2p-load-mode layerwise` on a backend with layered blocks: starts a layer-major pull
+    /// of the prompt's missing prefix from `source` into staging and attaches it to `req`
+    /// ([`crate::layered_pull`]), so the request is scheduled at once and its first step takes
+    /// each layer as it arrives. False when nothing was started (nothing missing, an expired
+    /// read, no staging room, a layout that cannot be cut by layer): take
+    /// [`P2pConsumer::prepare_request`] then.
+    pub async fn start_layered_read(
+        &self,
+        engine: &EngineHandle,
+        req: &mut EngineRequest,
+        source: &RemoteKvSource,
+        predicted_pull_ms: Option<f64>,
+    ) -> bool {
+        let read = RemoteRead {
+            predicted_pull_ms,
+            ..RemoteRead::from_source(source)
+        };
+        let kv = engine.kv_layout();
+        let layers = kv.num_layers as usize;
+        if read.expired_ago().is_some() || layers == 0 || kv.bytes_per_block % layers != 0 {
+            return false;
+        }
+        let segment_len = kv.bytes_per_block / layers;
+        let Ok(layout) = u32::try_from(segment_len)
+            .map_err(|_| ())
+            .and_then(|len| SegmentLayout::new(vec![len; layers]).map_err(|_| ()))
+        else {
+            return false;
+        };
+        let (hashes, _) = read.readable_hashes(engine, req);
+        let local = local_prefix_blocks(engine, &hashes).await;
+        if local >= hashes.len() {
+            return false;
+        }
+        let started = tokio::time::Instant::now();
+        let budget = self.read_budget(predicted_pull_ms);
+        let want = hashes[local..].to_vec();
+        let Some(pull) = LayeredPull::new(
+            local,
+            want.clone(),
+            layers,
+            segment_len,
+            &self.staging,
+            Instant::now() + budget,
+        ) else {
+            engine.metrics().p2p_layerwise_no_staging.inc();
+            return false;
+        };
+        req.external_query_tokens = req.prompt.len();
+        let client = Arc::clone(&self.client);
+        let peer = PeerAddr::from(source);
+        let kv_request_id = source.kv_request_id.clone();
+        let (bs, readable) = (kv.block_size.max(1), hashes.len());
+        let task_pull = Arc::clone(&pull);
+        tokio::spawn(async move {
+            let pull = task_pull;
+            let mut sink = pull.sink();
+            let report = client
+                .pull_layers(
+                    peer,
+                    &kv_request_id,
+                    &want,
+                    &layout,
+                    &mut sink,
+                    Some(started + budget),
+                )
+                .await;
+            let fb = layered_feedback(&report, local, readable, bs, started.elapsed(), budget);
+            pull.end(report, fb);
+        });
+        // Scheduled once the producer's served prefix is known (with layer 0): the rest of the
+        // layers overlap the step. Nothing served: the read is over, and the prompt computes.
+        if pull.served_blocks().await > 0 {
+            req.layered_pull = Some(pull);
+        } else {
+            pull.release();
+            req.pull_feedback = pull.feedback().await;
+        }
+        true
     }
 
     /// The one remote-read path (see the module docs). Sets `req.external_hashes`,
@@ -422,11 +515,7 @@ fn feedback(
 ) -> PullFeedback {
     let (kind, reason) = match outcome {
         ReadOutcome::Pulled { pull, .. } => {
-            let kind = match &pull.report.outcome {
-                PullOutcome::Complete => PullFeedbackOutcome::Complete,
-                PullOutcome::Partial { .. } => PullFeedbackOutcome::Partial,
-                PullOutcome::Failed { .. } => PullFeedbackOutcome::Failed,
-            };
+            let kind = feedback_kind(&pull.report.outcome);
             // Our own full tier is no fault of the source's: say so apart.
             let reason = match pull.rejected {
                 Some("cpu_tier_hard_pinned") => Some("sink_full"),
@@ -446,6 +535,36 @@ fn feedback(
         reason: reason.map(str::to_owned),
         reached_tokens: tokens(*reached),
         readable_tokens: tokens(*readable),
+        block_size: block_size as u64,
+        elapsed_ms: elapsed.as_secs_f64() * 1000.0,
+        deadline_ms: budget.as_secs_f64() * 1000.0,
+    }
+}
+
+fn feedback_kind(outcome: &PullOutcome) -> PullFeedbackOutcome {
+    match outcome {
+        PullOutcome::Complete => PullFeedbackOutcome::Complete,
+        PullOutcome::Partial { .. } => PullFeedbackOutcome::Partial,
+        PullOutcome::Failed { .. } => PullFeedbackOutcome::Failed,
+    }
+}
+
+/// What a layer-wise pull did, as the router is told: `local` blocks were held before it, of
+/// `readable`.
+fn layered_feedback(
+    report: &LayerPullReport,
+    local: usize,
+    readable: usize,
+    block_size: usize,
+    elapsed: Duration,
+    budget: Duration,
+) -> PullFeedback {
+    let tokens = |blocks: usize| (blocks * block_size) as u64;
+    PullFeedback {
+        outcome: feedback_kind(&report.outcome),
+        reason: report.outcome.reason().map(|r| r.label().to_owned()),
+        reached_tokens: tokens(local + report.blocks),
+        readable_tokens: tokens(readable),
         block_size: block_size as u64,
         elapsed_ms: elapsed.as_secs_f64() * 1000.0,
         deadline_ms: budget.as_secs_f64() * 1000.0,

@@ -1,5 +1,6 @@
 //! [`P2pHook`], every server's default [`RequestHook`]: a request naming a `remote_kv_source`
-//! pulls its missing prefix before submission; a finished (or refused) request releases the
+//! pulls its missing prefix before submission (or, with `--p2p-load-mode layerwise` on a
+//! backend computing layer by layer, starts pulling it layer-major and submits at once); a finished (or refused) request releases the
 //! pins its pull took. On a backend that models transfer time, such a request first waits for
 //! the pulls in flight that carry any of its blocks (it must not get them sooner than the
 //! modelled link delivers them). A request naming no source is not held: a pull stuck on a
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 
 use super::consumer::{P2pConsumer, release_pulled};
+use crate::config::P2pLoadMode;
 use crate::engine::{EngineHandle, EngineRequest, FinishInfo};
 use crate::request_hook::RequestHook;
 
@@ -41,6 +43,16 @@ impl RequestHook for P2pHook {
                 self.consumer
                     .wait_for_pulls_in_flight(&hashes, deadline)
                     .await;
+            }
+            let layerwise = engine.config().p2p.load_mode == P2pLoadMode::Layerwise
+                && engine.capabilities().layered_blocks;
+            if layerwise
+                && self
+                    .consumer
+                    .start_layered_read(engine, req, &source, predicted)
+                    .await
+            {
+                return;
             }
             self.consumer
                 .prepare_request(engine, req, &source, predicted)
