@@ -221,12 +221,7 @@ impl LayeredPull {
     /// copies it into the first of `blocks` (the arena blocks of prompt blocks
     /// `first_block..`), layer `layer`'s run of each. Runs on the compute thread, which is
     /// where a layer-pipelined step is meant to wait.
-    pub fn load_layer(
-        &self,
-        layer: usize,
-        blocks: &[BlockId],
-        arena: &mut KvArena,
-    ) -> LayerLoad {
+    pub fn load_layer(&self, layer: usize, blocks: &[BlockId], arena: &mut KvArena) -> LayerLoad {
         let mut st = self.lock();
         while st.arrived <= layer && st.ended.is_none() {
             let now = Instant::now();
@@ -244,7 +239,11 @@ impl LayeredPull {
         };
         let n = served.min(blocks.len());
         if st.copied_layers == layer {
-            st.copied_blocks = if layer == 0 { n } else { st.copied_blocks.min(n) };
+            st.copied_blocks = if layer == 0 {
+                n
+            } else {
+                st.copied_blocks.min(n)
+            };
             st.copied_layers += 1;
         }
         drop(st);
@@ -386,14 +385,14 @@ mod tests {
         sink.destination(0, 1, 4).unwrap();
         p.end(
             LayerPullReport {
-            outcome: kvmesh_transfer::PullOutcome::Failed {
-                reason: kvmesh_transfer::PullReason::PeerClosed,
-            },
-            blocks: 0,
-            segments: 1,
-            segment_blocks: 2,
-            bytes: 8,
-            duration: Duration::ZERO,
+                outcome: kvmesh_transfer::PullOutcome::Failed {
+                    reason: kvmesh_transfer::PullReason::PeerClosed,
+                },
+                blocks: 0,
+                segments: 1,
+                segment_blocks: 2,
+                bytes: 8,
+                duration: Duration::ZERO,
             },
             PullFeedback {
                 outcome: kvmesh_core::PullFeedbackOutcome::Failed,
@@ -417,8 +416,14 @@ mod tests {
         let mut arena = KvArena::new(4, 16);
         feed(&mut sink, 0, 3, 1);
         feed(&mut sink, 1, 3, 5);
-        assert_eq!(p.load_layer(0, &[0, 1, 2, 3], &mut arena), LayerLoad::Copied(3));
-        assert_eq!(p.load_layer(1, &[0, 1, 2, 3], &mut arena), LayerLoad::Copied(3));
+        assert_eq!(
+            p.load_layer(0, &[0, 1, 2, 3], &mut arena),
+            LayerLoad::Copied(3)
+        );
+        assert_eq!(
+            p.load_layer(1, &[0, 1, 2, 3], &mut arena),
+            LayerLoad::Copied(3)
+        );
         assert_eq!(p.complete_blocks(), 3);
     }
 
@@ -460,7 +465,10 @@ mod tests {
         assert_eq!(budget.used(), 0);
         assert!(LayeredPull::new(0, hashes(3), 2, 10, &budget, give_up).is_some());
         let huge = LayeredPull::new(0, hashes(3), usize::MAX, 10, &budget, give_up);
-        assert!(huge.is_none(), "an overflowing size is refused, not wrapped");
+        assert!(
+            huge.is_none(),
+            "an overflowing size is refused, not wrapped"
+        );
     }
 
     #[test]

@@ -137,12 +137,27 @@ pub fn tiny_random_llama_with(seed: u64, opts: &LoadOptions) -> ModelBackend {
     };
     // Fixed, valid shapes: construction cannot fail.
     #[allow(clippy::expect_used)]
-    let model = load::random_llama(cfg, seed).expect("tiny model shapes are consistent");
+    random_llama_backend(cfg, seed, opts).expect("tiny model shapes are consistent")
+}
+
+/// A random-weight Llama of any shape `cfg` over [`ByteTokenizer`] (`cfg.vocab_size` must be
+/// its 257 tokens): benchmarks size the model (layers, KV heads) to the KV they need to move.
+pub fn random_llama_backend(
+    cfg: LlamaConfig,
+    seed: u64,
+    opts: &LoadOptions,
+) -> Result<ModelBackend, ModelError> {
+    let model = load::random_llama(cfg, seed)?;
     let id = opts
         .model_id
         .clone()
         .unwrap_or_else(|| format!("tiny-random-llama-{seed}"));
-    ModelBackend::from_model(model, opts, id, vec![ByteTokenizer::EOS])
+    Ok(ModelBackend::from_model(
+        model,
+        opts,
+        id,
+        vec![ByteTokenizer::EOS],
+    ))
 }
 
 impl ModelBackend {

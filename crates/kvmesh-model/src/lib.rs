@@ -19,7 +19,8 @@ pub mod paged;
 pub mod sample;
 
 pub use backend::{
-    LoadOptions, ModelBackend, load_backend, tiny_random_llama, tiny_random_llama_with,
+    LoadOptions, ModelBackend, load_backend, random_llama_backend, tiny_random_llama,
+    tiny_random_llama_with,
 };
 pub use config::{LlamaConfig, RopeStyle};
 pub use error::ModelError;

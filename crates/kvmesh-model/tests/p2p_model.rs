@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 
 use kvmesh_core::{KvTransferParams, TokenId};
 use kvmesh_engine::compute::SamplingParams;
-use kvmesh_engine::server::{RunningServer, ServerOptions, start_server};
 use kvmesh_engine::layered_pull::{LayeredPull, StagingBudget};
+use kvmesh_engine::server::{RunningServer, ServerOptions, start_server};
 use kvmesh_engine::{EngineConfig, EngineRequest, P2pLoadMode, SeqOutput};
-use kvmesh_transfer::{LayerPullReport, PullOutcome, PullReason, SegmentSink};
 use kvmesh_model::tiny_random_llama;
 use kvmesh_text::ByteTokenizer;
+use kvmesh_transfer::{LayerPullReport, PullOutcome, PullReason, SegmentSink};
 use tokio::time::timeout;
 
 async fn start() -> RunningServer {
@@ -160,8 +160,15 @@ async fn a_layer_wise_pull_gives_the_same_greedy_output_as_recompute() {
         let kvp = KvTransferParams::pull_from("kv-1", "127.0.0.1", a.p2p_addr.unwrap().port());
         let src = kvp.remote_kv_source.clone().unwrap();
         req.kv_transfer_params = Some(kvp);
-        assert!(b.p2p.start_layered_read(&b.engine, &mut req, &src, None).await);
-        let pull = req.layered_pull.clone().expect("a layer-wise pull is attached");
+        assert!(
+            b.p2p
+                .start_layered_read(&b.engine, &mut req, &src, None)
+                .await
+        );
+        let pull = req
+            .layered_pull
+            .clone()
+            .expect("a layer-wise pull is attached");
         assert_eq!(pull.served(), 10, "A serves its 10 blocks of the 11 asked");
         let (pulled, cached) = run(&b, req).await;
         assert_eq!(cached, 160, "all ten prefix blocks came from A");
@@ -169,7 +176,10 @@ async fn a_layer_wise_pull_gives_the_same_greedy_output_as_recompute() {
         assert_eq!(m.external_prefix_cache_hits.get(), 160);
         assert_eq!(m.p2p_layerwise_short.get(), 0);
         let (recomputed, _) = run(&c, request(&prompt)).await;
-        assert_eq!(pulled, recomputed, "layer-wise pulled KV must decode exactly like recomputed KV");
+        assert_eq!(
+            pulled, recomputed,
+            "layer-wise pulled KV must decode exactly like recomputed KV"
+        );
         // The blocks became B's own: cached and offloaded like computed ones, so a second
         // request hits them locally.
         let (again, cached_again) = run(&b, request(&prompt)).await;
@@ -201,12 +211,16 @@ async fn a_layer_wise_pull_that_dies_mid_stream_is_recomputed_with_the_same_outp
         let mut sink = pull.sink();
         for (i, h) in hashes.iter().enumerate() {
             let block = a.engine.cpu_tier().get(*h).unwrap();
-            sink.destination(i, 0, seg).unwrap().copy_from_slice(&block[..seg]);
+            sink.destination(i, 0, seg)
+                .unwrap()
+                .copy_from_slice(&block[..seg]);
         }
         sink.segment_complete(0, hashes.len());
         sink.destination(0, 1, seg).unwrap();
         let report = LayerPullReport {
-            outcome: PullOutcome::Failed { reason: PullReason::PeerClosed },
+            outcome: PullOutcome::Failed {
+                reason: PullReason::PeerClosed,
+            },
             blocks: 0,
             segments: 1,
             segment_blocks: hashes.len(),
@@ -227,12 +241,72 @@ async fn a_layer_wise_pull_that_dies_mid_stream_is_recomputed_with_the_same_outp
         let mut req = request(&prompt);
         req.layered_pull = Some(pull);
         let (out, cached) = run(&b, req).await;
-        assert_eq!(out, expected, "a pull that died mid-layer costs a recompute, never the output");
+        assert_eq!(
+            out, expected,
+            "a pull that died mid-layer costs a recompute, never the output"
+        );
         assert_eq!(cached, 0, "nothing arrived on every layer");
         let m = b.engine.metrics();
         assert_eq!(m.p2p_layerwise_short.get(), 1, "counted");
         assert_eq!(m.external_prefix_cache_hits.get(), 0);
         for s in [a, b] {
+            s.shutdown().await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// POSTs a greedy completion of `prompt` (byte tokens as ids) to `s`: the body and the
+/// `x-kvmesh-pull` header.
+async fn complete_http(
+    s: &RunningServer,
+    prompt: &[TokenId],
+    source: Option<u16>,
+) -> (serde_json::Value, Option<String>) {
+    let mut body = serde_json::json!({
+        "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": true
+    });
+    if let Some(port) = source {
+        body["kv_transfer_params"] = serde_json::json!({"remote_kv_source": {
+            "kv_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": port}});
+    }
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", s.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let header = r
+        .headers()
+        .get("x-kvmesh-pull")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (r.json().await.unwrap(), header)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_naming_a_source_pulls_layer_wise_through_the_http_api() {
+    timeout(Duration::from_secs(120), async {
+        let (a, c) = (start().await, start().await);
+        let b = start_with(P2pLoadMode::Layerwise).await;
+        let (prefix, prompt) = prefix_and_prompt();
+        complete_http(&a, &prefix, None).await;
+        let port = a.p2p_addr.unwrap().port();
+        let (got, header) = complete_http(&b, &prompt, Some(port)).await;
+        let cached = &got["usage"]["prompt_tokens_details"]["cached_tokens"];
+        assert_eq!(cached, 160, "{got}");
+        let header = header.expect("the pull's outcome goes back to the router");
+        assert!(
+            header.contains("partial") && header.contains("miss"),
+            "{header}"
+        );
+        let (cold, _) = complete_http(&c, &prompt, None).await;
+        assert_eq!(got["choices"][0]["text"], cold["choices"][0]["text"]);
+        let m = b.engine.metrics();
+        assert_eq!(m.external_prefix_cache_hits.get(), 160);
+        assert_eq!(m.p2p_layerwise_short.get(), 0);
+        for s in [a, b, c] {
             s.shutdown().await;
         }
     })

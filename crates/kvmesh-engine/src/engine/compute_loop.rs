@@ -827,6 +827,7 @@ impl Core {
             }
         };
         let mut offloads: Vec<Vec<OffloadBlock>> = Vec::new();
+        let mut pulled_offloads: Vec<Vec<(BlockId, OffloadBlock)>> = Vec::new();
         let mut discarded: HashSet<u64> = HashSet::new();
         for p in plan {
             let short = !feeds.is_empty() && self.close_window(p.id);
@@ -842,8 +843,11 @@ impl Core {
             } else {
                 continue;
             }
-            if let Some(off) = self.finalize_full_blocks(p.id) {
-                offloads.push(off);
+            if let Some((computed, pulled)) = self.finalize_full_blocks(p.id) {
+                if !computed.is_empty() {
+                    offloads.push(self.with_payloads(computed));
+                }
+                pulled_offloads.push(pulled);
             }
         }
         // GPU stores and removals first, then the CPU tier's own events; both before any
@@ -859,6 +863,27 @@ impl Core {
                 self.on_token(p.id, t);
             }
         }
+        // Blocks a layer-wise pull brought go to the CPU tier after the token: copying a long
+        // prefix out of the arena would otherwise sit between the step and the first token.
+        // The arena still holds them (nothing is allocated before this), even for a request
+        // that just finished.
+        for pulled in pulled_offloads {
+            let off = self.with_payloads(pulled);
+            if !off.is_empty() {
+                self.cpu.insert_run(&off);
+            }
+        }
+    }
+
+    /// Copies each block's KV out of the arena for the CPU tier.
+    fn with_payloads(&self, blocks: Vec<(BlockId, OffloadBlock)>) -> Vec<OffloadBlock> {
+        blocks
+            .into_iter()
+            .map(|(id, mut off)| {
+                off.payload = Bytes::copy_from_slice(self.arena.block(id));
+                off
+            })
+            .collect()
     }
 
     /// After the step that loaded `id`'s layer-wise pull: keeps the pulled blocks that arrived
@@ -903,8 +928,14 @@ impl Core {
         short
     }
 
-    /// Hashes, publishes and prepares for offload every block that became full.
-    fn finalize_full_blocks(&mut self, id: u64) -> Option<Vec<OffloadBlock>> {
+    /// Hashes, publishes and prepares for offload every block that became full: the blocks
+    /// computed here, and apart those a layer-wise pull brought (each with its arena block; the
+    /// payloads are copied by the caller).
+    #[allow(clippy::type_complexity)]
+    fn finalize_full_blocks(
+        &mut self,
+        id: u64,
+    ) -> Option<(Vec<(BlockId, OffloadBlock)>, Vec<(BlockId, OffloadBlock)>)> {
         let bs = self.block_size();
         let full = self.seqs.get(&id)?.num_computed / bs;
         let done = self.seqs.get(&id)?.num_finalized;
@@ -914,7 +945,7 @@ impl Core {
         self.extend_digests(id, full);
         let seq = self.seqs.get_mut(&id)?;
         let mut run: Option<BlockStored> = None;
-        let mut off = Vec::new();
+        let (mut off, mut pulled) = (Vec::new(), Vec::new());
         for i in done..full.min(seq.digests.len()) {
             let hash = seq.digests[i].event_hash();
             let block = seq.blocks[i];
@@ -932,12 +963,17 @@ impl Core {
                 if (i + 1) * bs <= seq.prompt_len && i >= seq.pulled_until {
                     seq.created_cache_tokens += bs;
                 }
-                off.push(OffloadBlock {
+                let pending = OffloadBlock {
                     hash,
                     parent,
                     tokens: tokens.to_vec(),
-                    payload: Bytes::copy_from_slice(self.arena.block(block)),
-                });
+                    payload: Bytes::new(),
+                };
+                if i < seq.pulled_until {
+                    pulled.push((block, pending));
+                } else {
+                    off.push((block, pending));
+                }
             } else if let Some(r) = run.take() {
                 self.outbox.push(KvEvent::BlockStored(r));
             }
@@ -946,7 +982,7 @@ impl Core {
         if let Some(r) = run {
             self.outbox.push(KvEvent::BlockStored(r));
         }
-        (!off.is_empty()).then_some(off)
+        (!off.is_empty() || !pulled.is_empty()).then_some((off, pulled))
     }
 
     fn on_token(&mut self, id: u64, token: TokenId) {
@@ -990,7 +1026,11 @@ impl Core {
             return;
         };
         // A layer-wise pull it never used: stop it and give its staging back.
-        if let Some(pull) = seq.layered_pull.as_ref().or(seq.window.as_ref().map(|w| &w.pull)) {
+        if let Some(pull) = seq
+            .layered_pull
+            .as_ref()
+            .or(seq.window.as_ref().map(|w| &w.pull))
+        {
             pull.release();
         }
         if seq.cached_tokens.is_none() && was_waiting {

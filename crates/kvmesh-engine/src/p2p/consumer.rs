@@ -178,7 +178,8 @@ impl P2pConsumer {
         };
         let kv = engine.kv_layout();
         let layers = kv.num_layers as usize;
-        if read.expired_ago().is_some() || layers == 0 || kv.bytes_per_block % layers != 0 {
+        if read.expired_ago().is_some() || layers == 0 || !kv.bytes_per_block.is_multiple_of(layers)
+        {
             return false;
         }
         let segment_len = kv.bytes_per_block / layers;
@@ -576,6 +577,10 @@ fn layered_feedback(
 /// would drop another request's pin on the same block). Call when the request finished
 /// (requests that never finish lose them at lease expiry).
 pub fn release_pulled(engine: &EngineHandle, req: &EngineRequest) {
+    if let Some(pull) = &req.layered_pull {
+        // Its staging, if the compute loop never took it (a request refused before it ran).
+        pull.release();
+    }
     if !req.pull_pinned_hashes.is_empty() {
         engine
             .cpu_tier()
