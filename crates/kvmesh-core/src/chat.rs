@@ -10,12 +10,19 @@
 //! skipped unread. Memory per request is thus bounded by the text the body carries plus a fixed
 //! amount per message (≤ `MAX_MESSAGES`), never by how many JSON values it holds.
 //!
+//! Text is borrowed from the body where it can be (a string without escapes, read from a byte
+//! slice): a large message then costs nothing beyond the body that carries it, and the rendered
+//! prompt is the only other copy of it (issue 37: the router's peak for one 60 MiB chat body
+//! was 4x it while body, fields, messages and prompt each held a copy).
+//!
 //! vLLM 0.32 has no message-count cap; 65,536 is far above any real conversation (a 128K-token
 //! context filled with one-token messages would still need a chat template that spends no tokens
 //! on message framing, which none does).
 
+use std::borrow::Cow;
 use std::cell::Cell;
 use std::fmt;
+use std::marker::PhantomData;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -28,16 +35,18 @@ pub const MAX_CONTENT_PARTS: usize = 65_536;
 
 /// One chat message with its content flattened to text: a string as is; a list of text parts
 /// joined with `"\n"`, as vLLM joins them for a chat template that takes string content.
+/// Both borrow from the input when it is a byte slice or a string and they carry no escapes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct TextMessage {
-    pub role: String,
-    pub content: String,
+pub struct TextMessage<'a> {
+    pub role: Cow<'a, str>,
+    pub content: Cow<'a, str>,
 }
 
 /// A request's `messages`, read with the bounds above. Use as the field's type
 /// (`messages: Messages`, or `Option<Messages>` when the field is optional).
+/// (`#[serde(borrow)]` on the field lets its text borrow from the body.)
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Messages(pub Vec<TextMessage>);
+pub struct Messages<'a>(pub Vec<TextMessage<'a>>);
 
 /// The error text for one message too many (also what the servers' 400 says).
 pub fn too_many_messages() -> String {
@@ -49,22 +58,22 @@ pub fn too_many_parts() -> String {
     format!("too many content parts: at most {MAX_CONTENT_PARTS} content parts per request")
 }
 
-impl<'de> Deserialize<'de> for Messages {
+impl<'de: 'a, 'a> Deserialize<'de> for Messages<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_seq(MessagesVisitor)
+        d.deserialize_seq(MessagesVisitor(PhantomData))
     }
 }
 
-struct MessagesVisitor;
+struct MessagesVisitor<'a>(PhantomData<&'a ()>);
 
-impl<'de> Visitor<'de> for MessagesVisitor {
-    type Value = Messages;
+impl<'de: 'a, 'a> Visitor<'de> for MessagesVisitor<'a> {
+    type Value = Messages<'a>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a list of messages")
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Messages, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Messages<'a>, A::Error> {
         let parts = Cell::new(0usize);
         // No `with_capacity` from the size hint: it is the client's claim, not a bound.
         let mut out = Vec::new();
@@ -76,7 +85,10 @@ impl<'de> Visitor<'de> for MessagesVisitor {
                     None => Ok(Messages(out)),
                 };
             }
-            match seq.next_element_seed(MessageSeed { parts: &parts })? {
+            match seq.next_element_seed(MessageSeed {
+                parts: &parts,
+                text: PhantomData,
+            })? {
                 Some(m) => out.push(m),
                 None => return Ok(Messages(out)),
             }
@@ -96,34 +108,72 @@ enum Key {
     Other,
 }
 
-/// One message; `parts` counts the request's content parts so far.
-struct MessageSeed<'a> {
-    parts: &'a Cell<usize>,
+/// A string borrowed from the input when it can be (serde's own `Cow<str>` always copies).
+struct CowStr<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for CowStr<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(CowStrVisitor(PhantomData))
+    }
 }
 
-impl<'de> DeserializeSeed<'de> for MessageSeed<'_> {
-    type Value = TextMessage;
+struct CowStrVisitor<'a>(PhantomData<&'a ()>);
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<TextMessage, D::Error> {
+impl<'de: 'a, 'a> Visitor<'de> for CowStrVisitor<'a> {
+    type Value = CowStr<'a>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<CowStr<'a>, E> {
+        Ok(CowStr(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<CowStr<'a>, E> {
+        Ok(CowStr(Cow::Owned(v.to_owned())))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<CowStr<'a>, E> {
+        Ok(CowStr(Cow::Owned(v)))
+    }
+}
+
+/// One message; `parts` counts the request's content parts so far; `'a` is what its text may
+/// borrow from.
+struct MessageSeed<'p, 'a> {
+    parts: &'p Cell<usize>,
+    text: PhantomData<&'a ()>,
+}
+
+impl<'de: 'a, 'a> DeserializeSeed<'de> for MessageSeed<'_, 'a> {
+    type Value = TextMessage<'a>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<TextMessage<'a>, D::Error> {
         d.deserialize_map(self)
     }
 }
 
-impl<'de> Visitor<'de> for MessageSeed<'_> {
-    type Value = TextMessage;
+impl<'de: 'a, 'a> Visitor<'de> for MessageSeed<'_, 'a> {
+    type Value = TextMessage<'a>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a message object with a `role`")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TextMessage, A::Error> {
-        let mut role: Option<String> = None;
-        let mut content = String::new();
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TextMessage<'a>, A::Error> {
+        let mut role: Option<Cow<'a, str>> = None;
+        let mut content = Cow::Borrowed("");
         // A repeated key: the last one wins, as in the Python dict vLLM reads.
         while let Some(key) = map.next_key::<Key>()? {
             match key {
-                Key::Role => role = Some(map.next_value()?),
-                Key::Content => content = map.next_value_seed(ContentSeed { parts: self.parts })?,
+                Key::Role => role = Some(map.next_value::<CowStr<'a>>()?.0),
+                Key::Content => {
+                    content = map.next_value_seed(ContentSeed {
+                        parts: self.parts,
+                        text: PhantomData,
+                    })?
+                }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -134,54 +184,60 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
     }
 }
 
-/// A message's `content`: a string, null, or a list of parts, returned as text.
-struct ContentSeed<'a> {
-    parts: &'a Cell<usize>,
+/// A message's `content`: a string, null, or a list of parts, returned as text (a string
+/// borrowed when it can be; parts joined into a new one).
+struct ContentSeed<'p, 'a> {
+    parts: &'p Cell<usize>,
+    text: PhantomData<&'a ()>,
 }
 
-impl<'de> DeserializeSeed<'de> for ContentSeed<'_> {
-    type Value = String;
+impl<'de: 'a, 'a> DeserializeSeed<'de> for ContentSeed<'_, 'a> {
+    type Value = Cow<'a, str>;
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Cow<'a, str>, D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for ContentSeed<'_> {
-    type Value = String;
+impl<'de: 'a, 'a> Visitor<'de> for ContentSeed<'_, 'a> {
+    type Value = Cow<'a, str>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a string, null, or a list of content parts")
     }
 
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
-        Ok(v.to_owned())
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Cow<'a, str>, E> {
+        Ok(Cow::Borrowed(v))
     }
 
-    fn visit_string<E: de::Error>(self, v: String) -> Result<String, E> {
-        Ok(v)
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Cow<'a, str>, E> {
+        Ok(Cow::Owned(v.to_owned()))
     }
 
-    fn visit_unit<E: de::Error>(self) -> Result<String, E> {
-        Ok(String::new())
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Cow<'a, str>, E> {
+        Ok(Cow::Owned(v))
     }
 
-    fn visit_none<E: de::Error>(self) -> Result<String, E> {
-        Ok(String::new())
+    fn visit_unit<E: de::Error>(self) -> Result<Cow<'a, str>, E> {
+        Ok(Cow::Borrowed(""))
     }
 
-    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+    fn visit_none<E: de::Error>(self) -> Result<Cow<'a, str>, E> {
+        Ok(Cow::Borrowed(""))
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Cow<'a, str>, D::Error> {
         d.deserialize_any(self)
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<String, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Cow<'a, str>, A::Error> {
         let mut text = String::new();
         let mut first = true;
         loop {
             if self.parts.get() == MAX_CONTENT_PARTS {
                 return match seq.next_element::<IgnoredAny>()? {
                     Some(_) => Err(de::Error::custom(too_many_parts())),
-                    None => Ok(text),
+                    None => Ok(Cow::Owned(text)),
                 };
             }
             let Some(part) = seq.next_element_seed(PartSeed {
@@ -189,7 +245,7 @@ impl<'de> Visitor<'de> for ContentSeed<'_> {
                 first,
             })?
             else {
-                return Ok(text);
+                return Ok(Cow::Owned(text));
             };
             self.parts.set(self.parts.get() + 1);
             first &= !part;
@@ -262,7 +318,7 @@ mod tests {
 
     use super::*;
 
-    fn read(body: &str) -> Result<Messages, serde_json::Error> {
+    fn read(body: &str) -> Result<Messages<'_>, serde_json::Error> {
         serde_json::from_str(body)
     }
 
@@ -285,7 +341,7 @@ mod tests {
                 {"role":"assistant","content":null},{"role":"assistant"}]"#,
         )
         .unwrap();
-        let text = |r: &str, c: &str| TextMessage {
+        let text = |r: &'static str, c: &'static str| TextMessage {
             role: r.into(),
             content: c.into(),
         };
@@ -298,6 +354,17 @@ mod tests {
                 text("assistant", ""),
             ]
         );
+    }
+
+    /// Text without escapes is the body's own bytes, not a copy: a 60 MiB message then costs
+    /// the router and the engine nothing beyond the body until it is rendered.
+    #[test]
+    fn plain_text_is_borrowed_from_the_body_and_escaped_text_is_decoded() {
+        let body = r#"[{"role":"user","content":"plain"},{"role":"user","content":"a\"b\n"}]"#;
+        let m = read(body).unwrap();
+        assert!(matches!(m.0[0].role, Cow::Borrowed("user")));
+        assert!(matches!(m.0[0].content, Cow::Borrowed("plain")));
+        assert_eq!(m.0[1].content, "a\"b\n");
     }
 
     #[test]
@@ -323,7 +390,8 @@ mod tests {
 
     #[test]
     fn exactly_the_message_bound_is_accepted_and_kept_within_it() {
-        let m = read(&msgs(MAX_MESSAGES)).unwrap();
+        let body = msgs(MAX_MESSAGES);
+        let m = read(&body).unwrap();
         assert_eq!(m.0.len(), MAX_MESSAGES);
         // Grown by doubling to a power of two that is the bound itself: not one slot past it.
         assert!(m.0.capacity() <= MAX_MESSAGES, "{}", m.0.capacity());
@@ -378,7 +446,7 @@ mod tests {
     }
 
     /// `n` probed messages through the reader: (result, read, skipped).
-    fn probe(n: usize) -> (Result<Messages, de::value::Error>, usize, usize) {
+    fn probe(n: usize) -> (Result<Messages<'static>, de::value::Error>, usize, usize) {
         let (read, skipped) = (Cell::new(0), Cell::new(0));
         let items = (0..n).map(|_| Probe {
             read: &read,
@@ -411,7 +479,8 @@ mod tests {
 
     #[test]
     fn exactly_the_parts_bound_is_accepted() {
-        let m = read(&parts_message(MAX_CONTENT_PARTS)).unwrap();
+        let body = parts_message(MAX_CONTENT_PARTS);
+        let m = read(&body).unwrap();
         assert_eq!(m.0[0].content.len(), 2 * MAX_CONTENT_PARTS - 1);
     }
 

@@ -331,8 +331,9 @@ async fn cancel_prefetch(
 /// The chat messages as the template takes them. The bounded reading (at most
 /// [`kvmesh_core::chat::MAX_MESSAGES`] messages and [`kvmesh_core::chat::MAX_CONTENT_PARTS`]
 /// parts per request, parts flattened to text as read) is shared with the router, so both render
-/// the same prompt.
-fn chat_messages(m: Messages) -> Vec<ChatMessage> {
+/// the same prompt. Text without escapes stays borrowed from the body: the rendered prompt is its
+/// only copy.
+fn chat_messages(m: Messages<'_>) -> Vec<ChatMessage<'_>> {
     m.0.into_iter()
         .map(|m| ChatMessage {
             role: m.role,
@@ -342,13 +343,13 @@ fn chat_messages(m: Messages) -> Vec<ChatMessage> {
 }
 
 #[derive(Debug, Deserialize)]
-struct TokenizeRequest {
+struct TokenizeRequest<'a> {
     #[serde(default)]
     model: Option<String>,
     #[serde(default)]
     prompt: Option<String>,
-    #[serde(default)]
-    messages: Option<Messages>,
+    #[serde(default, borrow)]
+    messages: Option<Messages<'a>>,
     #[serde(default = "yes", deserialize_with = "lax::bool_or_true")]
     add_generation_prompt: bool,
     #[serde(default, deserialize_with = "lax::bool_or_false")]
@@ -449,9 +450,9 @@ struct GenParams {
 
 /// The chat-only fields (the shared ones are read as [`GenParams`] from the same object).
 #[derive(Debug, Deserialize)]
-struct ChatFields {
-    #[serde(default)]
-    messages: Option<Messages>,
+struct ChatFields<'a> {
+    #[serde(default, borrow)]
+    messages: Option<Messages<'a>>,
     #[serde(default = "yes", deserialize_with = "lax::bool_or_true")]
     add_generation_prompt: bool,
 }
@@ -843,7 +844,11 @@ fn parse_chat(s: &ApiState, body: &[u8]) -> Result<Job, ApiError> {
 }
 
 /// The chat template applied to `messages`.
-fn render_chat(s: &ApiState, m: Messages, add_generation_prompt: bool) -> Result<String, ApiError> {
+fn render_chat(
+    s: &ApiState,
+    m: Messages<'_>,
+    add_generation_prompt: bool,
+) -> Result<String, ApiError> {
     s.engine
         .tokenizer()
         .apply_chat_template(&chat_messages(m), add_generation_prompt)
@@ -1355,7 +1360,8 @@ mod tests {
         use kvmesh_core::chat::{MAX_CONTENT_PARTS, MAX_MESSAGES};
         let body = |messages: String| format!(r#"{{"model":"m","messages":[{messages}]}}"#);
         let empty = |n: usize| body(vec![r#"{"role":"user","content":""}"#; n].join(","));
-        let r: ChatFields = typed_body(empty(MAX_MESSAGES).as_bytes()).expect("at the bound");
+        let at = empty(MAX_MESSAGES);
+        let r: ChatFields = typed_body(at.as_bytes()).expect("at the bound");
         assert_eq!(r.messages.map(|m| m.0.len()), Some(MAX_MESSAGES));
         let e = typed_body::<ChatFields>(empty(MAX_MESSAGES + 1).as_bytes()).expect_err("over");
         assert_eq!(
@@ -1373,7 +1379,8 @@ mod tests {
                 vec![r#""a""#; n].join(",")
             ))
         };
-        let r: ChatFields = typed_body(parts(MAX_CONTENT_PARTS).as_bytes()).expect("at the bound");
+        let at = parts(MAX_CONTENT_PARTS);
+        let r: ChatFields = typed_body(at.as_bytes()).expect("at the bound");
         let content = r.messages.map(|m| m.0[0].content.len());
         assert_eq!(content, Some(2 * MAX_CONTENT_PARTS - 1));
         let e =

@@ -33,8 +33,8 @@ fn smollm2() -> Option<(ModelBackend, Arc<dyn Tokenizer>)> {
 
 fn chat_prompt(tok: &dyn Tokenizer, question: &str) -> Vec<u32> {
     let msgs = [ChatMessage {
-        role: "user".to_owned(),
-        content: question.to_owned(),
+        role: "user".into(),
+        content: question.into(),
     }];
     let text = tok.apply_chat_template(&msgs, true).unwrap();
     tok.encode(&text).unwrap()

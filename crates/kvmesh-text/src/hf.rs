@@ -442,8 +442,8 @@ mod tests {
     fn special_tokens_in_rendered_chat_become_single_ids() {
         let t = HfTokenizer::from_gguf_vocab(&tiny_vocab()).expect("builds");
         let msgs = [ChatMessage {
-            role: "user".to_owned(),
-            content: "hi".to_owned(),
+            role: "user".into(),
+            content: "hi".into(),
         }];
         let prompt = t.apply_chat_template(&msgs, true).expect("renders");
         let ids = t.encode(&prompt).expect("encodes");
@@ -478,8 +478,8 @@ mod tests {
         let t2 = HfTokenizer::from_file(&dir.path().join("tokenizer.json")).expect("loads");
         assert_eq!(t2.eos_token_ids(), vec![2]);
         let msgs = [ChatMessage {
-            role: "user".to_owned(),
-            content: "hello".to_owned(),
+            role: "user".into(),
+            content: "hello".into(),
         }];
         assert_eq!(
             t2.apply_chat_template(&msgs, false).expect("renders"),
@@ -520,10 +520,10 @@ mod tests {
         dir
     }
 
-    fn user(content: &str) -> [ChatMessage; 1] {
+    fn user(content: &str) -> [ChatMessage<'_>; 1] {
         [ChatMessage {
-            role: "user".to_owned(),
-            content: content.to_owned(),
+            role: "user".into(),
+            content: content.into(),
         }]
     }
 

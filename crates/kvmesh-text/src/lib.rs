@@ -6,6 +6,8 @@
 //! [`TokenizerFiles`]) and a GGUF-vocabulary tokenizer (real models). Chat templates render OpenAI
 //! messages to a prompt string.
 
+use std::borrow::Cow;
+
 mod byte;
 mod hf;
 mod model_dir;
@@ -18,11 +20,12 @@ pub use model_dir::TokenizerFiles;
 use serde::{Deserialize, Serialize};
 pub use template::{ChatTemplate, SpecialTokens};
 
-/// One OpenAI chat message (content flattened to text).
+/// One OpenAI chat message (content flattened to text). Borrowed where the caller can lend its
+/// text (a request body's own bytes), so rendering is the only copy of a large message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
+pub struct ChatMessage<'a> {
+    pub role: Cow<'a, str>,
+    pub content: Cow<'a, str>,
 }
 
 /// Errors from tokenization or template rendering.

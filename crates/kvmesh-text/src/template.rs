@@ -81,7 +81,7 @@ impl ChatTemplate {
         let msgs: Vec<Value> = messages
             .iter()
             .map(|m| {
-                minijinja::context! { role => m.role.as_str(), content => m.content.as_str() }
+                minijinja::context! { role => &*m.role, content => &*m.content }
             })
             .collect();
         let t = &self.tokens;
@@ -155,10 +155,10 @@ fn python_methods(
 mod tests {
     use super::*;
 
-    fn msg(role: &str, content: &str) -> ChatMessage {
+    fn msg<'a>(role: &'a str, content: &'a str) -> ChatMessage<'a> {
         ChatMessage {
-            role: role.to_owned(),
-            content: content.to_owned(),
+            role: role.into(),
+            content: content.into(),
         }
     }
 

@@ -124,8 +124,8 @@ fn run_blocking(args: ModelCmd) -> anyhow::Result<()> {
             } else {
                 tok.apply_chat_template(
                     &[ChatMessage {
-                        role: "user".to_owned(),
-                        content: prompt,
+                        role: "user".into(),
+                        content: prompt.into(),
                     }],
                     true,
                 )?

@@ -8,6 +8,7 @@ mod cmd_events;
 mod cmd_hash;
 mod cmd_model;
 mod cmd_router;
+mod malloc;
 
 use clap::{Parser, Subcommand};
 
@@ -45,6 +46,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    malloc::fix_mmap_threshold();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -8,10 +8,11 @@
 //! - Connections past the per-address cap and past the total cap are answered 503 and closed at
 //!   once, and counted (`kvmesh_http_refused_connections_total`).
 //! - Bodies past the global body-memory budget are answered 503 with `Retry-After`.
+//! - A large chat or completions body costs each server at most 3x itself in peak RSS.
 //!
 //! Experiment-sized (ignored; `cargo test -p kvmesh --release --test hostile_http -- --ignored
 //! --nocapture`): `large_bodies_peak_rss` measures both servers' peak RSS for one 60 MiB chat
-//! body and for four at once; `slow_body_flood_with_default_limits` opens 16,000 trickling
+//! body and for four at once, then the same for completions bodies; `slow_body_flood_with_default_limits` opens 16,000 trickling
 //! connections from four addresses against a router with its default limits and reports what it
 //! held, refused and cut, its RSS, and probe latency from a fifth address.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -398,62 +399,99 @@ async fn default_pair(dir: &Path) -> (Proc, String, Proc, String) {
     (engine, engine_url, router, router_url)
 }
 
-/// The amplification bound docs/reliability.md states, held: one 16 MiB chat body (past the
-/// router's default `max_prompt_tokens`) raises the router's peak RSS by at most 5x the body and
-/// the engine's by at most 4x, both answer vLLM's context-length 400, and both give the memory
-/// back. (Before the router bounded prompts it held ~10x: body, fields, messages, rendered text
-/// and 4 bytes of token id per byte.)
+/// A chat body and a completions body whose prompt text is `bytes` long.
+/// A chat body, the same with one JSON escape in its text, and a completions body, each with
+/// `bytes` of prompt text.
+fn large_bodies(bytes: usize) -> [(&'static str, &'static str, Vec<u8>); 3] {
+    let text = "a".repeat(bytes);
+    let chat = |text: &str| {
+        let body = json!({
+            "model": "sim", "max_tokens": 1,
+            "messages": [{"role": "user", "content": text}],
+        });
+        serde_json::to_vec(&body).unwrap()
+    };
+    let completion = json!({"model": "sim", "max_tokens": 1, "prompt": text});
+    [
+        ("chat", "/v1/chat/completions", chat(&text)),
+        (
+            "chat, escaped",
+            "/v1/chat/completions",
+            chat(&(text.clone() + "\n")),
+        ),
+        (
+            "completions",
+            "/v1/completions",
+            serde_json::to_vec(&completion).unwrap(),
+        ),
+    ]
+}
+
+/// The amplification bound docs/reliability.md states, held: one 16 MiB chat body, and one
+/// 16 MiB completions body (both past the router's default `max_prompt_tokens`), raise the
+/// router's and the engine's peak RSS by at most 3x the body; both answer vLLM's context-length
+/// 400 and give the memory back. (Measured 2.0x on both. Before the router bounded prompts it
+/// held ~10x: body, fields, messages, rendered text and 4 bytes of token id per byte; before
+/// fields and messages borrowed from the body, 4.0x router, 3.0x engine.) A chat text with one
+/// JSON escape is decoded into a copy: three copies then, held to 3x plus 4 MiB of working
+/// memory (measured 3.0x plus 0.2 to 1.5 MiB). Every order of the three bodies gives the same
+/// numbers now that the binary fixes glibc's mmap threshold (`src/malloc.rs`); before, one
+/// body's cost ranged 1x to 5x with what the previous request had freed.
 #[tokio::test]
 async fn a_large_body_costs_a_bounded_multiple_of_itself() {
     let dir = tempfile::tempdir().unwrap();
     let (mut engine, engine_url, mut router, router_url) = default_pair(dir.path()).await;
-    let body = serde_json::to_vec(&json!({
-        "model": "sim", "max_tokens": 1,
-        "messages": [{"role": "user", "content": "a".repeat(16 << 20)}],
-    }))
-    .unwrap();
-    let kib = (body.len() >> 10) as u64;
-    for (name, base) in [("router", &router_url), ("engine", &engine_url)] {
-        let server = if name == "router" { &router } else { &engine };
-        let before = server.rss_kib();
-        server.reset_peak();
-        let r = client()
-            .post(format!("{base}/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .body(body.clone())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 400, "{name}");
-        let text = r.text().await.unwrap();
-        assert!(text.contains("maximum context length"), "{name}: {text}");
-        let growth = server.peak_rss_kib().saturating_sub(before);
-        let bound = if name == "router" { 5 } else { 4 };
-        assert!(
-            growth <= bound * kib,
-            "{name}: peak RSS grew {growth} KiB for a {kib} KiB body (bound {bound}x)"
-        );
+    for (what, path, body) in large_bodies(16 << 20) {
+        let kib = (body.len() >> 10) as u64;
+        for (name, base) in [("router", &router_url), ("engine", &engine_url)] {
+            let server = if name == "router" { &router } else { &engine };
+            let before = server.rss_kib();
+            server.reset_peak();
+            let r = client()
+                .post(format!("{base}{path}"))
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 400, "{name} {what}");
+            let text = r.text().await.unwrap();
+            assert!(
+                text.contains("maximum context length"),
+                "{name} {what}: {text}"
+            );
+            let growth = server.peak_rss_kib().saturating_sub(before);
+            eprintln!("{name}, {what}: peak RSS +{growth} KiB for a {kib} KiB body");
+            let bound = if what == "chat, escaped" {
+                3 * kib + 4096
+            } else {
+                3 * kib
+            };
+            assert!(
+                growth <= bound,
+                "{name} {what}: peak RSS grew {growth} KiB for a {kib} KiB body (bound {bound} KiB)"
+            );
+        }
     }
     engine.assert_running("a large body");
     router.assert_running("a large body");
 }
 
 /// Peak RSS of a sim engine and a router in front of it for one 60 MiB chat body and for four
-/// at once, sent to each server directly (the measurement: router peak 643–754 MB for
-/// one, 2.07 GB for four). Prints the numbers; asserts only that both survive.
+/// at once, then the same with completions bodies, sent to each server directly (the issue's
+/// measurement: router peak 643–754 MB for one chat body, 2.07 GB for four). Prints the
+/// numbers; asserts only that both survive.
 #[tokio::test]
 #[ignore = "experiment-sized: ~1 GB of traffic; run with --release --ignored --nocapture"]
 async fn large_bodies_peak_rss() {
     let dir = tempfile::tempdir().unwrap();
     let (mut engine, engine_url, mut router, router_url) = default_pair(dir.path()).await;
-    let content = "a".repeat(60 << 20);
-    let body = serde_json::to_vec(&json!({
-        "model": "sim", "max_tokens": 1,
-        "messages": [{"role": "user", "content": content}],
-    }))
-    .unwrap();
-    drop(content);
-    for (name, base) in [("router", &router_url), ("engine", &engine_url)] {
+    for ((what, path, body), (name, base)) in large_bodies(60 << 20).into_iter().flat_map(|b| {
+        [
+            (b.clone(), ("router", &router_url)),
+            (b, ("engine", &engine_url)),
+        ]
+    }) {
         for n in [1usize, 4] {
             tokio::time::sleep(Duration::from_secs(2)).await;
             let (engine_before, router_before) = (engine.rss_kib(), router.rss_kib());
@@ -461,11 +499,7 @@ async fn large_bodies_peak_rss() {
             router.reset_peak();
             let mut sends = Vec::new();
             for _ in 0..n {
-                let (client, url, body) = (
-                    client(),
-                    format!("{base}/v1/chat/completions"),
-                    body.clone(),
-                );
+                let (client, url, body) = (client(), format!("{base}{path}"), body.clone());
                 sends.push(tokio::spawn(async move {
                     let r = client
                         .post(url)
@@ -483,7 +517,7 @@ async fn large_bodies_peak_rss() {
             }
             tokio::time::sleep(Duration::from_secs(2)).await;
             eprintln!(
-                "{n} x {} MiB chat body -> {name}: answers {statuses:?}; router RSS {} MiB, peak {} MiB (+{} MiB), after {} MiB; engine RSS {} MiB, peak {} MiB (+{} MiB), after {} MiB",
+                "{n} x {} MiB {what} body -> {name}: answers {statuses:?}; router RSS {} MiB, peak {} MiB (+{} MiB), after {} MiB; engine RSS {} MiB, peak {} MiB (+{} MiB), after {} MiB",
                 body.len() >> 20,
                 router_before >> 10,
                 router.peak_rss_kib() >> 10,

@@ -1,6 +1,10 @@
 //! Parsing OpenAI request bodies just enough to schedule them: the prompt's token ids (computed
 //! once per request, in-process), `stream`, `max_tokens`. Everything else in the body is kept as
 //! is and forwarded. Malformed input is a [`ApiError::bad_request`], never a panic.
+//!
+//! Memory: the body is the only copy of what it carries. Fields are slices of it, messages
+//! borrow their text from it, so a large chat body costs the body plus its rendered prompt
+//! (issue 37: 4x the body while fields, messages and prompt each held their own copy).
 
 use std::collections::BTreeMap;
 
@@ -30,6 +34,45 @@ impl ApiKind {
     }
 }
 
+/// One top-level field's JSON text: a slice of the request body (sharing its buffer, so a
+/// 60 MiB `messages` is not held twice), or a value the router set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawField(Bytes);
+
+impl RawField {
+    /// The field `raw`, read from `body`, as a slice of it. A `raw` from anywhere else (never the
+    /// case in this module) is copied rather than trusted.
+    fn of_body(body: &Bytes, raw: &RawValue) -> Self {
+        let text = raw.get().as_bytes();
+        let start = (text.as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
+        if start <= body.len() && text.len() <= body.len() - start {
+            RawField(body.slice(start..start + text.len()))
+        } else {
+            RawField(Bytes::copy_from_slice(text))
+        }
+    }
+
+    /// `value` as JSON.
+    pub fn from_value(value: &impl serde::Serialize) -> Result<Self, serde_json::Error> {
+        serde_json::to_vec(value).map(|v| RawField(Bytes::from(v)))
+    }
+
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        // Always UTF-8: the text of a `RawValue` or serde_json's output. Checking again costs
+        // time only, and keeps the field a slice of the body (`Bytes` has no `str` twin here).
+        std::str::from_utf8(&self.0).unwrap_or("null")
+    }
+}
+
+impl serde::Serialize for RawField {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Written verbatim (re-validated, not re-encoded), as a `RawValue` is.
+        let raw: &RawValue = serde_json::from_str(self.get()).map_err(serde::ser::Error::custom)?;
+        raw.serialize(s)
+    }
+}
+
 /// A request body as top-level fields kept *unparsed* (raw JSON text), plus what scheduling
 /// needs. Only the fields the router reads are parsed, so a 240K-token prompt is not turned into
 /// a tree of JSON values, and an unmodified body is forwarded byte for byte.
@@ -37,8 +80,8 @@ impl ApiKind {
 pub struct ParsedRequest {
     /// The original body.
     pub raw: Bytes,
-    /// Top-level fields (raw JSON values).
-    pub fields: BTreeMap<String, Box<RawValue>>,
+    /// Top-level fields (raw JSON values, slices of `raw` unless the router set them).
+    pub fields: BTreeMap<String, RawField>,
     /// Whether `fields` was changed (then the body is re-encoded from `fields`).
     pub modified: bool,
     pub tokens: Vec<TokenId>,
@@ -53,7 +96,7 @@ impl ParsedRequest {
         key: &str,
         value: &impl serde::Serialize,
     ) -> Result<(), serde_json::Error> {
-        let raw = serde_json::value::to_raw_value(value)?;
+        let raw = RawField::from_value(value)?;
         self.fields.insert(key.to_owned(), raw);
         self.modified = true;
         Ok(())
@@ -86,40 +129,42 @@ fn too_many_fields() -> String {
     format!("too many fields: at most {MAX_FIELDS} top-level fields per request")
 }
 
-/// A body's top-level fields, at most [`MAX_FIELDS`] of them, kept as raw JSON text.
-struct Fields(BTreeMap<String, Box<RawValue>>);
+/// A body's top-level fields, at most [`MAX_FIELDS`] of them, kept as raw JSON text borrowed
+/// from the body.
+struct Fields<'a>(FieldMap<'a>);
 
-impl<'de> Deserialize<'de> for Fields {
+impl<'de: 'a, 'a> Deserialize<'de> for Fields<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_map(FieldsVisitor)
+        d.deserialize_map(FieldsVisitor(std::marker::PhantomData))
     }
 }
 
-struct FieldsVisitor;
+struct FieldsVisitor<'a>(std::marker::PhantomData<&'a ()>);
 
-impl<'de> serde::de::Visitor<'de> for FieldsVisitor {
-    type Value = Fields;
+impl<'de: 'a, 'a> serde::de::Visitor<'de> for FieldsVisitor<'a> {
+    type Value = Fields<'a>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a JSON object")
     }
 
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Fields, A::Error> {
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Fields<'a>, A::Error> {
         let mut out = BTreeMap::new();
         while let Some(key) = map.next_key::<String>()? {
             // A repeated key replaces its value (the last one wins, as in vLLM's dict).
             if out.len() == MAX_FIELDS && !out.contains_key(&key) {
                 return Err(serde::de::Error::custom(too_many_fields()));
             }
-            let value = map.next_value()?;
+            let value: &'de RawValue = map.next_value()?;
             out.insert(key, value);
         }
         Ok(Fields(out))
     }
 }
 
-/// A request body's top-level fields (raw JSON values), at most [`MAX_FIELDS`] of them.
-pub fn read_fields(bytes: &[u8]) -> Result<BTreeMap<String, Box<RawValue>>, ApiError> {
+/// A request body's top-level fields (raw JSON values borrowed from it), at most [`MAX_FIELDS`]
+/// of them.
+pub fn read_fields(bytes: &[u8]) -> Result<FieldMap<'_>, ApiError> {
     match serde_json::from_slice::<Fields>(bytes) {
         Ok(f) => Ok(f.0),
         Err(e) if e.is_data() && e.to_string().starts_with(&too_many_fields()) => {
@@ -162,6 +207,10 @@ pub fn parse(
         }
         ApiKind::Chat => chat_tokens(&fields, tokenizer, max_prompt_tokens)?,
     };
+    let fields = fields
+        .into_iter()
+        .map(|(k, v)| (k, RawField::of_body(&bytes, v)))
+        .collect();
     Ok(ParsedRequest {
         raw: bytes,
         fields,
@@ -172,12 +221,12 @@ pub fn parse(
     })
 }
 
-/// A request's top-level fields, each a raw JSON value.
-type FieldMap = BTreeMap<String, Box<RawValue>>;
+/// A request's top-level fields, each a raw JSON value borrowed from the body.
+pub type FieldMap<'a> = BTreeMap<String, &'a RawValue>;
 
 /// A scalar field as a JSON value; `None` when absent or null (pydantic's `X | None`). A list or
 /// an object is refused unparsed: as a `Value` tree a 64 MiB list would take ~30x that.
-fn scalar(fields: &FieldMap, key: &'static str) -> Result<Option<Value>, ApiError> {
+fn scalar(fields: &FieldMap<'_>, key: &'static str) -> Result<Option<Value>, ApiError> {
     match fields.get(key) {
         None => Ok(None),
         Some(r) if r.get().starts_with(['[', '{']) => Err(ApiError::bad_param(
@@ -192,7 +241,7 @@ fn scalar(fields: &FieldMap, key: &'static str) -> Result<Option<Value>, ApiErro
 
 /// The decode length the request asks for: the smaller of `max_tokens` and
 /// `max_completion_tokens` when both are given.
-fn max_tokens(fields: &FieldMap) -> Result<Option<u64>, ApiError> {
+fn max_tokens(fields: &FieldMap<'_>) -> Result<Option<u64>, ApiError> {
     let mut max_tokens = None;
     for key in ["max_tokens", "max_completion_tokens"] {
         let Some(v) = scalar(fields, key)? else {
@@ -214,7 +263,7 @@ fn max_tokens(fields: &FieldMap) -> Result<Option<u64>, ApiError> {
 
 /// A chat request's prompt tokens: its `messages` through the chat template.
 fn chat_tokens(
-    fields: &FieldMap,
+    fields: &FieldMap<'_>,
     tokenizer: &dyn Tokenizer,
     max_prompt_tokens: usize,
 ) -> Result<Vec<TokenId>, ApiError> {
@@ -272,8 +321,8 @@ pub fn raw_prompt_tokens(
 }
 
 /// A raw `messages` read with the shared bounds (`kvmesh_core::chat`): never a JSON tree.
-fn raw_messages(raw: &RawValue) -> Result<Messages, ApiError> {
-    serde_json::from_str::<Messages>(raw.get())
+fn raw_messages(raw: &RawValue) -> Result<Messages<'_>, ApiError> {
+    serde_json::from_str::<Messages<'_>>(raw.get())
         .map_err(|e| ApiError::bad_param("messages", format!("messages: {e}")))
 }
 
@@ -294,7 +343,7 @@ pub fn raw_chat_tokens(
 }
 
 fn chat_messages_tokens(
-    messages: Messages,
+    messages: Messages<'_>,
     add_generation_prompt: bool,
     tokenizer: &dyn Tokenizer,
     max_prompt_tokens: usize,
@@ -302,7 +351,7 @@ fn chat_messages_tokens(
     if messages.0.is_empty() {
         return Err(ApiError::bad_request("'messages' must not be empty"));
     }
-    let msgs: Vec<ChatMessage> = messages
+    let msgs: Vec<ChatMessage<'_>> = messages
         .0
         .into_iter()
         .map(|m| ChatMessage {
@@ -313,7 +362,8 @@ fn chat_messages_tokens(
     let text = tokenizer
         .apply_chat_template(&msgs, add_generation_prompt)
         .map_err(|e| ApiError::bad_request(format!("chat template: {e}")))?;
-    // The messages' text is in `text` now: free it before the ids take their 4 bytes per token.
+    // The messages' text is in `text` now: free what of it was not borrowed from the body (text
+    // with escapes, joined parts) before the ids take their 4 bytes per token.
     drop(msgs);
     encode(&text, tokenizer, max_prompt_tokens)
 }

@@ -54,8 +54,8 @@ mod tests {
         std::fs::write(dir.path().join("chat_template.jinja"), CHATML).expect("writes");
         let tok = hf(dir.path(), None).expect("a directory is accepted");
         let msgs = [ChatMessage {
-            role: "user".to_owned(),
-            content: "hi".to_owned(),
+            role: "user".into(),
+            content: "hi".into(),
         }];
         let prompt = tok.apply_chat_template(&msgs, true).expect("renders");
         assert_eq!(
