@@ -467,6 +467,11 @@ async fn p2p_source_producer_names_the_decoder_for_a_prefiller() {
             .find(|d| d["outcome"] == "pd_prefill")
             .unwrap_or_else(|| panic!("no prefill decision in {decisions}"));
         assert_eq!(prefill["p2p"]["source_endpoint"], "d0", "{prefill}");
+        // The prefiller's report on that pull reached the source's reputation.
+        assert_eq!(
+            router_metric(&r, "kvmesh_router_p2p_source_served_total", "source=\"d0\"").await,
+            1.0
+        );
         let placed = |labels: &'static str| router_metric(&r, "kvmesh_router_decisions_total", labels);
         // t1: prefill cold, decode reads from the prefiller; t2: both legs read KV from a peer.
         assert_eq!(placed("outcome=\"pull_named\"").await, 3.0);

@@ -111,7 +111,8 @@ class Server:
         }
         env = dict(os.environ)
         env.update(
-            VLLM_CPU_KVCACHE_SPACE="1",
+            # GiB of vLLM's CPU KV cache; benchmarks of long prefixes raise it.
+            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             OMP_NUM_THREADS="1",
             PYTHONHASHSEED="0",

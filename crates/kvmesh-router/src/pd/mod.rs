@@ -49,7 +49,7 @@ use crate::route::forward::{
     DECISION_HEADER, Failed, ParamsSink, StallCut, Tap, engine_request, error_chain,
     forwarded_headers, refused, request_id, send_to_engine, tap_body, wants_explanation,
 };
-use crate::route::remote_source::{NamedSource, name_source};
+use crate::route::remote_source::{NamedSource, judge_pull, name_source};
 use crate::state::{Placement, RouterState, outcome};
 
 /// Response header naming the endpoint that ran the prefill leg.
@@ -63,6 +63,7 @@ fn prefill_leg_body(
     parsed: &ParsedRequest,
     history: Option<&KvTransferParams>,
     source: Option<RemoteKvSource>,
+    predicted_pull_ms: Option<f64>,
 ) -> Result<ParsedRequest, serde_json::Error> {
     let mut p = parsed.clone();
     p.set_field("stream", &false)?;
@@ -83,6 +84,8 @@ fn prefill_leg_body(
         kv.remote_blocks_expiry_time = h.remote_blocks_expiry_time;
         kv.tp_size = h.tp_size;
     }
+    // The pull's price bounds it on the prefiller, as on an aggregated route.
+    kv.kvmesh_predicted_pull_ms = source.as_ref().and(predicted_pull_ms);
     kv.remote_kv_source = source;
     p.set_field("kv_transfer_params", &kv)?;
     Ok(p)
@@ -213,10 +216,14 @@ impl Legs<'_> {
             return out;
         };
         self.s.note_placement(&pep);
+        let predicted = source
+            .as_ref()
+            .and_then(|n| n.predicted_ms(&self.s.cost_model, pep.id, 0));
         let body = prefill_leg_body(
             parsed,
             history.as_ref(),
             source.as_ref().map(|n| n.params.clone()),
+            predicted,
         );
         match body {
             Ok(body) => {
@@ -319,11 +326,7 @@ impl Legs<'_> {
             // The prefill leg teaches the cost model nothing, so its sharing is not needed.
             let _ = src.track(&mut guard, &self.s.cost_model, pep.id);
         }
-        let source_hp = source.as_ref().map(NamedSource::host_port);
-        match self
-            .run_prefill(pep, body, &guard, source_hp.as_deref())
-            .await
-        {
+        match self.run_prefill(pep, body, &guard, source.as_ref()).await {
             Ok(params) => {
                 self.pd.leg("prefill", "ok");
                 out.decode_params = Some(params);
@@ -560,10 +563,11 @@ impl Legs<'_> {
         ep: &Endpoint,
         body: ParsedRequest,
         guard: &LoadGuard,
-        source_host_port: Option<&str>,
+        source: Option<&NamedSource>,
     ) -> Result<Value, String> {
         let s = self.s;
         let payload = body.body().map_err(|e| e.to_string())?;
+        let source_hp = source.map(NamedSource::host_port);
         let req = engine_request(
             s,
             ep,
@@ -572,11 +576,15 @@ impl Legs<'_> {
             self.headers,
             payload,
             guard,
-            source_host_port,
+            source_hp.as_deref(),
         );
         let fut = async {
             let r = req.send().await.map_err(|e| error_chain(&e))?;
             let status = r.status();
+            if let Some(src) = source {
+                // The prefiller's report on the pull it was named a source for.
+                judge_pull(s, src, r.headers());
+            }
             let bytes = r.bytes().await.map_err(|e| error_chain(&e))?;
             if !status.is_success() {
                 return Err(format!("status {status}"));
@@ -664,7 +672,7 @@ mod tests {
             remote_blocks_expiry_time: Some(1.0e10),
             ..Default::default()
         };
-        let body = prefill_leg_body(&parsed, Some(&hist), None).unwrap();
+        let body = prefill_leg_body(&parsed, Some(&hist), None, Some(40.0)).unwrap();
         let v: Value = serde_json::from_slice(&body.body().unwrap()).unwrap();
         assert_eq!(v["stream"], json!(false));
         assert_eq!(v["max_tokens"], json!(1));
@@ -675,7 +683,22 @@ mod tests {
         assert_eq!(kv["do_remote_prefill"], json!(false));
         assert_eq!(kv["remote_host"], json!("10.0.0.9"));
         assert_eq!(kv["remote_num_tokens"], json!(40));
-        let plain = prefill_leg_body(&parsed, None, None).unwrap();
+        assert!(
+            kv.get("kvmesh_predicted_pull_ms")
+                .is_none_or(Value::is_null),
+            "a price only goes with a named source"
+        );
+        let src = RemoteKvSource {
+            kv_request_id: "r".into(),
+            remote_host: "10.0.0.3".into(),
+            remote_port: 7100,
+        };
+        let named = prefill_leg_body(&parsed, None, Some(src), Some(40.0)).unwrap();
+        let v: Value = serde_json::from_slice(&named.body().unwrap()).unwrap();
+        let kv = &v["kv_transfer_params"];
+        assert_eq!(kv["remote_kv_source"]["remote_port"], json!(7100));
+        assert_eq!(kv["kvmesh_predicted_pull_ms"], json!(40.0));
+        let plain = prefill_leg_body(&parsed, None, None, None).unwrap();
         let v: Value = serde_json::from_slice(&plain.body().unwrap()).unwrap();
         assert_eq!(
             v["kv_transfer_params"],
