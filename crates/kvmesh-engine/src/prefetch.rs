@@ -30,14 +30,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use kvmesh_core::{RemoteKvSource, TokenId};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::task::AbortHandle;
 
-use crate::compute::SamplingParams;
 use crate::engine::{EngineHandle, EngineRequest};
 use crate::p2p::{P2pConsumer, ReadOptions, ReadOutcome, RemoteRead, release_pulled};
 
@@ -213,25 +211,10 @@ impl Prefetcher {
         let Some(source) = req.remote_kv_source else {
             return PrefetchReport::new(&id, "failed");
         };
+        // Never sampled (max_tokens 0): the carrier only names the blocks to read.
         let mut carrier = EngineRequest {
-            request_id: format!("prefetch-{id}"),
-            prompt: req.prompt_token_ids,
-            // Never sampled: the carrier only names the blocks to read.
-            sampling: SamplingParams {
-                temperature: 0.0,
-                top_p: 1.0,
-                seed: None,
-            },
-            max_tokens: 0,
             ignore_eos: false,
-            stop_token_ids: Vec::new(),
-            kv_transfer_params: None,
-            arrival: Instant::now(),
-            external_hashes: Vec::new(),
-            pull_pinned_hashes: Vec::new(),
-            external_query_tokens: 0,
-            pull_feedback: None,
-            layered_pull: None,
+            ..EngineRequest::greedy(format!("prefetch-{id}"), req.prompt_token_ids, 0)
         };
         let opts = ReadOptions {
             threshold_tokens: 0,

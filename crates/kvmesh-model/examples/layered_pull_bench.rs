@@ -26,7 +26,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_core::{KvTransferParams, TokenId};
-use kvmesh_engine::compute::SamplingParams;
 use kvmesh_engine::server::{RunningServer, ServerOptions, start_server};
 use kvmesh_engine::{EngineConfig, EngineRequest, OffloadBlock, SeqOutput};
 use kvmesh_model::{KvDtype, LlamaConfig, LoadOptions, RopeStyle, random_llama_backend};
@@ -122,25 +121,7 @@ async fn engine(a: &Args, max_tokens: usize) -> RunningServer {
 }
 
 fn request(prompt: Vec<TokenId>) -> EngineRequest {
-    EngineRequest {
-        request_id: "bench".into(),
-        prompt,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: None,
-        },
-        max_tokens: 1,
-        ignore_eos: true,
-        stop_token_ids: Vec::new(),
-        kv_transfer_params: None,
-        arrival: Instant::now(),
-        external_hashes: Vec::new(),
-        pull_pinned_hashes: Vec::new(),
-        external_query_tokens: 0,
-        pull_feedback: None,
-        layered_pull: None,
-    }
+    EngineRequest::greedy("bench", prompt, 1)
 }
 
 /// Submits `req` and waits for its first token: (time from `t0`, cached tokens).

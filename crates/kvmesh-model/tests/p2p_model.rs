@@ -4,10 +4,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvmesh_core::{KvTransferParams, TokenId};
-use kvmesh_engine::compute::SamplingParams;
 use kvmesh_engine::layered_pull::{LayeredPull, StagingBudget};
 use kvmesh_engine::server::{RunningServer, ServerOptions, start_server};
 use kvmesh_engine::{EngineConfig, EngineRequest, P2pLoadMode, SeqOutput};
@@ -44,25 +43,7 @@ async fn start_with(load_mode: P2pLoadMode) -> RunningServer {
 }
 
 fn request(prompt: &[TokenId]) -> EngineRequest {
-    EngineRequest {
-        request_id: "t".into(),
-        prompt: prompt.to_vec(),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: None,
-        },
-        max_tokens: 12,
-        ignore_eos: true,
-        stop_token_ids: Vec::new(),
-        kv_transfer_params: None,
-        arrival: Instant::now(),
-        external_hashes: Vec::new(),
-        pull_pinned_hashes: Vec::new(),
-        external_query_tokens: 0,
-        pull_feedback: None,
-        layered_pull: None,
-    }
+    EngineRequest::greedy("t", prompt.to_vec(), 12)
 }
 
 /// Runs `req` on `s` as it is: tokens and cached.
@@ -95,16 +76,7 @@ async fn generate(
             .await
             .expect("something to pull");
     }
-    let mut stream = s.engine.submit(req).unwrap();
-    let mut toks = Vec::new();
-    loop {
-        match stream.recv().await.unwrap() {
-            SeqOutput::Started { .. } => {}
-            SeqOutput::Token(t) => toks.push(t),
-            SeqOutput::Finished(f) => return (toks, f.cached_tokens),
-            SeqOutput::Error(e) => panic!("{e}"),
-        }
-    }
+    run(s, req).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ request); Y computes another fresh prefix cold (own recompute, timed) and X pull
 layer-wise TTFT ≤ 1.1 × max(pull alone, suffix alone).
 
     bash scripts/test-vllm.sh --collect-only -q   # builds the connector into target/, once
-    PYTHONPATH=target/kvmesh-vllm-py ~/.cache/kvmesh/venv-vllm/bin/python \\
+    PYTHONPATH=$PWD/target/kvmesh-vllm-py ~/.cache/kvmesh/venv-vllm/bin/python \\
         python/kvmesh-vllm/tests/bench_crossover.py [TOKENS ...]
 
 Takes several minutes (two vLLM starts) and several GB of memory; run it on an idle machine
@@ -52,10 +52,12 @@ def main() -> None:
     sizes = [int(a) for a in sys.argv[1:]] or [1024, 2048, 4096]
     longest = max(sizes)
     os.environ.setdefault("KVMESH_VLLM_MAX_MODEL_LEN", str(longest + 4 * BLOCK))
-    # vLLM's own KV cache holds a few prompts of the longest size; the tier holds two prefixes.
-    kv_gib = -(-3 * (longest + 64) * KV_BYTES_PER_TOKEN // (1 << 30))
+    # vLLM's KV cache and the tier each hold one prefix of the longest size with room to spare
+    # (older ones are evicted; each step below needs only the newest): 16K tokens take ~13 GiB
+    # over both servers.
+    kv_gib = -(-5 * (longest + 64) * KV_BYTES_PER_TOKEN // (4 << 30))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_gib)))
-    tier_mib = max(1024, 5 * longest * KV_BYTES_PER_TOKEN // (2 << 20))
+    tier_mib = max(1024, 5 * longest * KV_BYTES_PER_TOKEN // (4 << 20))
     work = tempfile.mkdtemp(prefix="kvmesh-crossover-")
     model = models.heavy_llama(os.path.join(work, "heavy"))
     common = {"cpu_bytes": f"{tier_mib}MiB", "max_pull_ms": 120000, "timeout_ms": 30000}

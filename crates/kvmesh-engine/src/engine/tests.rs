@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use kvmesh_core::{BlockHash, KvEvent, Medium, TokenId};
 
 use super::*;
-use crate::compute::SamplingParams;
 use crate::compute::profiles::GPT_OSS_120B_H200;
 use crate::compute::sim::{SimBackend, SimConfig, SimH2d};
 use crate::config::EngineConfig;
@@ -40,25 +39,7 @@ fn engine_with(cfg: EngineConfig, sink: CollectingSink, h2d: SimH2d, time_scale:
 }
 
 fn request(prompt: Vec<TokenId>, max_tokens: usize) -> EngineRequest {
-    EngineRequest {
-        request_id: "t".into(),
-        prompt,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: None,
-        },
-        max_tokens,
-        ignore_eos: true,
-        stop_token_ids: Vec::new(),
-        kv_transfer_params: None,
-        arrival: Instant::now(),
-        external_hashes: Vec::new(),
-        pull_pinned_hashes: Vec::new(),
-        external_query_tokens: 0,
-        pull_feedback: None,
-        layered_pull: None,
-    }
+    EngineRequest::greedy("t", prompt, max_tokens)
 }
 
 async fn run_to_end(mut s: SeqStream) -> (Option<usize>, Vec<TokenId>, FinishInfo) {

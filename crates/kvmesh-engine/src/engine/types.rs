@@ -62,6 +62,32 @@ pub struct EngineRequest {
     pub layered_pull: Option<Arc<LayeredPull>>,
 }
 
+impl EngineRequest {
+    /// A greedy request for `max_tokens` tokens of `prompt`, arriving now, with nothing pulled
+    /// or attached yet (the fields a hook or the HTTP layer sets keep their empty values).
+    pub fn greedy(request_id: impl Into<String>, prompt: Vec<TokenId>, max_tokens: usize) -> Self {
+        Self {
+            request_id: request_id.into(),
+            prompt,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: None,
+            },
+            max_tokens,
+            ignore_eos: true,
+            stop_token_ids: Vec::new(),
+            kv_transfer_params: None,
+            arrival: Instant::now(),
+            external_hashes: Vec::new(),
+            pull_pinned_hashes: Vec::new(),
+            external_query_tokens: 0,
+            pull_feedback: None,
+            layered_pull: None,
+        }
+    }
+}
+
 /// Final accounting of a sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FinishInfo {
