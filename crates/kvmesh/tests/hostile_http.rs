@@ -477,6 +477,87 @@ async fn a_large_body_costs_a_bounded_multiple_of_itself() {
     router.assert_running("a large body");
 }
 
+/// The same bound with an HF tokenizer and a chat template, the router's usual setup: a word-level
+/// vocabulary whose tokens are several bytes long, so the text's length alone does not prove a
+/// 16 MiB prompt too long (it has 2.8 M tokens). The router counts it a piece at a time and
+/// refuses it without encoding it whole (which builds per-token strings and offsets: before the
+/// pieces, the chat body cost the router +1.15 GiB, 74x). A chat body is held to 3x plus 8 MiB
+/// (the template engine's copy of the text is the third; measured 3.0x plus ~2 MiB).
+#[tokio::test]
+async fn a_large_prompt_through_an_hf_tokenizer_is_refused_within_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(
+        &tok,
+        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+           "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+           "model":{"type":"WordLevel","vocab":{"hello":0,"world":1,"user":2,"says":3,"[UNK]":4},"unk_token":"[UNK]"}}"#,
+    )
+    .unwrap();
+    let tpl = dir.path().join("chat.jinja");
+    std::fs::write(
+        &tpl,
+        "{% for m in messages %}{{ m.role }} says {{ m.content }} {% endfor %}",
+    )
+    .unwrap();
+    let (mut engine, engine_url) = sim_engine(&[], dir.path()).await;
+    let (mut router, router_url) = router(
+        &format!(
+            "block_size: 16\ntokenizer: {{path: \"{}\", chat_template: \"{}\"}}\nendpoints:\n  - {{name: e0, url: \"{engine_url}\"}}\n",
+            tok.display(),
+            tpl.display()
+        ),
+        dir.path(),
+    )
+    .await;
+    let text = "hello world ".repeat((16 << 20) / 12);
+    for (what, path, body) in [
+        (
+            "chat",
+            "/v1/chat/completions",
+            json!({"model": "sim", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}),
+        ),
+        (
+            "completions",
+            "/v1/completions",
+            json!({"model": "sim", "max_tokens": 1, "prompt": text}),
+        ),
+    ] {
+        let body = serde_json::to_vec(&body).unwrap();
+        let kib = (body.len() >> 10) as u64;
+        let before = router.rss_kib();
+        router.reset_peak();
+        let r = client()
+            .post(format!("{router_url}{path}"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{what}");
+        let answer = r.text().await.unwrap();
+        assert!(
+            answer.contains("maximum context length"),
+            "{what}: {answer}"
+        );
+        let growth = router.peak_rss_kib().saturating_sub(before);
+        eprintln!("router (HF tokenizer), {what}: peak RSS +{growth} KiB for a {kib} KiB body");
+        // Rendering a chat template copies each message's text into the template engine's
+        // own value: body, that copy and the rendered prompt are three, plus working memory.
+        let bound = if what == "chat" {
+            3 * kib + 8192
+        } else {
+            3 * kib
+        };
+        assert!(
+            growth <= bound,
+            "{what}: peak RSS grew {growth} KiB for a {kib} KiB body (bound {bound} KiB)"
+        );
+    }
+    engine.assert_running("an HF-tokenized large prompt");
+    router.assert_running("an HF-tokenized large prompt");
+}
+
 /// Peak RSS of a sim engine and a router in front of it for one 60 MiB chat body and for four
 /// at once, then the same with completions bodies, sent to each server directly (the issue's
 /// measurement: router peak 643–754 MB for one chat body, 2.07 GB for four). Prints the
