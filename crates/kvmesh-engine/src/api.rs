@@ -862,6 +862,21 @@ fn check_text_fits(s: &ApiState, text: &str, param: &'static str) -> Result<(), 
     let max_model_len = s.engine.config().max_model_len;
     let limit = max_model_len.saturating_mul(s.max_token_bytes);
     if text.len() <= limit {
+        // A vocabulary of long tokens proves little from the length: a text of more than any
+        // real context is counted a piece at a time before it is encoded whole.
+        if text.len() > kvmesh_text::COUNT_IN_PIECES_ABOVE
+            && let Some(n) =
+                kvmesh_text::count_past(&**s.engine.tokenizer(), text, max_model_len)
+                    .map_err(|e| ApiError::bad_request("bad_param", e.to_string(), Some(param)))?
+        {
+            return Err(ApiError::bad_request(
+                "prompt_too_long",
+                format!(
+                    "This model's maximum context length is {max_model_len} tokens. However, your request has at least {n} input tokens. Please reduce the length of the input messages."
+                ),
+                Some(param),
+            ));
+        }
         return Ok(());
     }
     Err(ApiError::bad_request(

@@ -799,3 +799,59 @@ async fn a_malformed_p2p_hint_is_ignored_not_fatal() {
     })
     .await;
 }
+
+/// An engine with an HF tokenizer (a word-level vocabulary whose tokens are several bytes long,
+/// so a 2 MiB text is not too long by its length alone) counts a prompt of more than any real
+/// context a piece at a time and refuses it with vLLM's context-length 400, naming how many
+/// tokens it counted, rather than encoding it whole.
+#[tokio::test]
+async fn a_huge_prompt_through_an_hf_tokenizer_is_counted_in_pieces_and_refused() {
+    use kvmesh_engine::server::{ServerOptions, sim_backend, start_server};
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(
+        &tok,
+        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+           "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+           "model":{"type":"WordLevel","vocab":{"hello":0,"world":1,"[UNK]":2},"unk_token":"[UNK]"}}"#,
+    )
+    .unwrap();
+    let tokenizer = kvmesh_text::HfTokenizer::load(&tok, None).unwrap();
+    let mut cfg = base_config();
+    cfg.max_model_len = 131_072;
+    let backend = sim_backend(&cfg, "gpt-oss-120b-h200", 100.0, 32).unwrap();
+    let s = start_server(
+        cfg,
+        backend,
+        std::sync::Arc::new(tokenizer),
+        ServerOptions::default(),
+    )
+    .await
+    .unwrap();
+    let text = "hello world ".repeat((2 << 20) / 12);
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", s.addr))
+        .json(&json!({"model": "sim-test", "prompt": text, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    let message = body["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        message.contains("maximum context length is 131072") && message.contains("at least"),
+        "{body}"
+    );
+    // A prompt that fits is encoded and served as before.
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", s.addr))
+        .json(&json!({"model": "sim-test", "prompt": "hello world hello", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    s.shutdown().await;
+}

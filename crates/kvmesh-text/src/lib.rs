@@ -9,11 +9,13 @@
 use std::borrow::Cow;
 
 mod byte;
+mod count;
 mod hf;
 mod model_dir;
 mod template;
 
 pub use byte::ByteTokenizer;
+pub use count::{COUNT_IN_PIECES_ABOVE, COUNT_PIECE_BYTES, count_past};
 pub use hf::{GgufVocab, HfTokenizer};
 use kvmesh_core::TokenId;
 pub use model_dir::TokenizerFiles;

@@ -382,8 +382,10 @@ fn encode(
             at_least,
         )));
     }
-    if text.len() > COUNT_IN_PIECES_ABOVE
-        && let Some(counted) = count_past(text, tokenizer, max_prompt_tokens)?
+    // More than any real context: counted a piece at a time before a whole encode (kvmesh_text::count_past).
+    if text.len() > kvmesh_text::COUNT_IN_PIECES_ABOVE
+        && let Some(counted) = kvmesh_text::count_past(tokenizer, text, max_prompt_tokens)
+            .map_err(|e| ApiError::bad_request(format!("tokenizer: {e}")))?
     {
         return Err(ApiError::bad_request(prompt::too_long(
             max_prompt_tokens,
@@ -402,125 +404,27 @@ fn encode(
     Ok(tokens)
 }
 
-/// Text longer than this is counted a piece at a time before it is encoded whole: longer than
-/// any real context (128K tokens are ~0.5 MiB of text), so ordinary prompts are tokenized once.
-const COUNT_IN_PIECES_ABOVE: usize = 1 << 20;
-
-/// The piece: the tokenizer's working memory while counting is that of this much text.
-const COUNT_PIECE_BYTES: usize = 64 << 10;
-
-/// Counts `text`'s tokens a piece of about [`COUNT_PIECE_BYTES`] at a time and says how many it
-/// counted once that is past `max_prompt_tokens`, without encoding the rest; `None` when the
-/// whole text fits.
-///
-/// Why: the length check above is only a proof for tokenizers whose tokens are short. An HF
-/// vocabulary has tokens of dozens of bytes, so it lets a 60 MiB prompt through, and encoding it
-/// whole builds per-token strings and offsets worth several times the text. A piece at a time,
-/// the tokenizer's working memory is one piece's. Pieces end before a whitespace character
-/// (where the common pre-tokenizers split words anyway), so counts match a whole encode up to
-/// one token per piece (the beginning-of-sequence token each piece's encode may add); the text
-/// is refused only when it is past the limit by more than that.
-fn count_past(
-    text: &str,
-    tokenizer: &dyn Tokenizer,
-    max_prompt_tokens: usize,
-) -> Result<Option<usize>, ApiError> {
-    let mut counted = 0usize;
-    let mut pieces = 0usize;
-    let mut rest = text;
-    while !rest.is_empty() {
-        let end = piece_end(rest, COUNT_PIECE_BYTES);
-        let (piece, tail) = rest.split_at(end);
-        counted += tokenizer
-            .encode(piece)
-            .map_err(|e| ApiError::bad_request(format!("tokenizer: {e}")))?
-            .len();
-        pieces += 1;
-        if counted.saturating_sub(pieces) > max_prompt_tokens {
-            return Ok(Some(counted - pieces));
-        }
-        rest = tail;
-    }
-    Ok(None)
-}
-
-/// Where a piece of `text` of about `target` bytes ends: before the first whitespace character
-/// at or after `target` (within 4 KiB of it), else at the char boundary at `target`; the whole
-/// text when it is shorter.
-fn piece_end(text: &str, target: usize) -> usize {
-    if text.len() <= target {
-        return text.len();
-    }
-    let mut at = target;
-    while !text.is_char_boundary(at) {
-        at += 1;
-    }
-    let window = &text[at..text.len().min(at + 4096)];
-    let space = window
-        .char_indices()
-        .find(|&(i, c)| c.is_whitespace() && i > 0)
-        .map(|(i, _)| at + i);
-    space.unwrap_or(at)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvmesh_text::ByteTokenizer;
 
+    const MAX: usize = 1 << 20;
+
+    fn b(s: &'static str) -> Bytes {
+        Bytes::from_static(s.as_bytes())
+    }
+
     #[test]
-    fn a_long_text_is_counted_in_pieces_and_refused_without_a_whole_encode() {
-        let max = 1000;
-        let fits = "ab ".repeat(COUNT_PIECE_BYTES / 3 + 10);
-        // The byte tokenizer: one token per byte, so 800K bytes are 800K tokens.
-        assert_eq!(
-            count_past(&fits[..max - 10], &ByteTokenizer, max).expect("ok"),
-            None
-        );
-        let long = "ab ".repeat(COUNT_PIECE_BYTES);
-        let counted = count_past(&long, &ByteTokenizer, max).expect("ok");
-        assert!(
-            counted.is_some_and(|n| n > max && n <= COUNT_PIECE_BYTES + 4096),
-            "stopped after the first piece: {counted:?}"
-        );
-        let ids = encode(&long, &ByteTokenizer, 3 * COUNT_PIECE_BYTES + 10).expect("fits");
-        assert_eq!(
-            ids.len(),
-            long.len(),
-            "under the limit, the whole encode runs"
-        );
-        let huge = "ab ".repeat(COUNT_IN_PIECES_ABOVE);
-        let err = encode(&huge, &ByteTokenizer, COUNT_IN_PIECES_ABOVE).expect_err("too long");
+    fn a_huge_text_is_refused_as_too_long_without_a_whole_encode() {
+        let huge = "ab ".repeat(kvmesh_text::COUNT_IN_PIECES_ABOVE);
+        let err = encode(&huge, &ByteTokenizer, kvmesh_text::COUNT_IN_PIECES_ABOVE)
+            .expect_err("too long");
         assert!(
             err.message.contains("maximum context length"),
             "{}",
             err.message
         );
-    }
-
-    #[test]
-    fn pieces_end_before_whitespace_on_char_boundaries() {
-        let text = "héllo wörld ".repeat(100);
-        let end = piece_end(&text, 7);
-        assert!(text.is_char_boundary(end));
-        assert!(text[end..].starts_with(' '), "{:?}", &text[end..end + 3]);
-        assert_eq!(piece_end("short", 100), 5);
-        let no_space = "x".repeat(10_000);
-        assert_eq!(piece_end(&no_space, 100), 100);
-        let mut rest = text.as_str();
-        let mut joined = String::new();
-        while !rest.is_empty() {
-            let (a, b) = rest.split_at(piece_end(rest, 50));
-            joined.push_str(a);
-            rest = b;
-        }
-        assert_eq!(joined, text, "the pieces are the text");
-    }
-
-    const MAX: usize = 1 << 20;
-
-    fn b(s: &'static str) -> Bytes {
-        Bytes::from_static(s.as_bytes())
     }
 
     #[test]
