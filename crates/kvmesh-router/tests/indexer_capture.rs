@@ -563,9 +563,13 @@ async fn gaps_are_filled_from_the_replay_endpoint() {
         publisher.publish_payload(store(&c, 30)).await.unwrap();
         eventually(10, "seq 3", || source_metrics(&indexer).last_seq == Some(3)).await;
         let m = source_metrics(&indexer);
+        // Filled from the ring either way: by the catch-up every source runs on connect when it
+        // reads the ring first, or by the gap replay when seq 0 arrived before it (both orders
+        // happen; a loaded machine favours the first).
+        assert!(m.replays + m.catch_ups >= 1, "{m:?}");
         assert_eq!(
-            (m.replays, m.replay_failures, m.gaps, m.suspect),
-            (1, 0, 0, false),
+            (m.replay_failures, m.catch_up_failures, m.gaps, m.suspect),
+            (0, 0, 0, false),
             "{m:?}"
         );
         assert_eq!(
