@@ -544,11 +544,20 @@ async fn honest_and_flooding(
         flood.local_endpoint()
     );
     let (router, router_url) = router(&yaml, dir).await;
+    let nudges = std::sync::atomic::AtomicU32::new(0);
     for doc in documents() {
         let indexed = eventually(Duration::from_secs(15), || {
             let (r, e, d) = (router_url.clone(), engine_url.clone(), doc.clone());
+            // A fresh short prompt too: its events move the engine's sequence on, so a batch the
+            // router's subscriber missed while joining shows as a gap and is replayed (a repeat
+            // of the document alone is a cache hit and publishes nothing).
+            let n = nudges.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let nudge: String = (0..32)
+                .map(|i| char::from(b'A' + ((n + i) % 26) as u8))
+                .collect();
             async move {
                 complete(&e, &d).await;
+                complete(&e, &format!("{nudge}{n}")).await;
                 indexed_tokens(&r, "e0", &json!({"prompt": d})).await == 4096
             }
         })
