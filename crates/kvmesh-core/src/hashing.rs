@@ -180,6 +180,7 @@ pub struct DigestParseError(String);
 ///
 /// The path is part of the hash, so re-pointing a name at another adapter gives other digests.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LoraAdapter {
     pub name: String,
     pub path: String,
@@ -205,6 +206,14 @@ impl TenantKeys {
     /// The salt if it is non-empty.
     pub fn salt(&self) -> Option<&str> {
         self.cache_salt.as_deref().filter(|s| !s.is_empty())
+    }
+
+    /// Where this tenant's router chain starts (see [`crate::chain::ChainKey::tenant_root`]).
+    pub fn chain_root(&self) -> crate::chain::ChainKey {
+        crate::chain::ChainKey::tenant_root(
+            self.lora.as_ref().map(|l| l.name.as_str()),
+            self.salt(),
+        )
     }
 
     /// Writes block `index`'s extra keys (vLLM's tuple of tuples, or null) as canonical CBOR.

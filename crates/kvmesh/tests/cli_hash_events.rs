@@ -154,6 +154,7 @@ fn stored(tag: u64, parent: Option<u64>) -> KvEvent {
         lora_name: None,
         group_idx: Some(0),
         kv_cache_spec_kind: Some("full_attention".into()),
+        cache_salt: None,
     })
 }
 
