@@ -226,6 +226,7 @@ impl Prefetcher {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             kv_transfer_params: None,
+            cache_salt: None,
             arrival: Instant::now(),
             external_hashes: Vec::new(),
             pull_pinned_hashes: Vec::new(),

@@ -134,6 +134,7 @@ fn request(prompt: Vec<TokenId>) -> EngineRequest {
         ignore_eos: true,
         stop_token_ids: Vec::new(),
         kv_transfer_params: None,
+        cache_salt: None,
         arrival: Instant::now(),
         external_hashes: Vec::new(),
         pull_pinned_hashes: Vec::new(),
@@ -193,6 +194,7 @@ fn seed_tier(s: &RunningServer, prefix: &[TokenId]) {
             parent: i.checked_sub(1).map(|p| hashes[p]),
             tokens: prefix[i * BLOCK..(i + 1) * BLOCK].to_vec(),
             payload: payload.clone(),
+            cache_salt: None,
         })
         .collect();
     let stored = s.engine.cpu_tier().insert_run(&blocks);

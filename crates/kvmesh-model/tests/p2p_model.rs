@@ -56,6 +56,7 @@ fn request(prompt: &[TokenId]) -> EngineRequest {
         ignore_eos: true,
         stop_token_ids: Vec::new(),
         kv_transfer_params: None,
+        cache_salt: None,
         arrival: Instant::now(),
         external_hashes: Vec::new(),
         pull_pinned_hashes: Vec::new(),
