@@ -198,6 +198,14 @@ pub struct TenantKeys {
 }
 
 impl TenantKeys {
+    /// The key space of a base-model request with `cache_salt` (no adapter).
+    pub fn salted(cache_salt: Option<&str>) -> Self {
+        TenantKeys {
+            lora: None,
+            cache_salt: cache_salt.map(str::to_owned),
+        }
+    }
+
     /// No adapter, no salt: the shared key space.
     pub fn is_shared(&self) -> bool {
         self.lora.is_none() && self.salt().is_none()

@@ -695,7 +695,7 @@ impl Core {
             let d = self.hasher.hash_block_with(
                 &parent,
                 &seq.tokens[i * bs..(i + 1) * bs],
-                &super::handle::tenant(seq.req.cache_salt.as_deref()),
+                &kvmesh_core::TenantKeys::salted(seq.req.cache_salt.as_deref()),
                 i,
             );
             seq.digests.push(d);

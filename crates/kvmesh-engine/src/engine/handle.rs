@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use kvmesh_core::{BlockHash, BlockHasher, TokenId};
+use kvmesh_core::{BlockHash, BlockHasher, TenantKeys, TokenId};
 use kvmesh_text::Tokenizer;
 use tokio::sync::{mpsc, oneshot};
 
@@ -211,7 +211,7 @@ impl EngineHandle {
         self.inner
             .hasher
             .clone()
-            .hash_prompt_with(tokens, &tenant(cache_salt))
+            .hash_prompt_with(tokens, &TenantKeys::salted(cache_salt))
             .iter()
             .map(|d| d.event_hash())
             .collect()
@@ -258,7 +258,7 @@ impl EngineHandle {
             .inner
             .hasher
             .clone()
-            .hash_prompt_with(&req.prompt, &tenant(req.cache_salt.as_deref()));
+            .hash_prompt_with(&req.prompt, &TenantKeys::salted(req.cache_salt.as_deref()));
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         c.queued.fetch_add(1, Ordering::Relaxed);
@@ -488,12 +488,4 @@ fn interpolate_pull(table: &[(usize, Option<Duration>)], tokens: usize) -> Optio
         y1
     };
     Some(Duration::from_secs_f64(y.max(0.0)))
-}
-
-/// The key space of a request with `cache_salt` (the engine serves no LoRA adapters).
-pub(crate) fn tenant(cache_salt: Option<&str>) -> kvmesh_core::TenantKeys {
-    kvmesh_core::TenantKeys {
-        lora: None,
-        cache_salt: cache_salt.map(str::to_owned),
-    }
 }
