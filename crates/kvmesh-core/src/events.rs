@@ -980,9 +980,10 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// The salt in block 0's event extra keys: whatever string follows the LoRA name (vLLM's order is
-/// LoRA, multimodal, salt, so the salt is last). A multimodal hash without a salt would be read
-/// as a salt too; that only puts the blocks in a key space no request matches, never in another
+/// The salt in block 0's event extra keys: the last string after the LoRA name. vLLM's order is
+/// LoRA name, multimodal `(identifier, offset)` pairs (arrays, skipped when reading), salt, then
+/// prompt-embeds digests. Were such a digest a string in a request without salt, it would be read
+/// as a salt: that only puts the blocks in a key space no request matches, never in another
 /// tenant's.
 fn salt_from_extra_keys(lora: Option<&str>, first: Option<Vec<String>>) -> Option<String> {
     let mut keys = first?;
