@@ -10,7 +10,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{FakeEngine, client, endpoints_yaml, post_json, start_router};
+use common::engines::{SimEngine, engines_yaml, start_engine, stop};
+use common::{FakeEngine, client, doc, endpoints_yaml, post_json, start_router};
 use kvmesh_core::{BlockHash, BlockStored, KvEvent, Medium};
 use kvmesh_index::{EndpointId, IndexConfig, PrefixIndex};
 use kvmesh_router::RouterHandle;
@@ -189,6 +190,80 @@ async fn tenants_and_adapters_never_score_or_pull_each_others_blocks() {
         assert_eq!(held(&r, json!({"model": "sql-lora"})).await, (0, n));
         assert_eq!(held(&r, a).await, (n, 0));
         r.shutdown().await.unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+/// `/debug/prefix` for a text prompt in a key space: (gpu, cpu) tokens `endpoint` holds.
+async fn held_text(r: &RouterHandle, prompt: &str, extra: Value, endpoint: &str) -> (u64, u64) {
+    let mut body = json!({"prompt": prompt});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let v: Value = post_json(&format!("http://{}/debug/prefix", r.addr), &body)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let t = |tier: &str| v["endpoints"][endpoint][tier].as_u64().unwrap_or(0);
+    (t("gpu_tokens"), t("cpu_tokens"))
+}
+
+/// A real engine's events for a salted prompt land in the router's index in that salt's key
+/// space, GPU and CPU tier alike: the router predicts for tenant-a exactly what the engine then
+/// reports cached, and nothing for tenant-b or unsalted requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sim_engines_salted_blocks_are_indexed_for_their_tenant_only() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let engines = vec![start_engine("e0", 100.0, 1024).await];
+        let refs: Vec<&SimEngine> = engines.iter().collect();
+        let r = start_router(&format!("seed: 1\n{}", engines_yaml(&refs)), None).await;
+        let prompt = doc(7, 1600);
+        let send = |salt: Option<&'static str>| {
+            let mut body = json!({"prompt": prompt, "max_tokens": 2});
+            if let Some(s) = salt {
+                body["cache_salt"] = json!(s);
+            }
+            let url = format!("http://{}/v1/completions", r.addr);
+            async move {
+                let v: Value = post_json(&url, &body).await.json().await.unwrap();
+                v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap()
+            }
+        };
+        assert_eq!(send(Some("tenant-a")).await, 0);
+        let a = json!({"cache_salt": "tenant-a"});
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        // Both tiers: the GPU store, then the offload to the CPU tier.
+        loop {
+            let (gpu, cpu) = held_text(&r, &prompt, a.clone(), "e0").await;
+            if gpu >= 1584 && cpu >= 1584 {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "tenant-a's blocks never indexed: gpu {gpu} cpu {cpu}"
+            );
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        let (predicted, _) = held_text(&r, &prompt, a.clone(), "e0").await;
+        assert_eq!(held_text(&r, &prompt, json!({}), "e0").await, (0, 0));
+        assert_eq!(
+            held_text(&r, &prompt, json!({"cache_salt": "tenant-b"}), "e0").await,
+            (0, 0)
+        );
+        // All 100 blocks held; the engine serves all but the one with the last prompt token.
+        assert_eq!(predicted, 1600);
+        assert_eq!(
+            send(Some("tenant-a")).await,
+            1584,
+            "router predicted {predicted}"
+        );
+        assert_eq!(send(Some("tenant-b")).await, 0);
+        assert_eq!(send(None).await, 0);
+        stop(r, engines).await;
     })
     .await
     .unwrap();
