@@ -33,6 +33,7 @@ fn synthetic() -> EventBatch {
                 lora_name: None,
                 group_idx: Some(0),
                 kv_cache_spec_kind: Some("full_attention".into()),
+                cache_salt: None,
             })
         })
         .collect();

@@ -60,6 +60,11 @@ pub struct BlockStored {
     pub lora_name: Option<String>,
     pub group_idx: Option<u32>,
     pub kv_cache_spec_kind: Option<String>,
+    /// The `cache_salt` hashed into this run's first block, when the run starts a salted
+    /// request's chain (vLLM hashes the salt into block 0 only). On the wire it is the last
+    /// string of block 0's `extra_keys`, after the LoRA name when there is one, as vLLM's
+    /// `to_event_extra_keys` publishes it.
+    pub cache_salt: Option<String>,
 }
 
 /// `kv_cache_spec_kind` of a full-attention KV-cache group, as vLLM 0.32 reports it.
@@ -93,7 +98,14 @@ impl BlockStored {
             lora_name: None,
             group_idx: None,
             kv_cache_spec_kind: None,
+            cache_salt: None,
         }
+    }
+
+    /// The run starts a chain salted with `salt` (empty means unsalted, as in vLLM).
+    pub fn with_cache_salt(mut self, salt: Option<&str>) -> Self {
+        self.cache_salt = salt.filter(|s| !s.is_empty()).map(str::to_owned);
+        self
     }
 }
 
@@ -315,6 +327,29 @@ impl Writer<'_> {
             self.uint(u64::from(t));
         }
     }
+    /// vLLM's event form of the extra keys, one entry per block: the LoRA name in every block,
+    /// the salt appended in block 0, nil for a block with neither.
+    fn extra_keys(&mut self, e: &BlockStored) {
+        let lora = e.lora_name.as_deref();
+        let salt = e.cache_salt.as_deref().filter(|s| !s.is_empty());
+        if lora.is_none() && salt.is_none() {
+            self.nils(e.block_hashes.len());
+            return;
+        }
+        self.array_len(e.block_hashes.len());
+        for i in 0..e.block_hashes.len() {
+            let salt = if i == 0 { salt } else { None };
+            let n = usize::from(lora.is_some()) + usize::from(salt.is_some());
+            if n == 0 {
+                self.nil();
+                continue;
+            }
+            self.array_len(n);
+            for s in lora.into_iter().chain(salt) {
+                self.str(s);
+            }
+        }
+    }
     fn nils(&mut self, n: usize) {
         self.array_len(n);
         for _ in 0..n {
@@ -352,7 +387,7 @@ fn encode_event_map(w: &mut Writer<'_>, event: &KvEvent) {
             w.str("lora_name");
             w.opt_str(e.lora_name.as_deref());
             w.str("extra_keys");
-            w.nils(e.block_hashes.len());
+            w.extra_keys(e);
             w.str("group_idx");
             w.opt_uint(e.group_idx.map(u64::from));
             w.str("kv_cache_spec_kind");
@@ -389,7 +424,7 @@ fn encode_event_array(w: &mut Writer<'_>, event: &KvEvent) {
             w.opt_int(e.lora_id);
             w.str(e.medium.as_str());
             w.opt_str(e.lora_name.as_deref());
-            w.nils(e.block_hashes.len());
+            w.extra_keys(e);
             w.opt_uint(e.group_idx.map(u64::from));
             w.opt_str(e.kv_cache_spec_kind.as_deref());
         }
@@ -493,6 +528,8 @@ struct EventFields {
     lora_name: Option<String>,
     group_idx: Option<u32>,
     kv_cache_spec_kind: Option<String>,
+    /// The strings of block 0's `extra_keys` (None when absent or nil).
+    first_extra: Option<Vec<String>>,
 }
 
 /// A zero-copy msgpack reader over a byte slice built on `rmp`'s low-level decoder.
@@ -728,6 +765,44 @@ impl<'a> Reader<'a> {
         Ok(self.opt_str("medium")?.map(Medium::parse))
     }
 
+    /// Reads `extra_keys` (nil, or one entry per block) keeping only block 0's strings: that is
+    /// where the salt is. Later blocks and non-string keys are skipped.
+    fn first_extra_keys(&mut self) -> Result<Option<Vec<String>>, EventDecodeError> {
+        if self.eat_nil() {
+            return Ok(None);
+        }
+        let n = self.array_len()?;
+        let mut first = None;
+        for i in 0..n {
+            if i == 0 && !self.eat_nil() {
+                if matches!(
+                    self.peek(),
+                    Some(rmp::Marker::FixArray(_) | rmp::Marker::Array16 | rmp::Marker::Array32)
+                ) {
+                    let m = self.array_len()?;
+                    let mut keys = Vec::new();
+                    for _ in 0..m {
+                        match self.peek() {
+                            Some(
+                                rmp::Marker::FixStr(_)
+                                | rmp::Marker::Str8
+                                | rmp::Marker::Str16
+                                | rmp::Marker::Str32,
+                            ) => keys.push(self.str("extra_keys")?.to_owned()),
+                            _ => self.skip(1)?,
+                        }
+                    }
+                    first = Some(keys);
+                } else {
+                    self.skip(1)?;
+                }
+            } else if i > 0 {
+                self.skip(1)?;
+            }
+        }
+        Ok(first)
+    }
+
     /// Skips one value of any type; `depth` bounds recursion.
     fn skip(&mut self, depth: u32) -> Result<(), EventDecodeError> {
         use rmp::Marker as M;
@@ -827,7 +902,8 @@ impl<'a> Reader<'a> {
                 "kv_cache_spec_kind" => {
                     f.kv_cache_spec_kind = self.opt_str("kv_cache_spec_kind")?.map(str::to_owned)
                 }
-                // extra_keys, kv_cache_spec_sliding_window and anything newer: not needed.
+                "extra_keys" => f.first_extra = self.first_extra_keys()?,
+                // kv_cache_spec_sliding_window and anything newer: not needed.
                 _ => self.skip(1)?,
             }
         }
@@ -875,7 +951,7 @@ impl<'a> Reader<'a> {
                     f.lora_name = self.opt_str("lora_name")?.map(str::to_owned);
                 }
                 if next() {
-                    self.skip(1)?; // extra_keys
+                    f.first_extra = self.first_extra_keys()?;
                 }
                 if next() {
                     f.group_idx = self.opt_u32("group_idx")?;
@@ -904,9 +980,24 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The salt in block 0's event extra keys: the last string after the LoRA name. vLLM's order is
+/// LoRA name, multimodal `(identifier, offset)` pairs (arrays, skipped when reading), salt, then
+/// prompt-embeds digests. Were such a digest a string in a request without salt, it would be read
+/// as a salt: that only puts the blocks in a key space no request matches, never in another
+/// tenant's.
+fn salt_from_extra_keys(lora: Option<&str>, first: Option<Vec<String>>) -> Option<String> {
+    let mut keys = first?;
+    let lora_part = usize::from(lora.is_some());
+    if keys.len() <= lora_part {
+        return None;
+    }
+    keys.pop().filter(|s| !s.is_empty())
+}
+
 fn build_event(ty: &str, f: EventFields) -> Result<KvEvent, EventDecodeError> {
     match ty {
         BLOCK_STORED => Ok(KvEvent::BlockStored(BlockStored {
+            cache_salt: salt_from_extra_keys(f.lora_name.as_deref(), f.first_extra),
             block_hashes: f
                 .block_hashes
                 .ok_or_else(|| shape("BlockStored without block_hashes"))?,

@@ -3,6 +3,11 @@
 //! A block's digest is `H(cbor([parent_digest, [token ids...], extra_keys_or_null]))`, where the
 //! first block's parent is `NONE_HASH = H(cbor(seed_string))`. The value that travels in KV events
 //! is the last 8 digest bytes read big-endian ([`BlockDigest::event_hash`]).
+//!
+//! Tenants and adapters ([`TenantKeys`]) fill the third element as vLLM's
+//! `generate_block_hash_extra_keys` does: a LoRA adapter's `("lora", name, path)` in every block,
+//! then `("cache_salt", salt)` in block 0 only (later blocks inherit it through the parent chain);
+//! a block with neither hashes `null`, so untenanted prompts hash exactly as before.
 
 use std::fmt;
 use std::str::FromStr;
@@ -171,6 +176,78 @@ pub fn event_hash_from_bytes(raw: &[u8]) -> u64 {
 #[error("invalid digest hex: {0}")]
 pub struct DigestParseError(String);
 
+/// A LoRA adapter as vLLM names it in block hashes: `--lora-modules name=path`.
+///
+/// The path is part of the hash, so re-pointing a name at another adapter gives other digests.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraAdapter {
+    pub name: String,
+    pub path: String,
+}
+
+/// What besides tokens keys a request's blocks: its LoRA adapter and its `cache_salt`.
+///
+/// The default (no adapter, no salt) is the base model's shared key space.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct TenantKeys {
+    pub lora: Option<LoraAdapter>,
+    /// Only a non-empty salt counts: vLLM adds the salt key only when the salt is truthy, and its
+    /// OpenAI server refuses an empty one, so `""` is the same as none.
+    pub cache_salt: Option<String>,
+}
+
+impl TenantKeys {
+    /// The key space of a base-model request with `cache_salt` (no adapter).
+    pub fn salted(cache_salt: Option<&str>) -> Self {
+        TenantKeys {
+            lora: None,
+            cache_salt: cache_salt.map(str::to_owned),
+        }
+    }
+
+    /// No adapter, no salt: the shared key space.
+    pub fn is_shared(&self) -> bool {
+        self.lora.is_none() && self.salt().is_none()
+    }
+
+    /// The salt if it is non-empty.
+    pub fn salt(&self) -> Option<&str> {
+        self.cache_salt.as_deref().filter(|s| !s.is_empty())
+    }
+
+    /// Where this tenant's router chain starts (see [`crate::chain::ChainKey::tenant_root`]).
+    pub fn chain_root(&self) -> crate::chain::ChainKey {
+        crate::chain::ChainKey::tenant_root(
+            self.lora.as_ref().map(|l| l.name.as_str()),
+            self.salt(),
+        )
+    }
+
+    /// Writes block `index`'s extra keys (vLLM's tuple of tuples, or null) as canonical CBOR.
+    fn encode_block<W: minicbor::encode::Write>(
+        &self,
+        enc: &mut minicbor::Encoder<W>,
+        index: usize,
+    ) -> Result<(), minicbor::encode::Error<W::Error>> {
+        // Order matters and follows vLLM: LoRA keys, then the salt (block 0 only).
+        let salt = if index == 0 { self.salt() } else { None };
+        let n = u64::from(self.lora.is_some()) + u64::from(salt.is_some());
+        if n == 0 {
+            enc.null()?;
+            return Ok(());
+        }
+        enc.array(n)?;
+        if let Some(l) = &self.lora {
+            enc.array(3)?.str("lora")?.str(&l.name)?.str(&l.path)?;
+        }
+        if let Some(s) = salt {
+            enc.array(2)?.str("cache_salt")?.str(s)?;
+        }
+        Ok(())
+    }
+}
+
 /// Computes chained block digests for one algorithm, seed and block size.
 ///
 /// Holds a reusable CBOR buffer so hashing a prompt allocates only the output vector.
@@ -229,6 +306,18 @@ impl BlockHasher {
 
     /// Digest of one block given its parent's full digest and its tokens (no extra keys).
     pub fn hash_block(&mut self, parent: &BlockDigest, tokens: &[TokenId]) -> BlockDigest {
+        self.hash_block_with(parent, tokens, &TenantKeys::default(), 0)
+    }
+
+    /// Digest of block `index` of a request keyed by `tenant` (its extra keys depend on the
+    /// block's position: the salt is hashed into block 0 only).
+    pub fn hash_block_with(
+        &mut self,
+        parent: &BlockDigest,
+        tokens: &[TokenId],
+        tenant: &TenantKeys,
+        index: usize,
+    ) -> BlockDigest {
         self.buf.clear();
         let mut enc = minicbor::Encoder::new(&mut self.buf);
         // Writing into a Vec never fails; ignore the infallible Result.
@@ -239,7 +328,7 @@ impl BlockHasher {
         for &t in tokens {
             let _ = enc.u32(t);
         }
-        let _ = enc.null();
+        let _ = tenant.encode_block(&mut enc, index);
         digest(self.algo, &self.buf)
     }
 
@@ -254,13 +343,35 @@ impl BlockHasher {
         parent: &BlockDigest,
         tokens: &[TokenId],
     ) -> Vec<BlockDigest> {
+        self.hash_blocks_from(parent, tokens, &TenantKeys::default(), 0)
+    }
+
+    /// Digests of every full block of a prompt keyed by `tenant`, chained from NONE_HASH.
+    pub fn hash_prompt_with(
+        &mut self,
+        tokens: &[TokenId],
+        tenant: &TenantKeys,
+    ) -> Vec<BlockDigest> {
+        self.hash_blocks_from(&self.none_hash.clone(), tokens, tenant, 0)
+    }
+
+    /// Digests of the full blocks of `tokens`, the first being block `first_index` of a request
+    /// keyed by `tenant`, chained from `parent` (the digest of block `first_index - 1`, or
+    /// NONE_HASH for 0).
+    pub fn hash_blocks_from(
+        &mut self,
+        parent: &BlockDigest,
+        tokens: &[TokenId],
+        tenant: &TenantKeys,
+        first_index: usize,
+    ) -> Vec<BlockDigest> {
         if self.block_size == 0 {
             return Vec::new();
         }
         let mut out = Vec::with_capacity(tokens.len() / self.block_size);
         let mut parent = *parent;
-        for block in tokens.chunks_exact(self.block_size) {
-            parent = self.hash_block(&parent, block);
+        for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
+            parent = self.hash_block_with(&parent, block, tenant, first_index + i);
             out.push(parent);
         }
         out
@@ -312,6 +423,41 @@ mod tests {
         assert_eq!(a.hash_prompt(&toks), b.hash_prompt(&toks));
         assert!(!HashAlgo::XxhashCbor.default_seed_is_reproducible());
         assert!(HashAlgo::Sha256Cbor.default_seed_is_reproducible());
+    }
+
+    fn tenant(lora: Option<(&str, &str)>, salt: Option<&str>) -> TenantKeys {
+        TenantKeys {
+            lora: lora.map(|(name, path)| LoraAdapter {
+                name: name.into(),
+                path: path.into(),
+            }),
+            cache_salt: salt.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn salt_and_lora_path_change_every_block() {
+        let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0"), 4);
+        let toks: Vec<u32> = (0..16).collect();
+        let plain = h.hash_prompt(&toks);
+        assert_eq!(h.hash_prompt_with(&toks, &TenantKeys::default()), plain);
+        // An empty salt is no salt, as in vLLM.
+        assert_eq!(h.hash_prompt_with(&toks, &tenant(None, Some(""))), plain);
+        let a = h.hash_prompt_with(&toks, &tenant(None, Some("a")));
+        let b = h.hash_prompt_with(&toks, &tenant(None, Some("b")));
+        let l1 = h.hash_prompt_with(&toks, &tenant(Some(("x", "/p1")), None));
+        let l2 = h.hash_prompt_with(&toks, &tenant(Some(("x", "/p2")), None));
+        for i in 0..plain.len() {
+            let all = [plain[i], a[i], b[i], l1[i], l2[i]];
+            for (j, x) in all.iter().enumerate() {
+                for y in &all[j + 1..] {
+                    assert_ne!(x, y, "block {i}");
+                }
+            }
+        }
+        // Resuming mid-prompt from a salted parent continues the salted chain.
+        let tail = h.hash_blocks_from(&a[1], &toks[8..], &tenant(None, Some("a")), 2);
+        assert_eq!(tail, a[2..]);
     }
 
     #[test]

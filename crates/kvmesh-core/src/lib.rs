@@ -27,7 +27,7 @@ pub use events::{
     Medium, decode_batch, encode_batch,
 };
 pub use fingerprint::{Fingerprint, FingerprintDecodeError, FingerprintMismatch};
-pub use hashing::{BlockDigest, BlockHash, BlockHasher, HashAlgo};
+pub use hashing::{BlockDigest, BlockHash, BlockHasher, HashAlgo, LoraAdapter, TenantKeys};
 pub use pull_feedback::{PULL_FEEDBACK_HEADER, PullFeedback, PullFeedbackOutcome};
 pub use transfer_params::{
     KvTransferParams, RemoteDecoder, RemoteKvSource, RemotePrefiller, TransferParamsError,

@@ -36,8 +36,11 @@ fn event() -> impl Strategy<Value = KvEvent> {
             Just("full_attention".to_owned()),
             "[a-z_]{1,20}"
         ]),
+        prop::option::of("[a-z0-9-]{1,12}"),
     )
-        .prop_map(|(h, p, t, bs, lora, medium, lname, g, kind)| {
+        .prop_map(|(h, p, t, bs, lora, medium, lname, g, kind, salt)| {
+            // The salt travels in block 0's extra keys, so only a run with blocks carries one.
+            let cache_salt = if h.is_empty() { None } else { salt };
             KvEvent::BlockStored(BlockStored {
                 block_hashes: h.into_iter().map(BlockHash).collect(),
                 parent_block_hash: p.map(BlockHash),
@@ -48,6 +51,7 @@ fn event() -> impl Strategy<Value = KvEvent> {
                 lora_name: lname,
                 group_idx: g,
                 kv_cache_spec_kind: kind,
+                cache_salt,
             })
         });
     let removed = (
@@ -359,4 +363,81 @@ fn frames_parse_three_parts_and_name_what_is_wrong() {
     assert!(short.to_string().contains("8 bytes"), "{short}");
     let topic = EventFrame::from_parts(&[vec![0xff, 0xfe], vec![0; 8], payload]).unwrap_err();
     assert!(topic.to_string().contains("utf-8"), "{topic}");
+}
+
+/// vLLM publishes a salted or LoRA run's `extra_keys` untagged (`[salt]`, `[name]`,
+/// `[name, salt]` in block 0, `[name]` after): for every case vLLM's hasher recorded in
+/// `hash_extra_keys.json`, the decoder finds the case's salt, and re-encoding gives vLLM's form.
+#[test]
+fn cache_salt_is_read_from_vllms_event_extra_keys() {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/vllm/hash_extra_keys.json");
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    fn to_value(j: &serde_json::Value) -> Value {
+        match j {
+            serde_json::Value::Null => Value::Nil,
+            serde_json::Value::String(x) => s(x),
+            serde_json::Value::Array(a) => Value::Array(a.iter().map(to_value).collect()),
+            other => panic!("unexpected extra key {other}"),
+        }
+    }
+    for case in golden["cases"].as_array().unwrap() {
+        let blocks = case["blocks"].as_array().unwrap();
+        let lora_name = case["lora"]["name"].as_str();
+        let extra = &case["event_extra_keys"];
+        let ev = Value::Map(vec![
+            (s("type"), s("BlockStored")),
+            (
+                s("block_hashes"),
+                Value::Array(
+                    blocks
+                        .iter()
+                        .map(|b| Value::from(b["u64"].as_u64().unwrap()))
+                        .collect(),
+                ),
+            ),
+            (s("parent_block_hash"), Value::Nil),
+            (s("token_ids"), Value::Array(vec![])),
+            (s("block_size"), Value::from(0)),
+            (
+                s("lora_id"),
+                if lora_name.is_some() {
+                    Value::from(1)
+                } else {
+                    Value::Nil
+                },
+            ),
+            (s("medium"), s("GPU")),
+            (s("lora_name"), lora_name.map_or(Value::Nil, s)),
+            (s("extra_keys"), to_value(extra)),
+        ]);
+        let bytes = batch_of(vec![ev]);
+        let KvEvent::BlockStored(e) = only_event(&bytes) else {
+            panic!()
+        };
+        assert_eq!(
+            e.cache_salt.as_deref(),
+            case["cache_salt"].as_str(),
+            "{} salt",
+            case["name"]
+        );
+        // Our encoder writes the same extra keys vLLM does.
+        let enc = encode_batch(
+            &EventBatch {
+                ts: 0.0,
+                events: vec![KvEvent::BlockStored(e)],
+                data_parallel_rank: None,
+            },
+            EventEncoding::Map,
+        );
+        let v = rmpv::decode::read_value(&mut enc.as_slice()).unwrap();
+        let ev = &v[1][0];
+        let Value::Map(fields) = ev else { panic!() };
+        let got = fields
+            .iter()
+            .find(|(k, _)| k.as_str() == Some("extra_keys"))
+            .unwrap();
+        assert_eq!(got.1, to_value(extra), "{} re-encoded", case["name"]);
+    }
 }

@@ -446,6 +446,9 @@ struct GenParams {
     /// `MAX_TRANSFER_VALUES` JSON values (`kvmesh_core::prompt`).
     #[serde(default)]
     kv_transfer_params: Option<BoundedValue<MAX_TRANSFER_VALUES>>,
+    /// vLLM's per-tenant prefix-cache isolation: hashed into the prompt's first block.
+    #[serde(default)]
+    cache_salt: Option<String>,
 }
 
 /// The chat-only fields (the shared ones are read as [`GenParams`] from the same object).
@@ -663,6 +666,14 @@ fn build_job(
         &uuid::Uuid::new_v4().simple().to_string()[..16]
     );
     let include_usage = p.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    if p.cache_salt.as_deref() == Some("") {
+        // vLLM's wording: an empty salt would silently share the unsalted space.
+        return Err(ApiError::bad_request(
+            "bad_param",
+            "Parameter 'cache_salt' must be a non-empty string if provided.".to_owned(),
+            Some("cache_salt"),
+        ));
+    }
     let req = EngineRequest {
         request_id: id.clone(),
         prompt: prompt.clone(),
@@ -675,6 +686,7 @@ fn build_job(
         ignore_eos: p.ignore_eos,
         stop_token_ids: p.stop_token_ids.unwrap_or_default().0,
         kv_transfer_params: transfer_params(s, p.kv_transfer_params.map(|v| v.0))?,
+        cache_salt: p.cache_salt,
         arrival: std::time::Instant::now(),
         external_hashes: Vec::new(),
         pull_pinned_hashes: Vec::new(),

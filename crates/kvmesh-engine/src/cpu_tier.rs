@@ -33,6 +33,9 @@ pub struct OffloadBlock {
     pub parent: Option<BlockHash>,
     pub tokens: Vec<TokenId>,
     pub payload: Bytes,
+    /// The request's `cache_salt` when this is its block 0 (`parent` None): the CPU-tier event
+    /// names it so an index keys the block in the salt's space.
+    pub cache_salt: Option<String>,
 }
 
 impl OffloadBlock {
@@ -105,6 +108,7 @@ impl StoredRuns {
         let run = self.run.get_or_insert_with(|| {
             BlockStored::run(Medium::Cpu, b.parent, bs, Vec::new(), Vec::new())
                 .in_full_attention_group()
+                .with_cache_salt(b.cache_salt.as_deref().filter(|_| b.parent.is_none()))
         });
         run.block_hashes.push(b.hash);
         run.token_ids.extend_from_slice(&b.tokens);
@@ -277,6 +281,7 @@ impl CpuTier {
             parent,
             tokens,
             payload,
+            cache_salt: None,
         };
         self.insert(std::slice::from_ref(&block), true) == 1
     }
@@ -398,6 +403,7 @@ mod tests {
             parent: parent.map(BlockHash),
             tokens: vec![h as u32; 2],
             payload: Bytes::from(vec![h as u8; len]),
+            cache_salt: None,
         }
     }
 

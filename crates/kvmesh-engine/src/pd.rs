@@ -245,7 +245,7 @@ impl RequestHook for PdHook {
             .as_ref()
             .map_or(PdLeg::None, classify);
         if matches!(leg, PdLeg::Prefill { .. }) && cfg.role != Role::Decode {
-            let mut hashes = engine.block_hashes(&req.prompt);
+            let mut hashes = engine.salted_block_hashes(&req.prompt, req.cache_salt.as_deref());
             hashes.truncate(req.prompt.len() / bs);
             if let Some(mut p) = self.retain(engine, req, &hashes, req.prompt.len(), "prefill") {
                 p.do_remote_prefill = Some(true);
@@ -257,7 +257,7 @@ impl RequestHook for PdHook {
         {
             // Prompt and generated tokens: every full block this request computed.
             let hashes = if info.block_hashes.is_empty() {
-                let mut h = engine.block_hashes(&req.prompt);
+                let mut h = engine.salted_block_hashes(&req.prompt, req.cache_salt.as_deref());
                 h.truncate(req.prompt.len() / bs);
                 h
             } else {

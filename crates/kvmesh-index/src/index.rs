@@ -436,7 +436,7 @@ impl PrefixIndex {
             });
         }
         let mut key = match ev.parent_block_hash {
-            None => ChainKey::ROOT,
+            None => crate::event_root(ev),
             Some(parent) => match state.hashes.get(&parent) {
                 Some(k) => *k,
                 None => {

@@ -25,6 +25,7 @@
 //!     lora_name: None,
 //!     group_idx: None,
 //!     kv_cache_spec_kind: None,
+//!     cache_salt: None,
 //! });
 //! index.apply_event(EndpointId(7), &stored).expect("valid event");
 //! let matches = index.find_matches(&chain_keys(&tokens, 4));
@@ -237,13 +238,19 @@ impl IndexBackend for PrefixIndex {
     }
 }
 
-/// Whether a stored event is indexed at all (see [`Tier::from_medium`] and README): LoRA blocks
-/// and kv-cache groups other than 0 are not, because the router's keys do not cover them.
+/// Whether a stored event is indexed at all (see [`Tier::from_medium`] and README): kv-cache
+/// groups other than 0 are not, because the router's keys do not cover them, nor are LoRA blocks
+/// without an adapter name (the name is what puts them in their adapter's key space).
 pub(crate) fn indexed_store(ev: &kvmesh_core::events::BlockStored) -> Option<Tier> {
-    if ev.lora_id.is_some() || ev.lora_name.is_some() || ev.group_idx.unwrap_or(0) != 0 {
+    if (ev.lora_id.is_some() && ev.lora_name.is_none()) || ev.group_idx.unwrap_or(0) != 0 {
         return None;
     }
     Tier::from_medium(&ev.medium)
+}
+
+/// The chain key block 0 of a stored run hangs from: the run's adapter and salt key space.
+pub(crate) fn event_root(ev: &kvmesh_core::events::BlockStored) -> ChainKey {
+    ChainKey::tenant_root(ev.lora_name.as_deref(), ev.cache_salt.as_deref())
 }
 
 pub(crate) fn indexed_remove(ev: &kvmesh_core::events::BlockRemoved) -> Option<Tier> {

@@ -143,7 +143,7 @@ impl IndexBackend for ReferenceIndex {
                     });
                 }
                 let mut parent = match ev.parent_block_hash {
-                    None => ChainKey::ROOT,
+                    None => crate::event_root(ev),
                     Some(p) => match ep.keys.get(&p).and_then(|k| k.last()) {
                         Some(k) => *k,
                         None => {

@@ -170,6 +170,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    cache_salt: None,
                 }),
             )
         }
@@ -207,6 +208,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    cache_salt: None,
                 }),
             )
         }
@@ -225,6 +227,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    cache_salt: None,
                 }),
             )
         }
@@ -244,6 +247,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    cache_salt: None,
                 }),
             )
         }

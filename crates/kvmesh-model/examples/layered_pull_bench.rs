@@ -174,6 +174,7 @@ fn seed_tier(s: &RunningServer, prefix: &[TokenId]) {
             parent: i.checked_sub(1).map(|p| hashes[p]),
             tokens: prefix[i * BLOCK..(i + 1) * BLOCK].to_vec(),
             payload: payload.clone(),
+            cache_salt: None,
         })
         .collect();
     let stored = s.engine.cpu_tier().insert_run(&blocks);

@@ -90,8 +90,11 @@ pub struct Arrival<'a> {
 /// A placement as hooks see it.
 pub struct Placed<'a> {
     pub tokens: &'a [TokenId],
-    /// The prompt's chain keys (full blocks).
+    /// The prompt's chain keys (full blocks), in the request's key space.
     pub keys: &'a [ChainKey],
+    /// Whether that is the shared space (no LoRA adapter, no `cache_salt`). Copies ahead of
+    /// demand send bare token ids, which engines hash unsalted, so they skip the others.
+    pub shared: bool,
     /// The router's view of `eligible` just before the placement.
     pub candidates: &'a [Candidate],
     pub eligible: &'a [Arc<Endpoint>],

@@ -2,12 +2,13 @@
 //!
 //! One JSON object per full block: `{"index": i, "hex": "<full digest>", "u64": <event value>}`;
 //! the `u64` is what the engine publishes in KV events (last 8 digest bytes, big-endian).
+//! `--cache-salt` and `--lora NAME=PATH` add vLLM's extra keys (a tenant's or an adapter's blocks).
 
 use std::io::{Read, Write};
 
 use anyhow::{Context, bail};
 use kvmesh_core::hashing::{BlockDigest, DEFAULT_NONE_HASH_SEED};
-use kvmesh_core::{BlockHasher, HashAlgo, TokenId};
+use kvmesh_core::{BlockHasher, HashAlgo, LoraAdapter, TenantKeys, TokenId};
 
 #[derive(clap::Args)]
 pub struct HashArgs {
@@ -25,6 +26,13 @@ pub struct HashArgs {
     /// seed is random (vLLM `xxhash_cbor` without PYTHONHASHSEED).
     #[arg(long)]
     pub none_hash: Option<String>,
+    /// The request's `cache_salt` (hashed into block 0, as vLLM does).
+    #[arg(long)]
+    pub cache_salt: Option<String>,
+    /// The request's LoRA adapter as vLLM's `--lora-modules` names it: `NAME=PATH` (hashed into
+    /// every block, path included).
+    #[arg(long, value_name = "NAME=PATH")]
+    pub lora: Option<String>,
 }
 
 pub fn run(args: HashArgs) -> anyhow::Result<()> {
@@ -61,9 +69,23 @@ pub fn run(args: HashArgs) -> anyhow::Result<()> {
         .read_to_string(&mut input)
         .context("reading stdin")?;
     let tokens = parse_tokens(&input)?;
+    let lora = match &args.lora {
+        None => None,
+        Some(spec) => match spec.split_once('=') {
+            Some((name, path)) if !name.is_empty() && !path.is_empty() => Some(LoraAdapter {
+                name: name.to_owned(),
+                path: path.to_owned(),
+            }),
+            _ => bail!("--lora wants NAME=PATH (as vLLM's --lora-modules), got {spec:?}"),
+        },
+    };
+    let tenant = TenantKeys {
+        lora,
+        cache_salt: args.cache_salt.clone(),
+    };
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
-    for (index, digest) in hasher.hash_prompt(&tokens).iter().enumerate() {
+    for (index, digest) in hasher.hash_prompt_with(&tokens, &tenant).iter().enumerate() {
         // Written by hand to keep the documented key order (index, hex, u64).
         writeln!(
             out,

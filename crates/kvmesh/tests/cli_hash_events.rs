@@ -106,6 +106,55 @@ fn hash_reproduces_every_golden_digest() {
     assert_eq!(cases, 16);
 }
 
+/// `--cache-salt` and `--lora NAME=PATH` reproduce the digests vLLM's own hasher computed for
+/// salted and LoRA requests (`hash_extra_keys.json`).
+#[test]
+fn hash_reproduces_salted_and_lora_digests() {
+    let g = fixture("hash_extra_keys.json");
+    let tokens = g["tokens"].to_string();
+    let mut cases = 0;
+    for case in g["cases"].as_array().unwrap() {
+        let bs = case["block_size"].to_string();
+        let mut args: Vec<String> = vec!["--block-size".into(), bs];
+        if let Some(seed) = case["seed"].as_str() {
+            args.extend(["--seed".into(), seed.into()]);
+        }
+        if let Some(salt) = case["cache_salt"].as_str() {
+            args.extend(["--cache-salt".into(), salt.into()]);
+        }
+        if let Some(l) = case["lora"].as_object() {
+            let spec = format!(
+                "{}={}",
+                l["name"].as_str().unwrap(),
+                l["path"].as_str().unwrap()
+            );
+            args.extend(["--lora".into(), spec]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = run_hash(&args, &tokens);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let blocks = case["blocks"].as_array().unwrap();
+        assert_eq!(lines.len(), blocks.len());
+        for (line, want) in lines.iter().zip(blocks) {
+            assert_eq!(line["hex"], want["hex"], "{}", case["name"]);
+        }
+        cases += 1;
+    }
+    assert_eq!(cases, 24);
+    let bad = run_hash(&["--lora", "no-path"], "[1]");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("NAME=PATH"));
+}
+
 #[test]
 fn hash_output_shape_and_partial_blocks() {
     let out = run_hash(&["--block-size", "4", "--seed", "0"], "[1,2,3,4,5,6,7,8,9]");
@@ -154,6 +203,7 @@ fn stored(tag: u64, parent: Option<u64>) -> KvEvent {
         lora_name: None,
         group_idx: Some(0),
         kv_cache_spec_kind: Some("full_attention".into()),
+        cache_salt: None,
     })
 }
 

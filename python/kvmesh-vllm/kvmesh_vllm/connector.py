@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvmesh_vllm.extra_keys import event_extra_keys
 from kvmesh_vllm.settings import Settings
 from kvmesh_vllm.stats import CounterDeltas, KvmeshPromMetrics, KvmeshStats
 
@@ -398,6 +399,11 @@ class KvmeshConnector(KVConnectorBase_V1):
         if full <= t.saved:
             return
         req = t.request
+        # The tenant and adapter this request's blocks are hashed with, named in the CPU-tier
+        # events as vLLM names them in its own (see kvmesh_vllm.extra_keys).
+        lora = getattr(req, "lora_request", None)
+        lora_key = (lora.lora_int_id, lora.lora_name) if lora is not None else (None, None)
+        salt = getattr(req, "cache_salt", None)
         hashes = []
         for i in range(t.saved, full):
             digest = bytes(req.block_hashes[i])
@@ -406,7 +412,8 @@ class KvmeshConnector(KVConnectorBase_V1):
             if h not in self._held:
                 parent = bytes(req.block_hashes[i - 1]) if i > 0 else None
                 tokens = list(req.all_token_ids[i * self._block_size:(i + 1) * self._block_size])
-                self._asked[h] = (digest, parent, tokens)
+                extra = event_extra_keys(lora_key[1], salt, i)
+                self._asked[h] = (digest, parent, tokens, lora_key, extra)
         meta.saves.append(_Save(hashes, t.block_ids[t.saved:full]))
         t.saved = full
 
@@ -419,13 +426,13 @@ class KvmeshConnector(KVConnectorBase_V1):
             info = self._asked.pop(h, None)
             if info is None:
                 continue
-            digest, parent, tokens = info
+            digest, parent, tokens, (lora_id, lora_name), extra = info
             self._held[h] = digest
             self._events.append(BlockStored(
                 block_hashes=[maybe_convert_block_hash(digest)],
                 parent_block_hash=maybe_convert_block_hash(parent) if parent else None,
-                token_ids=tokens, block_size=self._block_size, lora_id=None,
-                medium="CPU", lora_name=None,
+                token_ids=tokens, block_size=self._block_size, lora_id=lora_id,
+                medium="CPU", lora_name=lora_name, extra_keys=[extra],
             ))
         removed = [self._held.pop(h) for h in wm.removed if h in self._held]
         if removed:

@@ -403,7 +403,8 @@ impl Core {
             if self.pool.register(b, *h) {
                 let tokens = &seq.tokens[i * bs..(i + 1) * bs];
                 let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
-                let run = stored_run.get_or_insert_with(|| gpu_stored(parent, bs));
+                let salt = seq.req.cache_salt.as_deref();
+                let run = stored_run.get_or_insert_with(|| gpu_stored(parent, bs, salt));
                 run.block_hashes.push(*h);
                 run.token_ids.extend_from_slice(tokens);
             }
@@ -597,7 +598,8 @@ impl Core {
             copied.push(*h);
             if self.pool.register(b, *h) {
                 let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
-                let run = stored_run.get_or_insert_with(|| gpu_stored(parent, bs));
+                // A restore ahead names bare token ids: the unsalted space.
+                let run = stored_run.get_or_insert_with(|| gpu_stored(parent, bs, None));
                 run.block_hashes.push(*h);
                 run.token_ids
                     .extend_from_slice(&tokens[i * bs..(i + 1) * bs]);
@@ -688,9 +690,14 @@ impl Core {
             } else {
                 seq.digests[i - 1]
             };
-            let d = self
-                .hasher
-                .hash_block(&parent, &seq.tokens[i * bs..(i + 1) * bs]);
+            // The salt is block 0's extra key: a prompt shorter than a block still gets it when
+            // generated tokens fill that block.
+            let d = self.hasher.hash_block_with(
+                &parent,
+                &seq.tokens[i * bs..(i + 1) * bs],
+                &kvmesh_core::TenantKeys::salted(seq.req.cache_salt.as_deref()),
+                i,
+            );
             seq.digests.push(d);
         }
     }
@@ -957,7 +964,8 @@ impl Core {
             if self.pool.register(block, hash) {
                 self.backend.finalize_block(block, hash, &mut self.arena);
                 let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-                let r = run.get_or_insert_with(|| gpu_stored(parent, bs));
+                let salt = seq.req.cache_salt.as_deref();
+                let r = run.get_or_insert_with(|| gpu_stored(parent, bs, salt));
                 r.block_hashes.push(hash);
                 r.token_ids.extend_from_slice(tokens);
                 if (i + 1) * bs <= seq.prompt_len && i >= seq.pulled_until {
@@ -968,6 +976,11 @@ impl Core {
                     parent,
                     tokens: tokens.to_vec(),
                     payload: Bytes::new(),
+                    cache_salt: if i == 0 {
+                        seq.req.cache_salt.clone()
+                    } else {
+                        None
+                    },
                 };
                 if i < seq.pulled_until {
                     pulled.push((block, pending));
@@ -1123,7 +1136,10 @@ fn report_start(
     });
 }
 
-fn gpu_stored(parent: Option<BlockHash>, bs: usize) -> BlockStored {
+/// A GPU-tier run starting after `parent`; one starting a chain (no parent) names the request's
+/// salt, as vLLM's events do, so an index puts it in the salt's key space.
+fn gpu_stored(parent: Option<BlockHash>, bs: usize, cache_salt: Option<&str>) -> BlockStored {
     BlockStored::run(Medium::Gpu, parent, bs as u32, Vec::new(), Vec::new())
         .in_full_attention_group()
+        .with_cache_salt(cache_salt.filter(|_| parent.is_none()))
 }

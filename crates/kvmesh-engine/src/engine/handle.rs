@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use kvmesh_core::{BlockHash, BlockHasher, TokenId};
+use kvmesh_core::{BlockHash, BlockHasher, TenantKeys, TokenId};
 use kvmesh_text::Tokenizer;
 use tokio::sync::{mpsc, oneshot};
 
@@ -196,22 +196,34 @@ impl EngineHandle {
         Arc::new(move |blocks| per_token(blocks * block_size))
     }
 
-    /// Event hashes of every full block of `tokens`.
+    /// Event hashes of every full block of `tokens` (unsalted).
     pub fn block_hashes(&self, tokens: &[TokenId]) -> Vec<BlockHash> {
+        self.salted_block_hashes(tokens, None)
+    }
+
+    /// Event hashes of every full block of `tokens` for a request with `cache_salt` (vLLM's
+    /// extra key in block 0; `None` or empty gives [`EngineHandle::block_hashes`]).
+    pub fn salted_block_hashes(
+        &self,
+        tokens: &[TokenId],
+        cache_salt: Option<&str>,
+    ) -> Vec<BlockHash> {
         self.inner
             .hasher
             .clone()
-            .hash_prompt(tokens)
+            .hash_prompt_with(tokens, &TenantKeys::salted(cache_salt))
             .iter()
             .map(|d| d.event_hash())
             .collect()
     }
 
-    /// Event hashes of the blocks of `prompt` a request may take from cache: every full block
-    /// but the one holding the last prompt token (vLLM never serves that token from cache).
-    pub fn cacheable_block_hashes(&self, prompt: &[TokenId]) -> Vec<BlockHash> {
+    /// Event hashes of the blocks of `req`'s prompt it may take from cache (in its salt's key
+    /// space): every full block but the one holding the last prompt token (vLLM never serves
+    /// that token from cache).
+    pub fn cacheable_block_hashes(&self, req: &EngineRequest) -> Vec<BlockHash> {
+        let prompt = &req.prompt;
         let bs = self.inner.layout.block_size.max(1);
-        let mut hashes = self.block_hashes(prompt);
+        let mut hashes = self.salted_block_hashes(prompt, req.cache_salt.as_deref());
         hashes.truncate(prompt.len().saturating_sub(1) / bs);
         hashes
     }
@@ -242,7 +254,11 @@ impl EngineHandle {
         if queued >= self.inner.config.max_waiting {
             return Err(SubmitError::Overloaded(queued));
         }
-        let digests = self.inner.hasher.clone().hash_prompt(&req.prompt);
+        let digests = self
+            .inner
+            .hasher
+            .clone()
+            .hash_prompt_with(&req.prompt, &TenantKeys::salted(req.cache_salt.as_deref()));
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         c.queued.fetch_add(1, Ordering::Relaxed);

@@ -163,6 +163,7 @@ async fn pulled_tokens_count_as_external_once_whatever_the_order() {
                 parent: i.checked_sub(1).map(|p| hashes[p]),
                 tokens: prompt[i * 16..(i + 1) * 16].to_vec(),
                 payload: payload.into(),
+                cache_salt: None,
             },
             lease,
         );
@@ -218,6 +219,7 @@ async fn a_block_landed_unpinned_at_the_cap_leaves_other_requests_pull_pins_alon
             parent: None,
             tokens: prompt[..16].to_vec(),
             payload: crate::compute::sim::sim_block_payload(hashes[0], 16 * 8).into(),
+            cache_salt: None,
         },
         Instant::now() + Duration::from_secs(60),
     );
@@ -390,6 +392,7 @@ async fn a_restore_delays_only_the_request_that_needs_its_blocks() {
             parent: i.checked_sub(1).map(|p| hashes[p]),
             tokens: history[i * 16..(i + 1) * 16].to_vec(),
             payload: crate::compute::sim::sim_block_payload(*h, 16 * 8).into(),
+            cache_salt: None,
         })
         .collect();
     assert_eq!(e.handle.cpu_tier().insert_run(&blocks), 64);

@@ -42,6 +42,10 @@ pub struct EngineRequest {
     pub ignore_eos: bool,
     pub stop_token_ids: Vec<TokenId>,
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// vLLM's `cache_salt`: hashed into the prompt's block 0 (and so into every later block
+    /// through the parent chain), so the request shares cached blocks only with requests of the
+    /// same salt, locally and through P2P. `None` (or empty) is the shared, unsalted space.
+    pub cache_salt: Option<String>,
     /// When the request arrived (TTFT and queue time are measured from here).
     pub arrival: Instant,
     /// Blocks a request hook pulled into the CPU tier for this request from a peer: their
@@ -78,6 +82,7 @@ impl EngineRequest {
             ignore_eos: true,
             stop_token_ids: Vec::new(),
             kv_transfer_params: None,
+            cache_salt: None,
             arrival: Instant::now(),
             external_hashes: Vec::new(),
             pull_pinned_hashes: Vec::new(),

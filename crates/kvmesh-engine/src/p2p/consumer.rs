@@ -324,7 +324,7 @@ impl P2pConsumer {
             .pull_prefix_until(
                 engine,
                 &read.source,
-                &req.prompt,
+                (&req.prompt, req.cache_salt.as_deref()),
                 &hashes,
                 local,
                 PullTerms { deadline, class },
@@ -416,7 +416,7 @@ impl P2pConsumer {
         &self,
         engine: &EngineHandle,
         source: &RemoteKvSource,
-        prompt: &[TokenId],
+        (prompt, cache_salt): (&[TokenId], Option<&str>),
         hashes: &[BlockHash],
         first: usize,
         terms: PullTerms,
@@ -427,6 +427,7 @@ impl P2pConsumer {
         let mut sink = TierSink {
             tier: engine.cpu_tier(),
             prompt,
+            cache_salt,
             hashes,
             first,
             block_size: engine.kv_layout().block_size,

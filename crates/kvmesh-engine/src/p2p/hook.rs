@@ -38,7 +38,7 @@ impl RequestHook for P2pHook {
             // source costs about the prediction rather than the flat budget.
             let predicted = params.kvmesh_predicted_pull_ms;
             if engine.capabilities().models_pull_time && self.consumer.inflight_pulls() > 0 {
-                let hashes = engine.cacheable_block_hashes(&req.prompt);
+                let hashes = engine.cacheable_block_hashes(req);
                 let deadline = tokio::time::Instant::now() + self.consumer.read_budget(predicted);
                 self.consumer
                     .wait_for_pulls_in_flight(&hashes, deadline)

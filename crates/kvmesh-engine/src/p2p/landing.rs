@@ -16,6 +16,8 @@ use crate::cpu_tier::{CpuTier, Landed, OffloadBlock};
 pub(crate) struct TierSink<'a> {
     pub tier: &'a CpuTier,
     pub prompt: &'a [TokenId],
+    /// The pulling request's salt (its hashes are in that key space; block 0's event names it).
+    pub cache_salt: Option<&'a str>,
     pub hashes: &'a [BlockHash],
     pub first: usize,
     pub block_size: usize,
@@ -60,6 +62,7 @@ impl BlockSink for TierSink<'_> {
             parent: i.checked_sub(1).map(|p| hashes[p]),
             tokens: tokens.to_vec(),
             payload,
+            cache_salt: self.cache_salt.filter(|_| i == 0).map(str::to_owned),
         };
         match self.tier.land(block, self.lease_until) {
             Landed::Pinned => {

@@ -80,7 +80,7 @@ impl RemoteRead {
         req: &EngineRequest,
     ) -> (Vec<BlockHash>, bool) {
         let bs = engine.kv_layout().block_size.max(1);
-        let mut hashes = engine.cacheable_block_hashes(&req.prompt);
+        let mut hashes = engine.cacheable_block_hashes(req);
         if let Some(n) = self.num_tokens {
             let n = usize::try_from(n).unwrap_or(usize::MAX);
             hashes.truncate(n.min(req.prompt.len()) / bs);

@@ -291,7 +291,7 @@ pub async fn complete_ignore_eos(
     send_completion(addr, body, kvp).await
 }
 
-async fn send_completion(addr: SocketAddr, mut body: Value, kvp: Option<Value>) -> Value {
+pub async fn send_completion(addr: SocketAddr, mut body: Value, kvp: Option<Value>) -> Value {
     if let Some(p) = kvp {
         body["kv_transfer_params"] = p;
     }

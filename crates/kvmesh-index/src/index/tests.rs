@@ -19,6 +19,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: Medium) -
         lora_name: None,
         group_idx: None,
         kv_cache_spec_kind: None,
+        cache_salt: None,
     })
 }
 
@@ -358,4 +359,55 @@ fn an_endpoints_own_eviction_spares_what_lookups_use() {
         }
     }
     assert!(index.held_blocks(EndpointId(0)) <= 64);
+}
+
+#[test]
+fn salted_and_lora_runs_are_found_only_by_their_own_tenant() {
+    use kvmesh_core::chain::chain_keys_from;
+    let index = idx(4);
+    let tokens: Vec<u32> = (0..8).collect();
+    // Endpoint 1 holds the prompt for tenant-a (salt in block 0, block 1 chained from it).
+    let KvEvent::BlockStored(first) = stored(&[1], None, &tokens[..4], Medium::Gpu) else {
+        unreachable!()
+    };
+    let salted = KvEvent::BlockStored(first.with_cache_salt(Some("tenant-a")));
+    index.apply_event(EndpointId(1), &salted).unwrap();
+    index
+        .apply_event(
+            EndpointId(1),
+            &stored(&[2], Some(1), &tokens[4..], Medium::Gpu),
+        )
+        .unwrap();
+    // Endpoint 2 holds it for LoRA adapter "ad".
+    let KvEvent::BlockStored(mut lora) = stored(&[7, 8], None, &tokens, Medium::Gpu) else {
+        unreachable!()
+    };
+    lora.lora_id = Some(1);
+    lora.lora_name = Some("ad".into());
+    index
+        .apply_event(EndpointId(2), &KvEvent::BlockStored(lora))
+        .unwrap();
+
+    let only = |root| {
+        index
+            .find_matches(&chain_keys_from(root, &tokens, 4))
+            .into_iter()
+            .map(|m| (m.endpoint, m.gpu_blocks))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        only(ChainKey::tenant_root(None, Some("tenant-a"))),
+        vec![(EndpointId(1), 2)]
+    );
+    assert_eq!(
+        only(ChainKey::tenant_root(Some("ad"), None)),
+        vec![(EndpointId(2), 2)]
+    );
+    assert!(
+        only(ChainKey::ROOT).is_empty(),
+        "unsalted base requests match neither"
+    );
+    assert!(only(ChainKey::tenant_root(None, Some("tenant-b"))).is_empty());
+    assert!(only(ChainKey::tenant_root(Some("ad"), Some("tenant-a"))).is_empty());
+    assert!(index.find_matches(&chain_keys(&tokens, 4)).is_empty());
 }

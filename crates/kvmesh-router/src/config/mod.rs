@@ -18,6 +18,11 @@
 //!   - {type: prefix-cache-scorer, name: prefix}
 //! scheduling_profiles:
 //!   - {name: affinity, plugins: [{plugin_ref: prefix, weight: 3}]}
+//! # LoRA adapters the engines serve (vLLM's `--lora-modules name=path`): a request whose
+//! # `model` is one of these names, or that carries a `cache_salt`, only matches blocks of its
+//! # own adapter and salt.
+//! lora_adapters:
+//!   - {name: sql-lora, path: /models/adapters/sql-lora}
 //! ```
 //! Durations are strings like `500ms`, `2s`, `1m`.
 
@@ -27,6 +32,7 @@ mod keys;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use kvmesh_core::TenantKeys;
 use kvmesh_sched::admission_queue::AdmissionQueueConfig;
 use kvmesh_sched::config::duration_str;
 pub use kvmesh_sched::config::{PluginRef, PluginSpec, ProfileSpec};
@@ -368,6 +374,11 @@ pub struct RouterConfig {
     /// Client connection caps and request-body bounds (`docs/reliability.md#hostile-clients`).
     #[serde(default)]
     pub http: kvmesh_http::HttpSettings,
+    /// The LoRA adapters the engines serve, as given to vLLM's `--lora-modules name=path`. A
+    /// request whose `model` names one is keyed in that adapter's key space (vLLM hashes the
+    /// adapter into every block), so it never scores or pulls base-model blocks, nor they its.
+    #[serde(default)]
+    pub lora_adapters: Vec<kvmesh_core::LoraAdapter>,
 }
 
 fn default_header_read_timeout() -> Duration {
@@ -522,8 +533,39 @@ impl RouterConfig {
         if let Some(r) = &self.replication {
             r.validate()?;
         }
+        validate_lora_adapters(&self.lora_adapters)?;
         Ok(())
     }
+
+    /// The key space of a request for `model` with `cache_salt`: the adapter when `model` names
+    /// a configured one (otherwise the base model's), and the salt.
+    pub fn tenant_keys(&self, model: Option<&str>, cache_salt: Option<&str>) -> TenantKeys {
+        TenantKeys {
+            lora: model.and_then(|m| self.lora_adapters.iter().find(|a| a.name == m).cloned()),
+            cache_salt: cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
+        }
+    }
+}
+
+/// Adapter names non-empty and unique (a request's `model` picks one by name), paths non-empty.
+fn validate_lora_adapters(adapters: &[kvmesh_core::LoraAdapter]) -> Result<(), ConfigError> {
+    let mut names = std::collections::HashSet::new();
+    for a in adapters {
+        if a.name.is_empty() || !names.insert(a.name.as_str()) {
+            return Err(ConfigError::Invalid(format!(
+                "lora_adapters: name {:?} empty or duplicated",
+                a.name
+            )));
+        }
+        if a.path.is_empty() {
+            return Err(ConfigError::Invalid(format!(
+                "lora_adapters: adapter {:?} has an empty path (give it as vLLM's --lora-modules \
+                 name=path)",
+                a.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl RouterConfig {

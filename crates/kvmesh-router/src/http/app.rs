@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
-use kvmesh_core::chain::chain_keys;
+use kvmesh_core::chain::chain_keys_from;
 use kvmesh_sched::decisions::DecisionRecord;
 use serde_json::{Value, json};
 
@@ -246,8 +246,16 @@ async fn debug_prefix(State(s): State<Arc<RouterState>>, body: Bytes) -> Respons
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
+    // `model` and `cache_salt` pick the key space as they do for a real request.
+    let tenant = match (
+        request::opt_string(&fields, "model"),
+        request::opt_string(&fields, "cache_salt"),
+    ) {
+        (Ok(model), Ok(salt)) => s.config.tenant_keys(model.as_deref(), salt.as_deref()),
+        (Err(e), _) | (_, Err(e)) => return e.into_response(),
+    };
     let bs = s.config.block_size;
-    let keys = chain_keys(&tokens, bs);
+    let keys = chain_keys_from(tenant.chain_root(), &tokens, bs);
     let matches = s.prefix.find_matches(&keys);
     let mut per = serde_json::Map::new();
     for e in s.endpoints.list().iter() {

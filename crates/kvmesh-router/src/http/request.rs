@@ -87,6 +87,11 @@ pub struct ParsedRequest {
     pub tokens: Vec<TokenId>,
     pub stream: bool,
     pub max_tokens: Option<u64>,
+    /// `model`, when the body names one (a LoRA adapter's name puts the request in its key
+    /// space).
+    pub model: Option<String>,
+    /// vLLM's `cache_salt` (a top-level string): the tenant whose blocks the request may use.
+    pub cache_salt: Option<String>,
 }
 
 impl ParsedRequest {
@@ -100,6 +105,21 @@ impl ParsedRequest {
         self.fields.insert(key.to_owned(), raw);
         self.modified = true;
         Ok(())
+    }
+
+    /// The request's key space: its LoRA adapter (when `model` names one of `config`'s) and its
+    /// `cache_salt`.
+    pub fn tenant(&self, config: &crate::config::RouterConfig) -> kvmesh_core::TenantKeys {
+        config.tenant_keys(self.model.as_deref(), self.cache_salt.as_deref())
+    }
+
+    /// The chain keys of the prompt's full blocks in the request's key space.
+    pub fn chain_keys(&self, config: &crate::config::RouterConfig) -> Vec<kvmesh_core::ChainKey> {
+        kvmesh_core::chain::chain_keys_from(
+            self.tenant(config).chain_root(),
+            &self.tokens,
+            config.block_size,
+        )
     }
 
     /// A top-level field parsed as `T` (None if absent or not a `T`).
@@ -198,6 +218,8 @@ pub fn parse(
         Some(v) => lax::boolean(&v).ok_or_else(|| invalid("stream", "a valid boolean", &v))?,
     };
     let max_tokens = max_tokens(&fields)?;
+    let model = opt_string(&fields, "model")?;
+    let cache_salt = opt_string(&fields, "cache_salt")?;
     let tokens = match kind {
         ApiKind::Completions => {
             let prompt = fields
@@ -218,7 +240,22 @@ pub fn parse(
         tokens,
         stream,
         max_tokens,
+        model,
+        cache_salt,
     })
+}
+
+/// A top-level string field (absent or null = None); anything else is vLLM's 400.
+pub fn opt_string(fields: &FieldMap<'_>, key: &'static str) -> Result<Option<String>, ApiError> {
+    match fields.get(key) {
+        None => Ok(None),
+        Some(r) if r.get() == "null" => Ok(None),
+        Some(r) => serde_json::from_str::<String>(r.get())
+            .map(Some)
+            .map_err(|_| {
+                ApiError::bad_param(key, format!("{key}: Input should be a valid string"))
+            }),
+    }
 }
 
 /// A request's top-level fields, each a raw JSON value borrowed from the body.

@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams, RemoteKvSource};
 use kvmesh_index::EndpointMatch;
 use kvmesh_sched::plugins::p2p_source_producer::P2pDecision;
@@ -122,7 +121,7 @@ pub(crate) async fn route_pd(
     let conv = conversation_key(&mut parsed, &headers);
     let rid = request_id(&headers);
     let bs = s.config.block_size;
-    let keys = chain_keys(&parsed.tokens, bs);
+    let keys = parsed.chain_keys(&s.config);
     let matches = s.prefix.find_matches(&keys);
     let list = s.endpoints.list();
     let mut decoders = with_role(&list, Role::Decode);

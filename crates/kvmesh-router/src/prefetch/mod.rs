@@ -72,8 +72,14 @@ impl Prefetch {
 impl Hook for Prefetch {
     /// A turn of a session arrived: a prefetch decision still waiting for its delay will see it
     /// (there was no gap to use), and the turn is followed to its end.
-    fn on_arrival(&self, _s: &Arc<RouterState>, a: &Arrival<'_>) -> Option<Box<dyn RequestHook>> {
+    fn on_arrival(&self, s: &Arc<RouterState>, a: &Arrival<'_>) -> Option<Box<dyn RequestHook>> {
         let session = session_of(&self.sessions.config.session_id, a.headers, a.request)?;
+        if !a.request.tenant(&s.config).is_shared() {
+            // Prefetches and restores name bare token ids, which engines hash without salt or
+            // adapter: for a tenant's session they would prepare the wrong blocks.
+            self.sessions.count("skipped_tenant");
+            return None;
+        }
         self.sessions
             .table
             .lock()

@@ -49,6 +49,11 @@ impl Replicate {
 
 impl Hook for Replicate {
     fn after_placement(&self, s: &Arc<RouterState>, p: &Placed<'_>) {
+        if !p.shared {
+            // A copy is a prefetch of bare token ids, hashed unsalted by the engine: it would
+            // copy the base model's blocks, not this tenant's.
+            return;
+        }
         let r = Arc::clone(&self.table);
         after_placement(s, r, p.tokens, p.keys, p.candidates, p.eligible);
     }

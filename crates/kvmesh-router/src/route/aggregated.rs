@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use kvmesh_core::chain::chain_keys;
 use kvmesh_core::{ChainKey, KvTransferParams};
 use kvmesh_index::EndpointId;
 use kvmesh_sched::admission_queue::Work;
@@ -67,7 +66,8 @@ pub(crate) async fn route_aggregated(
     let request_id = request_id(&headers);
     // A first try may name a pull source in the body; a retry starts from the client's params.
     let client_params = parsed.fields.get("kv_transfer_params").cloned();
-    let keys = chain_keys(&parsed.tokens, s.config.block_size);
+    // In the request's tenant and adapter key space: it only matches blocks of its own.
+    let keys = parsed.chain_keys(&s.config);
     let arrival = Arrival {
         headers: &headers,
         request: &parsed,
@@ -149,6 +149,7 @@ impl Attempt<'_> {
         let placed = Placed {
             tokens: &parsed.tokens,
             keys: self.keys,
+            shared: parsed.tenant(&self.s.config).is_shared(),
             candidates: &reserved.fleet.candidates,
             eligible: &reserved.fleet.eligible,
             endpoint: &reserved.ep,
