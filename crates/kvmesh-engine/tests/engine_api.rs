@@ -807,15 +807,8 @@ async fn a_malformed_p2p_hint_is_ignored_not_fatal() {
 #[tokio::test]
 async fn a_huge_prompt_through_an_hf_tokenizer_is_counted_in_pieces_and_refused() {
     use kvmesh_engine::server::{ServerOptions, sim_backend, start_server};
-    let dir = tempfile::tempdir().unwrap();
-    let tok = dir.path().join("tokenizer.json");
-    std::fs::write(
-        &tok,
-        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
-           "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
-           "model":{"type":"WordLevel","vocab":{"hello":0,"world":1,"[UNK]":2},"unk_token":"[UNK]"}}"#,
-    )
-    .unwrap();
+    let tok = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tokenizers/wordlevel.json");
     let tokenizer = kvmesh_text::HfTokenizer::load(&tok, None).unwrap();
     let mut cfg = base_config();
     cfg.max_model_len = 131_072;

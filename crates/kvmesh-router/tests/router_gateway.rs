@@ -525,22 +525,33 @@ async fn streamed_ttft_on_an_idle_endpoint_teaches_the_cost_model() {
 async fn hf_tokenizer_and_chat_template_from_config() {
     tokio::time::timeout(LIMIT, async {
         let dir = tempfile::tempdir().unwrap();
-        let tok = dir.path().join("tokenizer.json");
+        let tok = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tokenizers/wordlevel.json");
+        let tpl = dir.path().join("chat.jinja");
         std::fs::write(
-            &tok,
-            r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
-               "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
-               "model":{"type":"WordLevel","vocab":{"hello":0,"world":1,"user":2,"says":3,"[UNK]":4},"unk_token":"[UNK]"}}"#,
+            &tpl,
+            "{% for m in messages %}{{ m.role }} says {{ m.content }} {% endfor %}",
         )
         .unwrap();
-        let tpl = dir.path().join("chat.jinja");
-        std::fs::write(&tpl, "{% for m in messages %}{{ m.role }} says {{ m.content }} {% endfor %}").unwrap();
         let e0 = FakeEngine::start("e0").await;
-        let yaml = format!("tokenizer: {{path: \"{}\", chat_template: \"{}\"}}\n{}", tok.display(), tpl.display(), endpoints_yaml(&[&e0]));
+        let yaml = format!(
+            "tokenizer: {{path: \"{}\", chat_template: \"{}\"}}\n{}",
+            tok.display(),
+            tpl.display(),
+            endpoints_yaml(&[&e0])
+        );
         let r = start_router(&yaml, None).await;
         let base = format!("http://{}", r.addr);
-        post_json(&format!("{base}/v1/completions"), &json!({"prompt": "hello world hello"})).await;
-        post_json(&format!("{base}/v1/chat/completions"), &json!({"messages": [{"role": "user", "content": "hello world"}]})).await;
+        post_json(
+            &format!("{base}/v1/completions"),
+            &json!({"prompt": "hello world hello"}),
+        )
+        .await;
+        post_json(
+            &format!("{base}/v1/chat/completions"),
+            &json!({"messages": [{"role": "user", "content": "hello world"}]}),
+        )
+        .await;
         let d: Value = get_json(&format!("{base}/debug/decisions?last=2")).await;
         assert_eq!(d[0]["prompt_tokens"], 3);
         // "user says hello world" = 4 words.

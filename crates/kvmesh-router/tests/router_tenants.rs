@@ -62,17 +62,21 @@ fn store(index: &PrefixIndex, ep: u32, salt: Option<&str>, lora: Option<&str>) {
     }
 }
 
-/// `/debug/prefix` for the prompt in a key space: tokens each endpoint holds.
-async fn held(r: &RouterHandle, extra: Value) -> (u64, u64) {
-    let mut body = json!({"token_ids": prompt()});
+/// `/debug/prefix` for `body` with `extra` fields (a key space) merged in.
+async fn debug_prefix(r: &RouterHandle, mut body: Value, extra: Value) -> Value {
     body.as_object_mut()
         .unwrap()
         .extend(extra.as_object().unwrap().clone());
-    let v: Value = post_json(&format!("http://{}/debug/prefix", r.addr), &body)
+    post_json(&format!("http://{}/debug/prefix", r.addr), &body)
         .await
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// `/debug/prefix` for the prompt in a key space: tokens each endpoint holds.
+async fn held(r: &RouterHandle, extra: Value) -> (u64, u64) {
+    let v = debug_prefix(r, json!({"token_ids": prompt()}), extra).await;
     let t = |e: &str| v["endpoints"][e]["any_tokens"].as_u64().unwrap();
     (t("e0"), t("e1"))
 }
@@ -197,15 +201,7 @@ async fn tenants_and_adapters_never_score_or_pull_each_others_blocks() {
 
 /// `/debug/prefix` for a text prompt in a key space: (gpu, cpu) tokens `endpoint` holds.
 async fn held_text(r: &RouterHandle, prompt: &str, extra: Value, endpoint: &str) -> (u64, u64) {
-    let mut body = json!({"prompt": prompt});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    let v: Value = post_json(&format!("http://{}/debug/prefix", r.addr), &body)
-        .await
-        .json()
-        .await
-        .unwrap();
+    let v = debug_prefix(r, json!({"prompt": prompt}), extra).await;
     let t = |tier: &str| v["endpoints"][endpoint][tier].as_u64().unwrap_or(0);
     (t("gpu_tokens"), t("cpu_tokens"))
 }

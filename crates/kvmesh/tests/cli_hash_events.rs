@@ -45,6 +45,21 @@ fn fixture(name: &str) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// `kvmesh hash ARGS` over `tokens` (JSON): one JSON object per block; the command must succeed.
+fn hash_lines(args: &[&str], tokens: &str) -> Vec<serde_json::Value> {
+    let out = run_hash(args, tokens);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn run_hash(args: &[&str], stdin: &str) -> std::process::Output {
     let mut child = Command::new(BIN)
         .arg("hash")
@@ -82,17 +97,7 @@ fn hash_reproduces_every_golden_digest() {
                 None if algo == "xxhash_cbor" => args.extend(["--none-hash", none_hash]),
                 None => {}
             }
-            let out = run_hash(&args, &case["tokens"].to_string());
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-                .unwrap()
-                .lines()
-                .map(|l| serde_json::from_str(l).unwrap())
-                .collect();
+            let lines = hash_lines(&args, &case["tokens"].to_string());
             let blocks = case["blocks"].as_array().unwrap();
             assert_eq!(lines.len(), blocks.len(), "{file} {algo}");
             for (i, (line, g)) in lines.iter().zip(blocks).enumerate() {
@@ -131,17 +136,7 @@ fn hash_reproduces_salted_and_lora_digests() {
             args.extend(["--lora".into(), spec]);
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let out = run_hash(&args, &tokens);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let lines = hash_lines(&args, &tokens);
         let blocks = case["blocks"].as_array().unwrap();
         assert_eq!(lines.len(), blocks.len());
         for (line, want) in lines.iter().zip(blocks) {

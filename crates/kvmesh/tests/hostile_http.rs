@@ -486,14 +486,8 @@ async fn a_large_body_costs_a_bounded_multiple_of_itself() {
 #[tokio::test]
 async fn a_large_prompt_through_an_hf_tokenizer_is_refused_within_the_bound() {
     let dir = tempfile::tempdir().unwrap();
-    let tok = dir.path().join("tokenizer.json");
-    std::fs::write(
-        &tok,
-        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
-           "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
-           "model":{"type":"WordLevel","vocab":{"hello":0,"world":1,"user":2,"says":3,"[UNK]":4},"unk_token":"[UNK]"}}"#,
-    )
-    .unwrap();
+    let tok = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tokenizers/wordlevel.json");
     let tpl = dir.path().join("chat.jinja");
     std::fs::write(
         &tpl,

@@ -196,10 +196,9 @@ impl P2pConsumer {
         }
         let started = tokio::time::Instant::now();
         let budget = self.read_budget(predicted_pull_ms);
-        let want = hashes[local..].to_vec();
         let Some(pull) = LayeredPull::new(
             local,
-            want.clone(),
+            hashes[local..].to_vec(),
             layers,
             segment_len,
             &self.staging,
@@ -221,7 +220,7 @@ impl P2pConsumer {
                 .pull_layers(
                     peer,
                     &kv_request_id,
-                    &want,
+                    pull.hashes(),
                     &layout,
                     &mut sink,
                     Some(started + budget),
