@@ -27,6 +27,14 @@ Saves go layer by layer: ``save_kv_layer`` copies each layer's part of the step'
 into a staging buffer as the layer finishes; ``wait_for_save`` only hands the staged blocks to the
 CPU tier.
 
+Tensor parallel: every TP rank's worker keeps and serves its own shard of each block on
+``p2p_port + rank`` (the shard is in its fingerprint) and pulls the same shard from the peer's
+rank of the same number; vLLM counts a load done only when every rank's is, and any rank's
+missing block is a load error, so a prefix is used only if every shard of it landed. Ranks whose
+KV is identical (MLA's latent on every rank, or KV heads replicated over more ranks than heads)
+form one shard: its first rank keeps and serves it once, the others keep no tier and read it
+from that rank (theirs over loopback, a peer's from the peer's).
+
 Only the adaptation to vLLM lives here; the protocol, tier, checksums, pins, allow-list and
 secret are the Rust crate ``kvmesh-py`` (``kvmesh_vllm._native``) over ``kvmesh-transfer``.
 """
@@ -107,9 +115,11 @@ class KvmeshConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvmeshWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: what the CPU tier stored and evicted this step (event hashes)."""
+    """Worker -> scheduler: what the CPU tier stored and evicted this step (event hashes). With
+    tensor parallel vLLM merges every rank's into one: ``stored`` keeps one list per rank that
+    stored anything, because a block is held only once every shard's leader stored it."""
 
-    stored: list[int] = field(default_factory=list)
+    stored: list[list[int]] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -223,8 +233,22 @@ class KvmeshConnector(KVConnectorBase_V1):
         # A best-effort cache: a dropped save is a future miss, never a wrong answer.
         return False
 
+    def _tp_replicas(self) -> int:
+        """vLLM's count of TP ranks holding identical KV, when it has built the KV cache; the
+        settings' own estimate from the model otherwise."""
+        replicas = getattr(self._kv_cache_config, "kv_tp_replicas", None)
+        if not isinstance(replicas, int) or replicas == self._s.tp_replicas:
+            return self._s.tp_replicas
+        logger.warning("kvmesh: vLLM holds KV identical across %d TP ranks, not %d as the model "
+                       "suggested: using vLLM's (kvmesh_p2p_fingerprint_info may differ from "
+                       "the P2P fingerprint)", replicas, self._s.tp_replicas)
+        return replicas
+
     def _init_scheduler(self) -> None:
         s = self._s
+        # The scheduler looks peers up on their rank 0 and speaks for rank 0's shard.
+        s.set_tp_rank(0, self._tp_replicas())
+        self._storing_ranks = s.tp_size // s.tp_replicas
         ktc = self._vllm_config.kv_transfer_config
         # vLLM's default policy fails a request whose load failed; a pull that did not arrive
         # must instead be recomputed (the client never sees it). The scheduler reads the policy
@@ -246,11 +270,15 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._sources: dict[str, tuple[str, int, str]] = {}
         self._found: dict[str, tuple[int, int]] = {}
         self._loads: list[_Load] = []
+        # Requests whose load was handed to the worker (one load per request).
+        self._loaded: set[str] = set()
         # KV events for the CPU tier, published by vLLM's own publisher (--kv-events-config):
         # saves asked of the worker, by event hash, until it reports them stored; then the
         # digest of each held block, until it reports the block evicted.
         self._asked: dict[int, tuple[bytes, bytes | None, list[int]]] = {}
         self._held: dict[int, bytes] = {}
+        # With TP: blocks some but not yet every shard leader reported stored -> how many did.
+        self._stored_by: dict[int, int] = {}
         self._events: list[KVCacheEvent] = []
         self._publisher: ZmqEventPublisher | None = None
         if s.events_endpoint:
@@ -277,6 +305,12 @@ class KvmeshConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if request.request_id in self._loaded:
+            # Asked again after its load: that load failed with nothing usable (vLLM freed the
+            # blocks and retries), so the request computes. Offering the same blocks again
+            # would fail the same way, for ever (a peer rank that is refused, a block evicted
+            # since the lookup).
+            return 0, False
         params = request.kv_transfer_params or {}
         src = params.get("remote_kv_source")
         if not isinstance(src, dict):
@@ -367,8 +401,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         source = self._sources.get(rid)
         if source is not None:
             self._loads.append(_Load(rid, hashes, block_ids[start:start + k], *source))
+            self._loaded.add(rid)
         elif self._hit_source.get(rid) == CacheHitSource.HOST:
             self._loads.append(_Load(rid, hashes, block_ids[start:start + k]))
+            self._loaded.add(rid)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvmeshConnectorMetadata(loads=self._loads)
@@ -422,7 +458,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         if not isinstance(wm, KvmeshWorkerMetadata):
             return
         before = len(self._events)
-        for h in wm.stored:
+        for h in self._stored_everywhere(wm.stored):
             info = self._asked.pop(h, None)
             if info is None:
                 continue
@@ -443,6 +479,24 @@ class KvmeshConnector(KVConnectorBase_V1):
             self._publisher.publish(KVEventBatch(ts=time.time(), events=self._events[before:]))
         if len(self._asked) > 65536:  # saves the worker never confirmed (e.g. no room)
             self._asked.clear()
+            self._stored_by.clear()
+
+    def _stored_everywhere(self, per_rank: list[list[int]]) -> list[int]:
+        """The blocks that every shard's leader has now stored (with TP 1, or one shard: what
+        the one storing rank stored). A block one leader could not keep is not announced: a
+        pull of it would miss that shard."""
+        if self._storing_ranks == 1:
+            return [h for stored in per_rank for h in stored]
+        done = []
+        for stored in per_rank:
+            for h in stored:
+                n = self._stored_by.get(h, 0) + 1
+                if n < self._storing_ranks:
+                    self._stored_by[h] = n
+                else:
+                    self._stored_by.pop(h, None)
+                    done.append(h)
+        return done
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
@@ -455,6 +509,7 @@ class KvmeshConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._tracked.pop(rid, None)
+        self._loaded.discard(rid)
         self._lookup_start.pop(rid, None)
         self._sources.pop(rid, None)
         self._found.pop(rid, None)
@@ -466,9 +521,34 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def _init_worker(self) -> None:
         s = self._s
+        rank = 0
+        if s.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        s.set_tp_rank(rank, self._tp_replicas())
+        # Only a shard's leader keeps a CPU tier and serves it (on p2p_port + rank): the other
+        # ranks of its replica set (MLA's latent is the same on every rank) hold the same bytes,
+        # so they keep none and read their leader's, over loopback, when reusing it.
+        self._leads_shard = rank == s.shard_leader
+        local = "127.0.0.1" if s.p2p_host in ("0.0.0.0", "::", "") else s.p2p_host
+        self._leader_addr = (local, s.shard_port(s.p2p_port))
+        allowed = s.allowed_peers
+        if not self._leads_shard:
+            allowed = [*allowed, f"{local}:{self._leader_addr[1]}"]
+        # With KV identical on every TP rank, pulls from a peer are read by rank 0 alone and
+        # handed to the others over the TP group's CPU (gloo) channel: (group, rank 0's rank).
+        self._replica_group: tuple[Any, int] | None = None
+        self._shared: dict[str, list[int]] = {}
+        if s.tp_size > 1 and s.tp_replicas == s.tp_size:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            tp = get_tp_group()
+            self._replica_group = (tp.cpu_group, tp.ranks[0])
         self._node = s.node(
-            listen_host=s.p2p_host, listen_port=s.p2p_port, cpu_bytes=s.cpu_bytes,
-            allowed_peers=s.allowed_peers, allowed_consumers=s.allowed_consumers,
+            listen_host=s.p2p_host if self._leads_shard else None,
+            listen_port=s.p2p_port + rank, cpu_bytes=s.cpu_bytes if self._leads_shard else 0,
+            allowed_peers=allowed, allowed_consumers=s.allowed_consumers,
             serve_bytes_per_sec=s.serve_bytes_per_sec,
         )
         self._layers: list[tuple[torch.Tensor, int]] = []
@@ -491,11 +571,15 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._stored: list[int] = []
         if s.metrics_port:
-            _serve_metrics(s.metrics_port + 1, self._node.metrics_text)
-        logger.info("kvmesh connector (worker): p2p producer on %s:%s%s", s.p2p_host,
-                    self._node.port,
-                    f", serving at most {s.serve_bytes_per_sec} B/s"
-                    if s.serve_bytes_per_sec else "")
+            _serve_metrics(s.metrics_port + 1 + rank, self._node.metrics_text)
+        if self._leads_shard:
+            logger.info("kvmesh connector (worker, TP rank %d of %d): p2p producer on %s:%s%s",
+                        rank, s.tp_size, s.p2p_host, self._node.port,
+                        f", serving at most {s.serve_bytes_per_sec} B/s"
+                        if s.serve_bytes_per_sec else "")
+        else:
+            logger.info("kvmesh connector (worker, TP rank %d of %d): KV identical to rank %d's, "
+                        "which keeps and serves it", rank, s.tp_size, s.shard_leader)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None
@@ -557,13 +641,27 @@ class KvmeshConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvmeshConnectorMetadata)
         for load in meta.loads:
-            if not load.host:
+            own_tier = not load.host
+            if own_tier and self._leads_shard:
                 self._load_locally(load)
                 continue
+            if own_tier:
+                # This rank keeps no tier: its leader's holds the same bytes.
+                load = _Load(load.req_id, load.hashes, load.block_ids, *self._leader_addr,
+                             load.req_id)
+            else:
+                load = _Load(load.req_id, load.hashes, load.block_ids, load.host,
+                             self._s.shard_port(load.port), load.kv_request_id)
             if self._s.load_mode == "layerwise":
                 self._start_layerwise(load)
                 continue
-            self._loading[load.req_id] = load.block_ids
+            if self._replica_group is not None and not own_tier:
+                # A peer's copy, read once for the whole replica set (_finish_shared_loads).
+                self._shared[load.req_id] = load.block_ids
+                if not self._leads_shard:
+                    continue
+            else:
+                self._loading[load.req_id] = load.block_ids
             self._node.start_pull(load.req_id, load.host, load.port, load.kv_request_id,
                                   load.hashes, self._block_bytes)
 
@@ -685,7 +783,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         the step's new full blocks into the staging buffer (the rest of the step's compute
         follows; ``wait_for_save`` only hands the staged blocks to the tier)."""
         layer = self._layer_index.get(layer_name)
-        if layer is None or not self._layers:
+        if layer is None or not self._layers or not self._leads_shard:
             return
         step = self._save_plan()
         if step is None:
@@ -703,7 +801,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvmeshConnectorMetadata)
         step, self._save_step = self._save_step, None
-        if not meta.saves or not self._layers:
+        if not meta.saves or not self._layers or not self._leads_shard:
             return
         if step is not None and step[0] is meta and len(step[4]) == len(self._layers):
             hashes, data = step[1], step[3]
@@ -727,33 +825,76 @@ class KvmeshConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._loaded_locally = self._loaded_locally, set()
         for rid, block_ids in list(self._loading.items()):
-            if self._node.is_pulling(rid) and not self._node.wait_pull(rid, self._s.poll_wait_ms):
-                continue
-            buf = self._blocks_buffer(len(block_ids))
-            try:
-                res = self._node.poll_pull(rid, buf.numpy())
-            except Exception:  # a bug here must cost a recompute, never the request
-                logger.exception("kvmesh: collecting the pull for %s failed: recomputing", rid)
-                res = None
-            del self._loading[rid]
-            done.add(rid)
-            if res is None:
-                self._load_errors.update(block_ids)
-                continue
-            blocks, outcome, reason = res
-            if blocks:
-                self._scatter(buf, block_ids[:blocks])
-            if blocks < len(block_ids):
-                logger.warning("kvmesh: load for %s got %d of %d blocks (%s): recomputing",
-                               rid, blocks, len(block_ids), reason)
-                self._load_errors.update(block_ids[blocks:])
+            if self._collect_pull(rid, block_ids) is not None:
+                del self._loading[rid]
+                done.add(rid)
+        if self._shared:
+            done |= self._finish_shared_loads()
         return None, (done or None)
+
+    def _collect_pull(self, rid: str, block_ids: list[int]) -> tuple[torch.Tensor, int] | None:
+        """A finished pull's blocks, copied into ``block_ids`` (what did not arrive is a load
+        error): the buffer and the count that arrived; ``None`` while it is still running."""
+        if self._node.is_pulling(rid) and not self._node.wait_pull(rid, self._s.poll_wait_ms):
+            return None
+        buf = self._blocks_buffer(len(block_ids))
+        try:
+            res = self._node.poll_pull(rid, buf.numpy())
+        except Exception:  # a bug here must cost a recompute, never the request
+            logger.exception("kvmesh: collecting the pull for %s failed: recomputing", rid)
+            res = None
+        blocks, reason = (res[0], res[2]) if res is not None else (0, "no result")
+        if blocks:
+            self._scatter(buf, block_ids[:blocks])
+        if blocks < len(block_ids):
+            logger.warning("kvmesh: load for %s got %d of %d blocks (%s): recomputing",
+                           rid, blocks, len(block_ids), reason)
+            self._load_errors.update(block_ids[blocks:])
+        return buf, blocks
+
+    def _finish_shared_loads(self) -> set[str]:
+        """Pulls of KV every TP rank holds identically (MLA's latent): the first rank pulled
+        it, and hands each finished pull to the other ranks over the TP group's CPU channel,
+        so a peer serves it once per server, not once per rank. Every rank calls this at the
+        same point of each step with the same pending loads (all ranks get the same metadata),
+        so the broadcasts below pair up; nothing between them can raise."""
+        assert self._replica_group is not None
+        group, src = self._replica_group
+        rids = sorted(self._shared)
+        # Per load: blocks that arrived, or -1 while the leader's pull is still running.
+        status = torch.full((len(rids),), -1, dtype=torch.long)
+        bufs: dict[str, torch.Tensor] = {}
+        if self._leads_shard:
+            for i, rid in enumerate(rids):
+                got = self._collect_pull(rid, self._shared[rid])
+                if got is not None:
+                    bufs[rid], status[i] = got
+        torch.distributed.broadcast(status, src=src, group=group)
+        done = set()
+        for i, rid in enumerate(rids):
+            arrived = int(status[i])
+            if arrived < 0:
+                continue
+            block_ids = self._shared.pop(rid)
+            done.add(rid)
+            if self._leads_shard:
+                if arrived:
+                    torch.distributed.broadcast(bufs[rid][:arrived], src=src, group=group)
+                continue
+            if arrived:
+                buf = self._blocks_buffer(arrived)
+                torch.distributed.broadcast(buf, src=src, group=group)
+                self._scatter(buf, block_ids[:arrived])
+            if arrived < len(block_ids):
+                self._load_errors.update(block_ids[arrived:])
+        return done
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         removed = self._node.take_removed()
         if not self._stored and not removed:
             return None
-        meta = KvmeshWorkerMetadata(stored=self._stored, removed=removed)
+        meta = KvmeshWorkerMetadata(stored=[self._stored] if self._stored else [],
+                                    removed=removed)
         self._stored = []
         return meta
 

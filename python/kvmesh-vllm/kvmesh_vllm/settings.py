@@ -91,6 +91,18 @@ KNOWN_KEYS = {
 LOAD_MODES = ("async", "layerwise")
 
 
+def tp_replicas(model: Any, tp_size: int) -> int:
+    """Consecutive TP ranks holding identical KV, from the model alone (vLLM's own value,
+    ``KVCacheConfig.kv_tp_replicas``, is checked against it once the KV cache exists): every
+    rank holds MLA's whole latent; with fewer KV heads than ranks each head is replicated."""
+    if tp_size <= 1:
+        return 1
+    if getattr(model, "use_mla", False):
+        return tp_size
+    heads = model.get_total_num_kv_heads()
+    return tp_size // heads if 0 < heads < tp_size else 1
+
+
 class Settings:
     """``kv_connector_extra_config`` with defaults, plus the fingerprint fields."""
 
@@ -169,8 +181,12 @@ class Settings:
                 "every server) or use sha256_cbor"
             )
         self.hash_algo: str = algo
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-            raise ValueError("KvmeshConnector supports tensor/pipeline parallel size 1 only")
+        if par.pipeline_parallel_size != 1:
+            raise ValueError(
+                "KvmeshConnector: pipeline parallel size > 1 is not supported (tensor parallel "
+                "is): each pipeline stage would hold a different slice of the layers"
+            )
+        self.tp_size: int = par.tensor_parallel_size
         dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
         dt = _DTYPES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else str(dtype)
         from vllm.platforms import current_platform
@@ -183,9 +199,7 @@ class Settings:
 
         attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
         backend = getattr(attn, "name", None) or (str(attn) if attn else "auto")
-        self.kv_dtype = (
-            f"{dt}:vllm-{current_platform.device_type}:{backend}:{vllm.__version__}"
-        )
+        self._layout = f"{dt}:vllm-{current_platform.device_type}:{backend}:{vllm.__version__}"
         self.model_id: str = str(extra.get("model_id") or model.served_model_name or model.model)
         if isinstance(model.served_model_name, list):
             self.model_id = str(extra.get("model_id") or model.served_model_name[0])
@@ -193,6 +207,41 @@ class Settings:
         self.num_kv_heads: int = model.get_num_kv_heads(par)
         self.head_dim: int = model.get_head_size()
         self.none_hash: str = _native.none_hash(algo, os.environ.get("PYTHONHASHSEED"))
+        self.set_tp_rank(0, tp_replicas(model, self.tp_size))
+
+    def set_tp_rank(self, rank: int, replicas: int) -> None:
+        """This process's tensor-parallel rank and ``replicas``, the number of consecutive ranks
+        that hold identical KV (vLLM's ``kv_tp_replicas``: the TP size for MLA's latent, or
+        ranks / KV heads when there are fewer KV heads than ranks). Ranks of one replica set
+        hold one *shard*; its first rank, the shard's leader, keeps and serves it for all of
+        them. The scheduler process speaks for rank 0."""
+        if replicas < 1 or self.tp_size % replicas:
+            replicas = 1
+        self.tp_rank = rank
+        self.tp_replicas = replicas
+        self.tp_shard = rank // replicas
+        # A rank's bytes are its shard's: the fingerprint names the shard, so rank 1 of one
+        # server can only ever read rank 1's shard of another. It names the TP size even when
+        # every rank holds the same bytes (MLA): a latent computed at TP 2 is not the bytes TP 1
+        # computes (the all-reduces sum in another order), and a random test model already
+        # answers differently from the second token (docs/notes-vllm-models.md §6).
+        shards = self.tp_size // replicas
+        if self.tp_size == 1:
+            self.kv_dtype = self._layout
+        elif shards == 1:
+            self.kv_dtype = f"{self._layout}:tp{self.tp_size}"
+        else:
+            self.kv_dtype = f"{self._layout}:tp{self.tp_size}-shard{self.tp_shard}"
+
+    @property
+    def shard_leader(self) -> int:
+        """The rank that keeps and serves this rank's shard (in every server of the mesh)."""
+        return self.tp_shard * self.tp_replicas
+
+    def shard_port(self, rank0_port: int) -> int:
+        """The P2P port serving this rank's shard on a server whose rank 0 listens on
+        ``rank0_port`` (rank r listens on ``p2p_port + r``)."""
+        return rank0_port + self.shard_leader
 
     def fingerprint_fields(self) -> dict[str, Any]:
         return {

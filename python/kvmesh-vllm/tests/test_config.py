@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh_vllm.settings import KNOWN_KEYS, load_mode, parse_bytes, peer_list
+from kvmesh_vllm.settings import KNOWN_KEYS, load_mode, parse_bytes, peer_list, tp_replicas
 
 
 @pytest.mark.parametrize("text, want", [
@@ -44,3 +44,27 @@ def test_load_mode_is_async_or_layerwise():
     for bad in ("layer", "", None, True):
         with pytest.raises(ValueError, match="load_mode"):
             load_mode(bad)
+
+
+class _Model:
+    def __init__(self, kv_heads: int, mla: bool = False):
+        self.use_mla = mla
+        self._kv_heads = kv_heads
+
+    def get_total_num_kv_heads(self) -> int:
+        return self._kv_heads
+
+
+@pytest.mark.parametrize("kv_heads, mla, tp, want", [
+    (8, False, 1, 1),   # no TP
+    (8, False, 2, 1),   # GQA, 4 heads per rank: every rank its own shard
+    (2, False, 2, 1),   # one head per rank
+    (2, False, 4, 2),   # 2 heads over 4 ranks: ranks 0-1 and 2-3 hold the same head
+    (1, False, 4, 4),   # one KV head: every rank holds it
+    (1, True, 2, 2),    # MLA: one latent, identical on every rank
+    (1, True, 8, 8),
+])
+def test_tp_ranks_with_identical_kv_are_one_shard(kv_heads, mla, tp, want):
+    # What the connector assumes before vLLM's KV cache exists (it then takes vLLM's
+    # kv_tp_replicas); the fingerprint and the ports a rank pulls from follow from it.
+    assert tp_replicas(_Model(kv_heads, mla), tp) == want

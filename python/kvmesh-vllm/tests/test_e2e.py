@@ -73,6 +73,16 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port below the ephemeral range")
 
 
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free ports, all reserved."""
+    while True:
+        first = free_port()
+        rest = range(first + 1, first + n)
+        if all(p not in _PICKED and bindable(p) for p in rest):
+            _PICKED.update(rest)
+            return first
+
+
 def bindable(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -84,15 +94,13 @@ def bindable(port: int) -> bool:
 
 class Server:
     def __init__(self, name: str, model: str, workdir: str, allowed_peers: list[str],
-                 extra_config: dict | None = None):
+                 extra_config: dict | None = None, tp: int = 1):
         self.name = name
+        self.tp = tp
         self.http = free_port()
-        self.p2p = free_port()
-        self.metrics = free_port()
-        # The worker's endpoint is metrics + 1: it must be free too, and is reserved here.
-        while self.metrics + 1 in _PICKED or not bindable(self.metrics + 1):
-            self.metrics = free_port()
-        _PICKED.add(self.metrics + 1)
+        # TP rank r serves on p2p + r, and its worker's metrics are on metrics + 1 + r.
+        self.p2p = free_port_run(tp)
+        self.metrics = free_port_run(tp + 1)
         # ipc: vLLM's publisher binds it (a tcp://host:port endpoint would make it connect).
         self.events = f"ipc://{workdir}/{name}-events.sock"
         extra = {
@@ -127,7 +135,7 @@ class Server:
             "--port", str(self.http), "--block-size", str(BLOCK), "--enable-prefix-caching",
             "--prefix-caching-hash-algo", "sha256_cbor", "--enforce-eager",
             "--max-model-len", os.environ.get("KVMESH_VLLM_MAX_MODEL_LEN", "2048"), "--max-num-seqs", "4", "--dtype", "bfloat16",
-            "--kv-transfer-config", json.dumps(ktc),
+            "--kv-transfer-config", json.dumps(ktc), "--tensor-parallel-size", str(tp),
             "--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
                 "endpoint": self.events, "topic": "kv",
@@ -187,8 +195,9 @@ class Server:
     def kvmesh_scheduler_metric(self, name: str, **labels: str) -> float:
         return metric(get(f"http://127.0.0.1:{self.metrics}/"), name, **labels)
 
-    def kvmesh_worker_metric(self, name: str, **labels: str) -> float:
-        return metric(get(f"http://127.0.0.1:{self.metrics + 1}/"), name, **labels)
+    def kvmesh_worker_metric(self, name: str, rank: int = 0, **labels: str) -> float:
+        """From TP rank ``rank``'s worker (its own P2P node and tier)."""
+        return metric(get(f"http://127.0.0.1:{self.metrics + 1 + rank}/"), name, **labels)
 
     def reset_prefix_cache(self) -> None:
         post(f"http://127.0.0.1:{self.http}/reset_prefix_cache", None)
