@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
 import tiny_model  # noqa: E402
 
 BLOCK = 32
@@ -43,6 +44,8 @@ REQUEST_S = 120
 # pulled-prefix run computes the suffix against cached KV while the cold run computes the
 # whole prompt in one pass: the same math in another order).
 LOGPROB_TOL = 0.05
+# The adapter A and B serve besides the base model.
+LORA = "tiny-lora"
 
 
 def _ephemeral_low() -> int:
@@ -94,7 +97,8 @@ def bindable(port: int) -> bool:
 
 class Server:
     def __init__(self, name: str, model: str, workdir: str, allowed_peers: list[str],
-                 extra_config: dict | None = None, tp: int = 1):
+                 extra_config: dict | None = None, tp: int = 1,
+                 extra_args: list[str] | None = None):
         self.name = name
         self.tp = tp
         self.http = free_port()
@@ -135,6 +139,7 @@ class Server:
             "--port", str(self.http), "--block-size", str(BLOCK), "--enable-prefix-caching",
             "--prefix-caching-hash-algo", "sha256_cbor", "--enforce-eager",
             "--max-model-len", os.environ.get("KVMESH_VLLM_MAX_MODEL_LEN", "2048"), "--max-num-seqs", "4", "--dtype", "bfloat16",
+            "--enable-prompt-tokens-details", *(extra_args or []),
             "--kv-transfer-config", json.dumps(ktc), "--tensor-parallel-size", str(tp),
             "--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
@@ -180,13 +185,16 @@ class Server:
             self.proc.wait(timeout=30)
         self.log.close()
 
-    def complete(self, prompt: list[int], params: dict | None = None) -> dict:
+    def complete(self, prompt: list[int], params: dict | None = None, salt: str | None = None,
+                 model: str = "tiny") -> dict:
         body: dict = {
-            "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "logprobs": 1, "seed": 0,
         }
         if params is not None:
             body["kv_transfer_params"] = params
+        if salt is not None:
+            body["cache_salt"] = salt
         return post(f"http://127.0.0.1:{self.http}/v1/completions", body)
 
     def vllm_metric(self, name: str, **labels: str) -> float:
@@ -254,15 +262,18 @@ def assert_same_answer(got: dict, want: dict) -> None:
 def servers(tmp_path_factory):
     work = tmp_path_factory.mktemp("kvmesh-vllm")
     model = tiny_model.build(str(work / "tiny-llama"))
+    # Both serve a LoRA adapter (test_9: adapters are key spaces of their own).
+    lora = models.lora_adapter(model, str(work / "tiny-lora"))
+    lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA}={lora}"]
     # A loads pulled prefixes layer by layer (load_mode layerwise), B whole (the default).
     a = Server("A", model, str(work), allowed_peers=["127.0.0.1"],
-               extra_config={"load_mode": "layerwise"})
+               extra_config={"load_mode": "layerwise"}, extra_args=lora_args)
     # B's tier holds 12 blocks, so the tests that make it compute evict from it; its CPU-tier
     # events also go to a publisher of their own (events_endpoint).
     b = Server("B", model, str(work), allowed_peers=["127.0.0.1"], extra_config={
         "cpu_bytes": 12 * TINY_BLOCK_BYTES,
         "events_endpoint": f"ipc://{work}/B-cpu-events.sock", "events_topic": "kv-cpu",
-    })
+    }, extra_args=lora_args)
     try:
         deadline = time.time() + STARTUP_S
         a.wait_ready(deadline)
@@ -884,3 +895,70 @@ def test_8_layerwise_pull_equals_recompute(servers):
     with open(a.log_path) as f:
         assert "layer-wise load of 8 blocks" in f.read(), "A did not load layer by layer"
     assert_same_answer(warm, cold)
+
+
+def test_9_tenants_and_adapters_never_share_blocks(servers, tmp_path):
+    """``cache_salt`` tenants and LoRA adapters are key spaces of their own, as vLLM hashes
+    them: through the connector (a pull naming a holder of another key space moves nothing; of
+    the same one, the whole prefix) and in the router's index (its predicted cached tokens per
+    key space equal what vLLM then reports)."""
+    binary = kvmesh_bin()
+    if binary is None:
+        pytest.skip("no kvmesh binary (set KVMESH_BIN or cargo build -p kvmesh)")
+    a, b = servers
+    work = os.path.dirname(a.log_path)
+    config_text = f"""
+block_size: {BLOCK}
+tokenizer: {work}/tiny-llama
+lora_adapters: [{{name: {LORA}, path: {work}/tiny-lora}}]
+endpoints:
+  - name: A
+    url: http://127.0.0.1:{a.http}
+    kv_events: {{endpoint: "{a.events}", topic: kv}}
+"""
+    router = Router(binary, config_text, str(tmp_path), "router-tenants")
+    try:
+        time.sleep(2)  # the router's event subscription settles
+        prompt = tokens(70, 8 * BLOCK) + tokens(71, 10)
+        spaces = {  # key space -> the request fields that select it
+            "tenant-a": {"salt": "tenant-a"}, "tenant-b": {"salt": "tenant-b"},
+            "unsalted": {}, "adapter": {"model": LORA},
+            "adapter+tenant-a": {"model": LORA, "salt": "tenant-a"},
+        }
+        # Cold answers on B (a salt does not change the answer, an adapter does).
+        ref = {"base": b.complete(prompt), "adapter": b.complete(prompt, model=LORA)}
+        b.reset_prefix_cache()
+        a.complete(prompt, **spaces["tenant-a"])
+        a.complete(prompt, **spaces["adapter"])
+        time.sleep(2)  # A's events reach the router
+
+        def predicted(fields: dict) -> int:
+            body = {"prompt": prompt, "model": fields.get("model", "tiny")}
+            if "salt" in fields:
+                body["cache_salt"] = fields["salt"]
+            held = post(f"http://127.0.0.1:{router.port}/debug/prefix", body)["endpoints"]
+            return int(held["A"]["any_tokens"])
+
+        held = {name: 8 if name in ("tenant-a", "adapter") else 0 for name in spaces}
+        for name, fields in spaces.items():
+            want_ref = ref["adapter" if "model" in fields else "base"]
+            in0 = b.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="in")
+            out0 = a.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out")
+            hits0 = b.vllm_metric("vllm:external_prefix_cache_hits_total")
+            got = b.complete(prompt, remote(a), **fields)
+            b.reset_prefix_cache()
+            pulled = b.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="in") - in0
+            served = a.kvmesh_worker_metric("kvmesh_p2p_blocks_total", direction="out") - out0
+            hits = b.vllm_metric("vllm:external_prefix_cache_hits_total") - hits0
+            # The router's prediction for A, then what A itself reports for the same request.
+            guess = predicted(fields)
+            cached = a.complete(prompt, **fields)["usage"]["prompt_tokens_details"][
+                "cached_tokens"]
+            print(f"\n{name}: B pulled {pulled:.0f} blocks ({hits:.0f} external hit tokens), "
+                  f"router predicts {guess} cached on A, A reports {cached}")
+            assert pulled == served == held[name], f"{name}: pulled {pulled}, served {served}"
+            assert hits == held[name] * BLOCK
+            assert guess == cached == held[name] * BLOCK, f"{name}: {guess} vs {cached}"
+            assert_same_answer(got, want_ref)
+    finally:
+        router.kill()

@@ -31,9 +31,12 @@ import tiny_model  # noqa: E402
 from test_e2e import (  # noqa: E402
     BLOCK,
     STARTUP_S,
+    Router,
     Server,
     assert_same_answer,
     get,
+    kvmesh_bin,
+    post,
     remote,
     tokens,
 )
@@ -59,6 +62,39 @@ def block_size(server: Server) -> int:
     return int(m.group(1))
 
 
+def indexing_router(server: Server, model_dir: str, workdir: str) -> Router | None:
+    """``kvmesh router`` indexing ``server``'s KV events (GPU prefix cache and the connector's
+    CPU tier), at the block size vLLM runs with; ``None`` without a kvmesh binary."""
+    binary = kvmesh_bin()
+    if binary is None:
+        return None
+    config = f"""
+block_size: {block_size(server)}
+tokenizer: {model_dir}
+endpoints:
+  - name: {server.name}
+    url: http://127.0.0.1:{server.http}
+    kv_events: {{endpoint: "{server.events}", topic: kv}}
+"""
+    router = Router(binary, config, workdir, f"router-{server.name}")
+    time.sleep(2)  # the event subscription settles before the server computes anything
+    return router
+
+
+def assert_router_predicts_vllm(router: Router | None, server: Server,
+                                prompt: list[int]) -> None:
+    """The router's predicted cached tokens for ``prompt`` on ``server`` equal what vLLM then
+    reports for it (``usage.prompt_tokens_details.cached_tokens``)."""
+    if router is None:
+        pytest.skip("no kvmesh binary (set KVMESH_BIN or cargo build -p kvmesh)")
+    time.sleep(1)  # the server's last events reach the router
+    held = post(f"http://127.0.0.1:{router.port}/debug/prefix", {"prompt": prompt})
+    guess = int(held["endpoints"][server.name]["any_tokens"])
+    cached = server.complete(prompt)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    print(f"router predicts {guess} cached tokens on {server.name}, vLLM reports {cached}")
+    assert guess == cached > 0
+
+
 def delta(after: list[float], before: list[float]) -> list[float]:
     return [x - y for x, y in zip(after, before, strict=True)]
 
@@ -76,16 +112,19 @@ def gqa(tmp_path_factory):
     # names as written): named that way, A's rank 1 shard is out of B's reach.
     b_allowed = ["127.0.0.1", f"localhost:{a.p2p}"]
     b = Server("B", model, str(work), allowed_peers=b_allowed, tp=2)
+    router = None
     try:
         start([a, b])
-        yield a, b
+        router = indexing_router(a, model, str(work))
+        yield a, b, router
     finally:
-        for s in (a, b):
-            s.kill()
+        for s in (a, b, router):
+            if s is not None:
+                s.kill()
 
 
 def test_tp1_every_rank_pulls_its_own_shard(gqa):
-    a, b = gqa
+    a, b, router = gqa
     prefix = tokens(101, 8 * BLOCK)
     s1, s2 = tokens(102, 20), tokens(103, 20)
     a.complete(prefix + s1)
@@ -104,10 +143,11 @@ def test_tp1_every_rank_pulls_its_own_shard(gqa):
     assert pulled == [8, 8] and served == [8, 8]
     assert hits == 8 * BLOCK
     assert_same_answer(warm, cold)
+    assert_router_predicts_vllm(router, a, prefix + s1)
 
 
 def test_tp2_a_missing_shard_is_recomputed(gqa):
-    a, b = gqa
+    a, b, _ = gqa
     prefix = tokens(111, 8 * BLOCK)
     s1, s2 = tokens(112, 20), tokens(113, 20)
     a.complete(prefix + s1)
@@ -135,12 +175,15 @@ def mla(tmp_path_factory):
     model = models.deepseek_v2(str(work / "deepseek-v2"))
     d = Server("D", model, str(work), allowed_peers=["127.0.0.1"], tp=2)
     e = Server("E", model, str(work), allowed_peers=["127.0.0.1"], tp=2)
+    router = None
     try:
         start([d, e])
-        yield d, e
+        router = indexing_router(d, model, str(work))
+        yield d, e, router
     finally:
-        for s in (d, e):
-            s.kill()
+        for s in (d, e, router):
+            if s is not None:
+                s.kill()
 
 
 def local_hit_reference(server: Server, prefix: list[int], s1: list[int],
@@ -154,7 +197,7 @@ def local_hit_reference(server: Server, prefix: list[int], s1: list[int],
 
 
 def test_mla_the_latent_is_kept_served_and_read_once(mla):
-    d, e = mla
+    d, e, router = mla
     prefix = tokens(121, 8 * BLOCK)
     s1, s2 = tokens(122, 20), tokens(123, 20)
     n = 8 * BLOCK // block_size(d)
@@ -186,3 +229,4 @@ def test_mla_the_latent_is_kept_served_and_read_once(mla):
     print(f"MLA TP 2 own tier: in per rank {pulled}, out per rank {served}")
     assert pulled == [0, n] and served == [n, 0]
     assert_same_answer(again, ref)
+    assert_router_predicts_vllm(router, d, prefix + s1)
