@@ -27,6 +27,15 @@ Saves go layer by layer: ``save_kv_layer`` copies each layer's part of the step'
 into a staging buffer as the layer finishes; ``wait_for_save`` only hands the staged blocks to the
 CPU tier.
 
+Hybrid models (vLLM's hybrid KV cache manager, ``SupportsHMA``): a block id names one KV cache
+group's pages, so blocks are kept, served and pulled per ``(hash, group)``
+(``kvmesh_vllm.groups``): every full-attention block, and a sliding-window group's blocks
+while they are in the step that computed them (vLLM frees them once out of the window); a load
+fills exactly the blocks vLLM allocated for the hit (its full-attention blocks and each sliding
+group's last window). With several groups a load that misses anything fails the whole request
+(``failed_recving``; vLLM refuses block-level failures there), which vLLM recomputes, and loads
+are whole (no layer-wise mode). State-space (mamba) groups are refused.
+
 Tensor parallel: every TP rank's worker keeps and serves its own shard of each block on
 ``p2p_port + rank`` (the shard is in its fingerprint) and pulls the same shard from the peer's
 rank of the same number; vLLM counts a load done only when every rank's is, and any rank's
@@ -61,12 +70,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmesh_vllm.extra_keys import event_extra_keys
+from kvmesh_vllm.groups import SLIDING, GroupLayout
 from kvmesh_vllm.settings import Settings
 from kvmesh_vllm.stats import CounterDeltas, KvmeshPromMetrics, KvmeshStats
 
@@ -90,12 +102,14 @@ def event_hash(block_hash: bytes) -> int:
 
 @dataclass
 class _Load:
-    """Blocks to bring into ``block_ids``: from ``host:port`` (a pull), or from this server's
-    own CPU tier when ``host`` is empty."""
+    """Blocks to bring into ``block_ids`` (each of KV cache group ``groups[i]``, tier key
+    ``hashes[i]``): from ``host:port`` (a pull), or from this server's own CPU tier when
+    ``host`` is empty."""
 
     req_id: str
     hashes: list[int]
     block_ids: list[int]
+    groups: list[int]
     host: str = ""
     port: int = 0
     kv_request_id: str = ""
@@ -105,6 +119,7 @@ class _Load:
 class _Save:
     hashes: list[int]
     block_ids: list[int]
+    groups: list[int]
 
 
 @dataclass
@@ -131,10 +146,10 @@ class KvmeshWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class _Tracked:
-    """Scheduler-side state of one running request."""
+    """Scheduler-side state of one running request: its block ids per KV cache group."""
 
     request: Any
-    block_ids: list[int]
+    block_ids: list[list[int]]
     saved: int = 0
 
 
@@ -190,7 +205,7 @@ def _layer_targets(
     return targets
 
 
-class KvmeshConnector(KVConnectorBase_V1):
+class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
@@ -202,6 +217,14 @@ class KvmeshConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._s = Settings(vllm_config)
         self._block_size = self._s.block_size
+        self._groups = GroupLayout.from_kv_cache_config(kv_cache_config, self._block_size)
+        if self._groups.hybrid:
+            # Servers exchange blocks only with the same group layout.
+            self._s.set_group_layout(self._groups.signature())
+            if self._s.load_mode == "layerwise":
+                logger.warning("kvmesh: load_mode layerwise is not supported with several KV "
+                               "cache groups (%s): pulls load whole", self._groups.signature())
+                self._s.load_mode = "async"
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -275,8 +298,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         # KV events for the CPU tier, published by vLLM's own publisher (--kv-events-config):
         # saves asked of the worker, by event hash, until it reports them stored; then the
         # digest of each held block, until it reports the block evicted.
-        self._asked: dict[int, tuple[bytes, bytes | None, list[int]]] = {}
-        self._held: dict[int, bytes] = {}
+        # Both keyed by tier key (a block's hash, derived per group for the other groups).
+        self._asked: dict[int, tuple[Any, ...]] = {}
+        self._held: dict[int, tuple[bytes, int]] = {}
         # With TP: blocks some but not yet every shard leader reported stored -> how many did.
         self._stored_by: dict[int, int] = {}
         self._events: list[KVCacheEvent] = []
@@ -368,6 +392,12 @@ class KvmeshConnector(KVConnectorBase_V1):
             if h not in self._held:
                 break
             k += 1
+        if self._groups.hybrid:
+            # The hit must end where every sliding group holds its window too.
+            hashes = [event_hash(h) for h in request.block_hashes[:start + k]]
+            while k > 0 and any(key not in self._held
+                                for key in self._groups.window_keys(hashes, start + k, start)):
+                k -= 1
         rid = request.request_id
         self._lookup_start[rid] = start
         if k == 0:
@@ -387,7 +417,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
         t = self._tracked.get(rid)
         if t is None:
             self._tracked[rid] = _Tracked(request=request, block_ids=block_ids)
@@ -396,14 +426,17 @@ class KvmeshConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         start = self._lookup_start.get(rid, 0)
-        k = num_external_tokens // self._block_size
-        hashes = [event_hash(h) for h in request.block_hashes[start:start + k]]
+        end = start + num_external_tokens // self._block_size
+        hashes = [event_hash(h) for h in request.block_hashes[:end]]
+        # Every group's non-null blocks in the range: vLLM allocated a sliding group's window
+        # before the hit's end only.
+        where = self._groups.placements(hashes, block_ids, start, end)
         source = self._sources.get(rid)
         if source is not None:
-            self._loads.append(_Load(rid, hashes, block_ids[start:start + k], *source))
+            self._loads.append(_Load(rid, where.keys, where.block_ids, where.groups, *source))
             self._loaded.add(rid)
         elif self._hit_source.get(rid) == CacheHitSource.HOST:
-            self._loads.append(_Load(rid, hashes, block_ids[start:start + k]))
+            self._loads.append(_Load(rid, where.keys, where.block_ids, where.groups))
             self._loaded.add(rid)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -412,7 +445,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
             if t is not None:
-                t.block_ids = list(new.block_ids[0])
+                t.block_ids = [list(ids) for ids in new.block_ids]
                 self._add_save(meta, new.req_id, t, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -422,16 +455,18 @@ class KvmeshConnector(KVConnectorBase_V1):
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 if rid in cached.resumed_req_ids:
-                    t.block_ids = list(new_ids[0])
+                    t.block_ids = [list(ids) for ids in new_ids]
                 else:
-                    t.block_ids.extend(new_ids[0])
+                    for mine, more in zip(t.block_ids, new_ids, strict=False):
+                        mine.extend(more)
             self._add_save(meta, rid, t, cached.num_computed_tokens[i], scheduler_output)
         return meta
 
     def _add_save(self, meta: KvmeshConnectorMetadata, rid: str, t: _Tracked,
                   num_computed: int, out: "SchedulerOutput") -> None:
         after = num_computed + out.num_scheduled_tokens.get(rid, 0)
-        full = min(after // self._block_size, len(t.request.block_hashes), len(t.block_ids))
+        primary = t.block_ids[self._groups.primary] if t.block_ids else []
+        full = min(after // self._block_size, len(t.request.block_hashes), len(primary))
         if full <= t.saved:
             return
         req = t.request
@@ -440,17 +475,18 @@ class KvmeshConnector(KVConnectorBase_V1):
         lora = getattr(req, "lora_request", None)
         lora_key = (lora.lora_int_id, lora.lora_name) if lora is not None else (None, None)
         salt = getattr(req, "cache_salt", None)
-        hashes = []
-        for i in range(t.saved, full):
-            digest = bytes(req.block_hashes[i])
-            h = event_hash(digest)
-            hashes.append(h)
-            if h not in self._held:
-                parent = bytes(req.block_hashes[i - 1]) if i > 0 else None
-                tokens = list(req.all_token_ids[i * self._block_size:(i + 1) * self._block_size])
-                extra = event_extra_keys(lora_key[1], salt, i)
-                self._asked[h] = (digest, parent, tokens, lora_key, extra)
-        meta.saves.append(_Save(hashes, t.block_ids[t.saved:full]))
+        hashes = [event_hash(h) for h in req.block_hashes[:full]]
+        # Every group's blocks computed by now; a sliding group's out-of-window ones are
+        # valid in this step only (vLLM frees them at the next), and this step saves them.
+        where = self._groups.placements(hashes, t.block_ids, t.saved, full)
+        for key, g, i in zip(where.keys, where.groups, where.positions, strict=True):
+            if key in self._held:
+                continue
+            parent = bytes(req.block_hashes[i - 1]) if i > 0 else None
+            tokens = list(req.all_token_ids[i * self._block_size:(i + 1) * self._block_size])
+            extra = event_extra_keys(lora_key[1], salt, i)
+            self._asked[key] = (bytes(req.block_hashes[i]), parent, tokens, lora_key, extra, g)
+        meta.saves.append(_Save(where.keys, where.block_ids, where.groups))
         t.saved = full
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -462,18 +498,25 @@ class KvmeshConnector(KVConnectorBase_V1):
             info = self._asked.pop(h, None)
             if info is None:
                 continue
-            digest, parent, tokens, (lora_id, lora_name), extra = info
-            self._held[h] = digest
+            digest, parent, tokens, (lora_id, lora_name), extra, g = info
+            self._held[h] = (digest, g)
             self._events.append(BlockStored(
                 block_hashes=[maybe_convert_block_hash(digest)],
                 parent_block_hash=maybe_convert_block_hash(parent) if parent else None,
                 token_ids=tokens, block_size=self._block_size, lora_id=lora_id,
                 medium="CPU", lora_name=lora_name, extra_keys=[extra],
+                **self._group_fields(g),
             ))
-        removed = [self._held.pop(h) for h in wm.removed if h in self._held]
-        if removed:
+        # One BlockRemoved per group (vLLM's events name the group of a removal).
+        removed: dict[int, list[bytes]] = {}
+        for h in wm.removed:
+            if h in self._held:
+                digest, g = self._held.pop(h)
+                removed.setdefault(g, []).append(digest)
+        for g, digests in removed.items():
             self._events.append(BlockRemoved(
-                block_hashes=[maybe_convert_block_hash(d) for d in removed], medium="CPU",
+                block_hashes=[maybe_convert_block_hash(d) for d in digests], medium="CPU",
+                **({"group_idx": g} if self._groups.hybrid else {}),
             ))
         if self._publisher is not None and len(self._events) > before:
             self._publisher.publish(KVEventBatch(ts=time.time(), events=self._events[before:]))
@@ -498,11 +541,28 @@ class KvmeshConnector(KVConnectorBase_V1):
                     done.append(h)
         return done
 
+    def _group_fields(self, g: int) -> dict[str, Any]:
+        """A CPU-tier event's group, as vLLM's own events name it (none for a dense model, whose
+        events never named one)."""
+        if not self._groups.hybrid:
+            return {}
+        group = self._groups.groups[g]
+        return {"group_idx": g, "kv_cache_spec_kind": group.kind,
+                "kv_cache_spec_sliding_window": group.window if group.kind == SLIDING else None}
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         if events:
             logger.debug("kvmesh: %d CPU-tier KV events", len(events))
         return events
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call with HMA on (it replaces ``request_finished``): the blocks of every
+        group were saved in the steps that computed them, so nothing is held back."""
+        return self.request_finished(request, block_ids[self._groups.primary]
+                                     if block_ids else [])
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
@@ -539,7 +599,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         # With KV identical on every TP rank, pulls from a peer are read by rank 0 alone and
         # handed to the others over the TP group's CPU (gloo) channel: (group, rank 0's rank).
         self._replica_group: tuple[Any, int] | None = None
-        self._shared: dict[str, list[int]] = {}
+        self._shared: dict[str, _Load] = {}
         if s.tp_size > 1 and s.tp_replicas == s.tp_size:
             from vllm.distributed.parallel_state import get_tp_group
 
@@ -559,16 +619,18 @@ class KvmeshConnector(KVConnectorBase_V1):
         # cannot be described, layer-wise loads then pull whole and copy).
         self._layer_targets: list[tuple[int, int, int, list[tuple[int, int]]]] | None = None
         self._block_bytes = 0
-        self._loading: dict[str, list[int]] = {}
+        self._loading: dict[str, _Load] = {}
         # Layer-wise loads of this step: request -> block ids; those whose pull failed.
         self._layer_loads: dict[str, list[int]] = {}
         self._layer_failed: set[str] = set()
         # This step's layer-by-layer save: (metadata it is for, hashes, block ids tensor,
         # staging buffer, layers copied).
-        self._save_step: tuple[Any, list[int], torch.Tensor, torch.Tensor, set[int]] | None = None
+        self._save_step: tuple[Any, ...] | None = None
         # Loads from this server's own tier, done in start_load_kv; reported at the next poll.
         self._loaded_locally: set[str] = set()
         self._load_errors: set[int] = set()
+        # With several KV cache groups: requests whose load failed (reported whole).
+        self._failed: set[str] = set()
         self._stored: list[int] = []
         if s.metrics_port:
             _serve_metrics(s.metrics_port + 1 + rank, self._node.metrics_text)
@@ -591,51 +653,81 @@ class KvmeshConnector(KVConnectorBase_V1):
             layers.append((kv, dim))
         self._layers = layers
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self._layer_bytes = []
-        off = 0
-        for kv, d in layers:
-            nbytes = kv.select(d, 0).numel() * kv.element_size()
-            self._layer_bytes.append((off, nbytes))
-            off += nbytes
-        self._block_bytes = off
-        self._layer_targets = _layer_targets(layers)
+        # A block id names one group's pages: a tier block holds that group's layers only.
+        group_of = {name: g for g, group in enumerate(self._groups.groups)
+                    for name in group.layer_names}
+        self._layer_group = [group_of.get(name, self._groups.primary) for name in kv_caches]
+        self._group_layers = {g: [i for i, x in enumerate(self._layer_group) if x == g]
+                              for g in set(self._layer_group)}
+        self._layer_bytes = [(0, 0)] * len(layers)
+        self._block_bytes = 0
+        for members in self._group_layers.values():
+            off = 0
+            for i in members:
+                kv, d = layers[i]
+                nbytes = kv.select(d, 0).numel() * kv.element_size()
+                self._layer_bytes[i] = (off, nbytes)
+                off += nbytes
+            self._block_bytes = max(self._block_bytes, off)
+        self._layer_targets = None if self._groups.hybrid else _layer_targets(layers)
         if self._s.load_mode == "layerwise" and self._layer_targets is None:
             logger.warning("kvmesh: load_mode layerwise, but the KV tensors' layout cannot be "
                            "written block by block: pulls land whole, then are copied")
         kv0, d0 = layers[0]
         logger.info(
-            "kvmesh: %d KV layers, layer shape %s (block dim %d, %s), %d bytes per block",
-            len(layers), tuple(kv0.shape), d0, kv0.dtype, self._block_bytes,
+            "kvmesh: %d KV layers in %d group(s) (%s), layer shape %s (block dim %d, %s), "
+            "%d bytes per block", len(layers), len(self._group_layers),
+            self._groups.signature(), tuple(kv0.shape), d0, kv0.dtype, self._block_bytes,
         )
 
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """``(len(block_ids), block_bytes)`` uint8 on CPU: each block's layers, in order."""
-        parts = []
-        for kv, d in self._layers:
-            ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-            sel = kv.index_select(d, ids).movedim(d, 0).contiguous()
-            parts.append(sel.view(torch.uint8).reshape(len(block_ids), -1))
-        return torch.cat(parts, dim=1).cpu()
+    def _by_group(self, groups: list[int]) -> list[tuple[int, torch.Tensor | None]]:
+        """Per group present in ``groups``: the rows of it (``None``: every row)."""
+        present = set(groups)
+        if len(present) == 1:
+            return [(groups[0], None)]
+        return [(g, torch.tensor([i for i, x in enumerate(groups) if x == g], dtype=torch.long))
+                for g in sorted(present)]
+
+    def _gather(self, block_ids: list[int], groups: list[int]) -> torch.Tensor:
+        """``(len(block_ids), block_bytes)`` uint8 on CPU: each block's group's layers, in
+        order."""
+        out = self._blocks_buffer(len(block_ids))
+        for g, rows in self._by_group(groups):
+            ids = block_ids if rows is None else [block_ids[i] for i in rows.tolist()]
+            for layer in self._group_layers.get(g, []):
+                kv, d = self._layers[layer]
+                off, nbytes = self._layer_bytes[layer]
+                idx = torch.tensor(ids, dtype=torch.long, device=kv.device)
+                sel = kv.index_select(d, idx).movedim(d, 0).reshape(len(ids), -1)
+                sel = sel.view(torch.uint8).cpu() if kv.device.type != "cpu" else sel.view(
+                    torch.uint8)
+                if rows is None:
+                    out[:, off:off + nbytes].copy_(sel)
+                else:
+                    out[rows, off:off + nbytes] = sel
+        return out
 
     def _blocks_buffer(self, k: int) -> torch.Tensor:
         """``(k, block_bytes)`` uint8 on CPU, for Rust to fill with the GIL released."""
         return torch.empty((k, self._block_bytes), dtype=torch.uint8)
 
-    def _scatter(self, buf: torch.Tensor, block_ids: list[int]) -> None:
-        """Copies ``buf``'s first ``len(block_ids)`` blocks into vLLM's blocks ``block_ids``."""
+    def _scatter(self, buf: torch.Tensor, block_ids: list[int], groups: list[int]) -> None:
+        """Copies ``buf``'s first ``len(block_ids)`` blocks into vLLM's blocks ``block_ids``
+        (each of group ``groups[i]``: that group's layers)."""
         k = len(block_ids)
-        buf = buf[:k]
-        off = 0
-        for kv, d in self._layers:
-            per_block = kv.select(d, 0)
-            nbytes = per_block.numel() * kv.element_size()
-            # A strided view of this layer's bytes in every block (no copy on CPU): index_copy_
-            # reads it in place.
-            src = buf[:, off:off + nbytes].view(kv.dtype).unflatten(1, per_block.shape)
-            src = src.to(kv.device).movedim(0, d)
-            ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-            kv.index_copy_(d, ids, src)
-            off += nbytes
+        for g, rows in self._by_group(groups[:k]):
+            part = buf[:k] if rows is None else buf[rows]
+            ids = block_ids if rows is None else [block_ids[i] for i in rows.tolist()]
+            for layer in self._group_layers.get(g, []):
+                kv, d = self._layers[layer]
+                off, nbytes = self._layer_bytes[layer]
+                per_block = kv.select(d, 0)
+                # A strided view of this layer's bytes in every block (no copy on CPU):
+                # index_copy_ reads it in place.
+                src = part[:, off:off + nbytes].view(kv.dtype).unflatten(1, per_block.shape)
+                src = src.to(kv.device).movedim(0, d)
+                idx = torch.tensor(ids, dtype=torch.long, device=kv.device)
+                kv.index_copy_(d, idx, src)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -647,21 +739,21 @@ class KvmeshConnector(KVConnectorBase_V1):
                 continue
             if own_tier:
                 # This rank keeps no tier: its leader's holds the same bytes.
-                load = _Load(load.req_id, load.hashes, load.block_ids, *self._leader_addr,
-                             load.req_id)
+                load = _Load(load.req_id, load.hashes, load.block_ids, load.groups,
+                             *self._leader_addr, load.req_id)
             else:
-                load = _Load(load.req_id, load.hashes, load.block_ids, load.host,
+                load = _Load(load.req_id, load.hashes, load.block_ids, load.groups, load.host,
                              self._s.shard_port(load.port), load.kv_request_id)
             if self._s.load_mode == "layerwise":
                 self._start_layerwise(load)
                 continue
             if self._replica_group is not None and not own_tier:
                 # A peer's copy, read once for the whole replica set (_finish_shared_loads).
-                self._shared[load.req_id] = load.block_ids
+                self._shared[load.req_id] = load
                 if not self._leads_shard:
                     continue
             else:
-                self._loading[load.req_id] = load.block_ids
+                self._loading[load.req_id] = load
             self._node.start_pull(load.req_id, load.host, load.port, load.kv_request_id,
                                   load.hashes, self._block_bytes)
 
@@ -680,7 +772,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         except Exception:  # a bug here must cost a recompute, never the request
             logger.exception("kvmesh: starting the layer-wise load of %s failed: recomputing",
                              load.req_id)
-            self._load_errors.update(load.block_ids)
+            self._fail(load.req_id, load.block_ids)
             return
         logger.info("kvmesh: layer-wise load of %d blocks for %s from %s:%d",
                     len(load.block_ids), load.req_id, load.host, load.port)
@@ -695,12 +787,12 @@ class KvmeshConnector(KVConnectorBase_V1):
         res = self._node.poll_pull(load.req_id, buf.numpy())
         blocks = res[0] if res is not None else 0
         if blocks:
-            self._scatter(buf, load.block_ids[:blocks])
+            self._scatter(buf, load.block_ids[:blocks], load.groups)
         if blocks < len(load.block_ids):
             logger.warning("kvmesh: load for %s got %d of %d blocks (%s): recomputing",
                            load.req_id, blocks, len(load.block_ids),
                            res[2] if res is not None else "unfinished")
-            self._load_errors.update(load.block_ids[blocks:])
+            self._fail(load.req_id, load.block_ids[blocks:])
             self._node.forget(load.req_id)
 
     def _load_locally(self, load: _Load) -> None:
@@ -712,11 +804,11 @@ class KvmeshConnector(KVConnectorBase_V1):
                              load.req_id)
             got = 0
         if got:
-            self._scatter(buf, load.block_ids[:got])
+            self._scatter(buf, load.block_ids[:got], load.groups)
         if got < len(load.block_ids):
             logger.info("kvmesh: %s: %d of %d blocks still in the CPU tier: recomputing the rest",
                         load.req_id, got, len(load.block_ids))
-            self._load_errors.update(load.block_ids[got:])
+            self._fail(load.req_id, load.block_ids[got:])
         self._loaded_locally.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -753,11 +845,13 @@ class KvmeshConnector(KVConnectorBase_V1):
                 logger.warning("kvmesh: layer-wise load for %s got %d of %d blocks (%s): "
                                "recomputing", rid, blocks, len(block_ids),
                                res[2] if res is not None else "unknown")
-                self._load_errors.update(block_ids[blocks:])
+                self._fail(rid, block_ids[blocks:])
         self._layer_loads.clear()
         self._layer_failed.clear()
 
-    def _save_plan(self) -> tuple[Any, list[int], torch.Tensor, torch.Tensor, set[int]] | None:
+    def _save_plan(self) -> tuple[Any, list[int], dict[int, tuple[torch.Tensor | None,
+                                                                  torch.Tensor]],
+                                  torch.Tensor, set[int]] | None:
         """This step's blocks to save (those the tier lacks) and their staging buffer, made at
         the step's first ``save_kv_layer``."""
         meta = self._get_connector_metadata()
@@ -769,12 +863,19 @@ class KvmeshConnector(KVConnectorBase_V1):
             return None
         hashes = [h for sv in meta.saves for h in sv.hashes]
         ids = [b for sv in meta.saves for b in sv.block_ids]
+        groups = [g for sv in meta.saves for g in sv.groups]
         # Empty when the tier holds them all: remembered for the step all the same.
         missing = self._node.missing(hashes)
         kv0 = self._layers[0][0]
-        ids_t = torch.tensor([ids[i] for i in missing], dtype=torch.long, device=kv0.device)
+        # Per group: the staging rows of its blocks (None: all of them) and their block ids.
+        plan = {}
+        if missing:
+            for g, rows in self._by_group([groups[i] for i in missing]):
+                picked = missing if rows is None else [missing[i] for i in rows.tolist()]
+                plan[g] = (rows, torch.tensor([ids[i] for i in picked], dtype=torch.long,
+                                              device=kv0.device))
         staging = self._blocks_buffer(len(missing))
-        self._save_step = (meta, [hashes[i] for i in missing], ids_t, staging, set())
+        self._save_step = (meta, [hashes[i] for i in missing], plan, staging, set())
         return self._save_step
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
@@ -788,14 +889,20 @@ class KvmeshConnector(KVConnectorBase_V1):
         step = self._save_plan()
         if step is None:
             return
-        _, _, ids_t, staging, done = step
+        _, _, plan, staging, done = step
         done.add(layer)
-        if not len(ids_t):
+        entry = plan.get(self._layer_group[layer])
+        if entry is None:
             return
+        rows, ids_t = entry
         kv, d = self._layers[layer]
         off, nbytes = self._layer_bytes[layer]
         sel = kv.index_select(d, ids_t).movedim(d, 0).reshape(len(ids_t), -1)
-        staging[:, off:off + nbytes].copy_(sel.view(torch.uint8).cpu())
+        sel = sel.view(torch.uint8).cpu()
+        if rows is None:
+            staging[:, off:off + nbytes].copy_(sel)
+        else:
+            staging[rows, off:off + nbytes] = sel
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
@@ -815,7 +922,8 @@ class KvmeshConnector(KVConnectorBase_V1):
             missing = self._node.missing(hashes)
             if not missing:
                 return
-            data = self._gather([ids[i] for i in missing])
+            groups = [g for sv in meta.saves for g in sv.groups]
+            data = self._gather([ids[i] for i in missing], [groups[i] for i in missing])
             hashes = [hashes[i] for i in missing]
         stored, rejected = self._node.insert_blocks(hashes, data.numpy())
         self._stored.extend(stored)
@@ -824,17 +932,18 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._loaded_locally = self._loaded_locally, set()
-        for rid, block_ids in list(self._loading.items()):
-            if self._collect_pull(rid, block_ids) is not None:
+        for rid, load in list(self._loading.items()):
+            if self._collect_pull(load) is not None:
                 del self._loading[rid]
                 done.add(rid)
         if self._shared:
             done |= self._finish_shared_loads()
         return None, (done or None)
 
-    def _collect_pull(self, rid: str, block_ids: list[int]) -> tuple[torch.Tensor, int] | None:
-        """A finished pull's blocks, copied into ``block_ids`` (what did not arrive is a load
+    def _collect_pull(self, load: _Load) -> tuple[torch.Tensor, int] | None:
+        """A finished pull's blocks, copied into its block ids (what did not arrive is a load
         error): the buffer and the count that arrived; ``None`` while it is still running."""
+        rid, block_ids = load.req_id, load.block_ids
         if self._node.is_pulling(rid) and not self._node.wait_pull(rid, self._s.poll_wait_ms):
             return None
         buf = self._blocks_buffer(len(block_ids))
@@ -845,11 +954,11 @@ class KvmeshConnector(KVConnectorBase_V1):
             res = None
         blocks, reason = (res[0], res[2]) if res is not None else (0, "no result")
         if blocks:
-            self._scatter(buf, block_ids[:blocks])
+            self._scatter(buf, block_ids[:blocks], load.groups)
         if blocks < len(block_ids):
             logger.warning("kvmesh: load for %s got %d of %d blocks (%s): recomputing",
                            rid, blocks, len(block_ids), reason)
-            self._load_errors.update(block_ids[blocks:])
+            self._fail(rid, block_ids[blocks:])
         return buf, blocks
 
     def _finish_shared_loads(self) -> set[str]:
@@ -866,7 +975,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         bufs: dict[str, torch.Tensor] = {}
         if self._leads_shard:
             for i, rid in enumerate(rids):
-                got = self._collect_pull(rid, self._shared[rid])
+                got = self._collect_pull(self._shared[rid])
                 if got is not None:
                     bufs[rid], status[i] = got
         torch.distributed.broadcast(status, src=src, group=group)
@@ -875,7 +984,8 @@ class KvmeshConnector(KVConnectorBase_V1):
             arrived = int(status[i])
             if arrived < 0:
                 continue
-            block_ids = self._shared.pop(rid)
+            load = self._shared.pop(rid)
+            block_ids = load.block_ids
             done.add(rid)
             if self._leads_shard:
                 if arrived:
@@ -884,9 +994,9 @@ class KvmeshConnector(KVConnectorBase_V1):
             if arrived:
                 buf = self._blocks_buffer(arrived)
                 torch.distributed.broadcast(buf, src=src, group=group)
-                self._scatter(buf, block_ids[:arrived])
+                self._scatter(buf, block_ids[:arrived], load.groups)
             if arrived < len(block_ids):
-                self._load_errors.update(block_ids[arrived:])
+                self._fail(rid, block_ids[arrived:])
         return done
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
@@ -897,6 +1007,23 @@ class KvmeshConnector(KVConnectorBase_V1):
                                     removed=removed)
         self._stored = []
         return meta
+
+    def _fail(self, rid: str, block_ids: list[int]) -> None:
+        """Blocks of ``rid``'s load that did not arrive. With one KV cache group vLLM
+        recomputes from the first of them and keeps the rest; with several it takes only a
+        whole request's failure (a block-level report there stops the engine), and recomputes
+        the request."""
+        if self._groups.hybrid:
+            self._failed.add(rid)
+        else:
+            self._load_errors.update(block_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        _, finished = self.get_finished(finished_req_ids)
+        done = set(finished or ())
+        failed = self._failed & done
+        self._failed -= failed
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # The step's forward is over: its layer-wise pulls end here, before vLLM reads the

@@ -233,6 +233,12 @@ class Settings:
         else:
             self.kv_dtype = f"{self._layout}:tp{self.tp_size}-shard{self.tp_shard}"
 
+    def set_group_layout(self, signature: str) -> None:
+        """The model's KV cache groups (vLLM's hybrid KV cache manager): a block's bytes are
+        per group, so servers exchange them only with the same layout."""
+        self._layout = f"{self._layout}:groups[{signature}]"
+        self.set_tp_rank(self.tp_rank, self.tp_replicas)
+
     @property
     def shard_leader(self) -> int:
         """The rank that keeps and serves this rank's shard (in every server of the mesh)."""

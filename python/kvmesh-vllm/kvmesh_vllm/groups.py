@@ -1,0 +1,137 @@
+"""vLLM's KV cache groups as the connector sees them (issue 36 part 1).
+
+With its hybrid KV cache manager (HMA) vLLM splits a model's layers into groups: full-attention
+groups keep every block of a prompt, sliding-window groups only the blocks of the last window.
+A block id names one group's pages (the groups alias one allocation), so a block is stored per
+``(hash, group)``: the tier key of the first full-attention group is the block's own event
+hash, other groups' keys are derived from it. A prefix of ``k`` blocks is usable where vLLM
+would count it cached: every full-attention block, plus each sliding group's blocks of the
+window before block ``k`` (docs/notes-vllm-models.md §5). vLLM allocates exactly those (the rest
+of a sliding group's list is the null block, id 0), so what a load fills, and what a save keeps,
+is every non-null block id in range.
+
+Hybrid SSM (mamba) groups are refused: their state is one block per boundary, and vLLM's CPU
+build cannot serve those models with prefix caching (notes §2). Plain data, no vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_window"
+
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Group:
+    kind: str
+    window: int | None
+    layer_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Blocks to move for one request: tier keys, vLLM block ids, their groups and their
+    positions in the prompt, in order."""
+
+    keys: list[int]
+    block_ids: list[int]
+    groups: list[int]
+    positions: list[int]
+
+
+class GroupLayout:
+    def __init__(self, groups: list[Group], block_size: int):
+        fulls = [i for i, g in enumerate(groups) if g.kind == FULL]
+        if not fulls:
+            raise ValueError("kvmesh connector: a model without a full-attention KV cache group "
+                             "is not supported")
+        self.groups = groups
+        self.block_size = block_size
+        self.primary = fulls[0]
+
+    @classmethod
+    def dense(cls, block_size: int) -> GroupLayout:
+        """One full-attention group holding every layer (HMA off, or a dense model)."""
+        return cls([Group(FULL, None, ())], block_size)
+
+    @classmethod
+    def from_kv_cache_config(cls, config: Any, block_size: int) -> GroupLayout:
+        groups = getattr(config, "kv_cache_groups", None) if config is not None else None
+        if not groups:
+            return cls.dense(block_size)
+        out = []
+        for i, g in enumerate(groups):
+            spec = g.kv_cache_spec
+            window = getattr(spec, "sliding_window", None)
+            name = type(spec).__name__
+            if "Mamba" in name:
+                raise ValueError(
+                    f"kvmesh connector: KV cache group {i} is a state-space (mamba) group "
+                    f"({name}); hybrid SSM models are not supported yet"
+                )
+            if window is not None and "SlidingWindow" in name:
+                out.append(Group(SLIDING, int(window), tuple(g.layer_names)))
+            elif "Attention" in name or "MLA" in name:
+                out.append(Group(FULL, None, tuple(g.layer_names)))
+            else:
+                raise ValueError(f"kvmesh connector: KV cache group {i} has a kind it cannot "
+                                 f"move ({name})")
+        return cls(out, block_size)
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    def signature(self) -> str:
+        """The group layout for the fingerprint: ``f`` full, ``s<window>`` sliding, in order."""
+        return ",".join("f" if g.kind == FULL else f"s{g.window}" for g in self.groups)
+
+    def key(self, block_hash: int, group: int) -> int:
+        """The tier key of ``group``'s pages of a block: the block's hash for the primary
+        full-attention group (so dense and hybrid tiers key alike), a hash of both otherwise."""
+        if group == self.primary:
+            return block_hash
+        x = (block_hash ^ ((group + 1) * 0x9E3779B97F4A7C15)) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        return x ^ (x >> 31)
+
+    def need(self, group: int) -> int:
+        """Blocks of ``group`` a prefix hit needs before its end: vLLM's
+        ``cdiv(window - 1, block_size)`` for a sliding group."""
+        g = self.groups[group]
+        if g.kind != SLIDING or g.window is None:
+            return 0
+        return -(-(g.window - 1) // self.block_size)
+
+    def placements(self, hashes: list[int], ids_by_group: list[list[int]], lo: int,
+                   hi: int) -> Placement:
+        """Every non-null block of positions ``lo … hi - 1`` (``hashes[p]`` is position p's
+        event hash) in every group, primary group first: what a load of that range fills and
+        what a save of it keeps."""
+        keys, ids, groups, positions = [], [], [], []
+        order = [self.primary] + [g for g in range(len(self.groups)) if g != self.primary]
+        for g in order:
+            table = ids_by_group[g] if g < len(ids_by_group) else []
+            for p in range(lo, min(hi, len(table), len(hashes))):
+                if table[p] != 0:
+                    keys.append(self.key(hashes[p], g))
+                    ids.append(table[p])
+                    groups.append(g)
+                    positions.append(p)
+        return Placement(keys, ids, groups, positions)
+
+    def window_keys(self, hashes: list[int], end: int, lo: int) -> list[int]:
+        """The non-primary keys a hit ending before block ``end`` needs at positions ≥ ``lo``
+        (below ``lo`` the request's own local hit provides them)."""
+        keys = []
+        for g, group in enumerate(self.groups):
+            if g == self.primary:
+                continue
+            first = lo if group.kind == FULL else max(lo, end - self.need(g))
+            keys.extend(self.key(hashes[p], g) for p in range(first, end))
+        return keys
