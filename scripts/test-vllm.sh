@@ -2,7 +2,8 @@
 # End-to-end test of kvmesh's vLLM connector (issue 14): two real vLLM CPU servers on loopback
 # with KvmeshConnector (a third, with a capped producer, for the killed-mid-pull test), a tiny
 # random-weight Llama built locally, `kvmesh router` in front for one test, pytest; then pairs
-# of tensor-parallel (TP 2) servers: the tiny Llama, and a random DeepSeek-V2 (MLA).
+# of tensor-parallel (TP 2) servers: the tiny Llama, and a random DeepSeek-V2 (MLA); then a pair
+# of random Gemma 3 servers (sliding-window + full attention, vLLM's hybrid KV cache manager).
 #
 # CI (.ci/run) runs it after scripts/test.sh; on its own:
 #   bash scripts/test-vllm.sh [pytest args]
@@ -68,8 +69,10 @@ set +e
 timeout 1500 nice -n 10 "$VENV/bin/pytest" -p no:cacheprovider -v -s --rootdir="$work" \
     --basetemp="$work/pytest" "$ROOT/python/kvmesh-vllm/tests/test_stats.py" \
     "$ROOT/python/kvmesh-vllm/tests/test_config.py" \
+    "$ROOT/python/kvmesh-vllm/tests/test_groups.py" \
     "$ROOT/python/kvmesh-vllm/tests/test_e2e.py" \
-    "$ROOT/python/kvmesh-vllm/tests/test_tp.py" "$@"
+    "$ROOT/python/kvmesh-vllm/tests/test_tp.py" \
+    "$ROOT/python/kvmesh-vllm/tests/test_hma.py" "$@"
 rc=$?
 set -e
 if [[ $rc -ne 0 ]]; then
