@@ -10,8 +10,9 @@ window before block ``k`` (docs/notes-vllm-models.md §5). vLLM allocates exactl
 of a sliding group's list is the null block, id 0), so what a load fills, and what a save keeps,
 is every non-null block id in range.
 
-Hybrid SSM (mamba) groups are refused: their state is one block per boundary, and vLLM's CPU
-build cannot serve those models with prefix caching (notes §2). Plain data, no vLLM import.
+A state-space (mamba) group holds one block per boundary, the state after it: a hit of ``k``
+blocks needs the state at block ``k - 1`` (vLLM allocates that one only). Plain data, no vLLM
+import.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 FULL = "full_attention"
 SLIDING = "sliding_window"
+MAMBA = "mamba"
 
 _MASK = (1 << 64) - 1
 
@@ -66,20 +68,18 @@ class GroupLayout:
         out = []
         for i, g in enumerate(groups):
             spec = g.kv_cache_spec
-            window = getattr(spec, "sliding_window", None)
-            name = type(spec).__name__
-            if "Mamba" in name:
-                raise ValueError(
-                    f"kvmesh connector: KV cache group {i} is a state-space (mamba) group "
-                    f"({name}); hybrid SSM models are not supported yet"
-                )
-            if window is not None and "SlidingWindow" in name:
-                out.append(Group(SLIDING, int(window), tuple(g.layer_names)))
-            elif "Attention" in name or "MLA" in name:
-                out.append(Group(FULL, None, tuple(g.layer_names)))
+            # By class, base classes included (MLA's spec is a full-attention one).
+            kinds = {c.__name__ for c in type(spec).__mro__}
+            layers = tuple(g.layer_names)
+            if "MambaSpec" in kinds:
+                out.append(Group(MAMBA, None, layers))
+            elif "SlidingWindowSpec" in kinds and getattr(spec, "sliding_window", None):
+                out.append(Group(SLIDING, int(spec.sliding_window), layers))
+            elif "FullAttentionSpec" in kinds:
+                out.append(Group(FULL, None, layers))
             else:
-                raise ValueError(f"kvmesh connector: KV cache group {i} has a kind it cannot "
-                                 f"move ({name})")
+                raise ValueError(f"kvmesh connector: KV cache group {i} is of a kind it cannot "
+                                 f"move ({type(spec).__name__})")
         return cls(out, block_size)
 
     @property
@@ -87,8 +87,10 @@ class GroupLayout:
         return len(self.groups) > 1
 
     def signature(self) -> str:
-        """The group layout for the fingerprint: ``f`` full, ``s<window>`` sliding, in order."""
-        return ",".join("f" if g.kind == FULL else f"s{g.window}" for g in self.groups)
+        """The group layout for the fingerprint: ``f`` full, ``s<window>`` sliding, ``m`` mamba,
+        in order."""
+        names = {FULL: "f", MAMBA: "m"}
+        return ",".join(names.get(g.kind) or f"s{g.window}" for g in self.groups)
 
     def key(self, block_hash: int, group: int) -> int:
         """The tier key of ``group``'s pages of a block: the block's hash for the primary
@@ -102,8 +104,11 @@ class GroupLayout:
 
     def need(self, group: int) -> int:
         """Blocks of ``group`` a prefix hit needs before its end: vLLM's
-        ``cdiv(window - 1, block_size)`` for a sliding group."""
+        ``cdiv(window - 1, block_size)`` for a sliding group, the last block's state for a
+        mamba group."""
         g = self.groups[group]
+        if g.kind == MAMBA:
+            return 1
         if g.kind != SLIDING or g.window is None:
             return 0
         return -(-(g.window - 1) // self.block_size)

@@ -36,13 +36,28 @@ def test_layout_is_read_from_vllm_s_groups_and_named_in_the_fingerprint():
     assert not GroupLayout.from_kv_cache_config(None, 32).hybrid
 
 
-def test_state_space_groups_are_refused_with_a_clear_error():
+def test_a_state_space_hit_needs_the_state_at_its_last_block():
+    # Qwen3-Next: three gated-delta-net groups and one full-attention group, 544-token blocks.
     cfg = SimpleNamespace(kv_cache_groups=[
-        SimpleNamespace(kv_cache_spec=spec("MambaSpec"), layer_names=["m"]),
+        *[SimpleNamespace(kv_cache_spec=spec("MambaSpec"), layer_names=[f"m{i}"])
+          for i in range(3)],
         SimpleNamespace(kv_cache_spec=spec("FullAttentionSpec"), layer_names=["b"]),
     ])
-    with pytest.raises(ValueError, match="mamba"):
-        GroupLayout.from_kv_cache_config(cfg, 544)
+    layout = GroupLayout.from_kv_cache_config(cfg, 544)
+    assert layout.signature() == "m,m,m,f" and layout.primary == 3
+    # vLLM's tables for a fake hit of 2 blocks (notes §3): one state block per mamba group.
+    where = layout.placements([7, 8], [[0, 1], [0, 2], [0, 3], [4, 5]], 0, 2)
+    assert where.block_ids == [4, 5, 1, 2, 3] and where.positions == [0, 1, 1, 1, 1]
+    assert layout.window_keys([7, 8], 2, 0) == [layout.key(8, g) for g in range(3)]
+
+
+def test_kinds_it_cannot_move_are_refused_with_a_clear_error():
+    cfg = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=spec("ChunkedLocalAttentionSpec"), layer_names=["c"]),
+        SimpleNamespace(kv_cache_spec=spec("FullAttentionSpec"), layer_names=["b"]),
+    ])
+    with pytest.raises(ValueError, match="ChunkedLocalAttentionSpec"):
+        GroupLayout.from_kv_cache_config(cfg, 32)
 
 
 def test_the_primary_group_keys_by_the_block_hash_and_others_do_not_collide():
