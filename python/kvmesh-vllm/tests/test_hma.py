@@ -58,7 +58,7 @@ def group_blocks(layout: list[str], hit: int, block: int) -> int:
 
 def prefix_blocks(server: Server) -> tuple[int, int]:
     """(block size, blocks of the test's shared prefix): 8 blocks, or 2 of a hybrid SSM's
-    544 tokens."""
+    larger ones."""
     bs = block_size(server)
     return bs, 8 if bs <= 64 else 2
 
