@@ -34,7 +34,8 @@ while they are in the step that computed them (vLLM frees them once out of the w
 fills exactly the blocks vLLM allocated for the hit (its full-attention blocks and each sliding
 group's last window). With several groups a load that misses anything fails the whole request
 (``failed_recving``; vLLM refuses block-level failures there), which vLLM recomputes, and loads
-are whole (no layer-wise mode). State-space (mamba) groups are refused.
+are whole (no layer-wise mode). A state-space (mamba) group's block is the state after its
+position: a hit loads the state at its last block.
 
 Tensor parallel: every TP rank's worker keeps and serves its own shard of each block on
 ``p2p_port + rank`` (the shard is in its fingerprint) and pulls the same shard from the peer's
