@@ -220,8 +220,10 @@ def test_mla_the_latent_is_kept_served_and_read_once(mla):
 
     # E's own tier, after its GPU cache forgot the prefix: rank 0 reads its tier, rank 1 reads
     # rank 0's over loopback. The tier holds every full block of prefix + s2 but the one with
-    # the last token (E computed that prompt for the reference).
+    # the last token (E computed that prompt for the reference); the answer to compare with is
+    # E's from its GPU cache holding the same blocks (MLA answers by split, see above).
     n = (len(prefix + s2) - 1) // block_size(e)
+    ref = e.complete(prefix + s2)
     e.reset_prefix_cache()
     in0, out0 = moved(e, "in"), moved(e, "out")
     again = e.complete(prefix + s2)
