@@ -25,6 +25,7 @@
 //!     lora_name: None,
 //!     group_idx: None,
 //!     kv_cache_spec_kind: None,
+//!     kv_cache_spec_sliding_window: None,
 //!     cache_salt: None,
 //! });
 //! index.apply_event(EndpointId(7), &stored).expect("valid event");

@@ -170,6 +170,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    kv_cache_spec_sliding_window: None,
                     cache_salt: None,
                 }),
             )
@@ -208,6 +209,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    kv_cache_spec_sliding_window: None,
                     cache_salt: None,
                 }),
             )
@@ -227,6 +229,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    kv_cache_spec_sliding_window: None,
                     cache_salt: None,
                 }),
             )
@@ -247,6 +250,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    kv_cache_spec_sliding_window: None,
                     cache_salt: None,
                 }),
             )
