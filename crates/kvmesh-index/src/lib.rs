@@ -34,6 +34,7 @@
 //! assert_eq!(matches[0].gpu_blocks, 2);
 //! ```
 
+mod groups;
 mod index;
 mod rate;
 pub mod reference;
@@ -239,11 +240,11 @@ impl IndexBackend for PrefixIndex {
     }
 }
 
-/// Whether a stored event is indexed at all (see [`Tier::from_medium`] and README): kv-cache
-/// groups other than 0 are not, because the router's keys do not cover them, nor are LoRA blocks
-/// without an adapter name (the name is what puts them in their adapter's key space).
+/// The tier a stored event is indexed in, if any (see [`Tier::from_medium`] and README): LoRA
+/// blocks without an adapter name are not indexed (the name is what puts them in their adapter's
+/// key space). Groups are sorted out by `groups::store_group`.
 pub(crate) fn indexed_store(ev: &kvmesh_core::events::BlockStored) -> Option<Tier> {
-    if (ev.lora_id.is_some() && ev.lora_name.is_none()) || ev.group_idx.unwrap_or(0) != 0 {
+    if ev.lora_id.is_some() && ev.lora_name.is_none() {
         return None;
     }
     Tier::from_medium(&ev.medium)
@@ -254,9 +255,7 @@ pub(crate) fn event_root(ev: &kvmesh_core::events::BlockStored) -> ChainKey {
     ChainKey::tenant_root(ev.lora_name.as_deref(), ev.cache_salt.as_deref())
 }
 
+/// The tier a removal applies to, if indexed (groups: `groups::remove_group`).
 pub(crate) fn indexed_remove(ev: &kvmesh_core::events::BlockRemoved) -> Option<Tier> {
-    if ev.group_idx.unwrap_or(0) != 0 {
-        return None;
-    }
     Tier::from_medium(&ev.medium)
 }
