@@ -7,6 +7,14 @@
 //! slots (GPU, CPU); a lookup ANDs them along the prompt's keys and stops as soon as no endpoint is
 //! still matching. Invariants are listed in this crate's `README.md`.
 //!
+//! Hybrid models (vLLM's HMA: sliding-window, Mamba and full-attention KV-cache groups, each
+//! published separately): the index learns each endpoint's groups from its events, keeps which
+//! group holds which block (a sliding or Mamba block is placed by its hash in the full-attention
+//! chain, never by counting the event's tokens), and a lookup applies vLLM's prefix-hit rule to
+//! the endpoint: full-attention run, each sliding spec's last window, Mamba's state at the hit's
+//! end, to a fixpoint (`groups.rs`). So [`EndpointMatch`] counts what vLLM would report cached.
+//! Dense models (one full-attention group, or no group fields) are indexed as before.
+//!
 //! ```
 //! use kvmesh_core::chain::chain_keys;
 //! use kvmesh_core::events::{BlockStored, KvEvent, Medium};
@@ -199,11 +207,14 @@ pub struct IndexStats {
     pub share_evictions: u64,
     /// BlockStored events skipped because their parent was unknown.
     pub orphan_events: u64,
-    /// Token-less stored blocks whose engine hash had no known key.
+    /// Token-less stored blocks whose engine hash had no known key, and sliding/Mamba-group
+    /// blocks dropped while waiting for the full-attention store that places them.
     pub unresolved_blocks: u64,
     /// BlockRemoved hashes the endpoint was not known to hold.
     pub unknown_removals: u64,
-    /// Events not indexed (STORAGE/other medium, LoRA, non-zero kv-cache group).
+    /// Events not indexed: STORAGE/other medium, LoRA without a name, a kv-cache group kind the
+    /// index does not model (or a non-zero group without a kind), a group that changed kind or
+    /// block size, an event without a group on a hybrid endpoint.
     pub ignored_events: u64,
 }
 

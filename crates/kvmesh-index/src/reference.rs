@@ -56,13 +56,45 @@ impl ReferenceIndex {
     }
 
     /// How many (key, endpoint, tier) memberships the model holds.
+    /// For a hybrid endpoint: each key of a block every full-attention group holds, per tier,
+    /// and each (block, other group, tier).
     pub fn memberships(&self) -> usize {
-        self.endpoints
-            .lock()
+        let all = self.endpoints.lock();
+        let dense: usize = all
             .values()
             .flat_map(|e| e.held.values())
             .map(|(g, c)| usize::from(*g) + usize::from(*c))
-            .sum()
+            .sum();
+        // Sets, as the table holds one membership per key: engine blocks of two prompts share
+        // their leading router blocks' keys.
+        let mut hybrid: BTreeSet<(EndpointId, ChainKey, Option<u8>, bool)> = BTreeSet::new();
+        for (id, e) in all.iter().filter(|(_, e)| e.layout.is_hybrid()) {
+            let full = e.layout.full_mask();
+            for (h, by_group) in &e.groups {
+                let keys = e.keys.get(h).map(Vec::as_slice).unwrap_or_default();
+                for (cpu, tier) in [
+                    (false, (|t: &Tiers| t.0) as fn(&Tiers) -> bool),
+                    (true, |t| t.1),
+                ] {
+                    let in_every_full = full != 0
+                        && (0..64u8)
+                            .filter(|g| full >> g & 1 == 1)
+                            .all(|g| by_group.get(&g).is_some_and(tier));
+                    if in_every_full {
+                        hybrid.extend(keys.iter().map(|k| (*id, *k, None, cpu)));
+                    }
+                    for (g, t) in by_group {
+                        if full >> g & 1 == 0
+                            && tier(t)
+                            && let Some(last) = keys.last()
+                        {
+                            hybrid.insert((*id, *last, Some(*g), cpu));
+                        }
+                    }
+                }
+            }
+        }
+        dense + hybrid.len()
     }
 }
 
