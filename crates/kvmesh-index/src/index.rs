@@ -368,11 +368,11 @@ impl PrefixIndex {
                 cpu_blocks: lens[words * 64 + slot] as usize,
                 any_blocks: any as usize,
             };
-            let rule = reg.by_id.get(&endpoint).and_then(|e| e.rule.load_full());
-            if let Some(rule) = rule {
+            let rule = reg.by_id.get(&endpoint).map(|e| e.rule.load());
+            if let Some(rule) = rule.as_ref().and_then(|r| r.as_deref()) {
                 // A hybrid endpoint's table runs are its full-attention run; vLLM's rule then
                 // asks for each sliding group's last window and each mamba group's state.
-                m = self.hybrid_match(m, &rule, keys, slot, &mut probe);
+                m = self.hybrid_match(m, rule, keys, slot, &mut probe);
                 if m.any_blocks == 0 {
                     continue;
                 }
