@@ -33,6 +33,7 @@ fn synthetic() -> EventBatch {
                 lora_name: None,
                 group_idx: Some(0),
                 kv_cache_spec_kind: Some("full_attention".into()),
+                kv_cache_spec_sliding_window: None,
                 cache_salt: None,
             })
         })

@@ -58,8 +58,14 @@ pub struct BlockStored {
     pub lora_id: Option<i64>,
     pub medium: Medium,
     pub lora_name: Option<String>,
+    /// The vLLM KV-cache group the blocks were stored in (HMA: one per attention type and layer
+    /// set); `None` from kvmesh's own engines and vLLM before groups were published.
     pub group_idx: Option<u32>,
+    /// The group's kind: `full_attention`, `sliding_window`, `mamba`, … (see [`FULL_ATTENTION`]).
     pub kv_cache_spec_kind: Option<String>,
+    /// The group's attention window in tokens, for sliding-window kinds. With it the router can
+    /// tell how many trailing blocks a prefix hit needs in that group.
+    pub kv_cache_spec_sliding_window: Option<u32>,
     /// The `cache_salt` hashed into this run's first block, when the run starts a salted
     /// request's chain (vLLM hashes the salt into block 0 only). On the wire it is the last
     /// string of block 0's `extra_keys`, after the LoRA name when there is one, as vLLM's
@@ -69,6 +75,10 @@ pub struct BlockStored {
 
 /// `kv_cache_spec_kind` of a full-attention KV-cache group, as vLLM 0.32 reports it.
 pub const FULL_ATTENTION: &str = "full_attention";
+/// `kv_cache_spec_kind` of a sliding-window group (its window is `kv_cache_spec_sliding_window`).
+pub const SLIDING_WINDOW: &str = "sliding_window";
+/// `kv_cache_spec_kind` of a Mamba / linear-attention state group.
+pub const MAMBA: &str = "mamba";
 
 impl BlockStored {
     /// Marks the event as vLLM 0.32 marks a model with one full-attention KV-cache group
@@ -98,6 +108,7 @@ impl BlockStored {
             lora_name: None,
             group_idx: None,
             kv_cache_spec_kind: None,
+            kv_cache_spec_sliding_window: None,
             cache_salt: None,
         }
     }
@@ -369,7 +380,9 @@ const ALL_BLOCKS_CLEARED: &str = "AllBlocksCleared";
 fn encode_event_map(w: &mut Writer<'_>, event: &KvEvent) {
     match event {
         KvEvent::BlockStored(e) => {
-            w.map_len(11);
+            // The window is written only when set, so captures of vLLM versions that did not
+            // publish it re-encode byte for byte.
+            w.map_len(11 + u32::from(e.kv_cache_spec_sliding_window.is_some()));
             w.str("type");
             w.str(BLOCK_STORED);
             w.str("block_hashes");
@@ -392,6 +405,10 @@ fn encode_event_map(w: &mut Writer<'_>, event: &KvEvent) {
             w.opt_uint(e.group_idx.map(u64::from));
             w.str("kv_cache_spec_kind");
             w.opt_str(e.kv_cache_spec_kind.as_deref());
+            if let Some(window) = e.kv_cache_spec_sliding_window {
+                w.str("kv_cache_spec_sliding_window");
+                w.uint(u64::from(window));
+            }
         }
         KvEvent::BlockRemoved(e) => {
             w.map_len(4);
@@ -415,7 +432,7 @@ fn encode_event_map(w: &mut Writer<'_>, event: &KvEvent) {
 fn encode_event_array(w: &mut Writer<'_>, event: &KvEvent) {
     match event {
         KvEvent::BlockStored(e) => {
-            w.array_len(11);
+            w.array_len(11 + usize::from(e.kv_cache_spec_sliding_window.is_some()));
             w.str(BLOCK_STORED);
             w.hashes(&e.block_hashes);
             w.opt_uint(e.parent_block_hash.map(|h| h.0));
@@ -427,6 +444,9 @@ fn encode_event_array(w: &mut Writer<'_>, event: &KvEvent) {
             w.extra_keys(e);
             w.opt_uint(e.group_idx.map(u64::from));
             w.opt_str(e.kv_cache_spec_kind.as_deref());
+            if let Some(window) = e.kv_cache_spec_sliding_window {
+                w.uint(u64::from(window));
+            }
         }
         KvEvent::BlockRemoved(e) => {
             w.array_len(4);
@@ -528,6 +548,7 @@ struct EventFields {
     lora_name: Option<String>,
     group_idx: Option<u32>,
     kv_cache_spec_kind: Option<String>,
+    kv_cache_spec_sliding_window: Option<u32>,
     /// The strings of block 0's `extra_keys` (None when absent or nil).
     first_extra: Option<Vec<String>>,
 }
@@ -903,7 +924,10 @@ impl<'a> Reader<'a> {
                     f.kv_cache_spec_kind = self.opt_str("kv_cache_spec_kind")?.map(str::to_owned)
                 }
                 "extra_keys" => f.first_extra = self.first_extra_keys()?,
-                // kv_cache_spec_sliding_window and anything newer: not needed.
+                "kv_cache_spec_sliding_window" => {
+                    f.kv_cache_spec_sliding_window = self.opt_u32("kv_cache_spec_sliding_window")?
+                }
+                // locality, ownership, session_id and anything newer: not needed.
                 _ => self.skip(1)?,
             }
         }
@@ -959,6 +983,10 @@ impl<'a> Reader<'a> {
                 if next() {
                     f.kv_cache_spec_kind = self.opt_str("kv_cache_spec_kind")?.map(str::to_owned);
                 }
+                if next() {
+                    f.kv_cache_spec_sliding_window =
+                        self.opt_u32("kv_cache_spec_sliding_window")?;
+                }
             }
             BLOCK_REMOVED => {
                 if next() {
@@ -1009,6 +1037,7 @@ fn build_event(ty: &str, f: EventFields) -> Result<KvEvent, EventDecodeError> {
             lora_name: f.lora_name,
             group_idx: f.group_idx,
             kv_cache_spec_kind: f.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window: f.kv_cache_spec_sliding_window,
         })),
         BLOCK_REMOVED => Ok(KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: f

@@ -37,23 +37,27 @@ fn event() -> impl Strategy<Value = KvEvent> {
             "[a-z_]{1,20}"
         ]),
         prop::option::of("[a-z0-9-]{1,12}"),
+        prop::option::of(any::<u32>()),
     )
-        .prop_map(|(h, p, t, bs, lora, medium, lname, g, kind, salt)| {
-            // The salt travels in block 0's extra keys, so only a run with blocks carries one.
-            let cache_salt = if h.is_empty() { None } else { salt };
-            KvEvent::BlockStored(BlockStored {
-                block_hashes: h.into_iter().map(BlockHash).collect(),
-                parent_block_hash: p.map(BlockHash),
-                token_ids: t,
-                block_size: bs,
-                lora_id: lora,
-                medium,
-                lora_name: lname,
-                group_idx: g,
-                kv_cache_spec_kind: kind,
-                cache_salt,
-            })
-        });
+        .prop_map(
+            |(h, p, t, bs, lora, medium, lname, g, kind, salt, window)| {
+                // The salt travels in block 0's extra keys, so only a run with blocks carries one.
+                let cache_salt = if h.is_empty() { None } else { salt };
+                KvEvent::BlockStored(BlockStored {
+                    block_hashes: h.into_iter().map(BlockHash).collect(),
+                    parent_block_hash: p.map(BlockHash),
+                    token_ids: t,
+                    block_size: bs,
+                    lora_id: lora,
+                    medium,
+                    lora_name: lname,
+                    group_idx: g,
+                    kv_cache_spec_kind: kind,
+                    kv_cache_spec_sliding_window: window,
+                    cache_salt,
+                })
+            },
+        );
     let removed = (
         prop::collection::vec(any::<u64>(), 0..6),
         medium(),
@@ -208,6 +212,102 @@ fn oldest_array_form_without_trailing_fields_decodes() {
     assert_eq!(b.events[2], KvEvent::AllBlocksCleared);
 }
 
+/// One gemma3 `BlockStored` of a sliding-window group as vLLM 0.32 publishes it with HMA on
+/// (docs/notes-vllm-models.md §4), in the map form, fields in vLLM's order.
+fn vllm_032_sliding_store_map() -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (
+            s("block_hashes"),
+            Value::Array(vec![Value::from(77u64), Value::from(88u64)]),
+        ),
+        (s("parent_block_hash"), Value::Nil),
+        (
+            s("token_ids"),
+            Value::Array((0..288).map(Value::from).collect()),
+        ),
+        (s("block_size"), Value::from(32)),
+        (s("lora_id"), Value::Nil),
+        (s("medium"), s("GPU")),
+        (s("lora_name"), Value::Nil),
+        (s("extra_keys"), Value::Array(vec![Value::Nil, Value::Nil])),
+        (s("group_idx"), Value::from(1)),
+        (s("kv_cache_spec_kind"), s("sliding_window")),
+        (s("kv_cache_spec_sliding_window"), Value::from(64)),
+        (s("locality"), Value::Nil),
+        (s("ownership"), Value::Nil),
+        (s("session_id"), Value::Nil),
+    ])
+}
+
+#[test]
+fn hma_group_fields_of_vllm_032_decode_in_both_forms() {
+    let map = vllm_032_sliding_store_map();
+    // The array form carries the same fields positionally, after the tag.
+    let array = Value::Array(
+        map.as_map()
+            .unwrap()
+            .iter()
+            .map(|(_, v)| v.clone())
+            .collect(),
+    );
+    let removed = Value::Map(vec![
+        (s("type"), s("BlockRemoved")),
+        (s("block_hashes"), Value::Array(vec![Value::from(77u64)])),
+        (s("medium"), s("GPU")),
+        (s("group_idx"), Value::from(2)),
+        (s("locality"), Value::Nil),
+        (s("ownership"), Value::Nil),
+    ]);
+    for form in [map, array] {
+        let b = decode_batch(&batch_of(vec![form, removed.clone()])).unwrap();
+        let KvEvent::BlockStored(e) = &b.events[0] else {
+            panic!()
+        };
+        assert_eq!(e.block_hashes, vec![BlockHash(77), BlockHash(88)]);
+        assert_eq!(e.token_ids.len(), 288, "the range, not the kept blocks");
+        assert_eq!(e.group_idx, Some(1));
+        assert_eq!(e.kv_cache_spec_kind.as_deref(), Some("sliding_window"));
+        assert_eq!(e.kv_cache_spec_sliding_window, Some(64));
+        let KvEvent::BlockRemoved(r) = &b.events[1] else {
+            panic!()
+        };
+        assert_eq!(r.group_idx, Some(2));
+        // Re-encoding keeps the group fields in either of kvmesh's encodings.
+        for enc in [EventEncoding::Map, EventEncoding::Array] {
+            assert_eq!(decode_batch(&encode_batch(&b, enc)).unwrap(), b);
+        }
+    }
+}
+
+#[test]
+fn a_full_attention_store_has_no_window_and_encodes_without_one() {
+    let mut fields = vllm_032_sliding_store_map().as_map().unwrap().clone();
+    for (k, v) in fields.iter_mut() {
+        match k.as_str().unwrap() {
+            "kv_cache_spec_kind" => *v = s("full_attention"),
+            "kv_cache_spec_sliding_window" => *v = Value::Nil,
+            _ => {}
+        }
+    }
+    let b = decode_batch(&batch_of(vec![Value::Map(fields)])).unwrap();
+    let KvEvent::BlockStored(e) = &b.events[0] else {
+        panic!()
+    };
+    assert_eq!(e.kv_cache_spec_sliding_window, None);
+    // An unset window is not written, as vLLM before 0.32 did not write it.
+    let bytes = encode_batch(&b, EventEncoding::Map);
+    let v = rmpv::decode::read_value(&mut bytes.as_slice()).unwrap();
+    let keys: Vec<&str> = v[1][0]
+        .as_map()
+        .unwrap()
+        .iter()
+        .map(|(k, _)| k.as_str().unwrap())
+        .collect();
+    assert_eq!(keys.len(), 11);
+    assert!(!keys.contains(&"kv_cache_spec_sliding_window"));
+}
+
 #[test]
 fn unknown_map_keys_and_key_order_do_not_matter() {
     let ev = Value::Map(vec![
@@ -235,6 +335,7 @@ fn unknown_map_keys_and_key_order_do_not_matter() {
     assert_eq!(e.medium, Medium::Cpu);
     assert_eq!(e.block_hashes, vec![BlockHash(1), BlockHash(2)]);
     assert!(e.token_ids.is_empty());
+    assert_eq!(e.kv_cache_spec_sliding_window, Some(4096));
 }
 
 #[test]

@@ -43,6 +43,7 @@ fn store(
         lora_name: None,
         group_idx: None,
         kv_cache_spec_kind: None,
+        kv_cache_spec_sliding_window: None,
         cache_salt: None,
     })
 }

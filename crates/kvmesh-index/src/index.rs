@@ -18,13 +18,46 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
+use arc_swap::ArcSwapOption;
 use hashbrown::HashMap;
 use kvmesh_core::events::{BlockRemoved, BlockStored, KvEvent};
 use kvmesh_core::{BlockHash, ChainKey};
 use parking_lot::{Mutex, RwLock};
 
+use crate::groups::{self, GroupKind, GroupLayout, HybridRule, StoreGroup, group_key};
 use crate::table::Shard;
 use crate::{EndpointId, EndpointMatch, IndexConfig, IndexError, IndexStats, Tier};
+
+/// Which groups of a hybrid endpoint hold one engine block, per tier (bit `g` = group `g`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct GroupsHeld {
+    gpu: u64,
+    cpu: u64,
+}
+
+impl GroupsHeld {
+    fn get(&self, tier: Tier) -> u64 {
+        match tier {
+            Tier::Gpu => self.gpu,
+            Tier::Cpu => self.cpu,
+        }
+    }
+    fn get_mut(&mut self, tier: Tier) -> &mut u64 {
+        match tier {
+            Tier::Gpu => &mut self.gpu,
+            Tier::Cpu => &mut self.cpu,
+        }
+    }
+    fn is_empty(&self) -> bool {
+        self.gpu | self.cpu == 0
+    }
+}
+
+/// Engine hashes of a hybrid endpoint whose non-full-group stores wait for their position
+/// (vLLM publishes a step's sliding and mamba groups before its full-attention group, and only
+/// the full-attention store says where a hash sits). Past this many the oldest are dropped
+/// (counted as unresolved): an under-estimate, never a wrong position.
+const MAX_PENDING: usize = 4096;
 
 /// What the index knows about one endpoint's engine hashes.
 #[derive(Debug, Default)]
@@ -44,6 +77,18 @@ struct EndpointState {
     /// (or of their last second chance): the CLOCK that picks the endpoint's own victims when it
     /// exceeds its share. Entries whose hash is gone are skipped (and compacted away).
     order: VecDeque<(BlockHash, u32)>,
+    /// The endpoint's KV-cache groups, learned from its events.
+    layout: GroupLayout,
+    /// Hybrid endpoints only: which groups hold each engine hash of `hashes`, per tier. A hash
+    /// stays in `hashes` while any group holds it in any tier.
+    groups_held: HashMap<BlockHash, GroupsHeld>,
+    /// Hybrid endpoints only: non-full-group stores waiting for their hash's position, and the
+    /// order they arrived in (for the [`MAX_PENDING`] bound; may hold resolved hashes until
+    /// compacted).
+    pending: HashMap<BlockHash, Vec<(u8, Tier)>>,
+    pending_order: VecDeque<BlockHash>,
+    /// Hybrid endpoints, while suspect: the groups that stored each hash since.
+    refreshed_groups: HashMap<BlockHash, u64>,
 }
 
 #[derive(Debug)]
@@ -53,6 +98,9 @@ struct EndpointEntry {
     /// mutex so the global trim can find the largest holder without locking every endpoint.
     held: AtomicUsize,
     state: Mutex<EndpointState>,
+    /// The prefix-hit rule of a hybrid endpoint (`None` for dense ones), readable by lookups
+    /// without taking `state`'s mutex.
+    rule: ArcSwapOption<HybridRule>,
 }
 
 #[derive(Debug, Default)]
@@ -219,6 +267,22 @@ impl PrefixIndex {
         for hash in &stale {
             self.forget_hash(&entry, &mut state, *hash);
         }
+        // A hybrid endpoint refreshes per group: a block stored again by its full-attention group
+        // only must not keep a sliding group's stale window alive.
+        let refreshed_groups = std::mem::take(&mut state.refreshed_groups);
+        let stale_groups: Vec<(BlockHash, u8, Tier)> = state
+            .groups_held
+            .iter()
+            .flat_map(|(hash, held)| {
+                let fresh = refreshed_groups.get(hash).copied().unwrap_or(0);
+                [Tier::Gpu, Tier::Cpu].into_iter().flat_map(move |tier| {
+                    bits(held.get(tier) & !fresh).map(move |g| (*hash, g, tier))
+                })
+            })
+            .collect();
+        for (hash, group, tier) in stale_groups {
+            self.remove_from_group(&entry, &mut state, hash, group, tier);
+        }
         stale.len()
     }
 
@@ -289,6 +353,7 @@ impl PrefixIndex {
         let reg = self.registry.read();
         let mut out = Vec::new();
         let any_base = 2 * words * 64;
+        let mut probe = GroupProbe::new(words, now);
         for slot in 0..(words * 64).min(reg.slots.len()) {
             let any = lens[any_base + slot];
             if any == 0 {
@@ -297,12 +362,22 @@ impl PrefixIndex {
             let Some(endpoint) = reg.slots[slot] else {
                 continue;
             };
-            out.push(EndpointMatch {
+            let mut m = EndpointMatch {
                 endpoint,
                 gpu_blocks: lens[slot] as usize,
                 cpu_blocks: lens[words * 64 + slot] as usize,
                 any_blocks: any as usize,
-            });
+            };
+            let rule = reg.by_id.get(&endpoint).map(|e| e.rule.load());
+            if let Some(rule) = rule.as_ref().and_then(|r| r.as_deref()) {
+                // A hybrid endpoint's table runs are its full-attention run; vLLM's rule then
+                // asks for each sliding group's last window and each mamba group's state.
+                m = self.hybrid_match(m, rule, keys, slot, &mut probe);
+                if m.any_blocks == 0 {
+                    continue;
+                }
+            }
+            out.push(m);
         }
         drop(reg);
         out.sort_unstable_by_key(|m| m.endpoint);
@@ -325,6 +400,9 @@ impl PrefixIndex {
             bytes += st.hashes.allocation_size() as u64 + st.spans.allocation_size() as u64;
             bytes += st.spans.values().map(|s| (s.len() * 8) as u64).sum::<u64>();
             bytes += (st.order.capacity() * std::mem::size_of::<(BlockHash, u32)>()) as u64;
+            bytes += st.groups_held.allocation_size() as u64 + st.pending.allocation_size() as u64;
+            bytes += st.refreshed_groups.allocation_size() as u64;
+            bytes += (st.pending_order.capacity() * std::mem::size_of::<BlockHash>()) as u64;
         }
         let c = &self.counters;
         IndexStats {
@@ -392,6 +470,7 @@ impl PrefixIndex {
             slot,
             held: AtomicUsize::new(0),
             state: Mutex::new(EndpointState::default()),
+            rule: ArcSwapOption::empty(),
         });
         reg.by_id.insert(endpoint, entry.clone());
         Ok(entry)
@@ -404,18 +483,222 @@ impl PrefixIndex {
         ev: &BlockStored,
         now: u32,
     ) -> Result<(), IndexError> {
-        let slot = entry.slot;
         let Some(tier) = crate::indexed_store(ev) else {
-            self.counters.ignored_events.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
+            return self.ignore();
         };
-        let n = ev.block_hashes.len();
-        if n == 0 {
+        match groups::store_group(ev) {
+            StoreGroup::Unsupported => self.ignore(),
+            // Without its group a hybrid endpoint's block cannot take part in the rule.
+            StoreGroup::Ungrouped if state.layout.is_hybrid() => self.ignore(),
+            StoreGroup::Ungrouped => self.apply_dense_store(entry, state, ev, tier, now),
+            StoreGroup::Grouped {
+                idx,
+                kind,
+                block_size,
+            } => {
+                if !self.learn_group(entry, state, idx, kind, block_size) {
+                    return self.ignore();
+                }
+                if state.layout.is_hybrid() {
+                    self.apply_group_store(entry, state, ev, idx, kind, tier, now)
+                } else {
+                    self.apply_dense_store(entry, state, ev, tier, now)
+                }
+            }
+        }
+    }
+
+    fn ignore(&self) -> Result<(), IndexError> {
+        self.counters.ignored_events.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Learns group `idx` of the endpoint from a store. Returns false when the store contradicts
+    /// the layout learned so far (the event is then ignored).
+    fn learn_group(
+        &self,
+        entry: &EndpointEntry,
+        state: &mut EndpointState,
+        idx: u8,
+        kind: GroupKind,
+        block_size: u32,
+    ) -> bool {
+        let was_hybrid = state.layout.is_hybrid();
+        let Ok(new_group) = state.layout.learn(idx, kind, block_size) else {
+            return false;
+        };
+        if !state.layout.is_hybrid() {
+            return true;
+        }
+        if !was_hybrid {
+            // Dense holdings carry no group bits: forget them rather than guess which group held
+            // what. vLLM announces a hybrid model's groups in its first batch, so this loses at
+            // most that batch's first group.
+            self.clear_holdings(entry, state);
+        } else if new_group && kind == GroupKind::Full {
+            // A new full-attention group holds nothing yet, so no block is in every full group
+            // any more: the full-attention run starts over from what that group stores.
+            for (hash, last) in state.hashes.iter() {
+                for k in state.spans.get(hash).iter().flat_map(|l| l.iter()) {
+                    self.remove_member(*k, entry.slot, None);
+                }
+                self.remove_member(*last, entry.slot, None);
+            }
+        }
+        let rule = state.layout.rule();
+        if entry.rule.load().as_deref() != Some(&rule) {
+            entry.rule.store(Some(Arc::new(rule)));
+        }
+        true
+    }
+
+    /// A store of a hybrid endpoint in group `idx`.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_group_store(
+        &self,
+        entry: &EndpointEntry,
+        state: &mut EndpointState,
+        ev: &BlockStored,
+        idx: u8,
+        kind: GroupKind,
+        tier: Tier,
+        now: u32,
+    ) -> Result<(), IndexError> {
+        let slot = entry.slot;
+        if ev.block_hashes.is_empty() {
+            return Ok(());
+        }
+        if kind == GroupKind::Full && !ev.token_ids.is_empty() {
+            // Full attention lists every block of its range: it keys the chain, as a dense store.
+            self.key_run(entry, state, ev, None, now)?;
+            for hash in &ev.block_hashes {
+                self.hold_in_group(slot, state, *hash, idx, tier, now);
+                if let Some(waiting) = state.pending.remove(hash) {
+                    for (group, tier) in waiting {
+                        self.hold_in_group(slot, state, *hash, group, tier, now);
+                    }
+                }
+            }
+            return Ok(());
+        }
+        // Sliding-window and mamba groups list only the blocks vLLM kept while `token_ids` spans
+        // the whole range, so counting tokens would misplace them: a block's position is the one
+        // its hash (the same digest in every group) has in the full-attention chain. vLLM
+        // publishes those groups before the full-attention one, so unknown hashes wait for it.
+        let mut unresolved = 0;
+        for hash in &ev.block_hashes {
+            if state.hashes.contains_key(hash) {
+                self.hold_in_group(slot, state, *hash, idx, tier, now);
+            } else if kind == GroupKind::Full {
+                unresolved += 1;
+            } else {
+                self.defer(state, *hash, idx, tier);
+            }
+        }
+        if unresolved > 0 {
+            self.counters
+                .unresolved_blocks
+                .fetch_add(unresolved as u64, Ordering::Relaxed);
+            return Err(IndexError::UnresolvedHashes {
+                unresolved,
+                total: ev.block_hashes.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Marks `hash` (whose position is known) as held by group `group` in `tier`. A full-attention
+    /// group's membership is the block's own key, set once every full-attention group holds it;
+    /// another group's is the block's [`group_key`], on the last router block of the engine
+    /// block (the one a lookup probes).
+    fn hold_in_group(
+        &self,
+        slot: u32,
+        state: &mut EndpointState,
+        hash: BlockHash,
+        group: u8,
+        tier: Tier,
+        now: u32,
+    ) {
+        let Some(last) = state.hashes.get(&hash).copied() else {
+            return;
+        };
+        let full = state.layout.full_mask();
+        let bit = 1u64 << group;
+        let held = state.groups_held.entry(hash).or_default();
+        *held.get_mut(tier) |= bit;
+        let in_every_full_group = held.get(tier) & full == full;
+        if let Some(r) = &mut state.refreshed {
+            r.insert(hash);
+            *state.refreshed_groups.entry(hash).or_default() |= bit;
+        }
+        if full & bit == 0 {
+            self.add_member(group_key(last, group), slot, tier, now);
+        } else if in_every_full_group {
+            for k in state.spans.get(&hash).iter().flat_map(|l| l.iter()) {
+                self.add_member(*k, slot, tier, now);
+            }
+            self.add_member(last, slot, tier, now);
+        }
+    }
+
+    /// Queues a non-full-group store of a hash whose position is not known yet.
+    fn defer(&self, state: &mut EndpointState, hash: BlockHash, group: u8, tier: Tier) {
+        let waiting = state.pending.entry(hash).or_default();
+        if waiting.contains(&(group, tier)) {
+            return;
+        }
+        if waiting.is_empty() {
+            state.pending_order.push_back(hash);
+        }
+        waiting.push((group, tier));
+        while state.pending.len() > MAX_PENDING {
+            let Some(oldest) = state.pending_order.pop_front() else {
+                break;
+            };
+            if let Some(dropped) = state.pending.remove(&oldest) {
+                self.counters
+                    .unresolved_blocks
+                    .fetch_add(dropped.len() as u64, Ordering::Relaxed);
+            }
+        }
+        if state.pending_order.len() > 2 * state.pending.len() + 64 {
+            let pending = &state.pending;
+            state.pending_order.retain(|h| pending.contains_key(h));
+        }
+    }
+
+    /// A store without groups, or in the one group of a dense endpoint: as before groups existed.
+    fn apply_dense_store(
+        &self,
+        entry: &EndpointEntry,
+        state: &mut EndpointState,
+        ev: &BlockStored,
+        tier: Tier,
+        now: u32,
+    ) -> Result<(), IndexError> {
+        if ev.block_hashes.is_empty() {
             return Ok(());
         }
         if ev.token_ids.is_empty() {
-            return self.apply_tokenless_store(slot, state, ev, tier, now);
+            return self.apply_tokenless_store(entry.slot, state, ev, tier, now);
         }
+        self.key_run(entry, state, ev, Some(tier), now)
+    }
+
+    /// Keys a stored run with tokens: validates it, finds its parent's key, and records each
+    /// engine hash's router keys in the endpoint's maps. With `tier`, also adds the endpoint's
+    /// membership of every key (a dense store); without, the caller decides per group.
+    fn key_run(
+        &self,
+        entry: &EndpointEntry,
+        state: &mut EndpointState,
+        ev: &BlockStored,
+        tier: Option<Tier>,
+        now: u32,
+    ) -> Result<(), IndexError> {
+        let slot = entry.slot;
+        let n = ev.block_hashes.len();
         let mismatch = IndexError::TokenCountMismatch {
             tokens: ev.token_ids.len(),
             blocks: n,
@@ -458,7 +741,9 @@ impl PrefixIndex {
             let mut lead = Vec::new();
             for (j, sub) in tokens.chunks_exact(router_bs).enumerate() {
                 key = key.child(sub);
-                self.add_member(key, slot, tier, now);
+                if let Some(tier) = tier {
+                    self.add_member(key, slot, tier, now);
+                }
                 if j + 1 < ratio {
                     lead.push(key);
                 }
@@ -516,11 +801,99 @@ impl PrefixIndex {
     }
 
     fn apply_removed(&self, entry: &EndpointEntry, state: &mut EndpointState, ev: &BlockRemoved) {
-        let slot = entry.slot;
-        let Some(tier) = crate::indexed_remove(ev) else {
-            self.counters.ignored_events.fetch_add(1, Ordering::Relaxed);
+        let (Some(tier), Some(group)) = (crate::indexed_remove(ev), groups::remove_group(ev))
+        else {
+            let _ = self.ignore();
             return;
         };
+        if !state.layout.is_hybrid() {
+            if group.is_some_and(|g| g != state.layout.dense_group()) {
+                let _ = self.ignore();
+                return;
+            }
+            self.apply_dense_removed(entry, state, ev, tier);
+            return;
+        }
+        let Some(group) = group.filter(|g| state.layout.get(*g).is_some()) else {
+            let _ = self.ignore();
+            return;
+        };
+        for hash in &ev.block_hashes {
+            self.remove_from_group(entry, state, *hash, group, tier);
+        }
+        self.compact_order(state);
+    }
+
+    /// A hybrid endpoint's group `group` dropped `hash` from `tier`.
+    fn remove_from_group(
+        &self,
+        entry: &EndpointEntry,
+        state: &mut EndpointState,
+        hash: BlockHash,
+        group: u8,
+        tier: Tier,
+    ) {
+        let slot = entry.slot;
+        let mut was_pending = false;
+        if let Some(waiting) = state.pending.get_mut(&hash) {
+            let before = waiting.len();
+            waiting.retain(|w| *w != (group, tier));
+            was_pending = waiting.len() != before;
+            if waiting.is_empty() {
+                state.pending.remove(&hash);
+            }
+        }
+        let bit = 1u64 << group;
+        let (Some(last), Some(held)) = (
+            state.hashes.get(&hash).copied(),
+            state.groups_held.get_mut(&hash),
+        ) else {
+            if !was_pending {
+                self.counters
+                    .unknown_removals
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        };
+        if held.get(tier) & bit == 0 {
+            if !was_pending {
+                self.counters
+                    .unknown_removals
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        }
+        let full = state.layout.full_mask();
+        let was_in_every_full_group = held.get(tier) & full == full;
+        *held.get_mut(tier) &= !bit;
+        let held_nowhere = held.is_empty();
+        if full & bit == 0 {
+            self.remove_member(group_key(last, group), slot, Some(tier));
+        } else if was_in_every_full_group {
+            for k in state.spans.get(&hash).iter().flat_map(|l| l.iter()) {
+                self.remove_member(*k, slot, Some(tier));
+            }
+            self.remove_member(last, slot, Some(tier));
+        }
+        if held_nowhere {
+            state.groups_held.remove(&hash);
+            state.hashes.remove(&hash);
+            let lead = state.spans.remove(&hash);
+            if let Some(r) = &mut state.refreshed {
+                r.remove(&hash);
+            }
+            self.held_sub(entry, 1 + lead.map_or(0, |l| l.len()));
+        }
+    }
+
+    fn apply_dense_removed(
+        &self,
+        entry: &EndpointEntry,
+        state: &mut EndpointState,
+        ev: &BlockRemoved,
+        tier: Tier,
+    ) {
+        let slot = entry.slot;
         for hash in &ev.block_hashes {
             let Some(last) = state.hashes.get(hash).copied() else {
                 self.counters
@@ -546,8 +919,18 @@ impl PrefixIndex {
         self.compact_order(state);
     }
 
+    /// Forgets everything the endpoint holds, its group layout included (a restarted engine may
+    /// serve another model; the next events teach the layout again).
     fn clear_state(&self, entry: &EndpointEntry, state: &mut EndpointState) {
+        self.clear_holdings(entry, state);
+        state.layout = GroupLayout::default();
+        entry.rule.store(None);
+    }
+
+    /// Forgets every block the endpoint holds, keeping its group layout.
+    fn clear_holdings(&self, entry: &EndpointEntry, state: &mut EndpointState) {
         let slot = entry.slot;
+        let non_full = !state.layout.full_mask();
         for (hash, last) in state.hashes.drain() {
             if let Some(lead) = state.spans.get(&hash) {
                 for k in lead.iter() {
@@ -555,7 +938,16 @@ impl PrefixIndex {
                 }
             }
             self.remove_member(last, slot, None);
+            if let Some(held) = state.groups_held.get(&hash) {
+                for group in bits((held.gpu | held.cpu) & non_full) {
+                    self.remove_member(group_key(last, group), slot, None);
+                }
+            }
         }
+        state.groups_held = HashMap::new();
+        state.refreshed_groups = HashMap::new();
+        state.pending = HashMap::new();
+        state.pending_order = VecDeque::new();
         state.spans = HashMap::new();
         state.hashes = HashMap::new();
         // Nothing stale is left: a clear also ends the suspect state.
@@ -581,6 +973,13 @@ impl PrefixIndex {
             self.remove_member(*k, entry.slot, None);
         }
         self.remove_member(last, entry.slot, None);
+        state.refreshed_groups.remove(&hash);
+        if let Some(held) = state.groups_held.remove(&hash) {
+            let non_full = (held.gpu | held.cpu) & !state.layout.full_mask();
+            for group in bits(non_full) {
+                self.remove_member(group_key(last, group), entry.slot, None);
+            }
+        }
         if let Some(r) = &mut state.refreshed {
             r.remove(&hash);
         }
@@ -710,6 +1109,122 @@ impl PrefixIndex {
     }
 }
 
+impl PrefixIndex {
+    /// `m` (a hybrid endpoint's full-attention runs, in router blocks) with vLLM's prefix-hit
+    /// rule applied per tier, in whole engine blocks.
+    fn hybrid_match(
+        &self,
+        m: EndpointMatch,
+        rule: &HybridRule,
+        keys: &[ChainKey],
+        slot: usize,
+        probe: &mut GroupProbe,
+    ) -> EndpointMatch {
+        let router_bs = self.config.block_size.max(1);
+        let engine_bs = rule.engine_block_size;
+        if engine_bs == 0 || !engine_bs.is_multiple_of(router_bs) {
+            return EndpointMatch {
+                gpu_blocks: 0,
+                cpu_blocks: 0,
+                any_blocks: 0,
+                ..m
+            };
+        }
+        let ratio = engine_bs / router_bs;
+        let mut hit = |run: usize, tiers: TierSet| {
+            let blocks = groups::hybrid_hit(run / ratio, &rule.specs, |groups, j| {
+                probe.held_in_all(self, groups, keys[(j + 1) * ratio - 1], j, slot, tiers)
+            });
+            blocks * ratio
+        };
+        EndpointMatch {
+            endpoint: m.endpoint,
+            gpu_blocks: hit(m.gpu_blocks, TierSet::GPU),
+            cpu_blocks: hit(m.cpu_blocks, TierSet::CPU),
+            any_blocks: hit(m.any_blocks, TierSet::ANY),
+        }
+    }
+}
+
+/// Which tiers count as holding a block in a lookup's run.
+#[derive(Debug, Clone, Copy)]
+struct TierSet {
+    gpu: bool,
+    cpu: bool,
+}
+
+impl TierSet {
+    const GPU: TierSet = TierSet {
+        gpu: true,
+        cpu: false,
+    };
+    const CPU: TierSet = TierSet {
+        gpu: false,
+        cpu: true,
+    };
+    const ANY: TierSet = TierSet {
+        gpu: true,
+        cpu: true,
+    };
+}
+
+/// One lookup's reads of group memberships, each (group, engine block) read once for every
+/// hybrid endpoint. Only the blocks the rule asks about are read: a window or a state near each
+/// endpoint's run end, so a lookup reads a few more table slots per hybrid group, not a whole
+/// prompt's worth.
+struct GroupProbe {
+    words: usize,
+    now: u32,
+    read: HashMap<(u8, usize), Box<[u64]>>,
+}
+
+impl GroupProbe {
+    fn new(words: usize, now: u32) -> Self {
+        GroupProbe {
+            words,
+            now,
+            read: HashMap::new(),
+        }
+    }
+
+    /// Whether endpoint `slot` holds engine block `j` (last router key `key`) in every group of
+    /// the bit set `groups`, in one of `tiers`.
+    fn held_in_all(
+        &mut self,
+        index: &PrefixIndex,
+        groups: u64,
+        key: ChainKey,
+        j: usize,
+        slot: usize,
+        tiers: TierSet,
+    ) -> bool {
+        let (word, bit) = (slot / 64, slot % 64);
+        bits(groups).all(|group| {
+            let masks = self.read.entry((group, j)).or_insert_with(|| {
+                let mut out = vec![0u64; 2 * self.words];
+                let gk = group_key(key, group);
+                index.shard(gk).read(gk, &mut out, self.now);
+                out.into_boxed_slice()
+            });
+            let gpu = masks.get(2 * word).is_some_and(|w| w >> bit & 1 == 1);
+            let cpu = masks.get(2 * word + 1).is_some_and(|w| w >> bit & 1 == 1);
+            (tiers.gpu && gpu) || (tiers.cpu && cpu)
+        })
+    }
+}
+
+/// The group indices set in `mask`.
+fn bits(mut mask: u64) -> impl Iterator<Item = u8> {
+    std::iter::from_fn(move || {
+        if mask == 0 {
+            return None;
+        }
+        let b = mask.trailing_zeros() as u8;
+        mask &= mask - 1;
+        Some(b)
+    })
+}
+
 /// Stores `value` for every set bit of `bits` (bit b → `lens[b]`).
 fn record(lens: &mut [u32], mut bits: u64, value: u32) {
     while bits != 0 {
@@ -721,3 +1236,6 @@ fn record(lens: &mut [u32], mut bits: u64, value: u32) {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod hybrid_tests;

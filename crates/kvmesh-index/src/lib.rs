@@ -7,6 +7,14 @@
 //! slots (GPU, CPU); a lookup ANDs them along the prompt's keys and stops as soon as no endpoint is
 //! still matching. Invariants are listed in this crate's `README.md`.
 //!
+//! Hybrid models (vLLM's HMA: sliding-window, Mamba and full-attention KV-cache groups, each
+//! published separately): the index learns each endpoint's groups from its events, keeps which
+//! group holds which block (a sliding or Mamba block is placed by its hash in the full-attention
+//! chain, never by counting the event's tokens), and a lookup applies vLLM's prefix-hit rule to
+//! the endpoint: full-attention run, each sliding spec's last window, Mamba's state at the hit's
+//! end, to a fixpoint (`groups.rs`). So [`EndpointMatch`] counts what vLLM would report cached.
+//! Dense models (one full-attention group, or no group fields) are indexed as before.
+//!
 //! ```
 //! use kvmesh_core::chain::chain_keys;
 //! use kvmesh_core::events::{BlockStored, KvEvent, Medium};
@@ -25,6 +33,7 @@
 //!     lora_name: None,
 //!     group_idx: None,
 //!     kv_cache_spec_kind: None,
+//!     kv_cache_spec_sliding_window: None,
 //!     cache_salt: None,
 //! });
 //! index.apply_event(EndpointId(7), &stored).expect("valid event");
@@ -33,6 +42,7 @@
 //! assert_eq!(matches[0].gpu_blocks, 2);
 //! ```
 
+mod groups;
 mod index;
 mod rate;
 pub mod reference;
@@ -197,11 +207,14 @@ pub struct IndexStats {
     pub share_evictions: u64,
     /// BlockStored events skipped because their parent was unknown.
     pub orphan_events: u64,
-    /// Token-less stored blocks whose engine hash had no known key.
+    /// Token-less stored blocks whose engine hash had no known key, and sliding/Mamba-group
+    /// blocks dropped while waiting for the full-attention store that places them.
     pub unresolved_blocks: u64,
     /// BlockRemoved hashes the endpoint was not known to hold.
     pub unknown_removals: u64,
-    /// Events not indexed (STORAGE/other medium, LoRA, non-zero kv-cache group).
+    /// Events not indexed: STORAGE/other medium, LoRA without a name, a kv-cache group kind the
+    /// index does not model (or a non-zero group without a kind), a group that changed kind or
+    /// block size, an event without a group on a hybrid endpoint.
     pub ignored_events: u64,
 }
 
@@ -238,11 +251,11 @@ impl IndexBackend for PrefixIndex {
     }
 }
 
-/// Whether a stored event is indexed at all (see [`Tier::from_medium`] and README): kv-cache
-/// groups other than 0 are not, because the router's keys do not cover them, nor are LoRA blocks
-/// without an adapter name (the name is what puts them in their adapter's key space).
+/// The tier a stored event is indexed in, if any (see [`Tier::from_medium`] and README): LoRA
+/// blocks without an adapter name are not indexed (the name is what puts them in their adapter's
+/// key space). Groups are sorted out by `groups::store_group`.
 pub(crate) fn indexed_store(ev: &kvmesh_core::events::BlockStored) -> Option<Tier> {
-    if (ev.lora_id.is_some() && ev.lora_name.is_none()) || ev.group_idx.unwrap_or(0) != 0 {
+    if ev.lora_id.is_some() && ev.lora_name.is_none() {
         return None;
     }
     Tier::from_medium(&ev.medium)
@@ -253,9 +266,7 @@ pub(crate) fn event_root(ev: &kvmesh_core::events::BlockStored) -> ChainKey {
     ChainKey::tenant_root(ev.lora_name.as_deref(), ev.cache_salt.as_deref())
 }
 
+/// The tier a removal applies to, if indexed (groups: `groups::remove_group`).
 pub(crate) fn indexed_remove(ev: &kvmesh_core::events::BlockRemoved) -> Option<Tier> {
-    if ev.group_idx.unwrap_or(0) != 0 {
-        return None;
-    }
     Tier::from_medium(&ev.medium)
 }

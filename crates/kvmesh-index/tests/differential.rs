@@ -2,7 +2,10 @@
 //! [`ReferenceIndex`], comparing every apply result and every lookup; plus a self-test proving the
 //! harness notices a backend that drops removals. With a bound, the index may only under-estimate,
 //! and an endpoint that stays within its share of `max_blocks` must stay exact however the others
-//! flood (issue 37). Case count: `PROPTEST_CASES` (default 256).
+//! flood (issue 37). Scenarios also give every endpoint a vLLM hybrid KV-cache group layout
+//! (sliding-window, mamba and full-attention groups, HMA): stores and removals then name a group,
+//! and non-full groups list a random subset of their range's blocks, as vLLM's events do. Case
+//! count: `PROPTEST_CASES` (default 256).
 
 #![allow(clippy::unwrap_used)]
 
@@ -28,6 +31,10 @@ enum Op {
         cpu: bool,
         tokenless: bool,
         bad_parent: bool,
+        /// With a hybrid layout: the group (modulo the layout's size) and, for a non-full group,
+        /// which blocks of the range it lists (bit i = block `start + i`).
+        group: u8,
+        keep: u8,
     },
     Remove {
         ep: u8,
@@ -35,6 +42,7 @@ enum Op {
         start: u8,
         len: u8,
         cpu: bool,
+        group: u8,
     },
     Clear {
         ep: u8,
@@ -71,10 +79,10 @@ fn op() -> impl Strategy<Value = Op> {
     let ep = 0..ENDPOINTS;
     let prompt = 0u8..4;
     prop_oneof![
-        8 => (ep.clone(), prompt.clone(), 0u8..NB as u8, 0u8..NB as u8, any::<bool>(), prop::bool::weighted(0.3), prop::bool::weighted(0.05))
-            .prop_map(|(ep, prompt, start, len, cpu, tokenless, bad_parent)| Op::Store { ep, prompt, start, len, cpu, tokenless, bad_parent }),
-        5 => (ep.clone(), prompt.clone(), 0u8..NB as u8, 0u8..NB as u8, any::<bool>())
-            .prop_map(|(ep, prompt, start, len, cpu)| Op::Remove { ep, prompt, start, len, cpu }),
+        8 => (ep.clone(), prompt.clone(), 0u8..NB as u8, 0u8..NB as u8, any::<bool>(), prop::bool::weighted(0.3), prop::bool::weighted(0.05), any::<u8>(), any::<u8>())
+            .prop_map(|(ep, prompt, start, len, cpu, tokenless, bad_parent, group, keep)| Op::Store { ep, prompt, start, len, cpu, tokenless, bad_parent, group, keep }),
+        5 => (ep.clone(), prompt.clone(), 0u8..NB as u8, 0u8..NB as u8, any::<bool>(), any::<u8>())
+            .prop_map(|(ep, prompt, start, len, cpu, group)| Op::Remove { ep, prompt, start, len, cpu, group }),
         1 => ep.clone().prop_map(|ep| Op::Clear { ep }),
         1 => ep.clone().prop_map(|ep| Op::ClearCall { ep }),
         1 => ep.clone().prop_map(|ep| Op::RemoveEndpoint { ep }),
@@ -92,20 +100,47 @@ struct Scenario {
     ratio: usize,
     prompts: Vec<Vec<u32>>,
     ops: Vec<Op>,
+    /// Every endpoint's KV-cache groups; empty for dense endpoints (events without groups).
+    layout: Vec<Group>,
+}
+
+/// A KV-cache group kind; a window is given in engine blocks (the `need` of vLLM's rule).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Group {
+    Full,
+    Sliding(usize),
+    Mamba,
+}
+
+fn layout() -> impl Strategy<Value = Vec<Group>> {
+    use Group::*;
+    prop_oneof![
+        3 => Just(vec![]),
+        // gemma3: two sliding groups of one spec, then full attention.
+        1 => (1usize..=3).prop_map(|need| vec![Sliding(need), Sliding(need), Full]),
+        // gpt-oss.
+        1 => (1usize..=3).prop_map(|need| vec![Sliding(need), Full]),
+        // Qwen3-Next.
+        1 => Just(vec![Mamba, Mamba, Full]),
+        // Two full-attention groups (one first) and both other kinds.
+        1 => (1usize..=3).prop_map(|need| vec![Full, Sliding(need), Mamba, Full]),
+    ]
 }
 
 fn scenario() -> impl Strategy<Value = Scenario> {
-    (1usize..=2).prop_flat_map(|ratio| {
+    (1usize..=2, layout()).prop_flat_map(|(ratio, layout)| {
         let len = NB * ratio * ROUTER_BS;
         (
             Just(ratio),
             prop::collection::vec(prop::collection::vec(0u32..2, len), 4),
             prop::collection::vec(op(), 1..60),
+            Just(layout),
         )
-            .prop_map(|(ratio, prompts, ops)| Scenario {
+            .prop_map(|(ratio, prompts, ops, layout)| Scenario {
                 ratio,
                 prompts,
                 ops,
+                layout,
             })
     })
 }
@@ -143,9 +178,12 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
             cpu,
             tokenless,
             bad_parent,
+            group,
+            keep,
         } => {
             let (p, a, b) = range(prompt, start, len);
             let hashes = engine_hashes(&s.prompts[p], ebs);
+            let group = (!s.layout.is_empty()).then(|| group as usize % s.layout.len());
             let parent = if bad_parent {
                 Some(BlockHash(0xbad0 + a as u64))
             } else if a == 0 {
@@ -158,21 +196,32 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
             } else {
                 (s.prompts[p][a * ebs..b * ebs].to_vec(), ebs as u32)
             };
-            (
-                EndpointId(ep.into()),
-                KvEvent::BlockStored(BlockStored {
-                    block_hashes: hashes[a..b].to_vec(),
-                    parent_block_hash: parent,
-                    token_ids,
-                    block_size,
-                    lora_id: None,
-                    medium: medium(cpu),
-                    lora_name: None,
-                    group_idx: None,
-                    kv_cache_spec_kind: None,
-                    cache_salt: None,
-                }),
-            )
+            let mut ev = BlockStored::run(
+                medium(cpu),
+                parent,
+                block_size,
+                hashes[a..b].to_vec(),
+                token_ids,
+            );
+            if let Some(g) = group {
+                ev.group_idx = Some(g as u32);
+                let (kind, window) = match s.layout[g] {
+                    Group::Full => ("full_attention", None),
+                    // need = cdiv(window − 1, block size) for a window of `need` blocks.
+                    Group::Sliding(need) => ("sliding_window", Some((need * ebs) as u32)),
+                    Group::Mamba => ("mamba", None),
+                };
+                ev.kv_cache_spec_kind = Some(kind.to_owned());
+                ev.kv_cache_spec_sliding_window = window;
+                if s.layout[g] != Group::Full {
+                    // Only the blocks vLLM kept are listed; the tokens still span the range.
+                    ev.block_hashes = (a..b)
+                        .filter(|i| keep >> ((i - a) % 8) & 1 == 1)
+                        .map(|i| hashes[i])
+                        .collect();
+                }
+            }
+            (EndpointId(ep.into()), KvEvent::BlockStored(ev))
         }
         Op::Remove {
             ep,
@@ -180,15 +229,18 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
             start,
             len,
             cpu,
+            group,
         } => {
             let (p, a, b) = range(prompt, start, len);
             let hashes = engine_hashes(&s.prompts[p], ebs);
+            let group_idx =
+                (!s.layout.is_empty()).then(|| (group as usize % s.layout.len()) as u32);
             (
                 EndpointId(ep.into()),
                 KvEvent::BlockRemoved(BlockRemoved {
                     block_hashes: hashes[a..b].to_vec(),
                     medium: medium(cpu),
-                    group_idx: None,
+                    group_idx,
                 }),
             )
         }
@@ -208,6 +260,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    kv_cache_spec_sliding_window: None,
                     cache_salt: None,
                 }),
             )
@@ -227,6 +280,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    kv_cache_spec_sliding_window: None,
                     cache_salt: None,
                 }),
             )
@@ -247,6 +301,7 @@ fn to_event(s: &Scenario, op: &Op) -> Option<(EndpointId, KvEvent)> {
                     lora_name: None,
                     group_idx: None,
                     kv_cache_spec_kind: None,
+                    kv_cache_spec_sliding_window: None,
                     cache_salt: None,
                 }),
             )
@@ -418,6 +473,8 @@ fn flood_scenario() -> impl Strategy<Value = Scenario> {
                     len,
                     cpu,
                     tokenless,
+                    group,
+                    keep,
                     ..
                 } => Op::Store {
                     ep: 0,
@@ -427,6 +484,8 @@ fn flood_scenario() -> impl Strategy<Value = Scenario> {
                     cpu,
                     tokenless,
                     bad_parent: false,
+                    group,
+                    keep,
                 },
                 Op::Storage { ep: 0, .. } | Op::BadTokens { ep: 0, .. } => Op::Clear { ep: 0 },
                 other => other,
@@ -444,6 +503,7 @@ fn flood_scenario() -> impl Strategy<Value = Scenario> {
                 ratio,
                 prompts,
                 ops,
+                layout: Vec::new(),
             })
     })
 }
@@ -568,4 +628,56 @@ fn harness_catches_broken_backends() {
         Ok(())
     });
     assert!(caught.is_err(), "tier confusion went unnoticed");
+
+    let mut runner = TestRunner::new(Config {
+        cases: 256,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let caught = runner.run(&scenario(), |s| {
+        let r = run(
+            &s,
+            &IgnoresGroups(big_index()),
+            &ReferenceIndex::new(ROUTER_BS),
+            Expect::Equal,
+        );
+        prop_assert!(r.is_ok(), "{:?}", r);
+        Ok(())
+    });
+    assert!(caught.is_err(), "indexing groups as dense went unnoticed");
+}
+
+/// A broken backend that indexes every group's events as if the model were dense (what the
+/// index did before HMA, minus dropping groups other than 0).
+struct IgnoresGroups(PrefixIndex);
+
+impl IndexBackend for IgnoresGroups {
+    fn apply_event(&self, endpoint: EndpointId, event: &KvEvent) -> Result<(), IndexError> {
+        let mut event = event.clone();
+        match &mut event {
+            KvEvent::BlockStored(ev) => {
+                ev.group_idx = None;
+                ev.kv_cache_spec_kind = None;
+                ev.kv_cache_spec_sliding_window = None;
+            }
+            KvEvent::BlockRemoved(ev) => ev.group_idx = None,
+            KvEvent::AllBlocksCleared => {}
+        }
+        self.0.apply_event(endpoint, &event)
+    }
+    fn clear_endpoint(&self, endpoint: EndpointId) {
+        self.0.clear_endpoint(endpoint)
+    }
+    fn remove_endpoint(&self, endpoint: EndpointId) {
+        self.0.remove_endpoint(endpoint)
+    }
+    fn find_matches(&self, keys: &[ChainKey]) -> Vec<EndpointMatch> {
+        self.0.find_matches(keys)
+    }
+    fn mark_suspect(&self, endpoint: EndpointId) {
+        self.0.mark_suspect(endpoint)
+    }
+    fn expire_suspect(&self, endpoint: EndpointId) -> usize {
+        self.0.expire_suspect(endpoint)
+    }
 }

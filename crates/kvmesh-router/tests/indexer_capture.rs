@@ -350,6 +350,7 @@ fn store(tokens: &[u32], first_hash: u64) -> Bytes {
         lora_name: None,
         group_idx: None,
         kv_cache_spec_kind: None,
+        kv_cache_spec_sliding_window: None,
         cache_salt: None,
     });
     let ts = std::time::SystemTime::now()

@@ -129,6 +129,7 @@ async fn bench_scheduling_240k_tokens_96_endpoints() {
                 lora_name: None,
                 group_idx: None,
                 kv_cache_spec_kind: None,
+                kv_cache_spec_sliding_window: None,
                 cache_salt: None,
             });
             index.apply_event(EndpointId(e), &ev).unwrap();

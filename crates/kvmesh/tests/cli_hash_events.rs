@@ -198,6 +198,7 @@ fn stored(tag: u64, parent: Option<u64>) -> KvEvent {
         lora_name: None,
         group_idx: Some(0),
         kv_cache_spec_kind: Some("full_attention".into()),
+        kv_cache_spec_sliding_window: None,
         cache_salt: None,
     })
 }

@@ -19,6 +19,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: Medium) -
         lora_name: None,
         group_idx: None,
         kv_cache_spec_kind: None,
+        kv_cache_spec_sliding_window: None,
         cache_salt: None,
     })
 }

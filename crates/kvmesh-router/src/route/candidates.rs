@@ -61,6 +61,12 @@ pub(crate) fn candidate(
     Candidate {
         endpoint: e.id,
         name: Arc::clone(&e.name),
+        // For a vLLM server running a hybrid model (HMA: sliding-window or Mamba groups) these
+        // runs are already vLLM's prefix-hit rule, applied by the index: a prefix counts only
+        // where the full-attention blocks, each sliding group's last window and each Mamba
+        // state are all held. Scoring, the P2P source choice and P/D therefore never credit an
+        // endpoint, or a peer, with full-attention blocks whose window it lacks: vLLM would not
+        // count them as cached, and the connector (one group) cannot make it.
         gpu_blocks: m.gpu_blocks,
         cpu_blocks: m.cpu_blocks,
         any_blocks: m.any_blocks,
