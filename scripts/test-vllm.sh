@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end test of kvmesh's vLLM connector (issue 14): two real vLLM CPU servers on loopback
 # with KvmeshConnector (a third, with a capped producer, for the killed-mid-pull test), a tiny
-# random-weight Llama built locally, `kvmesh router` in front for one test, pytest.
+# random-weight Llama built locally, `kvmesh router` in front for one test, pytest; then
+# test_pd.py: a prefill and a decode vLLM server behind the router's P/D route (issue 36).
 #
 # CI (.ci/run) runs it after scripts/test.sh; on its own:
 #   bash scripts/test-vllm.sh [pytest args]
@@ -67,7 +68,9 @@ set +e
 timeout 1500 nice -n 10 "$VENV/bin/pytest" -p no:cacheprovider -v -s --rootdir="$work" \
     --basetemp="$work/pytest" "$ROOT/python/kvmesh-vllm/tests/test_stats.py" \
     "$ROOT/python/kvmesh-vllm/tests/test_config.py" \
-    "$ROOT/python/kvmesh-vllm/tests/test_e2e.py" "$@"
+    "$ROOT/python/kvmesh-vllm/tests/test_pd_params.py" \
+    "$ROOT/python/kvmesh-vllm/tests/test_e2e.py" \
+    "$ROOT/python/kvmesh-vllm/tests/test_pd.py" "$@"
 rc=$?
 set -e
 if [[ $rc -ne 0 ]]; then
