@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # End-to-end test of kvmesh's vLLM connector (issue 14): two real vLLM CPU servers on loopback
 # with KvmeshConnector (a third, with a capped producer, for the killed-mid-pull test), a tiny
-# random-weight Llama built locally, `kvmesh router` in front for one test, pytest; then pairs
-# of tensor-parallel (TP 2) servers: the tiny Llama, and a random DeepSeek-V2 (MLA); then a pair
-# of random Gemma 3 servers (sliding-window + full attention, vLLM's hybrid KV cache manager).
+# random-weight Llama built locally, `kvmesh router` in front for one test, pytest; then
+# test_pd.py: a prefill and a decode vLLM server behind the router's P/D route (issue 36); then
+# pairs of tensor-parallel (TP 2) servers: the tiny Llama, and a random DeepSeek-V2 (MLA); then a
+# pair of random Gemma 3 servers (sliding-window + full attention, vLLM's hybrid KV cache manager).
 #
 # CI (.ci/run) runs it after scripts/test.sh; on its own:
 #   bash scripts/test-vllm.sh [pytest args]
@@ -69,7 +70,7 @@ trap 'rm -rf "$work"' EXIT
 cd "$work"
 TESTS="$ROOT/python/kvmesh-vllm/tests"
 run_pytest() {
-    timeout 1500 nice -n 10 "$VENV/bin/pytest" -p no:cacheprovider -v -s --rootdir="$work" \
+    timeout 2400 nice -n 10 "$VENV/bin/pytest" -p no:cacheprovider -v -s --rootdir="$work" \
         --basetemp="$work/pytest" "$@"
 }
 set +e
@@ -84,7 +85,8 @@ if [[ "${KVMESH_VLLM_SUITE:-submission}" == nightly ]]; then
     done
 else
     run_pytest "$TESTS/test_stats.py" "$TESTS/test_config.py" "$TESTS/test_groups.py" \
-        "$TESTS/test_e2e.py" "$TESTS/test_tp.py" "$TESTS/test_hma.py" "$@"
+        "$TESTS/test_pd_params.py" "$TESTS/test_e2e.py" "$TESTS/test_pd.py" "$TESTS/test_tp.py" \
+        "$TESTS/test_hma.py" "$@"
     rc=$?
 fi
 set -e

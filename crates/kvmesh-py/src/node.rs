@@ -483,6 +483,7 @@ impl Node {
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
         let st = self.tier.stats();
+        let (retained, handed_off) = self.tier.handoff_counts();
         // `encode` ends with "# EOF"; the tier's gauges go before it.
         if let Some(stripped) = out.strip_suffix("# EOF\n") {
             out.truncate(stripped.len());
@@ -500,6 +501,21 @@ impl Node {
                 "kvmesh_cpu_tier_evicted_blocks_total",
                 "Blocks evicted to make room",
                 st.evicted_blocks,
+            ),
+            (
+                "kvmesh_cpu_tier_retained_blocks_total",
+                "Blocks retained for a P/D reader (prefill leg, or a decoder's history)",
+                retained,
+            ),
+            (
+                "kvmesh_cpu_tier_handed_off_blocks_total",
+                "Retained blocks released by the fetch of the reader they were kept for",
+                handed_off,
+            ),
+            (
+                "kvmesh_cpu_tier_retained_evicted_blocks_total",
+                "Retained blocks evicted under pressure before their retention ended",
+                st.retained_evicted_blocks,
             ),
         ] {
             let kind = if name.ends_with("_total") {
@@ -533,14 +549,15 @@ mod tests {
 
     use super::*;
     use crate::kv_memory::LayerTarget;
+    use crate::tier::Inserted;
 
     fn fp(block_size: usize) -> Fingerprint {
         let hasher = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0"), block_size);
         Fingerprint::new("tiny", "bf16:vllm-cpu:LBHNC", 2, 2, 64, &hasher)
     }
 
-    fn node(fp: Fingerprint, listen: bool, peers: &[&str]) -> Node {
-        Node::start(NodeConfig {
+    fn config(fp: Fingerprint, listen: bool, peers: &[&str]) -> NodeConfig {
+        NodeConfig {
             fingerprint: fp,
             cpu_bytes: 1 << 20,
             listen: listen.then(|| ("127.0.0.1".to_owned(), 0)),
@@ -550,8 +567,11 @@ mod tests {
             timeout: Duration::from_secs(2),
             max_pull: Duration::from_secs(5),
             serve_bytes_per_sec: 0,
-        })
-        .expect("node starts")
+        }
+    }
+
+    fn node(fp: Fingerprint, listen: bool, peers: &[&str]) -> Node {
+        Node::start(config(fp, listen, peers)).expect("node starts")
     }
 
     /// Pulls `hashes` from `127.0.0.1:port` and waits for the pull to end.
@@ -766,6 +786,52 @@ mod tests {
             Some(PullOutcome::Failed {
                 reason: PullReason::NotAllowed
             })
+        );
+    }
+
+    /// A P/D hand-off: blocks retained for a reader are evicted after unretained ones, a read
+    /// by another request leaves them retained, and the reader's own pull releases them.
+    #[test]
+    fn retained_blocks_stay_until_their_reader_pulls_them() {
+        let a = Node::start(NodeConfig {
+            cpu_bytes: 24,
+            ..config(fp(32), true, &[])
+        })
+        .expect("node starts");
+        let port = a.listen_addr().expect("listening").port();
+        let block = |h: u64| Bytes::from(vec![h as u8; 8]);
+        for h in 1..=2u64 {
+            a.tier().insert(BlockHash(h), block(h));
+        }
+        let kept = [BlockHash(1), BlockHash(2)];
+        let ttl = Duration::from_secs(60);
+        assert_eq!(a.tier().retain("prefill-1", &kept, ttl), 2);
+        // Full: the newer, unretained block goes first, though the retained ones are older.
+        a.tier().insert(BlockHash(4), block(4));
+        assert_eq!(a.tier().insert(BlockHash(3), block(3)), Inserted::Stored);
+        assert!(!a.tier().contains(BlockHash(4)));
+        assert!(kept.iter().all(|h| a.tier().contains(*h)));
+
+        let b = node(fp(32), false, &["127.0.0.1"]);
+        let other = pulled(&b, port, "someone-else", &kept, 8);
+        assert_eq!(other.report.outcome, PullOutcome::Complete);
+        assert_eq!(
+            a.tier().handoff_counts(),
+            (2, 0),
+            "another reader releases nothing"
+        );
+        let reader = pulled(&b, port, "prefill-1", &kept, 8);
+        assert_eq!(reader.report.outcome, PullOutcome::Complete);
+        assert_eq!(reader.data.concat(), [[1u8; 8], [2u8; 8]].concat());
+        assert_eq!(a.tier().handoff_counts(), (2, 2));
+        let text = a.metrics_text();
+        assert!(
+            text.contains("kvmesh_cpu_tier_retained_blocks_total 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvmesh_cpu_tier_handed_off_blocks_total 2"),
+            "{text}"
         );
     }
 

@@ -244,6 +244,17 @@ impl PyNode {
         }))
     }
 
+    /// Keeps the leading run of held `hashes` for `ttl_ms` for the P/D reader `request_id`
+    /// (its `remote_request_id`): evicted only after unprotected blocks, released by that
+    /// reader's fetch or at the TTL. Returns how many were retained.
+    fn retain(&self, request_id: &str, hashes_in: Vec<u64>, ttl_ms: u64) -> usize {
+        self.inner.tier().retain(
+            request_id,
+            &hashes(&hashes_in),
+            Duration::from_millis(ttl_ms),
+        )
+    }
+
     /// Copies the leading held blocks of `hashes` into `dest` (writable, GIL released): this
     /// server's own tier serving one of its requests. Returns how many blocks were copied; a
     /// block `dest` has no room for ends the run.

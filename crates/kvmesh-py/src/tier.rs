@@ -5,8 +5,11 @@
 //! event-hash `u64`).
 //!
 //! What this adds around the store: the hashes evicted since vLLM last asked (they become its
-//! `BlockRemoved` events), and the clock (tokio's, so paused-time tests control it). Pins here
-//! are peers' lookup leases only (`Use`); nothing is ever `Pending`.
+//! `BlockRemoved` events), the clock (tokio's, so paused-time tests control it), and P/D
+//! hand-offs: [`NodeTier::retain`] keeps a request's blocks (`Retain` pins, evicted after
+//! unprotected blocks, with a TTL) for the reader named by its `remote_request_id`, and only that
+//! reader's fetch releases them (kvmesh-transfer's [`Handoffs`], as in the kvmesh engine). Other
+//! pins are peers' lookup leases (`Use`); nothing is ever `Pending`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +19,7 @@ use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint};
 use kvmesh_tier::{Block, CpuStore, PinKind};
 pub use kvmesh_tier::{CpuTierStats, Inserted};
-use kvmesh_transfer::{BlockSource, BlockStatus};
+use kvmesh_transfer::{BlockSource, BlockStatus, Handoffs};
 use parking_lot::Mutex;
 
 #[derive(Debug)]
@@ -24,6 +27,9 @@ struct Shared {
     store: CpuStore,
     /// Hashes evicted since the last [`NodeTier::take_removed`].
     removed: Vec<BlockHash>,
+    /// Blocks retained for a P/D reader, and of those released by that reader's fetch.
+    retained_blocks: u64,
+    handed_off_blocks: u64,
 }
 
 /// The node's CPU tier. Cheap to clone (shared state).
@@ -31,6 +37,7 @@ struct Shared {
 pub struct NodeTier {
     fingerprint: Fingerprint,
     inner: Arc<Mutex<Shared>>,
+    handoffs: Arc<Handoffs>,
 }
 
 /// Now, on tokio's clock (paused in tests) as the store's `std` instant.
@@ -45,7 +52,10 @@ impl NodeTier {
             inner: Arc::new(Mutex::new(Shared {
                 store: CpuStore::new(capacity_bytes),
                 removed: Vec::new(),
+                retained_blocks: 0,
+                handed_off_blocks: 0,
             })),
+            handoffs: Arc::default(),
         }
     }
 
@@ -55,8 +65,30 @@ impl NodeTier {
     pub fn insert(&self, hash: BlockHash, payload: Bytes) -> Inserted {
         let block = Block::new(hash, payload);
         let mut g = self.inner.lock();
-        let Shared { store, removed } = &mut *g;
+        let Shared { store, removed, .. } = &mut *g;
         store.insert(block, now(), removed)
+    }
+
+    /// Keeps the leading run of held `hashes` for `ttl` for the P/D reader `request_id` (a
+    /// `Retain` pin each: evicted only after unprotected blocks, released by that reader's
+    /// fetch or at the TTL). Returns how many were retained.
+    pub fn retain(&self, request_id: &str, hashes: &[BlockHash], ttl: Duration) -> usize {
+        let now = now();
+        let until = now + ttl;
+        let n = {
+            let mut g = self.inner.lock();
+            let n = g.store.pin(PinKind::Retain, hashes, until, now);
+            g.retained_blocks += n as u64;
+            n
+        };
+        self.handoffs.record(request_id, &hashes[..n], until);
+        n
+    }
+
+    /// Blocks retained for P/D readers so far, and of those released by their reader's fetch.
+    pub fn handoff_counts(&self) -> (u64, u64) {
+        let g = self.inner.lock();
+        (g.retained_blocks, g.handed_off_blocks)
     }
 
     pub fn contains(&self, hash: BlockHash) -> bool {
@@ -118,6 +150,15 @@ impl BlockSource for NodeTier {
 
     fn unpin(&self, hashes: &[BlockHash]) {
         self.inner.lock().store.unpin(PinKind::Use, hashes, now());
+    }
+
+    fn served(&self, kv_request_id: &str, hash: BlockHash) {
+        // The reader a retention was kept for has its block: release that one retention.
+        if self.handoffs.take(kv_request_id, hash) {
+            let mut g = self.inner.lock();
+            g.store.unpin(PinKind::Retain, &[hash], now());
+            g.handed_off_blocks += 1;
+        }
     }
 
     fn wait_ready(

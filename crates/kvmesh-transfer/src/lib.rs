@@ -22,6 +22,7 @@ pub mod auth;
 pub mod client;
 pub mod connection;
 pub mod frame;
+pub mod handoffs;
 pub mod layers;
 pub mod limits;
 pub mod mac;
@@ -40,6 +41,7 @@ pub use client::{
     AllowList, AllowListError, ClientConfig, DEFAULT_STRIPES, ModelledDuration, PeerAddr,
     PullClass, PullClient,
 };
+pub use handoffs::Handoffs;
 pub use layers::{LayoutError, SegmentLayout, SegmentSink};
 pub use limits::{IpNet, IpNetError};
 pub use mac::Protection;

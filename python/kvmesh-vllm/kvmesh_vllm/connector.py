@@ -45,6 +45,25 @@ KV is identical (MLA's latent on every rank, or KV heads replicated over more ra
 form one shard: its first rank keeps and serves it once, the others keep no tier and read it
 from that rank (theirs over loopback, a peer's from the peer's).
 
+P/D disaggregation (``docs/vllm.md#pd-disaggregation``; the router's ``pd:`` route, the
+dialect of vLLM's NIXL connector with block hashes as ``remote_block_ids``, ``kvmesh_vllm.pd``):
+
+- Prefill leg (``kv_transfer_params.do_remote_decode``): the prompt's full blocks are saved as
+  usual and *retained* in the worker's tier as they are saved (for ``decoder_kv_blocks_ttl``, or
+  until the decoder's pull under this request's id releases them); ``request_finished`` frees
+  vLLM's blocks at once and returns the decoder's params (``do_remote_prefill``, the blocks'
+  event hashes, this server's producer address, ``remote_request_id``, expiry).
+- Decode leg (``do_remote_prefill`` + address): a pull like ``remote_kv_source`` under
+  ``remote_request_id``, of the leading run of ``remote_block_ids`` equal to the request's own
+  block hashes; the last partial block is computed, and a failed pull is a recompute.
+- Bi-directional (``bidirectional_kv_xfer``): a decode leg retains its prompt and output blocks
+  and returns them (``do_remote_decode``) for the next turn's prefill leg, which, given them by
+  the router, reads that history from the decoder's tier (expired params and reads shorter than
+  ``kv_recompute_threshold`` are declined).
+
+Counted as ``kvmesh_pd_*`` on the scheduler's metrics port, ``kvmesh_cpu_tier_retained_*`` and
+``kvmesh_cpu_tier_handed_off_blocks_total`` (with the ``kvmesh_p2p_*`` counters) on the worker's.
+
 Only the adaptation to vLLM lives here; the protocol, tier, checksums, pins, allow-list and
 secret are the Rust crate ``kvmesh-py`` (``kvmesh_vllm._native``) over ``kvmesh-transfer``.
 """
@@ -78,6 +97,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvmesh_vllm import pd
 from kvmesh_vllm.extra_keys import event_extra_keys
 from kvmesh_vllm.groups import SLIDING, GroupLayout
 from kvmesh_vllm.settings import Settings
@@ -121,6 +141,8 @@ class _Save:
     hashes: list[int]
     block_ids: list[int]
     groups: list[int]
+    # A P/D hand-off's blocks: retained in the tier for the reader of this request id.
+    retain_for: str = ""
 
 
 @dataclass
@@ -152,6 +174,27 @@ class _Tracked:
     request: Any
     block_ids: list[list[int]]
     saved: int = 0
+    # A P/D leg whose blocks the worker retains as it saves them (see ``_retain_key``), and
+    # when the first of them was asked (their retention ends a TTL after).
+    retain_for: str = ""
+    retained_at: float | None = None
+
+
+def _kv_source(params: dict[str, Any]) -> tuple[str, int, str, int | None] | None:
+    """llm-d's ``remote_kv_source {kv_request_id, remote_host, remote_port}`` as ``(host, port,
+    kv_request_id, None)``; ``None`` when absent or malformed (logged)."""
+    src = params.get("remote_kv_source")
+    if not isinstance(src, dict):
+        return None
+    host, port = src.get("remote_host"), src.get("remote_port")
+    try:
+        port = int(port)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        logger.warning("kvmesh: malformed remote_kv_source %r: not pulling", src)
+        return None
+    if not isinstance(host, str) or not host:
+        return None
+    return host, port, str(src.get("kv_request_id") or ""), None
 
 
 def _serve_metrics(port: int, texts: Any) -> None:
@@ -315,8 +358,12 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("kvmesh: CPU-tier KV events also published on %s", s.events_endpoint)
         # Per request with external hits: where they come from (vLLM's prompt_tokens_by_source).
         self._hit_source: dict[str, CacheHitSource] = {}
+        # P/D: each request's read, decided once (None: none); the reads whose lookup runs.
+        self._pd = pd.PdCounters()
+        self._pd_decided: dict[str, tuple[str, int, str, int | None] | None] = {}
+        self._pd_reading: dict[str, str] = {}
         if s.metrics_port:
-            _serve_metrics(s.metrics_port, self._node.metrics_text)
+            _serve_metrics(s.metrics_port, lambda: self._node.metrics_text() + self._pd.text())
         logger.info("kvmesh connector (scheduler): fingerprint %s", self._node.fingerprint())
 
     def _want(self, request: "Request", num_computed_tokens: int) -> tuple[int, list[int]]:
@@ -337,20 +384,18 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
             # since the lookup).
             return 0, False
         params = request.kv_transfer_params or {}
-        src = params.get("remote_kv_source")
-        if not isinstance(src, dict):
+        source = self._pd_source(request, params, num_computed_tokens) or _kv_source(params)
+        if source is None:
             return self._local_hits(request, num_computed_tokens)
-        host, port = src.get("remote_host"), src.get("remote_port")
-        try:
-            port = int(port)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            logger.warning("kvmesh: malformed remote_kv_source %r: computing the prefix", src)
-            return 0, False
-        if not isinstance(host, str) or not host:
-            return 0, False
+        host, port, kv_request_id, limit = source
         rid = request.request_id
         start, want = self._want(request, num_computed_tokens)
+        if limit is not None:
+            want = want[:max(0, limit - start)]
         if not want:
+            leg = self._pd_reading.pop(rid, None)
+            if leg is not None:  # this server's own prefix cache holds all the read offered
+                self._pd.read(leg, "nothing_missing")
             return 0, False
         found = self._found.get(rid)
         if found is None:
@@ -358,9 +403,8 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
                 return None, False
             done = self._node.poll_pull(rid)
             if done is None:
-                kv_request_id = str(src.get("kv_request_id") or rid)
-                self._sources[rid] = (host, port, kv_request_id)
-                self._node.start_lookup(rid, host, port, kv_request_id, want)
+                self._sources[rid] = (host, port, kv_request_id or rid)
+                self._node.start_lookup(rid, host, port, kv_request_id or rid, want)
                 self._lookup_start[rid] = start
                 return None, False
             blocks, outcome, reason = done
@@ -368,6 +412,10 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
                 log = logger.warning if outcome == "failed" else logger.info
                 log("kvmesh: lookup of %d blocks on %s:%d for %s: %s, %d held (%s)",
                     len(want), host, port, rid, outcome, blocks, reason)
+            leg = self._pd_reading.pop(rid, None)
+            if leg is not None:
+                self._pd.read(leg, "found" if blocks else f"not_found_{outcome}",
+                              blocks * self._block_size)
             found = (self._lookup_start[rid], blocks)
             self._found[rid] = found
         # Asked again later (e.g. no room to allocate), the local hit may have grown: only the
@@ -381,6 +429,49 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
             self._hit_source[rid] = CacheHitSource.P2P
         # Layer-wise: a synchronous load, run inside the step that computes the suffix.
         return n, n > 0 and self._s.load_mode == "async"
+
+    def _pd_source(self, request: "Request", params: dict[str, Any],
+                   num_computed_tokens: int) -> tuple[str, int, str, int | None] | None:
+        """The P/D read of this request, decided once: a decode leg reads the prompt from the
+        prefiller; a prefill leg given a decoder's history (bi-directional) reads it from the
+        decoder. ``(host, port, kv_request_id, blocks at most)`` or ``None`` (nothing to read,
+        or declined: counted)."""
+        rid = request.request_id
+        if rid not in self._pd_decided:
+            self._pd_decided[rid] = self._pd_decide(request, pd.classify(params),
+                                                    num_computed_tokens)
+        return self._pd_decided[rid]
+
+    def _pd_decide(self, request: "Request", leg: pd.Leg,
+                   num_computed_tokens: int) -> tuple[str, int, str, int | None] | None:
+        if leg.kind == "none" or (leg.kind == "prefill" and leg.read is None):
+            return None
+        name = "decode" if leg.kind == "decode" else "history"
+        read = leg.read
+        if read is None:
+            self._pd.read(name, "no_address")
+            return None
+        if name == "history" and not self._s.bidirectional:
+            self._pd.read(name, "bidirectional_off")
+            return None
+        if read.expired():
+            logger.info("kvmesh: declining expired remote read of %s from %s:%d",
+                        request.request_id, read.host, read.port)
+            self._pd.read(name, "expired")
+            return None
+        bs = self._block_size
+        own = [event_hash(h) for h in request.block_hashes[:(request.num_prompt_tokens - 1) // bs]]
+        n = pd.matched_blocks(read, own, bs)
+        if n == 0:
+            self._pd.read(name, "mismatch")
+            return None
+        # The decoder computes nothing it was handed; a short history is cheaper recomputed.
+        threshold = self._s.kv_recompute_threshold if name == "history" else 0
+        if n * bs - num_computed_tokens < threshold:
+            self._pd.read(name, "below_threshold")
+            return None
+        self._pd_reading[request.request_id] = name
+        return read.host, read.port, read.request_id, n
 
     def _local_hits(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """The run of the prompt's next blocks this server's CPU tier holds, as the worker last
@@ -421,7 +512,8 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids = [list(ids) for ids in blocks.get_block_ids()]
         t = self._tracked.get(rid)
         if t is None:
-            self._tracked[rid] = _Tracked(request=request, block_ids=block_ids)
+            self._tracked[rid] = _Tracked(request=request, block_ids=block_ids,
+                                          retain_for=self._retain_key(request))
         else:
             t.block_ids = block_ids
         if num_external_tokens <= 0:
@@ -487,7 +579,9 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
             tokens = list(req.all_token_ids[i * self._block_size:(i + 1) * self._block_size])
             extra = event_extra_keys(lora_key[1], salt, i)
             self._asked[key] = (bytes(req.block_hashes[i]), parent, tokens, lora_key, extra, g)
-        meta.saves.append(_Save(where.keys, where.block_ids, where.groups))
+        meta.saves.append(_Save(where.keys, where.block_ids, where.groups, t.retain_for))
+        if t.retain_for and t.retained_at is None:
+            t.retained_at = time.time()
         t.saved = full
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -569,14 +663,52 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._tracked.pop(rid, None)
+        t = self._tracked.pop(rid, None)
         self._loaded.discard(rid)
         self._lookup_start.pop(rid, None)
         self._sources.pop(rid, None)
         self._found.pop(rid, None)
         self._hit_source.pop(rid, None)
+        self._pd_decided.pop(rid, None)
+        self._pd_reading.pop(rid, None)
         self._node.forget(rid)
-        return False, None
+        # The blocks stay in the worker's CPU tier (retained there as they were saved), not in
+        # vLLM's: freeing vLLM's blocks at once is safe, the reader pulls from the tier.
+        return False, self._handoff(request, t)
+
+    def _retain_key(self, request: "Request") -> str:
+        """The request id a P/D leg's blocks are retained for ("" for none): every prefill
+        leg's prompt, and with ``bidirectional_kv_xfer`` a decode leg's prompt and output."""
+        kind = pd.classify(request.kv_transfer_params).kind
+        if kind == "prefill" or (kind == "decode" and self._s.bidirectional):
+            return request.request_id
+        return ""
+
+    def _handoff(self, request: "Request", t: _Tracked | None) -> dict[str, Any] | None:
+        """The params a finished P/D leg returns, naming the full blocks the worker retained:
+        a prefill leg's prompt (for the decoder), or a decode leg's prompt and output (the
+        history for the next turn's prefill)."""
+        if t is None or not t.retain_for:
+            return None
+        if not self._s.p2p_port:
+            logger.warning("kvmesh: P/D leg %s: p2p_port is 0 (picked at random by the worker), "
+                           "so no peer can be told where to read; set it", request.request_id)
+            return None
+        prefill = pd.classify(request.kv_transfer_params).kind == "prefill"
+        num_tokens = request.num_prompt_tokens if prefill else request.num_computed_tokens
+        # Only blocks asked of the worker (hence saved and retained); none past the KV computed.
+        n = min(num_tokens // self._block_size, t.saved, len(request.block_hashes))
+        if n == 0:
+            return None
+        role = "prefill" if prefill else "decode"
+        self._pd.handoff(role)
+        return pd.handoff_params(
+            leg=role, host=self._s.advertise_host, port=self._s.p2p_port,
+            request_id=request.request_id,
+            block_ids=[event_hash(h) for h in request.block_hashes[:n]], num_tokens=num_tokens,
+            expiry=(t.retained_at or time.time()) + self._s.kv_blocks_ttl_s,
+            tp_size=self._s.tp_size,
+        )
 
     # ------------------------------------------------------------------ worker side
 
@@ -911,6 +1043,25 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
         step, self._save_step = self._save_step, None
         if not meta.saves or not self._layers or not self._leads_shard:
             return
+        self._store(meta, step)
+        self._retain(meta)
+
+    def _retain(self, meta: KvmeshConnectorMetadata) -> None:
+        """Retains a P/D leg's blocks now, as they are saved: an idle prefiller runs no further
+        step after the request finished, so nothing later could retain them in time."""
+        ttl_ms = int(self._s.kv_blocks_ttl_s * 1000)
+        for sv in meta.saves:
+            if not sv.retain_for:
+                continue
+            n = self._node.retain(sv.retain_for, sv.hashes, ttl_ms)
+            if n < len(sv.hashes):
+                logger.warning("kvmesh: P/D leg %s: %d of %d blocks retained (the rest did not "
+                               "fit in the CPU tier): the reader computes them", sv.retain_for,
+                               n, len(sv.hashes))
+
+    def _store(self, meta: KvmeshConnectorMetadata, step: Any) -> None:
+        """Hands the step's new full blocks to the CPU tier (staged layer by layer, or copied
+        whole now)."""
         if step is not None and step[0] is meta and len(step[4]) == len(self._layers):
             hashes, data = step[1], step[3]
             if not hashes:

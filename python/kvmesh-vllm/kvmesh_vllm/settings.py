@@ -85,7 +85,8 @@ KNOWN_KEYS = {
     "p2p_host", "p2p_port", "cpu_bytes", "allowed_peers", "allowed_consumers",
     "p2p_secret_file", "timeout_ms", "max_pull_ms", "poll_wait_ms", "serve_bytes_per_sec",
     "metrics_port", "model_id", "load_failure_policy", "events_endpoint", "events_topic",
-    "events_replay_endpoint", "local_reuse", "load_mode",
+    "events_replay_endpoint", "local_reuse", "load_mode", "bidirectional_kv_xfer",
+    "decoder_kv_blocks_ttl", "kv_recompute_threshold", "p2p_advertise_host",
 }
 
 LOAD_MODES = ("async", "layerwise")
@@ -155,6 +156,22 @@ class Settings:
         # tensors), so the pull overlaps compute, but a slow pull stalls the whole step, every
         # request in the batch, up to `max_pull_ms`.
         self.load_mode: str = load_mode(extra.get("load_mode", "async"))
+        # P/D (docs/vllm.md#pd-disaggregation). Blocks a prefill leg (or, bi-directional, a
+        # decode leg) hands off stay retained in the CPU tier this long unless their reader
+        # fetched them first; vLLM's NIXL default is 480 s.
+        self.kv_blocks_ttl_s: float = float(extra.get("decoder_kv_blocks_ttl", 480))
+        if not self.kv_blocks_ttl_s > 0:
+            raise ValueError("kvmesh connector: decoder_kv_blocks_ttl must be > 0 seconds")
+        # A decoder also retains prompt + output and hands them to the next turn's prefill
+        # (vLLM's `bidirectional_kv_xfer`); a prefiller reads such history only with it on.
+        self.bidirectional: bool = bool(extra.get("bidirectional_kv_xfer", False))
+        # A history read shorter than this many tokens is computed instead (vLLM's default).
+        self.kv_recompute_threshold: int = int(extra.get("kv_recompute_threshold", 64))
+        # The producer's host as peers reach it, named in the params a P/D leg returns.
+        self.advertise_host: str = str(extra.get("p2p_advertise_host") or self.p2p_host)
+        if self.advertise_host in ("0.0.0.0", "::", "[::]"):
+            logger.warning("kvmesh connector: p2p_host %s is a wildcard: P/D legs would name "
+                           "it to their peers; set p2p_advertise_host", self.advertise_host)
         remote = [p for p in self.allowed_peers if not p.startswith(_LOOPBACK)]
         if self.p2p_host.startswith(_LOOPBACK) and remote:
             logger.warning(

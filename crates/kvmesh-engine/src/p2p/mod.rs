@@ -9,13 +9,12 @@
 //! | `inflight` | pulls in flight: one pull per prefix, a prefetch promoted when a request joins it |
 //! | `landing` | the sink that verifies each arriving block and lands it in the CPU tier |
 //! | `hook` | [`P2pHook`], every server's default request hook ([`crate::request_hook`]) |
-//! | `handoffs` | which P/D reader each retained block is kept for (shared by the P/D hook and the producer) |
+//! | `Handoffs` (kvmesh-transfer) | which P/D reader each retained block is kept for (shared by the P/D hook and the producer) |
 //!
 //! A pull never fails a request: whatever did not arrive is computed.
 
 mod consumer;
 mod error;
-mod handoffs;
 mod hook;
 mod inflight;
 mod landing;
@@ -24,8 +23,9 @@ mod remote_read;
 
 pub use consumer::{P2pConsumer, release_pulled};
 pub use error::P2pConfigError;
-pub use handoffs::Handoffs;
+// The P/D hand-off ledger lives with the transfer protocol (the vLLM connector's tier uses it too).
 pub use hook::P2pHook;
+pub use kvmesh_transfer::Handoffs;
 pub use producer::{P2pProducer, start_producer};
 pub(crate) use remote_read::unix_now;
 pub use remote_read::{PrefixPull, ReadOptions, ReadOutcome, RemoteRead};

@@ -14,12 +14,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use kvmesh_core::{BlockHash, Fingerprint};
-use kvmesh_transfer::{BindError, BlockSource, BlockStatus, ProducerServer, ServerConfig};
+use kvmesh_transfer::{
+    BindError, BlockSource, BlockStatus, Handoffs, ProducerServer, ServerConfig,
+};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::error::P2pConfigError;
-use super::handoffs::Handoffs;
 use crate::cpu_tier::{CpuTier, PinKind};
 use crate::engine::EngineHandle;
 

@@ -1,5 +1,6 @@
 //! The P/D hand-off ledger: which reader (`remote_request_id`) each retained block was kept for,
-//! shared by the P/D hook that retains blocks and the producer that serves them, so that only
+//! shared by what retains blocks (the kvmesh engine's P/D hook, the vLLM connector's worker) and
+//! the `BlockSource` the producer serves them from (its `served`), so that only
 //! that reader's fetch releases the retention: any other peer reading the same block leaves it
 //! held (before, any client's read freed blocks kept for a decoder).
 
