@@ -73,6 +73,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -178,6 +179,12 @@ class _Tracked:
     # when the first of them was asked (their retention ends a TTL after).
     retain_for: str = ""
     retained_at: float | None = None
+
+
+def _hash_at(request: Any) -> Callable[[int], int]:
+    """Position p's event hash of ``request``, computed when asked (a save or load reads only
+    its own range, not the prompt's every block)."""
+    return lambda p: event_hash(request.block_hashes[p])
 
 
 def _kv_source(params: dict[str, Any]) -> tuple[str, int, str, int | None] | None:
@@ -486,9 +493,11 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
             k += 1
         if self._groups.hybrid:
             # The hit must end where every sliding group holds its window too.
-            hashes = [event_hash(h) for h in request.block_hashes[:start + k]]
+            def hash_at(p: int) -> int:
+                return want[p - start]
+
             while k > 0 and any(key not in self._held
-                                for key in self._groups.window_keys(hashes, start + k, start)):
+                                for key in self._groups.window_keys(hash_at, start + k, start)):
                 k -= 1
         rid = request.request_id
         self._lookup_start[rid] = start
@@ -520,10 +529,9 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
             return
         start = self._lookup_start.get(rid, 0)
         end = start + num_external_tokens // self._block_size
-        hashes = [event_hash(h) for h in request.block_hashes[:end]]
         # Every group's non-null blocks in the range: vLLM allocated a sliding group's window
         # before the hit's end only.
-        where = self._groups.placements(hashes, block_ids, start, end)
+        where = self._groups.placements(_hash_at(request), block_ids, start, end)
         source = self._sources.get(rid)
         if source is not None:
             self._loads.append(_Load(rid, where.keys, where.block_ids, where.groups, *source))
@@ -568,10 +576,9 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
         lora = getattr(req, "lora_request", None)
         lora_key = (lora.lora_int_id, lora.lora_name) if lora is not None else (None, None)
         salt = getattr(req, "cache_salt", None)
-        hashes = [event_hash(h) for h in req.block_hashes[:full]]
         # Every group's blocks computed by now; a sliding group's out-of-window ones are
         # valid in this step only (vLLM frees them at the next), and this step saves them.
-        where = self._groups.placements(hashes, t.block_ids, t.saved, full)
+        where = self._groups.placements(_hash_at(req), t.block_ids, t.saved, full)
         for key, g, i in zip(where.keys, where.groups, where.positions, strict=True):
             if key in self._held:
                 continue
@@ -832,8 +839,7 @@ class KvmeshConnector(KVConnectorBase_V1, SupportsHMA):
                 off, nbytes = self._layer_bytes[layer]
                 idx = torch.tensor(ids, dtype=torch.long, device=kv.device)
                 sel = kv.index_select(d, idx).movedim(d, 0).reshape(len(ids), -1)
-                sel = sel.view(torch.uint8).cpu() if kv.device.type != "cpu" else sel.view(
-                    torch.uint8)
+                sel = sel.view(torch.uint8).cpu()  # no copy when already on the CPU
                 if rows is None:
                     out[:, off:off + nbytes].copy_(sel)
                 else:

@@ -17,6 +17,7 @@ import.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,24 +114,24 @@ class GroupLayout:
             return 0
         return -(-(g.window - 1) // self.block_size)
 
-    def placements(self, hashes: list[int], ids_by_group: list[list[int]], lo: int,
+    def placements(self, hash_at: Callable[[int], int], ids_by_group: list[list[int]], lo: int,
                    hi: int) -> Placement:
-        """Every non-null block of positions ``lo … hi - 1`` (``hashes[p]`` is position p's
-        event hash) in every group, primary group first: what a load of that range fills and
-        what a save of it keeps."""
+        """Every non-null block of positions ``lo … hi - 1`` (``hash_at(p)`` is position p's
+        event hash, asked only for those positions) in every group, primary group first: what
+        a load of that range fills and what a save of it keeps."""
         keys, ids, groups, positions = [], [], [], []
         order = [self.primary] + [g for g in range(len(self.groups)) if g != self.primary]
         for g in order:
             table = ids_by_group[g] if g < len(ids_by_group) else []
-            for p in range(lo, min(hi, len(table), len(hashes))):
+            for p in range(lo, min(hi, len(table))):
                 if table[p] != 0:
-                    keys.append(self.key(hashes[p], g))
+                    keys.append(self.key(hash_at(p), g))
                     ids.append(table[p])
                     groups.append(g)
                     positions.append(p)
         return Placement(keys, ids, groups, positions)
 
-    def window_keys(self, hashes: list[int], end: int, lo: int) -> list[int]:
+    def window_keys(self, hash_at: Callable[[int], int], end: int, lo: int) -> list[int]:
         """The non-primary keys a hit ending before block ``end`` needs at positions ≥ ``lo``
         (below ``lo`` the request's own local hit provides them)."""
         keys = []
@@ -138,5 +139,5 @@ class GroupLayout:
             if g == self.primary:
                 continue
             first = lo if group.kind == FULL else max(lo, end - self.need(g))
-            keys.extend(self.key(hashes[p], g) for p in range(first, end))
+            keys.extend(self.key(hash_at(p), g) for p in range(first, end))
         return keys

@@ -46,9 +46,9 @@ def test_a_state_space_hit_needs_the_state_at_its_last_block():
     layout = GroupLayout.from_kv_cache_config(cfg, 544)
     assert layout.signature() == "m,m,m,f" and layout.primary == 3
     # vLLM's tables for a fake hit of 2 blocks (notes §3): one state block per mamba group.
-    where = layout.placements([7, 8], [[0, 1], [0, 2], [0, 3], [4, 5]], 0, 2)
+    where = layout.placements([7, 8].__getitem__, [[0, 1], [0, 2], [0, 3], [4, 5]], 0, 2)
     assert where.block_ids == [4, 5, 1, 2, 3] and where.positions == [0, 1, 1, 1, 1]
-    assert layout.window_keys([7, 8], 2, 0) == [layout.key(8, g) for g in range(3)]
+    assert layout.window_keys([7, 8].__getitem__, 2, 0) == [layout.key(8, g) for g in range(3)]
 
 
 def test_kinds_it_cannot_move_are_refused_with_a_clear_error():
@@ -71,7 +71,7 @@ def test_a_load_fills_every_full_block_and_the_sliding_groups_last_window():
     tables = [[0, 0, 0, 0, 0, 0, 0, 1, 2], [0, 0, 0, 0, 0, 0, 0, 3, 4],
               [5, 6, 7, 8, 9, 10, 11, 12, 13]]
     hashes = list(range(100, 109))
-    where = GEMMA3.placements(hashes, tables, 0, 9)
+    where = GEMMA3.placements(hashes.__getitem__, tables, 0, 9)
     assert where.block_ids == [5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2, 3, 4]
     assert where.groups == [2] * 9 + [0, 0, 1, 1]
     assert where.positions == list(range(9)) + [7, 8, 7, 8]
@@ -82,14 +82,15 @@ def test_a_load_fills_every_full_block_and_the_sliding_groups_last_window():
 def test_a_hit_after_a_local_one_loads_only_past_it():
     # Local hit of 9 blocks, external 6 (positions 9-14): the sliding window before block 15.
     tables = [[0] * 13 + [16, 15], [0] * 13 + [18, 17], list(range(5, 14)) + list(range(18, 24))]
-    where = GEMMA3.placements(list(range(15)), tables, 9, 15)
+    where = GEMMA3.placements(list(range(15)).__getitem__, tables, 9, 15)
     assert where.block_ids == list(range(18, 24)) + [16, 15, 18, 17]
     assert where.positions == list(range(9, 15)) + [13, 14, 13, 14]
 
 
 def test_a_hit_needs_each_sliding_groups_window_before_its_end():
     hashes = list(range(200, 210))
-    keys = GEMMA3.window_keys(hashes, 9, 0)
+    keys = GEMMA3.window_keys(hashes.__getitem__, 9, 0)
     assert keys == [GEMMA3.key(h, g) for g in (0, 1) for h in (207, 208)]
     # Below the local hit's end the request's own blocks provide the window.
-    assert GEMMA3.window_keys(hashes, 9, 8) == [GEMMA3.key(208, 0), GEMMA3.key(208, 1)]
+    want = [GEMMA3.key(208, 0), GEMMA3.key(208, 1)]
+    assert GEMMA3.window_keys(hashes.__getitem__, 9, 8) == want
